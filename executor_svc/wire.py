@@ -1,0 +1,66 @@
+"""Conversions between the Executor protobuf messages and executor_svc.step's dataclasses."""
+from __future__ import annotations
+
+from protos import executor_pb2
+from executor_svc.step import (CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step,
+                               StepOutput)
+
+
+def _pairs(pairs) -> list[tuple[int, int]]:
+    return [(p.src, p.dst) for p in pairs]
+
+
+def _sampling(s: executor_pb2.SamplingOptions) -> SamplingOptions:
+    return SamplingOptions(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                           min_p=s.min_p, seed=s.seed)
+
+
+def step_from_proto(plan: executor_pb2.StepPlan) -> Step:
+    return Step(
+        step_id=plan.step_id,
+        swap_out=_pairs(plan.swap_out),
+        swap_in=_pairs(plan.swap_in),
+        copy=_pairs(plan.copy),
+        new_seqs=[
+            NewSeq(seq_id=s.seq_id, token_ids=list(s.token_ids), block_table=list(s.block_table),
+                   num_computed_tokens=s.num_computed_tokens,
+                   num_scheduled_tokens=s.num_scheduled_tokens, sampling=_sampling(s.sampling))
+            for s in plan.new_seqs
+        ],
+        cached_seqs=[
+            CachedSeq(seq_id=s.seq_id, num_scheduled_tokens=s.num_scheduled_tokens,
+                      num_computed_tokens=s.num_computed_tokens,
+                      new_block_ids=list(s.new_block_ids))
+            for s in plan.cached_seqs
+        ],
+        finished_seq_ids=list(plan.finished_seq_ids),
+        preempted_seq_ids=list(plan.preempted_seq_ids),
+    )
+
+
+def output_to_proto(out: StepOutput, executed_steps: int) -> executor_pb2.StepResult:
+    return executor_pb2.StepResult(
+        step_id=out.step_id,
+        sampled=[executor_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+                 for t in out.sampled],
+        forward_ms=out.forward_ms,
+        step_ms=out.step_ms,
+        executed_steps=executed_steps,
+    )
+
+
+def info_to_proto(info: ExecutorInfo, instance_id: int) -> executor_pb2.DescribeResponse:
+    return executor_pb2.DescribeResponse(
+        model_name=info.model_name,
+        fingerprint=info.fingerprint,
+        dtype=info.dtype,
+        block_size=info.block_size,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        tokenizer=info.tokenizer,
+        backend=info.backend,
+        instance_id=instance_id,
+        features=list(info.features),
+    )

@@ -1,0 +1,153 @@
+"""Torch reference twins of the CUDA kernels: same signatures, same KV layout.
+
+The CPU backend runs on these; GPU tests hold the CuPy kernels to them. Imports torch only.
+
+KV cache layout (shared with the CUDA kernels):
+  whole cache, one tensor for K and one for V: [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+  one layer's view (what attention and cache writes take): [num_blocks, num_kv_heads, block_size, head_dim]
+One (page, KV head) slice is contiguous, and one page of one layer is one contiguous chunk.
+A slot is `block_id * block_size + offset_in_block`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K and V rows into their cache slots.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer)
+    slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset
+    """
+    block_size = k_cache.shape[2]
+    slots = slot_mapping.long()
+    block_ids = slots // block_size
+    offsets = slots % block_size
+    # Advanced indexing on dims 0 and 2 puts the token dim first: [num_tokens, num_kv_heads, head_dim].
+    k_cache[block_ids, :, offsets] = key.to(k_cache.dtype)
+    v_cache[block_ids, :, offsets] = value.to(v_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """One sequence's first `seq_len` cached rows: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    pages = cache[block_table[:num_blocks].long()]  # [nb, kv_heads, block_size, head_dim]
+    rows = pages.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])
+    return rows[:seq_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last q_len positions of a context of len(k) rows.
+
+    q: [q_len, num_heads, head_dim]; k, v: [ctx_len, num_kv_heads, head_dim] -> [q_len, num_heads, head_dim]
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_len, num_heads, _ = q.shape
+    ctx_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qf = q.to(compute).transpose(0, 1)  # [heads, q_len, hd]
+    kf = k.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, ctx, hd]
+    vf = v.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [heads, q_len, ctx]
+    q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
+    k_pos = torch.arange(ctx_len).unsqueeze(0)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1)  # [q_len, heads, hd]
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new query tokens over everything cached for their sequence.
+
+    q: [total_q_tokens, num_heads, head_dim], sequences packed back to back
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer, the new
+        tokens' K/V already written)
+    block_tables: [num_seqs, max_blocks_per_seq] int32 (entries past a sequence's pages unused)
+    cu_seqlens_q: [num_seqs + 1] int32, query offsets into q
+    seq_lens: [num_seqs] int32, context length per sequence including its new tokens; query i of
+        a sequence with q_len new tokens sits at position seq_len - q_len + i
+    returns out: [total_q_tokens, num_heads, head_dim] in q's dtype
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        qs = q[starts[i] : starts[i + 1]]
+        if qs.shape[0] == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[i], seq_len)
+        v = gather_kv(v_cache, block_tables[i], seq_len)
+        out[starts[i] : starts[i + 1]] = _attend(qs, k, v, scale).to(out.dtype)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (the last position) over its pages.
+
+    q: [num_seqs, num_heads, head_dim]; seq_lens: [num_seqs] int32 including the new token;
+    other arguments as paged_prefill_attention. returns out: [num_seqs, num_heads, head_dim]
+    """
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+
+
+def _check_mapping(block_mapping: torch.Tensor) -> torch.Tensor:
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [n, 2], got {tuple(block_mapping.shape)}")
+    return block_mapping.to(device="cpu", dtype=torch.long)
+
+
+def swap_blocks(
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    block_mapping: torch.Tensor,
+) -> None:
+    """Copy whole pages between two caches (GPU <-> CPU swap space), all layers, K and V.
+
+    src_*, dst_*: [num_layers, num_blocks, num_kv_heads, block_size, head_dim] (block counts may differ)
+    block_mapping: [n, 2] int64 pairs (src_block, dst_block)
+    """
+    mapping = _check_mapping(block_mapping)
+    if mapping.shape[0] == 0:
+        return
+    src, dst = mapping[:, 0], mapping[:, 1]
+    dst_k[:, dst.to(dst_k.device)] = src_k[:, src.to(src_k.device)].to(dst_k.device)
+    dst_v[:, dst.to(dst_v.device)] = src_v[:, src.to(src_v.device)].to(dst_v.device)
+
+
+def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy pages within one cache (copy-on-write), all layers, K and V.
+
+    k_cache, v_cache: [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+    block_mapping: [n, 2] int64 pairs (src_block, dst_block); no block is both a source and a destination
+    """
+    swap_blocks(k_cache, v_cache, k_cache, v_cache, block_mapping)

@@ -1,0 +1,135 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("model_name", "fingerprint", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "tokenizer", "backend", "instance_id", "features")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    fingerprint: str
+    dtype: str
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    vocab_size: int
+    tokenizer: str
+    backend: str
+    instance_id: int
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., backend: _Optional[str] = ..., instance_id: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BlockPair(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "has_seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    has_seed: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+
+class NewSeq(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: SamplingOptions
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ...) -> None: ...
+
+class CachedSeq(_message.Message):
+    __slots__ = ("seq_id", "num_scheduled_tokens", "num_computed_tokens", "new_block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "swap_out", "swap_in", "copy", "new_seqs", "cached_seqs", "finished_seq_ids", "preempted_seq_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    copy: _containers.RepeatedCompositeFieldContainer[BlockPair]
+    new_seqs: _containers.RepeatedCompositeFieldContainer[NewSeq]
+    cached_seqs: _containers.RepeatedCompositeFieldContainer[CachedSeq]
+    finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    preempted_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., cached_seqs: _Optional[_Iterable[_Union[CachedSeq, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("seq_id", "token_id", "logprob")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_id: int
+    logprob: float
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "sampled", "forward_ms", "step_ms", "executed_steps")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    forward_ms: float
+    step_ms: float
+    executed_steps: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., executed_steps: _Optional[int] = ...) -> None: ...

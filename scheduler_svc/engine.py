@@ -1,0 +1,222 @@
+"""The scheduler service's engine: requests in, one step plan per step out to the executor,
+sampled tokens back to each request's stream (detokenized, stop strings applied).
+
+Owns the Scheduler, the tokenizer and the per-request output queues. Plain asyncio; no gRPC types.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
+from scheduler_svc.plan import SeqUpdate
+from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, TokenEvent,
+                                   resolve_prompt, validate_params)
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.stop_strings import StopStringMatcher
+from scheduler_svc.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at --max-waiting; mapped to RESOURCE_EXHAUSTED."""
+
+
+class NoExecutor(Exception):
+    """No executor has been reachable for longer than the grace period; mapped to UNAVAILABLE."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_waiting: int = 4096
+    unavailable_grace_s: float = 30.0
+
+
+class _RequestState:
+    """One request's output side: its queue, detokenizer and stop-string matcher."""
+
+    def __init__(self, seq: Sequence, tokenizer, stop: tuple[str, ...]) -> None:
+        self.seq = seq
+        self.queue: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
+                            if tokenizer is not None else None)
+        self.stopper = StopStringMatcher(stop) if stop else None
+        self.first_token_time: float | None = None
+        self.finished = False
+
+    def text_for(self, token_id: int) -> tuple[str, bool]:
+        """The text delta this token releases, and whether a stop string matched."""
+        text = self.detokenizer.step(token_id) if self.detokenizer else ""
+        if self.stopper is None:
+            return text, False
+        return self.stopper.feed(text)
+
+    def flush(self) -> str:
+        text = self.detokenizer.flush() if self.detokenizer else ""
+        if self.stopper is None:
+            return text
+        emitted, matched = self.stopper.feed(text)
+        return emitted if matched else emitted + self.stopper.flush()
+
+
+class Engine:
+    """Continuous batching over one executor link, with resync when the executor is lost."""
+
+    def __init__(self, config: EngineConfig, client: ExecutorClient) -> None:
+        self.config = config
+        self.client = client
+        self.scheduler: Scheduler | None = None
+        self.tokenizer = None
+        self.limits: ModelLimits | None = None
+        self._tokenizer_source: str | None = None
+        self._requests: dict[int, _RequestState] = {}
+        self._seq_ids = itertools.count(1)
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_resyncs = 0
+        self.num_steps = 0
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Attaches the first executor, then runs the step loop in the background."""
+        await self._attach(await self.client.connect())
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.client.close()
+
+    async def _attach(self, description) -> None:
+        """Sizes the block pools from Describe's answer (never from a guess) and loads the tokenizer."""
+        if description.tokenizer != self._tokenizer_source:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, description.tokenizer)
+            self._tokenizer_source = description.tokenizer
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.limits = ModelLimits(description.vocab_size, description.max_model_len, eos)
+        block_manager = BlockManager(description.block_size, description.num_gpu_blocks,
+                                     description.num_cpu_blocks)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.config.scheduler, block_manager)
+        else:
+            self.scheduler.reset_executor()
+            self.scheduler.block_manager = block_manager
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def _admit(self, spec: GenerateSpec) -> _RequestState:
+        """Validates and queues one request; raises InvalidArgument, QueueFull or NoExecutor."""
+        lost_since = self.client.disconnected_since
+        if lost_since is not None and time.monotonic() - lost_since > self.config.unavailable_grace_s:
+            raise NoExecutor("no executor reachable for "
+                             f"{time.monotonic() - lost_since:.0f}s")
+        prompt_ids = resolve_prompt(spec, self.tokenizer, self.limits)
+        validate_params(spec, self.limits)
+        if spec.stopping.stop and self.tokenizer is None:
+            raise InvalidArgument("stop", "this model has no tokenizer; use stop_token_ids")
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting")
+        seq = Sequence(next(self._seq_ids), prompt_ids, spec.sampling, spec.stopping,
+                       self.limits.eos_token_id, self.limits.max_model_len)
+        if seq.seed is None:
+            seq.seed = random.getrandbits(63)  # fixed now, so a recompute samples the same tokens
+        if not self.scheduler.can_ever_fit(seq.num_prompt_tokens + seq.max_tokens):
+            raise InvalidArgument(
+                "max_tokens", f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens "
+                f"({seq.max_tokens}) can never fit in the KV cache")
+        state = _RequestState(seq, self.tokenizer, spec.stopping.stop)
+        self._requests[seq.seq_id] = state
+        self.scheduler.add_seq(seq)
+        self._wakeup.set()
+        return state
+
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """Token events, then one FinishEvent. Leaving early (cancel, disconnect) aborts the request."""
+        state = self._admit(spec)
+        try:
+            while True:
+                event = await state.queue.get()
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+        finally:
+            if not state.finished:
+                self._abort(state)
+
+    def _abort(self, state: _RequestState) -> None:
+        state.finished = True
+        self._requests.pop(state.seq.seq_id, None)
+        self.scheduler.abort_seq(state.seq.seq_id)
+        self._wakeup.set()
+
+    def abort_all(self, reason: FinishReason = FinishReason.ABORTED) -> None:
+        """Ends every request now (shutdown): each stream gets its FinishEvent."""
+        for state in list(self._requests.values()):
+            self.scheduler.abort_seq(state.seq.seq_id)
+            self._finish(state, reason)
+        self._wakeup.set()
+
+    # --- the step loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self.scheduler.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                sampled = await self.client.execute(plan)
+            except ExecutorLost:
+                await self._resync()
+                continue
+            self.num_steps += 1
+            for update in self.scheduler.update_from_output(plan, sampled):
+                self._emit(update)
+
+    async def _resync(self) -> None:
+        """Frees everything mapped on the lost executor; every unfinished sequence is recomputed."""
+        self.num_resyncs += 1
+        self.scheduler.reset_executor()
+        await self._attach(await self.client.connect())
+
+    def _emit(self, update: SeqUpdate) -> None:
+        state = self._requests.get(update.seq.seq_id)
+        if state is None:  # aborted while its step was in flight
+            return
+        if state.first_token_time is None:
+            state.first_token_time = time.monotonic()
+        text, matched = state.text_for(update.token_id)
+        index = update.seq.num_output_tokens - 1
+        state.queue.put_nowait(TokenEvent(update.token_id, text, index))
+        if matched:
+            self.scheduler.finish_seq(update.seq.seq_id, FinishReason.STOP_STRING)
+            self._finish(state, FinishReason.STOP_STRING, tail="")
+        elif update.finish_reason is not None:
+            self._finish(state, update.finish_reason)
+
+    def _finish(self, state: _RequestState, reason: FinishReason, tail: str | None = None) -> None:
+        if tail is None:
+            tail = state.flush()
+        state.finished = True
+        self._requests.pop(state.seq.seq_id, None)
+        seq = state.seq
+        state.queue.put_nowait(FinishEvent(reason, seq.num_prompt_tokens, seq.num_output_tokens, tail))

@@ -1,0 +1,104 @@
+"""Entry point of the scheduler service (`pagedserve-scheduler`): flags and environment -> config,
+then attach an executor and serve the public API. The only place the scheduler reads its environment.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import EngineConfig
+
+log = logging.getLogger("scheduler_svc")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    host: str
+    port: int
+    executor_addresses: tuple[str, ...]
+    engine: EngineConfig
+    step_timeout_s: float
+    shutdown_timeout_s: float
+    log_level: str
+
+
+def _env(name: str, default):
+    return os.environ.get(f"PAGEDSERVE_SCHEDULER_{name}", default)
+
+
+def parse_config(argv: list[str] | None = None) -> ServiceConfig:
+    p = argparse.ArgumentParser(prog="pagedserve-scheduler", description=__doc__)
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("PORT", 50051)))
+    p.add_argument("--executor", default=_env("EXECUTOR", "127.0.0.1:50052"),
+                   help="executor address(es), comma separated, tried in order")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048)))
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 256)))
+    p.add_argument("--preemption-mode", default=_env("PREEMPTION_MODE", "swap"),
+                   choices=["swap", "recompute"])
+    p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", 4096)))
+    p.add_argument("--step-timeout", type=float, default=float(_env("STEP_TIMEOUT", 60.0)),
+                   help="seconds without a step result before the executor counts as hung")
+    p.add_argument("--unavailable-grace", type=float,
+                   default=float(_env("UNAVAILABLE_GRACE", 30.0)),
+                   help="seconds without any executor before Generate answers UNAVAILABLE")
+    p.add_argument("--shutdown-timeout", type=float, default=float(_env("SHUTDOWN_TIMEOUT", 30.0)))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
+                                max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode)
+    return ServiceConfig(
+        host=a.host, port=a.port,
+        executor_addresses=tuple(x.strip() for x in a.executor.split(",") if x.strip()),
+        engine=EngineConfig(scheduler=scheduler, max_waiting=a.max_waiting,
+                            unavailable_grace_s=a.unavailable_grace),
+        step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
+        log_level=a.log_level)
+
+
+async def serve(config: ServiceConfig) -> None:
+    from grpc_health.v1 import health_pb2
+
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.executor_client import ExecutorClient
+    from scheduler_svc.server import SERVICE_NAME, build_server
+
+    client = ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s)
+    engine = Engine(config.engine, client)
+    server, health, port = build_server(engine, f"{config.host}:{config.port}")
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("scheduler listening on %s:%d; waiting for an executor at %s", config.host, port,
+             ", ".join(config.executor_addresses))
+    await engine.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("scheduler ready: serving %s", client.description.model_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=config.shutdown_timeout_s)
+    await engine.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
+    logging.basicConfig(level=config.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

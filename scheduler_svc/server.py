@@ -1,0 +1,90 @@
+"""The public gRPC service: Generate (server streaming) and ModelInfo, plus health and reflection.
+
+Thin servicers: message in, one engine call, messages out. Domain errors become status codes in
+`_status_for` alone.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from protos import generate_pb2, generate_pb2_grpc
+from scheduler_svc import wire
+from scheduler_svc.engine import Engine, NoExecutor, QueueFull
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.request import FinishEvent
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NoExecutor: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def _status_for(err: Exception) -> grpc.StatusCode | None:
+    for kind, code in _STATUS.items():
+        if isinstance(err, kind):
+            return code
+    return None
+
+
+class GeneratorServicer(generate_pb2_grpc.GeneratorServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request, context):
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            spec = wire.spec_from_proto(request)
+            async for event in self.engine.generate(spec):
+                if isinstance(event, FinishEvent):
+                    yield wire.finish_to_proto(event, request_id)
+                else:
+                    yield wire.token_to_proto(event, request_id)
+        except Exception as err:  # noqa: BLE001 - mapped or re-raised below
+            code = _status_for(err)
+            if code is None:
+                raise
+            await context.abort(code, str(err))
+
+    async def ModelInfo(self, request, context):
+        d = self.engine.client.description
+        return generate_pb2.ModelInfoResponse(
+            model_name=d.model_name,
+            fingerprint=d.fingerprint,
+            max_model_len=d.max_model_len,
+            vocab_size=d.vocab_size,
+            eos_token_id=self.engine.limits.eos_token_id or 0,
+            dtype=d.dtype,
+            block_size=d.block_size,
+            num_gpu_blocks=d.num_gpu_blocks,
+            num_cpu_blocks=d.num_cpu_blocks,
+        )
+
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
+
+
+def build_server(engine: Engine, address: str, max_message_bytes: int = 64 * 1024 * 1024):
+    """A grpc.aio server with the Generator, health and reflection services; returns (server, health)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ])
+    generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    return server, health, port

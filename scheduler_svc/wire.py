@@ -1,0 +1,151 @@
+"""Conversions between protobuf messages and scheduler_svc's plain-Python types.
+
+The only scheduler module besides the servicers and the executor client that touches generated code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos import executor_pb2, generate_pb2
+from scheduler_svc.plan import StepPlan
+from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.sequence import FinishReason
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP_TOKEN: generate_pb2.FINISH_REASON_STOP_TOKEN,
+    FinishReason.STOP_STRING: generate_pb2.FINISH_REASON_STOP_STRING,
+    FinishReason.ABORTED: generate_pb2.FINISH_REASON_ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class ExecutorDescription:
+    """Describe's answer, in plain Python."""
+
+    model_name: str
+    fingerprint: str
+    dtype: str
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    vocab_size: int
+    tokenizer: str
+    backend: str
+    instance_id: int
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+def spec_from_proto(req: generate_pb2.GenerateRequest) -> GenerateSpec:
+    """The request as a GenerateSpec; range checks happen later, against the model."""
+    which = req.WhichOneof("prompt")
+    s, st = req.sampling, req.stopping
+    sampling = SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.top_k != 0 else -1,
+        min_p=s.min_p,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+    stopping = StoppingParams(
+        max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
+        min_tokens=st.min_tokens,
+        stop=tuple(st.stop),
+        stop_token_ids=tuple(st.stop_token_ids),
+        ignore_eos=st.ignore_eos,
+    )
+    return GenerateSpec(
+        prompt_text=req.text if which == "text" else None,
+        prompt_token_ids=list(req.token_ids.ids) if which == "token_ids" else None,
+        chat=[{"role": m.role, "content": m.content} for m in req.chat.messages]
+        if which == "chat" else None,
+        sampling=sampling,
+        stopping=stopping,
+        request_id=req.request_id,
+    )
+
+
+def token_to_proto(event: TokenEvent, request_id: str) -> generate_pb2.GenerateResponse:
+    return generate_pb2.GenerateResponse(
+        token_id=event.token_id, text=event.text, index=event.index, request_id=request_id)
+
+
+def finish_to_proto(event: FinishEvent, request_id: str) -> generate_pb2.GenerateResponse:
+    return generate_pb2.GenerateResponse(
+        text=event.text,
+        finished=True,
+        finish_reason=_FINISH_REASONS[event.reason],
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        request_id=request_id,
+    )
+
+
+# --- executor protocol --------------------------------------------------------------------------
+
+def _pairs(pairs: list[tuple[int, int]]) -> list[executor_pb2.BlockPair]:
+    return [executor_pb2.BlockPair(src=src, dst=dst) for src, dst in pairs]
+
+
+def plan_to_proto(plan: StepPlan) -> executor_pb2.StepPlan:
+    new_seqs = [
+        executor_pb2.NewSeq(
+            seq_id=s.seq_id,
+            token_ids=s.token_ids,
+            block_table=s.block_table,
+            num_computed_tokens=s.num_computed_tokens,
+            num_scheduled_tokens=s.num_scheduled_tokens,
+            sampling=executor_pb2.SamplingOptions(
+                temperature=s.sampling.temperature,
+                top_p=s.sampling.top_p,
+                top_k=s.sampling.top_k,
+                min_p=s.sampling.min_p,
+                seed=s.seed,
+                has_seed=True,
+            ),
+        )
+        for s in plan.new_seqs
+    ]
+    cached_seqs = [
+        executor_pb2.CachedSeq(
+            seq_id=s.seq_id,
+            num_scheduled_tokens=s.num_scheduled_tokens,
+            num_computed_tokens=s.num_computed_tokens,
+            new_block_ids=s.new_block_ids,
+        )
+        for s in plan.cached_seqs
+    ]
+    return executor_pb2.StepPlan(
+        step_id=plan.step_id,
+        swap_out=_pairs(plan.swap_out),
+        swap_in=_pairs(plan.swap_in),
+        copy=_pairs(plan.copy),
+        new_seqs=new_seqs,
+        cached_seqs=cached_seqs,
+        finished_seq_ids=plan.finished_seq_ids,
+        preempted_seq_ids=plan.preempted_seq_ids,
+    )
+
+
+def sampled_from_proto(result: executor_pb2.StepResult) -> dict[int, int]:
+    return {t.seq_id: t.token_id for t in result.sampled}
+
+
+def description_from_proto(d: executor_pb2.DescribeResponse) -> ExecutorDescription:
+    return ExecutorDescription(
+        model_name=d.model_name,
+        fingerprint=d.fingerprint,
+        dtype=d.dtype,
+        block_size=d.block_size,
+        num_gpu_blocks=d.num_gpu_blocks,
+        num_cpu_blocks=d.num_cpu_blocks,
+        max_model_len=d.max_model_len,
+        vocab_size=d.vocab_size,
+        tokenizer=d.tokenizer,
+        backend=d.backend,
+        instance_id=d.instance_id,
+    )

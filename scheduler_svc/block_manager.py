@@ -1,0 +1,172 @@
+"""The page tables: which physical GPU (or CPU, when swapped) block holds each logical page of
+each sequence. The only owner of page tables and of both block pools. Plain Python only."""
+
+from collections import Counter
+
+from scheduler_svc.block_pool import BlockPool
+
+
+class BlockManager:
+    """Maps seq_id -> block_table on the GPU, and on the CPU for swapped sequences.
+
+    Blocks may be shared between sequences after `fork` (ref counted); a write into a shared
+    last block triggers copy-on-write in `allocate_slots`.
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every mapping and free every block (used when the executor is lost)."""
+        self._gpu_pool = BlockPool(self.num_gpu_blocks)
+        self._cpu_pool = BlockPool(self.num_cpu_blocks)
+        self._gpu_tables: dict[int, list[int]] = {}
+        self._cpu_tables: dict[int, list[int]] = {}
+        # Tokens the table was last asked to cover: tells whether the last block is partial.
+        self._num_slots: dict[int, int] = {}
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        return self._gpu_pool.num_free
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._cpu_pool.num_free
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        return self._gpu_pool.num_used
+
+    @property
+    def gpu_usage(self) -> float:
+        """Fraction of GPU blocks in use, in [0, 1]."""
+        return self._gpu_pool.num_used / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        """A copy of the GPU block table (empty if the sequence has none)."""
+        return list(self._gpu_tables.get(seq_id, ()))
+
+    def get_cpu_block_table(self, seq_id: int) -> list[int]:
+        return list(self._cpu_tables.get(seq_id, ()))
+
+    # ---- growth and copy-on-write ------------------------------------------------------------
+
+    def _needs_cow(self, seq_id: int, num_total_tokens: int) -> bool:
+        """Whether new tokens land in a shared, partially filled last block."""
+        table = self._gpu_tables.get(seq_id)
+        num_slots = self._num_slots.get(seq_id, 0)
+        if not table or num_total_tokens <= num_slots or num_slots % self.block_size == 0:
+            return False
+        return self._gpu_pool.ref_count(table[-1]) > 1
+
+    def _num_new_blocks(self, seq_id: int, num_total_tokens: int) -> int:
+        have = len(self._gpu_tables.get(seq_id, ()))
+        return max(0, self.num_blocks_needed(num_total_tokens) - have)
+
+    def can_allocate_slots(self, seq_id: int, num_total_tokens: int) -> bool:
+        need = self._num_new_blocks(seq_id, num_total_tokens)
+        need += int(self._needs_cow(seq_id, num_total_tokens))
+        return self._gpu_pool.can_allocate(need)
+
+    def allocate_slots(self, seq_id: int, num_total_tokens: int,
+                       copies: list[tuple[int, int]] | None = None) -> list[int] | None:
+        """Grow the GPU table of `seq_id` so it covers `num_total_tokens` tokens.
+
+        Returns the block ids appended to the table, or None (and no change) when the GPU pool
+        is short. If the new tokens land in a shared last block, that block is replaced by a
+        private copy and the (src, dst) pair is appended to `copies` (the plan's copy list);
+        passing copies=None asserts that no copy-on-write can happen.
+        """
+        if not self.can_allocate_slots(seq_id, num_total_tokens):
+            return None
+        if seq_id in self._cpu_tables:
+            raise RuntimeError(f"seq {seq_id} is swapped out; swap it in first")
+        table = self._gpu_tables.setdefault(seq_id, [])
+        if self._needs_cow(seq_id, num_total_tokens):
+            if copies is None:
+                raise RuntimeError(f"seq {seq_id}: copy-on-write needed but no copy list given")
+            copies.append(self._copy_on_write(table))
+        new_block_ids = self._gpu_pool.allocate_n(self._num_new_blocks(seq_id, num_total_tokens))
+        table.extend(new_block_ids)
+        self._num_slots[seq_id] = max(self._num_slots.get(seq_id, 0), num_total_tokens)
+        return new_block_ids
+
+    def _copy_on_write(self, table: list[int]) -> tuple[int, int]:
+        src = table[-1]
+        dst = self._gpu_pool.allocate()
+        self._gpu_pool.free(src)
+        table[-1] = dst
+        return (src, dst)
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Give the child the parent's GPU blocks, shared (ref counted)."""
+        if child_seq_id in self._gpu_tables or child_seq_id in self._cpu_tables:
+            raise RuntimeError(f"fork: seq {child_seq_id} already has blocks")
+        table = self._gpu_tables[parent_seq_id]
+        for block_id in table:
+            self._gpu_pool.incref(block_id)
+        self._gpu_tables[child_seq_id] = list(table)
+        self._num_slots[child_seq_id] = self._num_slots.get(parent_seq_id, 0)
+
+    # ---- swapping ----------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        return self._cpu_pool.can_allocate(len(self._gpu_tables.get(seq_id, ())))
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+        """Move the table to CPU blocks; returns the (gpu, cpu) pairs the executor must copy."""
+        if not self.can_swap_out(seq_id):
+            raise RuntimeError(f"swap_out: not enough CPU blocks for seq {seq_id}")
+        gpu_table = self._gpu_tables.pop(seq_id, [])
+        cpu_table = self._cpu_pool.allocate_n(len(gpu_table))
+        for block_id in gpu_table:
+            self._gpu_pool.free(block_id)
+        self._cpu_tables[seq_id] = cpu_table
+        return list(zip(gpu_table, cpu_table))
+
+    def can_swap_in(self, seq_id: int) -> bool:
+        return self._gpu_pool.can_allocate(len(self._cpu_tables.get(seq_id, ())))
+
+    def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
+        """Move the table back to GPU blocks; returns the (cpu, gpu) pairs to copy."""
+        if not self.can_swap_in(seq_id):
+            raise RuntimeError(f"swap_in: not enough GPU blocks for seq {seq_id}")
+        cpu_table = self._cpu_tables.pop(seq_id, [])
+        gpu_table = self._gpu_pool.allocate_n(len(cpu_table))
+        for block_id in cpu_table:
+            self._cpu_pool.free(block_id)
+        self._gpu_tables[seq_id] = gpu_table
+        return list(zip(cpu_table, gpu_table))
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence's references on both devices (no-op if it has none)."""
+        for block_id in self._gpu_tables.pop(seq_id, ()):
+            self._gpu_pool.free(block_id)
+        for block_id in self._cpu_tables.pop(seq_id, ()):
+            self._cpu_pool.free(block_id)
+        self._num_slots.pop(seq_id, None)
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """AssertionError unless: every block is free xor mapped, ref counts equal table
+        references, free + used == capacity per pool, and no seq is on both devices."""
+        both = set(self._gpu_tables) & set(self._cpu_tables)
+        assert not both, f"seqs mapped on GPU and CPU at once: {sorted(both)}"
+        for name, pool, tables in (("gpu", self._gpu_pool, self._gpu_tables),
+                                   ("cpu", self._cpu_pool, self._cpu_tables)):
+            refs = Counter(b for table in tables.values() for b in table)
+            pool.check_invariants(dict(refs), name)
+        for seq_id, table in self._gpu_tables.items():
+            need = self.num_blocks_needed(self._num_slots.get(seq_id, 0))
+            assert len(table) >= need, f"seq {seq_id}: table of {len(table)} blocks, needs {need}"

@@ -1,0 +1,65 @@
+"""Per-request sampling and stopping parameters, with validation that names the bad field.
+
+Plain Python: no torch, no protobuf.
+"""
+
+import math
+from dataclasses import dataclass
+
+from scheduler_svc.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the executor picks a token. top_k=-1 and top_p=1 and min_p=0 mean "off"."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidArgument naming the first out-of-range field."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidArgument("top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        if not (0 <= self.min_p <= 1):
+            raise InvalidArgument("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise InvalidArgument("seed", f"must be in [0, 2**64), got {self.seed}")
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    """When a sequence stops. Stop strings are checked by the engine (detokenizer side)."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidArgument naming the first bad field; stop ids must be < vocab_size."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidArgument("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise InvalidArgument("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidArgument(
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop", "stop strings must be non-empty")
+        unknown = [t for t in self.stop_token_ids if not (0 <= t < vocab_size)]
+        if unknown:
+            raise InvalidArgument(
+                "stop_token_ids", f"unknown stop ids {unknown} (vocab_size {vocab_size})")

@@ -1,0 +1,353 @@
+"""The scheduling policy (vLLM v1 rule): each step hands out tokens from a budget so that every
+sequence's num_computed_tokens catches up with its num_tokens; preemption by swap or recompute;
+token-level stop rules. Plain Python: never imports torch, cupy, kernels, executor_svc or gRPC."""
+
+import bisect
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.plan import CachedSeqPlan, NewSeqPlan, SeqUpdate, StepPlan
+from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class _Budget:
+    """What is left of this step's max_num_batched_tokens."""
+
+    tokens: int
+
+
+def _age(seq: Sequence) -> tuple[float, int]:
+    return seq.sort_key
+
+
+class Scheduler:
+    """Owns the queues (waiting FCFS, running and swapped oldest first) and builds StepPlans.
+
+    Call `schedule()`, execute the plan, then `update_from_output(plan, sampled)`; one step in
+    flight at a time. Pages are reclaimed in the same call that finishes or aborts a sequence.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 *, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self._rng = rng if rng is not None else random.Random()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence
+        self._executor_seq_ids: set[int] = set()  # seqs whose state the executor holds
+        self._pending_finished_ids: list[int] = []
+        self._step_id = 0
+        self._last_updated_step_id = 0  # plans at or below this are stale (updated or reset)
+        self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
+        self.peak_gpu_blocks_used = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether KV for num_tokens tokens fits in the whole GPU pool. The API layer passes
+        len(prompt) + 1 and rejects the request with INVALID_ARGUMENT when False."""
+        bm = self.block_manager
+        return bm.num_blocks_needed(num_tokens) <= bm.num_gpu_blocks
+
+    def add_seq(self, seq: Sequence) -> None:
+        """Queue a new request (FCFS); assigns a seed when the request gave none."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"seq {seq.seq_id} already added")
+        if not self.can_ever_fit(seq.num_tokens + 1):
+            raise InvalidArgument(
+                "prompt", f"{seq.num_tokens} tokens can never fit the KV cache "
+                f"({self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size})")
+        if seq.seed is None:
+            seq.seed = self._rng.randrange(2**63)
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort_seq(self, seq_id: int) -> bool:
+        """Client went away: free its pages now. False if unknown or already finished."""
+        return self.finish_seq(seq_id, FinishReason.ABORTED)
+
+    def finish_seq(self, seq_id: int, reason: FinishReason) -> bool:
+        """Finish from outside (stop string, abort): free its pages now; the executor hears of it
+        in the next plan's finished_seq_ids. False if unknown or already finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._queue_of(seq).remove(seq)
+        self._finish(seq, reason)
+        return True
+
+    def get_seq(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence with this id, or None."""
+        return self._seqs.get(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    # ---- schedule ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Build the next step: running seqs first, then swap-ins, then waiting admissions."""
+        self._step_id += 1
+        plan = StepPlan(step_id=self._step_id, finished_seq_ids=self._pending_finished_ids)
+        self._pending_finished_ids = []
+        budget = _Budget(self.config.max_num_batched_tokens)
+        self._schedule_running(plan, budget)
+        # After a preemption, bringing seqs in would thrash; after a swap-out, a swap-in could
+        # make one block both a source and a destination of this step's copies.
+        if not plan.preempted_seq_ids:
+            self._schedule_swapped(plan, budget)
+        if not plan.preempted_seq_ids and not self.swapped:
+            self._schedule_waiting(plan, budget)
+        self.peak_gpu_blocks_used = max(self.peak_gpu_blocks_used,
+                                        self.block_manager.num_used_gpu_blocks)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: _Budget) -> None:
+        """Oldest first; a seq short of pages preempts the newest running seqs (maybe itself)."""
+        i = 0
+        while i < len(self.running) and budget.tokens > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            num_copies = len(plan.copy)
+            new_block_ids = self._allocate_or_preempt(seq, num_new, plan)
+            if new_block_ids is None:
+                break  # seq preempted itself: everything after it is gone too
+            self._add_to_plan(seq, num_new, new_block_ids, plan, budget,
+                              table_rewritten=len(plan.copy) > num_copies)
+            i += 1
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int,
+                             plan: StepPlan) -> list[int] | None:
+        """New block ids for seq, preempting from the tail of running until they fit."""
+        while True:
+            new_block_ids = self.block_manager.allocate_slots(
+                seq.seq_id, seq.num_computed_tokens + num_new, plan.copy)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is seq:
+                return None
+
+    def _schedule_swapped(self, plan: StepPlan, budget: _Budget) -> None:
+        """Swap in oldest first while the pages (and the next tokens) fit."""
+        bm = self.block_manager
+        while self.swapped and budget.tokens > 0 and self._has_seq_room():
+            seq = self.swapped[0]
+            num_new = self._num_new_tokens(seq, budget)
+            num_total = seq.num_computed_tokens + num_new
+            if num_new == 0 or bm.num_blocks_needed(num_total) > bm.num_free_gpu_blocks:
+                return
+            pairs = bm.swap_in(seq.seq_id)
+            plan.swap_in.extend(pairs)
+            self.num_blocks_swapped_in += len(pairs)
+            new_block_ids = bm.allocate_slots(seq.seq_id, num_total, plan.copy)
+            assert new_block_ids is not None, "swap-in fit was checked"
+            self.swapped.pop(0)
+            self._set_running(seq)
+            self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
+
+    def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
+        """Admit FCFS (recompute-preempted seqs sit at the front) while pages fit."""
+        while self.waiting and budget.tokens > 0 and self._has_seq_room():
+            seq = self.waiting[0]
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                return
+            new_block_ids = self.block_manager.allocate_slots(
+                seq.seq_id, seq.num_computed_tokens + num_new, plan.copy)
+            if new_block_ids is None:
+                return
+            self.waiting.popleft()
+            self._set_running(seq)
+            self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
+
+    def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
+        """Tokens to compute for seq this step; 0 when it must wait for a later step.
+
+        Without chunked prefill a seq waits for a step with room for all its tokens, unless it
+        could never get one (more than max_num_batched_tokens): then it is chunked anyway.
+        """
+        num_new = seq.num_tokens - seq.num_computed_tokens
+        too_big_ever = num_new > self.config.max_num_batched_tokens
+        if num_new > budget.tokens and not (self.config.enable_chunked_prefill or too_big_ever):
+            return 0
+        return min(num_new, budget.tokens)
+
+    def _has_seq_room(self) -> bool:
+        return len(self.running) < self.config.max_num_seqs
+
+    def _add_to_plan(self, seq: Sequence, num_new: int, new_block_ids: list[int],
+                     plan: StepPlan, budget: _Budget, table_rewritten: bool = False) -> None:
+        """Known seqs go as a diff; unknown ones (or ones whose table was rewritten by
+        copy-on-write, which a diff cannot express) in full."""
+        budget.tokens -= num_new
+        if seq.seq_id in self._executor_seq_ids and not table_rewritten:
+            plan.cached_seqs.append(CachedSeqPlan(
+                seq_id=seq.seq_id, num_scheduled_tokens=num_new,
+                num_computed_tokens=seq.num_computed_tokens, new_block_ids=new_block_ids))
+            return
+        plan.new_seqs.append(NewSeqPlan(
+            seq_id=seq.seq_id, token_ids=list(seq.token_ids),
+            block_table=self.block_manager.get_block_table(seq.seq_id),
+            num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_new,
+            sampling=seq.sampling, seed=seq.seed))
+        self._executor_seq_ids.add(seq.seq_id)
+
+    # ---- preemption --------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Take seq off the GPU: swap while the CPU pool has room (mode "swap"), else recompute."""
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        if seq.seq_id in self._executor_seq_ids:
+            self._executor_seq_ids.discard(seq.seq_id)
+            plan.preempted_seq_ids.append(seq.seq_id)
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seq.seq_id):
+            self._preempt_by_swap(seq, plan)
+        else:
+            self._preempt_by_recompute(seq)
+
+    def _preempt_by_swap(self, seq: Sequence, plan: StepPlan) -> None:
+        pairs = self.block_manager.swap_out(seq.seq_id)
+        plan.swap_out.extend(pairs)
+        seq.status = SequenceStatus.SWAPPED
+        bisect.insort(self.swapped, seq, key=_age)
+        self.num_preemptions_swap += 1
+        self.num_blocks_swapped_out += len(pairs)
+
+    def _preempt_by_recompute(self, seq: Sequence) -> None:
+        """Drop its KV; it recomputes prompt + generated tokens when admitted again, first."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions_recompute += 1
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def update_from_output(self, plan: StepPlan, sampled: dict[int, int]) -> list[SeqUpdate]:
+        """Apply a step's result: advance num_computed_tokens, append sampled tokens, apply the
+        token-level stop rules, free finished seqs' pages now. Seqs aborted while the step was in
+        flight are skipped; a plan from before reset_executor() is ignored."""
+        if plan.step_id <= self._last_updated_step_id:
+            return []
+        self._last_updated_step_id = plan.step_id
+        scheduled = self._live_scheduled(plan)
+        self._check_sampled(plan, scheduled, sampled)
+        updates = []
+        for seq, num_scheduled in scheduled:
+            seq.num_computed_tokens += num_scheduled
+            if seq.num_computed_tokens == seq.num_tokens:
+                updates.append(self._append_token(seq, sampled[seq.seq_id]))
+        return updates
+
+    def _live_scheduled(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        """(seq, num_scheduled_tokens) for the plan's seqs that are still running."""
+        entries = [*plan.new_seqs, *plan.cached_seqs]
+        live = []
+        for entry in entries:
+            seq = self._seqs.get(entry.seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                live.append((seq, entry.num_scheduled_tokens))
+        return live
+
+    @staticmethod
+    def _check_sampled(plan: StepPlan, scheduled: list[tuple[Sequence, int]],
+                       sampled: dict[int, int]) -> None:
+        """Fail before mutating anything if a seq that completed its tokens got no sample."""
+        missing = [seq.seq_id for seq, n in scheduled
+                   if seq.num_computed_tokens + n == seq.num_tokens and seq.seq_id not in sampled]
+        if missing:
+            raise ValueError(f"step {plan.step_id}: no sampled token for seqs {missing}")
+
+    def _append_token(self, seq: Sequence, token_id: int) -> SeqUpdate:
+        seq.append_token(token_id)
+        reason = self._check_stop(seq, token_id)
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
+        return SeqUpdate(seq=seq, token_id=token_id, finish_reason=reason)
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """Token-level stop rules; EOS and stop ids only count once min_tokens are out."""
+        stopping = seq.stopping
+        if seq.num_output_tokens >= stopping.min_tokens:
+            if token_id == seq.eos_token_id and not stopping.ignore_eos:
+                return FinishReason.EOS
+            if token_id in stopping.stop_token_ids:
+                return FinishReason.STOP_TOKEN
+        if seq.num_output_tokens >= seq.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self._max_num_tokens(seq):
+            return FinishReason.LENGTH
+        return None
+
+    def _max_num_tokens(self, seq: Sequence) -> int:
+        """max_model_len, capped so the KV of all but the last token fits the whole GPU pool
+        (so a lone seq can always run: no deadlock on a pool smaller than max_model_len)."""
+        bm = self.block_manager
+        return min(seq.max_model_len, bm.num_gpu_blocks * bm.block_size + 1)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _queue_of(self, seq: Sequence):
+        queues = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
+                  SequenceStatus.SWAPPED: self.swapped}
+        return queues[seq.status]
+
+    def _set_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_age)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark finished (already off its queue), free its pages, tell the executor next step."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq.seq_id)
+        del self._seqs[seq.seq_id]
+        if seq.seq_id in self._executor_seq_ids:
+            self._executor_seq_ids.discard(seq.seq_id)
+            self._pending_finished_ids.append(seq.seq_id)
+
+    def reset_executor(self) -> None:
+        """The executor lost its state: free every block; every started unfinished seq goes back
+        to waiting (oldest first, ahead of never-started ones) to recompute from token 0."""
+        self.block_manager.reset()
+        started = [*self.running, *self.swapped,
+                   *(s for s in self.waiting if s.num_preemptions or s.output_token_ids)]
+        fresh = [s for s in self.waiting if not (s.num_preemptions or s.output_token_ids)]
+        for seq in started:
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.waiting = deque(sorted(started, key=_age) + fresh)
+        self.running, self.swapped = [], []
+        self._executor_seq_ids.clear()
+        self._pending_finished_ids = []
+        self._last_updated_step_id = self._step_id

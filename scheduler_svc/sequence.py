@@ -1,0 +1,86 @@
+"""One request's token state (prompt + output, num_computed_tokens, status). No page tables here:
+those belong to the BlockManager. Plain Python only."""
+
+import enum
+import time
+
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class FinishReason(enum.Enum):
+    LENGTH = enum.auto()
+    EOS = enum.auto()
+    STOP_TOKEN = enum.auto()
+    STOP_STRING = enum.auto()
+    ABORTED = enum.auto()
+
+
+class Sequence:
+    """Token ids and progress of one request.
+
+    `num_computed_tokens` counts tokens whose KV lies in the cache; the scheduler moves it
+    towards `num_tokens`. `seed` is the request's seed, or one the scheduler assigns, so that a
+    recomputed sequence samples the same tokens.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams,
+                 stopping: StoppingParams, eos_token_id: int | None, max_model_len: int,
+                 arrival_time: float | None = None) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.stopping = stopping
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        self.seed: int | None = sampling.seed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Effective output limit: the request's max_tokens capped by the model length."""
+        room = self.max_model_len - self.num_prompt_tokens
+        if self.stopping.max_tokens is None:
+            return room
+        return min(self.stopping.max_tokens, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[float, int]:
+        """Age order used by the scheduler: oldest first, ties broken by seq_id."""
+        return (self.arrival_time, self.seq_id)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "
+                f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})")

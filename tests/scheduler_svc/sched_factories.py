@@ -1,0 +1,194 @@
+"""Factories and a fake executor for scheduler tests: deterministic, no GPU, no network.
+
+FakeExecutor replays each StepPlan the way the real executor must (apply copies, keep a
+per-seq cache of tables and tokens, write "KV" into blocks) and asserts that the plan is
+consistent with what it was told before, so swap and diff bugs show up as wrong KV contents.
+"""
+
+import itertools
+import random
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.plan import StepPlan
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence import Sequence
+
+EOS = 2
+VOCAB_SIZE = 1000
+_arrival = itertools.count()
+
+
+def make_seq(seq_id: int, prompt_len: int = 8, max_tokens: int | None = 4, *,
+             max_model_len: int = 4096, arrival_time: float | None = None,
+             **stopping_kw) -> Sequence:
+    prompt = [10 + (seq_id * 13 + i) % 500 for i in range(prompt_len)]
+    return Sequence(seq_id, prompt, SamplingParams(),
+                    StoppingParams(max_tokens=max_tokens, **stopping_kw),
+                    eos_token_id=EOS, max_model_len=max_model_len,
+                    arrival_time=float(next(_arrival)) if arrival_time is None else arrival_time)
+
+
+def make_scheduler(block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blocks: int = 64,
+                   seed: int = 0, **config_kw) -> Scheduler:
+    bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks)
+    return Scheduler(SchedulerConfig(**config_kw), bm, rng=random.Random(seed))
+
+
+def default_token(seq_id: int, position: int) -> int:
+    """Deterministic per (seq, position), like a seeded sampler; never EOS."""
+    return 100 + (seq_id * 7919 + position * 31) % 97
+
+
+class FakeExecutor:
+    """Executor-side state rebuilt only from plans; checks every plan against that state."""
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 token_fn=default_token) -> None:
+        self.block_size = block_size
+        self.token_fn = token_fn
+        self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]  # KV stand-in per slot
+        self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.tables: dict[int, list[int]] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.last_step_id = 0
+
+    def reset(self) -> None:
+        self.tables, self.tokens, self.computed = {}, {}, {}
+
+    def execute(self, plan: StepPlan) -> dict[int, int]:
+        assert plan.step_id > self.last_step_id, "step ids must increase"
+        self.last_step_id = plan.step_id
+        self._apply_copies(plan)
+        for seq_id in [*plan.finished_seq_ids, *plan.preempted_seq_ids]:
+            assert seq_id in self.tables, f"drop of unknown seq {seq_id}"
+            del self.tables[seq_id], self.tokens[seq_id], self.computed[seq_id]
+        for s in plan.new_seqs:
+            self.tables[s.seq_id] = list(s.block_table)
+            self.tokens[s.seq_id] = list(s.token_ids)
+            self.computed[s.seq_id] = s.num_computed_tokens
+        for s in plan.cached_seqs:
+            assert s.seq_id in self.tables, f"cached seq {s.seq_id} unknown to executor"
+            assert self.computed[s.seq_id] == s.num_computed_tokens, "computed mismatch"
+            self.tables[s.seq_id].extend(s.new_block_ids)
+        sampled = {}
+        for s in [*plan.new_seqs, *plan.cached_seqs]:
+            token = self._forward(s.seq_id, s.num_scheduled_tokens)
+            if token is not None:
+                sampled[s.seq_id] = token
+        return sampled
+
+    def _apply_copies(self, plan: StepPlan) -> None:
+        for gpu, cpu in plan.swap_out:
+            self.cpu[cpu] = list(self.gpu[gpu])
+        for cpu, gpu in plan.swap_in:
+            self.gpu[gpu] = list(self.cpu[cpu])
+        for src, dst in plan.copy:
+            self.gpu[dst] = list(self.gpu[src])
+
+    def _forward(self, seq_id: int, num_scheduled: int) -> int | None:
+        """Check cached KV, write KV of the scheduled tokens, sample if the seq caught up."""
+        table, tokens, start = self.tables[seq_id], self.tokens[seq_id], self.computed[seq_id]
+        end = start + num_scheduled
+        assert 0 < num_scheduled and end <= len(tokens), "scheduled past known tokens"
+        assert len(table) * self.block_size >= end, "block table too short"
+        for pos in range(end):
+            block, offset = table[pos // self.block_size], pos % self.block_size
+            want = (seq_id, pos, tokens[pos])
+            if pos < start:
+                assert self.gpu[block][offset] == want, f"seq {seq_id} pos {pos}: KV lost"
+            else:
+                self.gpu[block][offset] = want
+        self.computed[seq_id] = end
+        if end < len(tokens):
+            return None
+        token = self.token_fn(seq_id, len(tokens))
+        tokens.append(token)
+        return token
+
+
+def check_plan(sched: Scheduler, plan: StepPlan) -> None:
+    """Plan well-formedness that does not need executor state."""
+    new_ids = [s.seq_id for s in plan.new_seqs]
+    cached_ids = [s.seq_id for s in plan.cached_seqs]
+    assert len(set(new_ids + cached_ids)) == len(new_ids) + len(cached_ids), "new/cached overlap"
+    assert plan.num_scheduled_tokens <= sched.config.max_num_batched_tokens
+    assert plan.num_scheduled_seqs <= sched.config.max_num_seqs
+    assert not set(plan.preempted_seq_ids) & set(new_ids + cached_ids)
+    assert not (plan.swap_out and plan.swap_in), "swap-in in a step that swaps out"
+    gpu_src = {g for g, _ in plan.swap_out} | {s for s, _ in plan.copy}
+    gpu_dst = {g for _, g in plan.swap_in} | {d for _, d in plan.copy}
+    cpu_src = {c for c, _ in plan.swap_in}
+    cpu_dst = {c for _, c in plan.swap_out}
+    assert not gpu_src & gpu_dst and not cpu_src & cpu_dst, "block both source and destination"
+    for s in plan.new_seqs:
+        assert s.block_table == sched.block_manager.get_block_table(s.seq_id)
+
+
+def check_queues(sched: Scheduler) -> None:
+    """No seq in two queues; statuses match queues; running tables cover computed tokens."""
+    ids = [s.seq_id for s in [*sched.waiting, *sched.running, *sched.swapped]]
+    assert len(ids) == len(set(ids)), "seq in two queues"
+    assert set(ids) == set(sched._seqs), "queues and seq registry disagree"
+    bm = sched.block_manager
+    for seq in sched.running:
+        assert seq.status.name == "RUNNING"
+        assert len(bm.get_block_table(seq.seq_id)) >= bm.num_blocks_needed(seq.num_computed_tokens)
+    for seq in sched.swapped:
+        assert seq.status.name == "SWAPPED" and not bm.get_block_table(seq.seq_id)
+    for seq in sched.waiting:
+        assert seq.status.name == "WAITING" and seq.num_computed_tokens == 0
+        assert not bm.get_block_table(seq.seq_id) and not bm.get_cpu_block_table(seq.seq_id)
+
+
+class Loop:
+    """A tiny engine loop: schedule, execute on the fake executor, update; checks every step."""
+
+    def __init__(self, sched: Scheduler, token_fn=default_token) -> None:
+        bm = sched.block_manager
+        self.sched = sched
+        self.executor = FakeExecutor(bm.block_size, bm.num_gpu_blocks, bm.num_cpu_blocks,
+                                     token_fn)
+        self.plans: list[StepPlan] = []
+        self.outputs: dict[int, list[int]] = {}
+        self.finished: dict[int, object] = {}
+
+    def step(self, between=None):
+        """One step; `between(plan)` runs while the step is "in flight" (e.g. an abort)."""
+        plan = self.sched.schedule()
+        check_plan(self.sched, plan)
+        self.plans.append(plan)
+        sampled = self.executor.execute(plan)
+        if between is not None:
+            between(plan)
+        updates = self.sched.update_from_output(plan, sampled)
+        self.record(updates)
+        self.check()
+        return plan, updates
+
+    def record(self, updates) -> None:
+        for u in updates:
+            self.outputs.setdefault(u.seq.seq_id, []).append(u.token_id)
+            if u.finish_reason is not None:
+                self.finished[u.seq.seq_id] = u.finish_reason
+
+    def check(self) -> None:
+        self.sched.block_manager.check_invariants()
+        check_queues(self.sched)
+        for seq in self.sched.running:
+            if seq.seq_id in self.executor.tokens:
+                assert self.executor.tokens[seq.seq_id] == seq.token_ids
+
+    def reset_executor(self) -> None:
+        self.sched.reset_executor()
+        self.executor.reset()
+        self.check()
+
+    def run_until_done(self, max_steps: int = 10_000) -> int:
+        for n in range(max_steps):
+            if not self.sched.has_unfinished():
+                return n
+            self.step()
+        raise AssertionError(f"not finished after {max_steps} steps")

@@ -1,0 +1,42 @@
+"""The backend seam: the model and cache engine call these ops, never kernels directly.
+A backend owns a device and five ops with the signatures of `kernels.reference`.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    name: str  # "cpu" | "cuda"
+    device: torch.device
+    pin_swap_memory: bool  # allocate the CPU swap space pinned
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None: ...
+
+    def paged_prefill_attention(
+        self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=None
+    ) -> torch.Tensor: ...
+
+    def paged_decode_attention(
+        self, q, k_cache, v_cache, block_tables, seq_lens, scale, out=None
+    ) -> torch.Tensor: ...
+
+    def swap_blocks(self, src_k, src_v, dst_k, dst_v, block_mapping) -> None: ...
+
+    def copy_blocks(self, k_cache, v_cache, block_mapping) -> None: ...
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name` ("cpu"; "cuda" once the CuPy kernels land)."""
+    if name == "cpu":
+        from executor_svc.backends.cpu import CpuBackend
+
+        return CpuBackend()
+    if name == "cuda":
+        raise NotImplementedError(
+            "the cuda backend is not written yet: it will wrap the kernels/ CuPy launchers with "
+            "the same five ops as executor_svc.backends.cpu.CpuBackend; use --backend cpu"
+        )
+    raise ValueError(f"unknown backend {name!r} (expected 'cpu' or 'cuda')")

@@ -1,0 +1,18 @@
+"""CPU reference backend: the ops are the torch twins in kernels.reference, tensors on CPU."""
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+
+class CpuBackend:
+    name = "cpu"
+    device = torch.device("cpu")
+    pin_swap_memory = False
+
+    reshape_and_cache = staticmethod(reference.reshape_and_cache)
+    paged_prefill_attention = staticmethod(reference.paged_prefill_attention)
+    paged_decode_attention = staticmethod(reference.paged_decode_attention)
+    swap_blocks = staticmethod(reference.swap_blocks)
+    copy_blocks = staticmethod(reference.copy_blocks)

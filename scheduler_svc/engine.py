@@ -18,6 +18,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
+from scheduler_svc.metrics import Metrics
 from scheduler_svc.plan import SeqUpdate
 from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, TokenEvent,
                                    resolve_prompt, validate_params)
@@ -53,7 +54,8 @@ class _RequestState:
         self.detokenizer = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
                             if tokenizer is not None else None)
         self.stopper = StopStringMatcher(stop) if stop else None
-        self.first_token_time: float | None = None
+        self.arrival_time = time.monotonic()
+        self.last_token_time: float | None = None
         self.finished = False
 
     def text_for(self, token_id: int) -> tuple[str, bool]:
@@ -74,9 +76,11 @@ class _RequestState:
 class Engine:
     """Continuous batching over one executor link, with resync when the executor is lost."""
 
-    def __init__(self, config: EngineConfig, client: ExecutorClient) -> None:
+    def __init__(self, config: EngineConfig, client: ExecutorClient,
+                 metrics: Metrics | None = None) -> None:
         self.config = config
         self.client = client
+        self.metrics = metrics or Metrics()
         self.scheduler: Scheduler | None = None
         self.tokenizer = None
         self.limits: ModelLimits | None = None
@@ -141,6 +145,7 @@ class Engine:
         state = _RequestState(seq, self.tokenizer, spec.stopping.stop)
         self._requests[seq.seq_id] = state
         self.scheduler.add_seq(seq)
+        self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._wakeup.set()
         return state
 
@@ -175,6 +180,7 @@ class Engine:
     async def _run(self) -> None:
         while True:
             if not self.scheduler.has_unfinished():
+                self.metrics.observe_scheduler(self.scheduler)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -191,10 +197,13 @@ class Engine:
             self.num_steps += 1
             for update in self.scheduler.update_from_output(plan, sampled):
                 self._emit(update)
+            self.metrics.steps.inc()
+            self.metrics.observe_scheduler(self.scheduler)
 
     async def _resync(self) -> None:
         """Frees everything mapped on the lost executor; every unfinished sequence is recomputed."""
         self.num_resyncs += 1
+        self.metrics.executor_reconnects.inc()
         self.scheduler.reset_executor()
         await self._attach(await self.client.connect())
 
@@ -202,8 +211,13 @@ class Engine:
         state = self._requests.get(update.seq.seq_id)
         if state is None:  # aborted while its step was in flight
             return
-        if state.first_token_time is None:
-            state.first_token_time = time.monotonic()
+        now = time.monotonic()
+        if state.last_token_time is None:
+            self.metrics.ttft.observe(now - state.arrival_time)
+        else:
+            self.metrics.itl.observe(now - state.last_token_time)
+        state.last_token_time = now
+        self.metrics.generated_tokens.inc()
         text, matched = state.text_for(update.token_id)
         index = update.seq.num_output_tokens - 1
         state.queue.put_nowait(TokenEvent(update.token_id, text, index))
@@ -218,5 +232,7 @@ class Engine:
             tail = state.flush()
         state.finished = True
         self._requests.pop(state.seq.seq_id, None)
+        self.metrics.requests_finished.labels(reason.name.lower()).inc()
+        self.metrics.e2e.observe(time.monotonic() - state.arrival_time)
         seq = state.seq
         state.queue.put_nowait(FinishEvent(reason, seq.num_prompt_tokens, seq.num_output_tokens, tail))

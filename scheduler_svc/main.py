@@ -24,6 +24,7 @@ class ServiceConfig:
     engine: EngineConfig
     step_timeout_s: float
     shutdown_timeout_s: float
+    metrics_port: int
     log_level: str
 
 
@@ -49,6 +50,8 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    default=float(_env("UNAVAILABLE_GRACE", 30.0)),
                    help="seconds without any executor before Generate answers UNAVAILABLE")
     p.add_argument("--shutdown-timeout", type=float, default=float(_env("SHUTDOWN_TIMEOUT", 30.0)))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)),
+                   help="port of the Prometheus /metrics endpoint (0: off)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
@@ -59,7 +62,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         engine=EngineConfig(scheduler=scheduler, max_waiting=a.max_waiting,
                             unavailable_grace_s=a.unavailable_grace),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
-        log_level=a.log_level)
+        metrics_port=a.metrics_port, log_level=a.log_level)
 
 
 async def serve(config: ServiceConfig) -> None:
@@ -67,10 +70,14 @@ async def serve(config: ServiceConfig) -> None:
 
     from scheduler_svc.engine import Engine
     from scheduler_svc.executor_client import ExecutorClient
+    from scheduler_svc.metrics import Metrics
     from scheduler_svc.server import SERVICE_NAME, build_server
 
     client = ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s)
-    engine = Engine(config.engine, client)
+    metrics = Metrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, config.host)
+    engine = Engine(config.engine, client, metrics)
     server, health, port = build_server(engine, f"{config.host}:{config.port}")
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

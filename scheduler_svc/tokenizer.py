@@ -1,0 +1,163 @@
+"""The scheduler's tokenizer: text and chat messages to token ids and back, from a local Hugging Face
+folder or a GGUF file. Must not import torch, cupy, grpc or generated protobuf code.
+
+Why GGUF files are not loaded with `from_pretrained(..., gguf_file=...)`: in transformers 5.x that
+path calls `integrations.gguf.get_gguf_tokenizer`, which imports `integrations/gguf/reader.py`, and
+that module does `import torch` at its top (it also reads tensors). So we read the GGUF metadata
+ourselves (`read_gguf_metadata` below, a metadata-only parser of the GGUF v2/v3 header), arrange it
+the way `get_gguf_tokenizer` does, and hand it to transformers' torch-free
+`convert_gguf_tokenizer`, which builds the same `tokenizers.Tokenizer` transformers would build.
+A test holds the result to transformers' own GGUF path (ids, decode, specials, chat template).
+Folders load through `PreTrainedTokenizerFast` (their `tokenizer.json`), not `AutoTokenizer`:
+importing `AutoTokenizer` imports `configuration_utils` -> `modeling_rope_utils` -> torch.
+Measured on SmolLM2-135M-Instruct.Q4_1.gguf (CPU): 0.25-0.5 s to load (transformers' own GGUF path:
+~1.8 s), after 0.7-1.2 s importing transformers.
+"""
+
+import mmap
+import os
+import struct
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+    GGUF_TOKENIZER_MAPPING,
+    convert_gguf_tokenizer,
+)
+
+# special token name -> the GGUF key (under `tokenizer.ggml.`) holding its id; as in transformers
+_GGUF_SPECIAL_TOKEN_KEYS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
+
+
+class Tokenizer:
+    """A thin wrapper over a transformers fast tokenizer: plain lists of ints in and out."""
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerFast):
+        self.hf_tokenizer = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        # the full vocabulary, added tokens included: every id the model can be given or sample
+        self.vocab_size: int = len(hf_tokenizer)
+        self.all_special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` as `tokenizer(text).input_ids` gives them (HF `generate` users' way)."""
+        return list(self.hf_tokenizer(text).input_ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template, generation prompt added."""
+        encoding = self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # transformers 5 returns a BatchEncoding here, 4.x a plain list
+        ids = encoding["input_ids"] if hasattr(encoding, "keys") else encoding
+        return list(ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf_tokenizer.chat_template)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: list[int], skip_special_tokens: bool = False) -> list[str]:
+        return self.hf_tokenizer.convert_ids_to_tokens(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(source: str) -> Tokenizer | None:
+    """The tokenizer in `source`: a local HF folder, a `.gguf` file, or "" for none (token-id prompts only)."""
+    if not source:
+        return None
+    if os.path.isdir(source):
+        if not os.path.isfile(os.path.join(source, "tokenizer.json")):
+            raise FileNotFoundError(f"{source!r} has no tokenizer.json")
+        return Tokenizer(PreTrainedTokenizerFast.from_pretrained(source, local_files_only=True))
+    if source.endswith(".gguf") and os.path.isfile(source):
+        return Tokenizer(_load_gguf_tokenizer(source))
+    raise FileNotFoundError(f"no tokenizer at {source!r}: expected a local folder or a .gguf file")
+
+
+def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    metadata = read_gguf_metadata(path, prefixes=("general.architecture", "tokenizer."))
+    architecture, tokenizer_dict, tokenizer_config = _gguf_tokenizer_fields(metadata)
+    backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra_kwargs)
+
+
+def _gguf_tokenizer_fields(metadata: dict[str, Any]) -> tuple[str, dict, dict]:
+    """`(architecture, tokenizer_dict, tokenizer_config)` exactly as transformers' `get_gguf_tokenizer`."""
+    grouped = {
+        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    tokenizer_type = tokenizer_dict.get("tokenizer_type")
+    if tokenizer_type == "llama":
+        # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise
+        tokenizer_config.setdefault("add_bos_token", True)
+    elif tokenizer_type == "gemma4":
+        # its chat template writes `<bos>` itself
+        tokenizer_config["add_bos_token"] = False
+    for name, key in _GGUF_SPECIAL_TOKEN_KEYS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    return metadata["general.architecture"], tokenizer_dict, tokenizer_config
+
+
+# GGUF metadata value types: the fixed-size ones, then string (8) and array (9)
+_GGUF_SCALAR_FORMATS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str, prefixes: tuple[str, ...] = ("",)) -> dict[str, Any]:
+    """The key-value metadata of a GGUF (v2/v3) file whose keys start with one of `prefixes`.
+
+    Reads only the header, never the tensors; values of other keys are parsed and dropped.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        reader = _GgufMetadataReader(buf)
+        magic, version, _num_tensors, num_kv = reader.unpack("<4sIQQ")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+        metadata = {}
+        for _ in range(num_kv):
+            key = reader.string()
+            value = reader.value(reader.unpack("<I")[0])
+            if key.startswith(prefixes):
+                metadata[key] = value
+        return metadata
+
+
+class _GgufMetadataReader:
+    """A cursor over the header of a GGUF file (little-endian)."""
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.pos = 0
+
+    def unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (length,) = struct.unpack_from("<Q", self.buf, self.pos)
+        start = self.pos + 8
+        self.pos = start + length
+        return self.buf[start : self.pos].decode("utf-8", errors="replace")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == _GGUF_STRING:
+            return self.string()
+        if value_type == _GGUF_ARRAY:
+            item_type, count = self.unpack("<IQ")
+            if item_type in _GGUF_SCALAR_FORMATS:  # one unpack for the whole array
+                return list(self.unpack(f"<{count}{_GGUF_SCALAR_FORMATS[item_type][1]}"))
+            return [self.value(item_type) for _ in range(count)]
+        if value_type not in _GGUF_SCALAR_FORMATS:
+            raise ValueError(f"unknown GGUF metadata value type {value_type}")
+        return self.unpack(_GGUF_SCALAR_FORMATS[value_type])[0]

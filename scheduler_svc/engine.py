@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -136,18 +135,25 @@ class Engine:
             raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting")
         seq = Sequence(next(self._seq_ids), prompt_ids, spec.sampling, spec.stopping,
                        self.limits.eos_token_id, self.limits.max_model_len)
-        if seq.seed is None:
-            seq.seed = random.getrandbits(63)  # fixed now, so a recompute samples the same tokens
-        if not self.scheduler.can_ever_fit(seq.num_prompt_tokens + seq.max_tokens):
-            raise InvalidArgument(
-                "max_tokens", f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens "
-                f"({seq.max_tokens}) can never fit in the KV cache")
+        self._check_fits(seq)
+        self.scheduler.add_seq(seq)  # assigns a seed if none was given: recomputes sample alike
         state = _RequestState(seq, self.tokenizer, spec.stopping.stop)
         self._requests[seq.seq_id] = state
-        self.scheduler.add_seq(seq)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._wakeup.set()
         return state
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """An explicit max_tokens must fit in the whole KV cache; without one, the cache's size
+        caps the output (finish reason LENGTH)."""
+        if seq.stopping.max_tokens is None:
+            needed, what = seq.num_prompt_tokens + 1, "prompt"
+        else:
+            needed, what = seq.num_prompt_tokens + seq.max_tokens, "max_tokens"
+        if not self.scheduler.can_ever_fit(needed):
+            raise InvalidArgument(
+                what, f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens "
+                f"({seq.max_tokens}) can never fit in the KV cache")
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent | FinishEvent]:
         """Token events, then one FinishEvent. Leaving early (cancel, disconnect) aborts the request."""

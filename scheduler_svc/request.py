@@ -75,6 +75,8 @@ def _tokenize(spec: GenerateSpec, tokenizer, field_name: str) -> list[int]:
         for i, message in enumerate(spec.chat):
             if not message["role"]:
                 raise InvalidArgument(f"prompt.chat.messages[{i}].role", "must not be empty")
+        if not tokenizer.has_chat_template:
+            raise InvalidArgument(field_name, "this model's tokenizer has no chat template")
         return tokenizer.apply_chat_template(spec.chat)
     if not spec.prompt_text:
         raise InvalidArgument(field_name, "must not be empty")

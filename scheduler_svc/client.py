@@ -32,6 +32,21 @@ def build_request(a: argparse.Namespace) -> generate_pb2.GenerateRequest:
     return req
 
 
+def check_health(address: str, timeout: float) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as err:
+            print(f"{address}: {err.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve-client", description=__doc__)
     p.add_argument("prompt", help="the prompt (a user chat message unless --raw or --token-ids)")
@@ -50,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--show-ids", action="store_true", help="print token ids instead of text")
     p.add_argument("--request-id", default=None)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--health", action="store_true",
+                   help="only check the server's grpc.health.v1 status (exit 0 when SERVING)")
     a = p.parse_args(argv)
+    if a.health:
+        return check_health(a.address, min(a.timeout, 5.0))
     with grpc.insecure_channel(a.address) as channel:
         stub = generate_pb2_grpc.GeneratorStub(channel)
         try:

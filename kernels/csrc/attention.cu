@@ -1,0 +1,581 @@
+// Paged attention over the KV cache layout [num_blocks, num_kv_heads, block_size, head_dim]:
+//   prefill: FlashAttention-2 style, 128 query rows x 64 keys per step, 4 warps, mma.sync m16n8k16
+//            with ldmatrix, K/V pages gathered through the block table with cp.async (K of the next
+//            tile loads during softmax and P.V, V of this tile during Q.K^T), base-2 online softmax.
+//   decode:  flash-decoding; one CTA per (seq, kv head, split) serves all query heads of the group
+//            (they are the M rows of the MMA), 3-4 stage cp.async pipeline, partials merged by a
+//            log-sum-exp combine kernel when the context is split.
+#include "common.cuh"
+
+namespace ps {
+
+constexpr int kThreads = 128;  // 4 warps for every attention kernel here
+constexpr int kPrefillBM = 128;
+constexpr int kPrefillBN = 64;
+constexpr int kDecodeBN = 64;  // keys per pipeline stage; each warp owns 16 of them
+
+// ---------------------------------------------------------------------------------------------
+// Tile list for prefill: for every sequence, its query tiles (seq, m_block), last tile first (the
+// last tiles see the most keys). Entries past the total are (-1, 0): those CTAs exit at once.
+// One CTA of 1024 threads; launched before the prefill kernel on the same stream.
+__device__ void prefill_tiles_impl(const int* __restrict__ cu_seqlens_q, int num_seqs,
+                                   int2* __restrict__ tiles, int num_entries) {
+  __shared__ int scan[1024];
+  const int tid = threadIdx.x;
+  int base = 0;
+  for (int start = 0; start < num_seqs; start += 1024) {
+    const int s = start + tid;
+    int nt = 0;
+    if (s < num_seqs) nt = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + kPrefillBM - 1) / kPrefillBM;
+    scan[tid] = nt;
+    __syncthreads();
+    for (int off = 1; off < 1024; off <<= 1) {
+      const int v = tid >= off ? scan[tid - off] : 0;
+      __syncthreads();
+      scan[tid] += v;
+      __syncthreads();
+    }
+    const int first = base + scan[tid] - nt;
+    for (int k = 0; k < nt && first + k < num_entries; ++k) tiles[first + k] = make_int2(s, nt - 1 - k);
+    base += scan[1023];
+    __syncthreads();
+  }
+  for (int i = base + tid; i < num_entries; i += 1024) tiles[i] = make_int2(-1, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__device__ __forceinline__ void prefill_impl(
+    const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_cache,
+    const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ seq_lens,
+    const int2* __restrict__ tiles, long long q_stride_tok, int q_stride_head,
+    long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads, int block_size_log2,
+    int max_blocks_per_seq, float scale_log2) {
+  constexpr int BM = kPrefillBM, BN = kPrefillBN;
+  constexpr int CH = HD / 8;                 // 16-byte chunks per row
+  constexpr int ROW_STEP = kThreads / CH;    // rows covered by one pass of the CTA
+  constexpr int KV_ROWS = BN / ROW_STEP;     // K (or V) rows each thread loads per tile
+  constexpr int Q_ROWS = BM / ROW_STEP;
+  constexpr int MT = 2;                      // m16 tiles per warp (32 query rows per warp)
+  constexpr int NT = BN / 8;                 // n8 tiles of S
+  constexpr int DT = HD / 8;                 // n8 tiles of O
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BM * HD;
+  T* sV = sK + BN * HD;
+
+  const int2 tile = tiles[blockIdx.y];
+  const int seq = tile.x;
+  if (seq < 0) return;
+  const int m0 = tile.y * BM;
+  const int head = blockIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int q_begin = cu_seqlens_q[seq];
+  const int q_len = cu_seqlens_q[seq + 1] - q_begin;
+  const int ctx0 = seq_lens[seq] - q_len;  // position of this sequence's first new token
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int rows_here = min(BM, q_len - m0);
+  const int kv_end = ctx0 + m0 + rows_here;  // keys [0, kv_end) are visible to some row here
+  const int n_tiles = (kv_end + BN - 1) / BN;
+  const int bs_mask = (1 << block_size_log2) - 1;
+  const int* bt = block_tables + (long long)seq * max_blocks_per_seq;
+  const long long head_off = (long long)kv_head << (block_size_log2);  // in rows
+  const int ld_ch = tid % CH, ld_row = tid / CH;
+
+  // Q tile -> sQ (rows past q_len zero-filled).
+#pragma unroll
+  for (int i = 0; i < Q_ROWS; ++i) {
+    const int r = ld_row + i * ROW_STEP;
+    const bool ok = m0 + r < q_len;
+    const T* src = ok ? q + (long long)(q_begin + m0 + r) * q_stride_tok +
+                            (long long)head * q_stride_head + ld_ch * 8
+                      : q;
+    cp_async16(smem_addr(sQ + swz<HD>(r, ld_ch)), src, ok ? 16 : 0);
+  }
+
+  // Page ids of tiles j (for V_j) and j+1 (for K_{j+1}) live in a double-buffered smem list,
+  // so the block-table loads stay off the cp.async issue path and out of registers.
+  constexpr int TPG = 8;  // >= pages per tile for every block_size >= BN / 8
+  __shared__ int s_tpg[2][TPG];
+  const int tile_pages = BN >> block_size_log2 > 0 ? BN >> block_size_log2 : 1;
+  auto page_of_tile = [&](int j, int i) -> int {  // the i-th page touched by tile j, or -1
+    const int p = ((j * BN) >> block_size_log2) + i;
+    return (i < tile_pages && (p << block_size_log2) < kv_end) ? __ldg(bt + p) : -1;
+  };
+  auto issue = [&](const T* cache, T* dst, int j) {
+    const int* tpg = s_tpg[j & 1];
+    const int first = (j * BN) >> block_size_log2;
+#pragma unroll
+    for (int i = 0; i < KV_ROWS; ++i) {
+      const int r = ld_row + i * ROW_STEP;
+      const int kpos = j * BN + r;
+      const bool ok = kpos < kv_end;
+      const T* src = cache;
+      if (ok)
+        src = cache + (((long long)tpg[(kpos >> block_size_log2) - first] * num_kv_heads
+                        << block_size_log2) + head_off + (kpos & bs_mask)) * HD + ld_ch * 8;
+      cp_async16(smem_addr(dst + swz<HD>(r, ld_ch)), src, ok ? 16 : 0);
+    }
+  };
+
+  if (tid < TPG) s_tpg[0][tid] = page_of_tile(0, tid);
+  __syncthreads();
+  issue(k_cache, sK, 0);
+  cp_async_commit();
+
+  float o[MT][DT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m_run[mt][0] = m_run[mt][1] = -INFINITY;
+    l_run[mt][0] = l_run[mt][1] = 0.f;
+  }
+  const int warp_row0 = warp * 32;
+  const int warp_qpos0 = ctx0 + m0 + warp_row0;  // position of the warp's first row
+  const bool warp_has_rows = m0 + warp_row0 < q_len;
+  // ldmatrix lane roles: Q and V rows (lane & 15 / 8-row pairs), K rows (n-tile pairs).
+  const unsigned int q_base = smem_addr(sQ) + warp_row0 * HD * 2, k_base = smem_addr(sK),
+                     v_base = smem_addr(sV);
+  const unsigned int q_off = ldm_off<HD>(lane & 15, lane >> 4);
+  const unsigned int k_off = ldm_off<HD>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const unsigned int v_off = ldm_off<HD>((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait<0>();
+    __syncthreads();  // K_j (and Q) landed; every warp is done reading sV
+    issue(v_cache, sV, j);
+    cp_async_commit();
+    const int next_page = (tid < TPG && j + 1 < n_tiles) ? page_of_tile(j + 1, tid) : -1;
+
+    const bool active = warp_has_rows && j * BN <= warp_qpos0 + 31;
+    float s[MT][NT][4];
+    if (active) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        unsigned int qa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldmatrix_x4(qa[mt], q_base + mt * 16 * HD * 2 + (q_off ^ (kk << 5)));
+#pragma unroll
+        for (int np = 0; np < BN / 16; ++np) {
+          unsigned int kb[4];
+          ldmatrix_x4(kb, k_base + np * 16 * HD * 2 + (k_off ^ (kk << 5)));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma16816<T>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+            mma16816<T>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+          }
+        }
+      }
+      if ((j + 1) * BN - 1 > warp_qpos0) {  // causal mask reaches this warp's rows
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int qpos = warp_qpos0 + mt * 16 + g + ((e >> 1) << 3);
+              const int kpos = j * BN + nt * 8 + 2 * t4 + (e & 1);
+              if (kpos > qpos) s[mt][nt][e] = -INFINITY;
+            }
+      }
+    }
+    if (tid < TPG) s_tpg[(j + 1) & 1][tid] = next_page;
+    cp_async_wait<0>();
+    __syncthreads();  // V_j landed; every warp is done reading sK; page list j+1 visible
+    if (j + 1 < n_tiles) issue(k_cache, sK, j + 1);
+    cp_async_commit();
+    if (!active) continue;
+
+    // Online softmax (base 2), one row per (mt, half); a row's 16 values sit in one lane quad.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[mt][h], mx * scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float corr = exp2_approx(m_run[mt][h] - m_use);
+        m_run[mt][h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = exp2_approx(fmaf(s[mt][nt][2 * h + e], scale_log2, -m_use));
+            s[mt][nt][2 * h + e] = p;
+            sum += p;
+          }
+        l_run[mt][h] = l_run[mt][h] * corr + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          o[mt][dt][2 * h] *= corr;
+          o[mt][dt][2 * h + 1] *= corr;
+        }
+      }
+
+    // O += P V: P stays in registers as the A operand.
+#pragma unroll
+    for (int kb = 0; kb < BN / 16; ++kb) {
+      unsigned int pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = Pack<T>::two(s[mt][2 * kb][0], s[mt][2 * kb][1]);
+        pa[mt][1] = Pack<T>::two(s[mt][2 * kb][2], s[mt][2 * kb][3]);
+        pa[mt][2] = Pack<T>::two(s[mt][2 * kb + 1][0], s[mt][2 * kb + 1][1]);
+        pa[mt][3] = Pack<T>::two(s[mt][2 * kb + 1][2], s[mt][2 * kb + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; ++dp) {
+        unsigned int vb[4];
+        ldmatrix_x4_trans(vb, v_base + kb * 16 * HD * 2 + (v_off ^ (dp << 5)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<T>(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+          mma16816<T>(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+
+  // Epilogue: normalise, stage the warp's own 32 rows in sQ (only this warp ever read them), then
+  // 16-byte coalesced stores.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = warp_row0 + mt * 16 + g + h * 8;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<unsigned int*>(sQ + swz<HD>(row, dt) + 2 * t4) =
+            Pack<T>::two(o[mt][dt][2 * h] * inv, o[mt][dt][2 * h + 1] * inv);
+    }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 32 * CH / 32; ++i) {
+    const int c = lane + i * 32;
+    const int row = warp_row0 + c / CH, ch = c % CH;
+    if (m0 + row < q_len) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sQ + swz<HD>(row, ch));
+      *reinterpret_cast<uint4*>(out + (long long)(q_begin + m0 + row) * o_stride_tok +
+                                (long long)head * o_stride_head + ch * 8) = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD, int STAGES>
+__device__ __forceinline__ void decode_impl(
+    const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,
+    float* __restrict__ part_lse, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, long long q_stride_tok,
+    int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads,
+    int block_size_log2, int max_blocks_per_seq, int chunk_pages, int num_splits,
+    float scale_log2) {
+  constexpr int BN = kDecodeBN;
+  constexpr int CH = HD / 8;
+  constexpr int ROW_STEP = kThreads / CH;
+  constexpr int KV_ROWS = BN / ROW_STEP;
+  constexpr int DT = HD / 8;
+  constexpr int STAGE_ELEMS = 2 * BN * HD;  // K then V
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* stages = reinterpret_cast<T*>(smem_raw);
+  int* s_pages = reinterpret_cast<int*>(smem_raw + (size_t)STAGES * STAGE_ELEMS * sizeof(T));
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int group = num_heads / num_kv_heads;
+  const int head0 = kv_head * group;
+  const int seq_len = seq_lens[seq];
+  const int begin = (split * chunk_pages) << block_size_log2;
+  const int end = min(seq_len, begin + (chunk_pages << block_size_log2));
+  const long long row_base = (long long)seq * num_heads + head0;  // partial index of (seq, head0)
+
+  if (begin >= end) {  // nothing to attend to in this split
+    if (num_splits > 1) {
+      for (int h = tid; h < group; h += kThreads) part_lse[(row_base + h) * num_splits + split] = -INFINITY;
+    } else {
+      for (int i = tid; i < group * HD; i += kThreads)
+        out[(long long)seq * o_stride_tok + (long long)(head0 + i / HD) * o_stride_head + i % HD] =
+            T(0.f);
+    }
+    return;
+  }
+  const int page0 = begin >> block_size_log2;
+  const int n_pages = ((end - begin) + (1 << block_size_log2) - 1) >> block_size_log2;
+  const int* bt = block_tables + (long long)seq * max_blocks_per_seq + page0;
+  for (int i = tid; i < n_pages; i += kThreads) s_pages[i] = bt[i];
+
+  // Q of the group as the A operand: row r = head0 + r for r < group (rows past it are zero).
+  unsigned int qa[HD / 16][4];
+  {
+    const T* qs = q + (long long)seq * q_stride_tok;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t4;
+        qa[kk][e] = r < group ? *reinterpret_cast<const unsigned int*>(
+                                    qs + (long long)(head0 + r) * q_stride_head + col)
+                              : 0u;
+      }
+    }
+  }
+  __syncthreads();  // s_pages visible
+
+  const int bs_mask = (1 << block_size_log2) - 1;
+  const long long head_off = (long long)kv_head << block_size_log2;
+  const int ld_ch = tid % CH, ld_row = tid / CH;
+  const int n_stages = (end - begin + BN - 1) / BN;
+  const unsigned int stage_base = smem_addr(stages);
+  const unsigned int k_off = ldm_off<HD>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const unsigned int v_off = ldm_off<HD>((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  auto issue = [&](int st) {
+    T* sK = stages + (st % STAGES) * STAGE_ELEMS;
+    T* sV = sK + BN * HD;
+#pragma unroll
+    for (int i = 0; i < KV_ROWS; ++i) {
+      const int r = ld_row + i * ROW_STEP;
+      const int kpos = begin + st * BN + r;
+      const bool ok = kpos < end;
+      long long off = 0;
+      if (ok) {
+        const int pg = s_pages[(kpos >> block_size_log2) - page0];
+        off = (((long long)pg * num_kv_heads << block_size_log2) + head_off + (kpos & bs_mask)) * HD +
+              ld_ch * 8;
+      }
+      const unsigned int d = swz<HD>(r, ld_ch);
+      cp_async16(smem_addr(sK + d), k_cache + off, ok ? 16 : 0);
+      cp_async16(smem_addr(sV + d), v_cache + off, ok ? 16 : 0);
+    }
+  };
+
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_stages) issue(st);
+    cp_async_commit();
+  }
+
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  for (int st = 0; st < n_stages; ++st) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage st landed; every warp is done with the buffer refilled next
+    if (st + STAGES - 1 < n_stages) issue(st + STAGES - 1);
+    cp_async_commit();
+
+    const int kbase = begin + st * BN + warp * 16;
+    if (kbase >= end) continue;
+    const unsigned int k_base = stage_base + (st % STAGES) * STAGE_ELEMS * 2 + warp * 16 * HD * 2;
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      unsigned int kb[4];
+      ldmatrix_x4(kb, k_base + (k_off ^ (kk << 5)));
+      mma16816<T>(s[0], qa[kk], kb[0], kb[1]);
+      mma16816<T>(s[1], qa[kk], kb[2], kb[3]);
+    }
+    if (kbase + 16 > end) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (kbase + nt * 8 + 2 * t4 + (e & 1) >= end) s[nt][e] = -INFINITY;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[h], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float corr = exp2_approx(m_run[h] - m_use);
+      m_run[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2_approx(fmaf(s[nt][2 * h + e], scale_log2, -m_use));
+          s[nt][2 * h + e] = p;
+          sum += p;
+        }
+      l_run[h] = l_run[h] * corr + sum;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        o[dt][2 * h] *= corr;
+        o[dt][2 * h + 1] *= corr;
+      }
+    }
+    unsigned int pa[4];
+    pa[0] = Pack<T>::two(s[0][0], s[0][1]);
+    pa[1] = Pack<T>::two(s[0][2], s[0][3]);
+    pa[2] = Pack<T>::two(s[1][0], s[1][1]);
+    pa[3] = Pack<T>::two(s[1][2], s[1][3]);
+#pragma unroll
+    for (int dp = 0; dp < HD / 16; ++dp) {
+      unsigned int vb[4];
+      ldmatrix_x4_trans(vb, k_base + BN * HD * 2 + (v_off ^ (dp << 5)));
+      mma16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+      mma16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // pipeline buffers are free: reuse them to merge the 4 warps
+
+  float* sm_o = reinterpret_cast<float*>(smem_raw);  // [4][16][HD]
+  float* sm_m = sm_o + 4 * 16 * HD;                  // [4][16]
+  float* sm_l = sm_m + 4 * 16;                       // [4][16]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = g + h * 8;
+    if (t4 == 0) {
+      sm_m[warp * 16 + row] = m_run[h];
+      sm_l[warp * 16 + row] = l;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<float2*>(sm_o + (warp * 16 + row) * HD + dt * 8 + 2 * t4) =
+          make_float2(o[dt][2 * h], o[dt][2 * h + 1]);
+  }
+  __syncthreads();
+  for (int i = tid; i < group * HD; i += kThreads) {
+    const int row = i / HD, d = i % HD;
+    float mw[4], mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      mw[w] = sm_m[w * 16 + row];
+      mx = fmaxf(mx, mw[w]);
+    }
+    float l = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float wt = mw[w] == -INFINITY ? 0.f : exp2_approx(mw[w] - mx);
+      l += wt * sm_l[w * 16 + row];
+      acc += wt * sm_o[(w * 16 + row) * HD + d];
+    }
+    const float val = l > 0.f ? acc / l : 0.f;
+    if (num_splits == 1) {
+      out[(long long)seq * o_stride_tok + (long long)(head0 + row) * o_stride_head + d] = T(val);
+    } else {
+      const long long pidx = (row_base + row) * num_splits + split;
+      part_o[pidx * HD + d] = val;
+      if (d == 0) part_lse[pidx] = l > 0.f ? mx + __log2f(l) : -INFINITY;
+    }
+  }
+}
+
+// Merge the splits of one (seq, head): weights 2^(lse_s - max lse); empty splits carry -inf.
+template <typename T>
+__device__ __forceinline__ void decode_combine_impl(const float* __restrict__ part_o,
+                                                    const float* __restrict__ part_lse,
+                                                    T* __restrict__ out, long long o_stride_tok,
+                                                    int o_stride_head, int num_heads,
+                                                    int num_splits, int head_dim) {
+  const int seq = blockIdx.x, head = blockIdx.y;
+  const long long base = ((long long)seq * num_heads + head) * num_splits;
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_lse[base + s]);
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float acc = 0.f, wsum = 0.f;
+    if (mx != -INFINITY) {
+      for (int s = 0; s < num_splits; ++s) {
+        const float lse = part_lse[base + s];
+        if (lse == -INFINITY) continue;
+        const float w = exp2_approx(lse - mx);
+        acc += w * part_o[(base + s) * head_dim + d];
+        wsum += w;
+      }
+    }
+    out[(long long)seq * o_stride_tok + (long long)head * o_stride_head + d] =
+        T(wsum > 0.f ? acc / wsum : 0.f);
+  }
+}
+
+}  // namespace ps
+
+// ---------------------------------------------------------------------------------------------
+// Entry points (extern "C": plain names for cupy.RawModule.get_function).
+extern "C" __global__ void __launch_bounds__(1024)
+    prefill_tiles(const int* cu_seqlens_q, int num_seqs, int2* tiles, int num_entries) {
+  ps::prefill_tiles_impl(cu_seqlens_q, num_seqs, tiles, num_entries);
+}
+
+#define PS_PREFILL(NAME, T, HD)                                                                   \
+  extern "C" __global__ void __launch_bounds__(ps::kThreads, 2)                                   \
+      NAME(const T* q, T* out, const T* k_cache, const T* v_cache, const int* block_tables,       \
+           const int* cu_seqlens_q, const int* seq_lens, const int2* tiles,                       \
+           long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head,  \
+           int num_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,          \
+           float scale_log2) {                                                                    \
+    ps::prefill_impl<T, HD>(q, out, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,       \
+                            tiles, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head,      \
+                            num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq,         \
+                            scale_log2);                                                          \
+  }
+PS_PREFILL(prefill_bf16_hd64, __nv_bfloat16, 64)
+PS_PREFILL(prefill_bf16_hd128, __nv_bfloat16, 128)
+PS_PREFILL(prefill_fp16_hd64, __half, 64)
+PS_PREFILL(prefill_fp16_hd128, __half, 128)
+
+#define PS_DECODE(NAME, T, HD, STAGES)                                                           \
+  extern "C" __global__ void __launch_bounds__(ps::kThreads)                                     \
+      NAME(const T* q, T* out, float* part_o, float* part_lse, const T* k_cache,                 \
+           const T* v_cache, const int* block_tables, const int* seq_lens,                       \
+           long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head, \
+           int num_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,         \
+           int chunk_pages, int num_splits, float scale_log2) {                                  \
+    ps::decode_impl<T, HD, STAGES>(q, out, part_o, part_lse, k_cache, v_cache, block_tables,     \
+                                   seq_lens, q_stride_tok, q_stride_head, o_stride_tok,          \
+                                   o_stride_head, num_heads, num_kv_heads, block_size_log2,      \
+                                   max_blocks_per_seq, chunk_pages, num_splits, scale_log2);     \
+  }
+PS_DECODE(decode_bf16_hd64, __nv_bfloat16, 64, 4)
+PS_DECODE(decode_bf16_hd128, __nv_bfloat16, 128, 3)
+PS_DECODE(decode_fp16_hd64, __half, 64, 4)
+PS_DECODE(decode_fp16_hd128, __half, 128, 3)
+
+#define PS_COMBINE(NAME, T)                                                                      \
+  extern "C" __global__ void NAME(const float* part_o, const float* part_lse, T* out,            \
+                                  long long o_stride_tok, int o_stride_head, int num_heads,      \
+                                  int num_splits, int head_dim) {                                \
+    ps::decode_combine_impl<T>(part_o, part_lse, out, o_stride_tok, o_stride_head, num_heads,    \
+                               num_splits, head_dim);                                            \
+  }
+PS_COMBINE(decode_combine_bf16, __nv_bfloat16)
+PS_COMBINE(decode_combine_fp16, __half)

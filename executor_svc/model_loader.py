@@ -84,7 +84,7 @@ def tokenizer_source(source: str) -> str:
     return str(Path(source).resolve())
 
 
-def model_name(source: str, hf_config: Any) -> str:
+def model_name(source: str) -> str:
     if source.startswith(_PRESET_PREFIX):
         return source
     path = Path(source)
@@ -103,7 +103,7 @@ def load_model(source: str, dtype: torch.dtype | str, device: str | torch.device
     hf_model = load_hf_model(source, seed, dtype, device)
     config = ModelConfig.from_hf_config(hf_model.config)
     model = model_from_hf(hf_model, config, backend)
-    return model, config, tokenizer_source(source), model_name(source, hf_model.config)
+    return model, config, tokenizer_source(source), model_name(source)
 
 
 def model_from_hf(hf_model: Any, config: ModelConfig, backend) -> LlamaModel:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,9 @@ def current_stream(device: torch.device) -> Any:
     ptr = torch.cuda.current_stream(index).cuda_stream
     stream = _streams.get((ptr, index))
     if stream is None:
-        stream = cupy.cuda.ExternalStream(ptr, index)
+        with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external; same object
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy.cuda.ExternalStream(ptr, index)
         _streams[(ptr, index)] = stream
     return stream
 

@@ -78,9 +78,9 @@ def torch_in_dtype(q, k, v, scale):
 
 
 def check_attention(out, q, k_cache, v_cache, tables, cu, seq_lens, scale):
+    """Per sequence: the float64 result (the reference twin's computation, done by SDPA in float64
+    on the GPU) against the kernel and against torch in the kernel's dtype."""
     assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
-    ref64 = ref.paged_prefill_attention(q.double(), k_cache.double(), v_cache.double(), tables,
-                                        cu, seq_lens, scale)
     starts, lens = cu.tolist(), seq_lens.tolist()
     for i, n in enumerate(lens):
         a, b = starts[i], starts[i + 1]
@@ -88,9 +88,29 @@ def check_attention(out, q, k_cache, v_cache, tables, cu, seq_lens, scale):
             continue
         k = ref.gather_kv(k_cache, tables[i], n)
         v = ref.gather_kv(v_cache, tables[i], n)
-        base = rel_err(torch_in_dtype(q[a:b], k, v, scale), ref64[a:b])
-        err = rel_err(out[a:b], ref64[a:b])
+        ref64 = torch_in_dtype(q[a:b].double(), k.double(), v.double(), scale)
+        base = rel_err(torch_in_dtype(q[a:b], k, v, scale), ref64)
+        err = rel_err(out[a:b], ref64)
         assert err <= 2 * base + FLOOR, f"seq {i} (q_len {b - a}, ctx {n}): {err:.2e} vs torch {base:.2e}"
+
+
+def test_kernels_match_the_reference_twins_on_cpu(kern):
+    """Small case through kernels.reference itself (on CPU, float64): prefill and decode."""
+    attention, _ = kern
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    seq_lens, q_lens = [70, 33, 200], [70, 5, 1]
+    k_cache, v_cache, tables = paged_cache(seq_lens, 2, 64, 16, torch.bfloat16, gen)
+    q = torch.randn(sum(q_lens), 8, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    cu = torch.tensor([0, 70, 75, 76], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    cpu = [t.cpu() for t in (q, k_cache, v_cache, tables, cu, lens)]
+    ref64 = ref.paged_prefill_attention(cpu[0].double(), cpu[1].double(), cpu[2].double(), *cpu[3:], 0.125)
+    out = attention.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125)
+    assert rel_err(out.cpu(), ref64) < 1e-2
+    dec_ref = ref.paged_decode_attention(cpu[0][:3].double(), cpu[1].double(), cpu[2].double(),
+                                         cpu[3], cpu[5], 0.125)
+    dec = attention.paged_decode_attention(q[:3], k_cache, v_cache, tables, lens, 0.125)
+    assert rel_err(dec.cpu(), dec_ref) < 1e-2
 
 
 PREFILL_CASES = {

@@ -10,6 +10,7 @@ import signal
 import threading
 
 from executor_svc.config import ExecutorConfig
+from executor_svc.transport import TransportConfig
 
 log = logging.getLogger("executor_svc")
 
@@ -18,7 +19,7 @@ def _env(name: str, default):
     return os.environ.get(f"PAGEDSERVE_EXECUTOR_{name}", default)
 
 
-def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, str]:
+def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, TransportConfig, str]:
     p = argparse.ArgumentParser(prog="pagedserve-executor", description=__doc__)
     p.add_argument("--model", default=_env("MODEL", ""),
                    help="preset:NAME, a local Hugging Face folder, or a .gguf file "
@@ -36,6 +37,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, str]:
                    help="seed of random weights for preset models")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", 50052)))
+    p.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate: serve TLS")
+    p.add_argument("--tls-key", default=_env("TLS_KEY", None), help="PEM private key of --tls-cert")
+    p.add_argument("--auth-token", default=_env("AUTH_TOKEN", None),
+                   help="shared token the scheduler must present (authorization: Bearer ...)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     backend = a.backend
@@ -47,7 +52,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, str]:
         swap_space_gib=a.swap_space,
         max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
         seed=a.seed, host=a.host, port=a.port)
-    return config, a.log_level
+    transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=a.auth_token)
+    return config, transport, a.log_level
 
 
 def _cuda_available() -> bool:
@@ -59,14 +65,14 @@ def _cuda_available() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, log_level = parse_config(argv)
+    config, transport, log_level = parse_config(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from executor_svc.server import build_server
     from executor_svc.worker import Worker
 
     worker = Worker(config)
     info = worker.describe()
-    server, port = build_server(worker, f"{config.host}:{config.port}")
+    server, port = build_server(worker, f"{config.host}:{config.port}", transport)
     server.start()
     log.info("executor ready on %s:%d: %s (%s, %s), %d GPU blocks, %d CPU blocks", config.host,
              port, info.model_name, info.backend, info.dtype, info.num_gpu_blocks,

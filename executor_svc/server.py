@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from executor_svc import wire
 from executor_svc.step import PlanMismatch
+from executor_svc.transport import TokenInterceptor, TransportConfig
 from protos import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,14 +51,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 except PlanMismatch as err:
                     self.worker.reset()
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+                except Exception as err:  # a failed forward may leave partial state: drop it all
+                    log.exception("step %d failed", plan.step_id)
+                    self.worker.reset()
+                    context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {err!r}")
                 self.executed_steps += 1
             yield wire.output_to_proto(output, self.executed_steps)
 
 
-def build_server(worker, address: str):
+def build_server(worker, address: str, transport: TransportConfig = TransportConfig()):
     """A grpc server with the Executor, health and reflection services; returns (server, port)."""
+    interceptors = ([TokenInterceptor(transport.auth_token, SERVICE_NAME)]
+                    if transport.auth_token else [])
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
+        interceptors=interceptors,
         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
     )
@@ -69,7 +77,9 @@ def build_server(worker, address: str):
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    credentials = transport.server_credentials()
+    port = (server.add_secure_port(address, credentials) if credentials
+            else server.add_insecure_port(address))
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     return server, port

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-PROTO_FILES = ("protos/generate.proto", "protos/executor.proto")
+PROTO_FILES = ("protos/generate.proto", "protos/executor.proto", "protos/admin.proto")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

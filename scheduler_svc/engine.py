@@ -37,6 +37,10 @@ class NoExecutor(Exception):
     """No executor has been reachable for longer than the grace period; mapped to UNAVAILABLE."""
 
 
+class ShuttingDown(Exception):
+    """The service is draining before it stops; mapped to UNAVAILABLE."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -88,6 +92,13 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
+        self._draining = False
+        self._switch: tuple[ExecutorClient, object, asyncio.Future] | None = None
+        self._switch_requested = asyncio.Event()
+        self.attached = False
+        self.on_attached_change = None  # callable(bool): health reporting hooks in here
         self.num_resyncs = 0
         self.num_steps = 0
 
@@ -97,6 +108,22 @@ class Engine:
         """Attaches the first executor, then runs the step loop in the background."""
         await self._attach(await self.client.connect())
         self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    def start_draining(self) -> None:
+        """Stops admission: new requests get UNAVAILABLE, running ones go on."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is in flight."""
+        await self._idle.wait()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -118,11 +145,56 @@ class Engine:
         else:
             self.scheduler.reset_executor()
             self.scheduler.block_manager = block_manager
+        self._set_attached(True)
+
+    def _set_attached(self, attached: bool) -> None:
+        self.attached = attached
+        if self.on_attached_change is not None:
+            self.on_attached_change(attached)
+
+    # --- planned executor replacement -----------------------------------------------------------
+
+    async def switch_executor(self, addresses: list[str]) -> tuple[str, str, int]:
+        """Moves serving to the first of `addresses` that serves the same model; the unfinished
+        sequences are recomputed there. Returns (address, model name, sequences moved)."""
+        old = self.client
+        client = ExecutorClient(addresses, step_timeout_s=old.step_timeout_s,
+                                describe_timeout_s=old.describe_timeout_s,
+                                max_backoff_s=old.max_backoff_s, security=old.security,
+                                fingerprint=old.fingerprint)
+        description = await client.connect_once()
+        if description is None:
+            await client.close()
+            raise InvalidArgument("addresses", f"no executor serving fingerprint {old.fingerprint} "
+                                  f"answered at {', '.join(addresses)}")
+        done = asyncio.get_running_loop().create_future()
+        self._switch = (client, description, done)
+        self._switch_requested.set()
+        self._wakeup.set()
+        return await done
+
+    async def _apply_switch(self) -> None:
+        """Between steps: the new client replaces the old, all executor-side state is rebuilt."""
+        client, description, done = self._switch
+        self._switch = None
+        self._switch_requested.clear()
+        old, self.client = self.client, client
+        moved = self.scheduler.num_running + self.scheduler.num_swapped
+        await self._attach(description)
+        await old.close()
+        log.info("serving moved to executor %s; %d sequences recomputed there",
+                 client.connected_address, moved)
+        done.set_result((client.connected_address, description.model_name, moved))
 
     # --- requests -------------------------------------------------------------------------------
 
     def _admit(self, spec: GenerateSpec) -> _RequestState:
-        """Validates and queues one request; raises InvalidArgument, QueueFull or NoExecutor."""
+        """Validates and queues one request; raises InvalidArgument, QueueFull, NoExecutor or
+        ShuttingDown."""
+        if self._draining:
+            raise ShuttingDown("the server is shutting down")
+        if self.scheduler is None:
+            raise NoExecutor("no executor attached yet")
         lost_since = self.client.disconnected_since
         if lost_since is not None and time.monotonic() - lost_since > self.config.unavailable_grace_s:
             raise NoExecutor("no executor reachable for "
@@ -139,6 +211,7 @@ class Engine:
         self.scheduler.add_seq(seq)  # assigns a seed if none was given: recomputes sample alike
         state = _RequestState(seq, self.tokenizer, spec.stopping.stop)
         self._requests[seq.seq_id] = state
+        self._idle.clear()
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._wakeup.set()
         return state
@@ -170,9 +243,16 @@ class Engine:
 
     def _abort(self, state: _RequestState) -> None:
         state.finished = True
-        self._requests.pop(state.seq.seq_id, None)
+        self._forget(state)
         self.scheduler.abort_seq(state.seq.seq_id)
+        self.metrics.requests_finished.labels("cancelled").inc()
+        self.metrics.observe_scheduler(self.scheduler)
         self._wakeup.set()
+
+    def _forget(self, state: _RequestState) -> None:
+        self._requests.pop(state.seq.seq_id, None)
+        if not self._requests:
+            self._idle.set()
 
     def abort_all(self, reason: FinishReason = FinishReason.ABORTED) -> None:
         """Ends every request now (shutdown): each stream gets its FinishEvent."""
@@ -185,6 +265,9 @@ class Engine:
 
     async def _run(self) -> None:
         while True:
+            if self._switch is not None:
+                await self._apply_switch()
+                continue
             if not self.scheduler.has_unfinished():
                 self.metrics.observe_scheduler(self.scheduler)
                 self._wakeup.clear()
@@ -210,8 +293,17 @@ class Engine:
         """Frees everything mapped on the lost executor; every unfinished sequence is recomputed."""
         self.num_resyncs += 1
         self.metrics.executor_reconnects.inc()
+        self._set_attached(False)
         self.scheduler.reset_executor()
-        await self._attach(await self.client.connect())
+        connect = asyncio.create_task(self.client.connect())
+        switch = asyncio.create_task(self._switch_requested.wait())
+        done, _ = await asyncio.wait({connect, switch}, return_when=asyncio.FIRST_COMPLETED)
+        if connect in done:
+            switch.cancel()
+            await self._attach(connect.result())
+        else:  # a planned switch arrived while this executor was away: the loop applies it
+            connect.cancel()
+            await asyncio.gather(connect, return_exceptions=True)
 
     def _emit(self, update: SeqUpdate) -> None:
         state = self._requests.get(update.seq.seq_id)
@@ -237,7 +329,7 @@ class Engine:
         if tail is None:
             tail = state.flush()
         state.finished = True
-        self._requests.pop(state.seq.seq_id, None)
+        self._forget(state)
         self.metrics.requests_finished.labels(reason.name.lower()).inc()
         self.metrics.e2e.observe(time.monotonic() - state.arrival_time)
         seq = state.seq

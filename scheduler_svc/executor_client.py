@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -31,18 +32,42 @@ class ExecutorLost(Exception):
     """The executor can no longer be trusted with this stream's state."""
 
 
+@dataclass(frozen=True)
+class LinkSecurity:
+    """TLS (a CA bundle to verify the executor) and a shared token for the executor link."""
+
+    tls_ca: str | None = None  # PEM file; None = plaintext
+    tls_server_name: str | None = None  # overrides the name checked against the certificate
+    auth_token: str | None = None
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        options = list(_CHANNEL_OPTIONS)
+        if self.tls_ca is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        with open(self.tls_ca, "rb") as f:
+            credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return grpc.aio.secure_channel(address, credentials, options=options)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else ()
+
+
 class ExecutorClient:
     """Connects to the first answering executor among `addresses` whose model matches."""
 
     def __init__(self, addresses: list[str], step_timeout_s: float = 60.0,
-                 describe_timeout_s: float = 5.0, max_backoff_s: float = 2.0) -> None:
+                 describe_timeout_s: float = 5.0, max_backoff_s: float = 2.0,
+                 security: LinkSecurity = LinkSecurity(), fingerprint: str | None = None) -> None:
         if not addresses:
             raise ValueError("at least one executor address is needed")
         self.addresses = list(addresses)
         self.step_timeout_s = step_timeout_s
         self.describe_timeout_s = describe_timeout_s
         self.max_backoff_s = max_backoff_s
-        self.fingerprint: str | None = None  # pinned by the first executor we attach to
+        self.security = security
+        self.fingerprint = fingerprint  # pinned by the first executor we attach to
         self.description: wire.ExecutorDescription | None = None
         self.connected_address: str | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -54,22 +79,32 @@ class ExecutorClient:
         """Tries the addresses in turn, with backoff, until one answers; opens its Execute stream."""
         backoff = 0.05
         while True:
-            for address in self.addresses:
-                description = await self._try_address(address)
-                if description is not None:
-                    return description
+            description = await self.connect_once()
+            if description is not None:
+                return description
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
 
+    async def connect_once(self) -> wire.ExecutorDescription | None:
+        """One pass over the addresses; None if none answered with the right model."""
+        for address in self.addresses:
+            description = await self._try_address(address)
+            if description is not None:
+                return description
+        return None
+
     async def _try_address(self, address: str) -> wire.ExecutorDescription | None:
         await self.close()
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        channel = self.security.channel(address)
         stub = executor_pb2_grpc.ExecutorStub(channel)
+        metadata = self.security.metadata()
         try:
             reply = await stub.Describe(executor_pb2.DescribeRequest(),
-                                        timeout=self.describe_timeout_s)
+                                        timeout=self.describe_timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as err:
-            log.debug("executor %s did not answer Describe: %s", address, err.code())
+            level = logging.ERROR if err.code() == grpc.StatusCode.UNAUTHENTICATED else logging.DEBUG
+            log.log(level, "executor %s did not answer Describe: %s %s", address, err.code().name,
+                    err.details())
             await channel.close()
             return None
         description = wire.description_from_proto(reply)
@@ -79,7 +114,7 @@ class ExecutorClient:
             await channel.close()
             return None
         self.fingerprint = description.fingerprint
-        self._channel, self._call = channel, stub.Execute()
+        self._channel, self._call = channel, stub.Execute(metadata=metadata)
         self.description, self.connected_address = description, address
         self.num_connects += 1
         self.disconnected_since = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig
+from scheduler_svc.executor_client import LinkSecurity
 
 log = logging.getLogger("scheduler_svc")
 
@@ -25,6 +26,7 @@ class ServiceConfig:
     step_timeout_s: float
     shutdown_timeout_s: float
     metrics_port: int
+    security: LinkSecurity
     log_level: str
 
 
@@ -52,6 +54,12 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p.add_argument("--shutdown-timeout", type=float, default=float(_env("SHUTDOWN_TIMEOUT", 30.0)))
     p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)),
                    help="port of the Prometheus /metrics endpoint (0: off)")
+    p.add_argument("--executor-tls-ca", default=_env("EXECUTOR_TLS_CA", None),
+                   help="PEM CA bundle: talk TLS to the executor and verify it")
+    p.add_argument("--executor-tls-server-name", default=_env("EXECUTOR_TLS_SERVER_NAME", None),
+                   help="name to check in the executor's certificate (default: its host)")
+    p.add_argument("--executor-token", default=_env("EXECUTOR_TOKEN", None),
+                   help="shared token presented to the executor")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
@@ -62,42 +70,82 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         engine=EngineConfig(scheduler=scheduler, max_waiting=a.max_waiting,
                             unavailable_grace_s=a.unavailable_grace),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
-        metrics_port=a.metrics_port, log_level=a.log_level)
+        metrics_port=a.metrics_port,
+        security=LinkSecurity(tls_ca=a.executor_tls_ca, tls_server_name=a.executor_tls_server_name,
+                              auth_token=a.executor_token),
+        log_level=a.log_level)
 
 
 async def serve(config: ServiceConfig) -> None:
-    from grpc_health.v1 import health_pb2
-
     from scheduler_svc.engine import Engine
     from scheduler_svc.executor_client import ExecutorClient
     from scheduler_svc.metrics import Metrics
-    from scheduler_svc.server import SERVICE_NAME, build_server
+    from scheduler_svc.server import build_server
 
-    client = ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s)
+    client = ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s,
+                            security=config.security)
     metrics = Metrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     engine = Engine(config.engine, client, metrics)
     server, health, port = build_server(engine, f"{config.host}:{config.port}")
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reporter = _HealthReporter(health)
+    reporter.set(False)
+    engine.on_attached_change = reporter.set
     await server.start()
     log.info("scheduler listening on %s:%d; waiting for an executor at %s", config.host, port,
              ", ".join(config.executor_addresses))
-    await engine.start()
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("scheduler ready: serving %s", client.description.model_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=config.shutdown_timeout_s)
+    starting = asyncio.create_task(engine.start())
+    await asyncio.wait({starting, asyncio.create_task(stop.wait())},
+                       return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        log.info("scheduler ready: serving %s", client.description.model_name)
+        await stop.wait()
+    await _shutdown(config, engine, server, reporter, starting)
+
+
+async def _shutdown(config: ServiceConfig, engine, server, reporter, starting) -> None:
+    """Stops admission, lets running requests finish up to --shutdown-timeout, then ends the rest
+    with finish reason ABORTED."""
+    log.info("shutting down: draining %d requests for up to %.0fs", engine.num_requests,
+             config.shutdown_timeout_s)
+    reporter.set(False)
+    engine.start_draining()
+    if starting.done():
+        try:
+            await asyncio.wait_for(engine.wait_idle(), config.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("ending %d requests still running", engine.num_requests)
+            engine.abort_all()
+    else:
+        starting.cancel()
+    await server.stop(grace=5)
     await engine.stop()
+
+
+class _HealthReporter:
+    """Mirrors 'an executor is attached' into grpc.health.v1 for the scheduler's services."""
+
+    def __init__(self, health) -> None:
+        from scheduler_svc.server import ADMIN_SERVICE_NAME, SERVICE_NAME
+
+        self._health = health
+        self._names = ("", SERVICE_NAME, ADMIN_SERVICE_NAME)
+        self._tasks: set[asyncio.Task] = set()
+
+    def set(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in self._names:
+            task = asyncio.ensure_future(self._health.set(name, status))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from protos import generate_pb2, generate_pb2_grpc
+from protos import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from scheduler_svc import wire
-from scheduler_svc.engine import Engine, NoExecutor, QueueFull
+from scheduler_svc.engine import Engine, NoExecutor, QueueFull, ShuttingDown
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import FinishEvent
 
@@ -25,6 +25,7 @@ _STATUS = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NoExecutor: grpc.StatusCode.UNAVAILABLE,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -69,7 +70,38 @@ class GeneratorServicer(generate_pb2_grpc.GeneratorServicer):
         )
 
 
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def SetExecutors(self, request, context):
+        addresses = [a.strip() for a in request.addresses if a.strip()]
+        if not addresses:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "addresses: must not be empty")
+        try:
+            address, model_name, moved = await self.engine.switch_executor(addresses)
+        except InvalidArgument as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return admin_pb2.SetExecutorsResponse(address=address, model_name=model_name,
+                                              moved_sequences=moved)
+
+    async def GetStatus(self, request, context):
+        engine, scheduler = self.engine, self.engine.scheduler
+        bm = scheduler.block_manager
+        return admin_pb2.GetStatusResponse(
+            executor_address=engine.client.connected_address or "",
+            executor_attached=engine.attached,
+            running=scheduler.num_running, waiting=scheduler.num_waiting,
+            swapped=scheduler.num_swapped,
+            gpu_blocks_used=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
+            gpu_blocks_total=bm.num_gpu_blocks,
+            cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,
+            cpu_blocks_total=bm.num_cpu_blocks,
+            steps=engine.num_steps, resyncs=engine.num_resyncs, draining=engine.draining)
+
+
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 def build_server(engine: Engine, address: str, max_message_bytes: int = 64 * 1024 * 1024):
@@ -79,10 +111,11 @@ def build_server(engine: Engine, address: str, max_message_bytes: int = 64 * 102
         ("grpc.max_receive_message_length", max_message_bytes),
     ])
     generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        (SERVICE_NAME, ADMIN_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(address)
     if port == 0:

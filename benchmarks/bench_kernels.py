@@ -233,6 +233,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write all numbers here too")
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--variants", action="store_true", help="also time candidate kernels")
     parser.add_argument("--only", nargs="*", default=None,
                         help="subset of: prefill decode swap compile")
     args = parser.parse_args()
@@ -247,9 +248,17 @@ def main() -> None:
     print(f"D2D copy bandwidth (read+write): {results['copy_bw_GBps']:.0f} GB/s", flush=True)
     rows = []
     if "prefill" in only:
-        for name, hd, q_len in (("prefill hd128 8x4096", 128, 4096), ("prefill hd64 8x4096", 64, 4096),
-                                ("prefill chunk 512 on 3584", 128, 512)):
-            r = bench_prefill(hd, q_len)
+        cases = [("prefill hd128 8x4096", 128, 4096, None), ("prefill hd64 8x4096", 64, 4096, None),
+                 ("prefill chunk 512 on 3584", 128, 512, None)]
+        if args.variants:  # candidate kernels compiled beside the defaults go here
+            cases += []
+        for name, hd, q_len, variant in cases:
+            default = attention.PREFILL_KERNELS[(torch.bfloat16, hd)]
+            attention.PREFILL_KERNELS[(torch.bfloat16, hd)] = variant or default
+            try:
+                r = bench_prefill(hd, q_len)
+            finally:
+                attention.PREFILL_KERNELS[(torch.bfloat16, hd)] = default
             results[name] = r
             print(name, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}),
                   flush=True)

@@ -21,6 +21,9 @@ _MAX_GROUP = 16          # query heads per KV head served by one decode CTA (the
 _HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
+# (dtype, head_dim) -> kernel; benchmarks swap in candidate variants through this table.
+PREFILL_KERNELS = {(dt, hd): f"prefill_{name}_hd{hd}" for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
+
 _workspaces: dict[tuple[str, int], torch.Tensor] = {}
 _num_sms: dict[int, int] = {}
 
@@ -133,7 +136,7 @@ def paged_prefill_attention(
     _compile.launch("attention", "prefill_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(), _i32(num_entries)))
     smem = (_PREFILL_BM + 2 * _PREFILL_BN) * head_dim * q.element_size()
-    kernel = f"prefill_{_DTYPES[q.dtype]}_hd{head_dim}"
+    kernel = PREFILL_KERNELS[(q.dtype, head_dim)]
     args = (
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
@@ -151,11 +154,12 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, blo
     """(num_splits, pages per split) from host-known shapes only (capturable).
 
     Splits bound each CTA's page list and, when sequences are few, spread one sequence over
-    enough CTAs for about four per SM; each split keeps at least 256 keys."""
+    enough CTAs for about 12 per SM (6 waves of 2 resident CTAs: a short tail); each split keeps
+    at least 256 keys."""
     align = max(1, _DECODE_BN // block_size)  # split boundaries on stage boundaries
     max_pages = max(1, max_blocks_per_seq)
     splits = math.ceil(max_pages / _DECODE_MAX_PAGES)
-    want = math.ceil(4 * num_sms / max(1, num_seqs * num_kv_heads))
+    want = math.ceil(12 * num_sms / max(1, num_seqs * num_kv_heads))
     splits = max(splits, min(want, math.ceil(max_pages * block_size / 256)))
     chunk = math.ceil(math.ceil(max_pages / splits) / align) * align
     chunk = min(chunk, _DECODE_MAX_PAGES)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import generate_pb2, generate_pb2_grpc
+from protos import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 START_TIMEOUT_S = 240
 
@@ -64,6 +64,25 @@ class Services:
                 samples[m.group(1)] = float(m.group(2))
         return samples
 
+    def status(self) -> admin_pb2.GetStatusResponse:
+        with grpc.insecure_channel(self.scheduler_address) as channel:
+            return admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(),
+                                                               timeout=10)
+
+    def set_executors(self, *addresses: str) -> admin_pb2.SetExecutorsResponse:
+        with grpc.insecure_channel(self.scheduler_address) as channel:
+            return admin_pb2_grpc.AdminStub(channel).SetExecutors(
+                admin_pb2.SetExecutorsRequest(addresses=list(addresses)), timeout=120)
+
+    def add_executor(self, name: str, args: list[str], port: int | None = None) -> str:
+        """Starts another executor process; returns its address (ready once it answers health)."""
+        port = port or free_port()
+        self.logs[name] = self.logs["executor"].replace("executor.log", f"{name}.log")
+        self.procs[name] = start_executor(args, port, self.logs[name])
+        address = f"127.0.0.1:{port}"
+        wait_serving(address)
+        return address
+
     def log_of(self, name: str) -> str:
         with open(self.logs[name], errors="replace") as f:
             return f.read()
@@ -87,14 +106,16 @@ def start_executor(args: list[str], port: int, log_path: str, env: dict | None =
                             env={**os.environ, **(env or {})})
 
 
-def start_services(tmp_path, executor_args: list[str], scheduler_args: list[str] = ()) -> Services:
+def start_services(tmp_path, executor_args: list[str], scheduler_args: list[str] = (),
+                   extra_executor_addresses: tuple[str, ...] = ()) -> Services:
     ex_port, sch_port, metrics_port = free_port(), free_port(), free_port()
     services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port)
     services.logs = {"executor": str(tmp_path / "executor.log"),
                      "scheduler": str(tmp_path / "scheduler.log")}
     services.procs["executor"] = start_executor(executor_args, ex_port, services.logs["executor"])
     cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
-           str(sch_port), "--executor", services.executor_address, "--metrics-port",
+           str(sch_port), "--executor", ",".join((services.executor_address,
+                                                   *extra_executor_addresses)), "--metrics-port",
            str(metrics_port), *scheduler_args]
     services.procs["scheduler"] = subprocess.Popen(
         cmd, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)

@@ -1,0 +1,270 @@
+"""Executors lost, hung, replaced or refused under load; cancellation; back-pressure; drain; health.
+
+Every scenario runs real processes on localhost and checks outputs token for token against an
+undisturbed reference (transformers greedy on the same weights) and that no page leaked.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import generate_pb2
+from tests.integration.harness import free_port, generate, start_services, wait_serving
+from tests.integration.hf_reference import hf_greedy
+from tests.integration.test_end_to_end import TINY, assert_pools_whole, random_prompts
+
+pytestmark = pytest.mark.slow
+
+
+class Load:
+    """N greedy streams in threads; `wait_tokens(k)` blocks until k tokens arrived in total."""
+
+    def __init__(self, address: str, prompts: list[list[int]], max_tokens: int) -> None:
+        self.address, self.prompts, self.max_tokens = address, prompts, max_tokens
+        self.tokens = 0
+        self.cond = threading.Condition()
+        self.pool = ThreadPoolExecutor(len(prompts))
+        self.futures = [self.pool.submit(self._one, p) for p in prompts]
+
+    def _one(self, prompt):
+        req = generate_pb2.GenerateRequest()
+        req.token_ids.ids.extend(prompt)
+        req.stopping.max_tokens = self.max_tokens
+        req.stopping.ignore_eos = True
+        ids, final = [], None
+        with grpc.insecure_channel(self.address) as channel:
+            stub = generate_pb2_grpc_stub(channel)
+            for msg in stub.Generate(req, timeout=300):
+                if msg.finished:
+                    final = msg
+                    continue
+                assert msg.index == len(ids), "duplicated or missing token"
+                ids.append(msg.token_id)
+                with self.cond:
+                    self.tokens += 1
+                    self.cond.notify_all()
+        return ids, final
+
+    def wait_tokens(self, k: int, timeout: float = 120) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.tokens >= k, timeout), self.tokens
+
+    def results(self):
+        out = [f.result(timeout=300) for f in self.futures]
+        self.pool.shutdown()
+        return out
+
+    def check_against_reference(self):
+        for prompt, (ids, final) in zip(self.prompts, self.results()):
+            assert ids == hf_greedy(TINY, prompt, self.max_tokens)
+            assert final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+def generate_pb2_grpc_stub(channel):
+    from protos import generate_pb2_grpc
+    return generate_pb2_grpc.GeneratorStub(channel)
+
+
+def test_executor_sigkill_midway_then_replaced(tmp_path):
+    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
+    try:
+        load = Load(services.scheduler_address, random_prompts(32, seed=11), max_tokens=48)
+        load.wait_tokens(200)
+        services.procs["executor"].send_signal(signal.SIGKILL)
+        services.procs["executor"].wait()
+        port = int(services.executor_address.rsplit(":", 1)[1])
+        services.add_executor("executor2", ["--model", TINY], port=port)
+        load.check_against_reference()
+        assert services.status().resyncs >= 1
+        assert_pools_whole(services)
+    finally:
+        services.stop()
+
+
+def test_planned_replacement_fails_no_request(tmp_path):
+    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
+    try:
+        new_address = services.add_executor("executor2", ["--model", TINY])
+        load = Load(services.scheduler_address, random_prompts(32, seed=12), max_tokens=48)
+        load.wait_tokens(200)
+        reply = services.set_executors(new_address)
+        assert reply.address == new_address
+        services.procs["executor"].send_signal(signal.SIGTERM)  # the old one is no longer needed
+        load.check_against_reference()
+        status = services.status()
+        assert status.executor_address == new_address and status.resyncs == 0
+        assert_pools_whole(services)
+    finally:
+        services.stop()
+
+
+def test_switch_to_a_different_model_is_refused(tmp_path):
+    services = start_services(tmp_path, ["--model", TINY])
+    try:
+        other = services.add_executor("other", ["--model", "preset:tiny-qwen2"])
+        with pytest.raises(grpc.RpcError) as err:
+            services.set_executors(other)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "refusing executor" in services.log_of("scheduler")
+        with grpc.insecure_channel(services.scheduler_address) as channel:
+            ids, _, _ = generate(services.stub(channel), [3, 4, 5], max_tokens=4)
+        assert ids == hf_greedy(TINY, [3, 4, 5], 4)
+    finally:
+        services.stop()
+
+
+def test_hung_executor_is_detected_and_next_address_takes_over(tmp_path):
+    backup_port = free_port()
+    services = start_services(tmp_path, ["--model", TINY], ["--step-timeout", "2"],
+                              extra_executor_addresses=(f"127.0.0.1:{backup_port}",))
+    try:
+        services.add_executor("backup", ["--model", TINY], port=backup_port)
+        load = Load(services.scheduler_address, random_prompts(16, seed=13), max_tokens=48)
+        load.wait_tokens(100)
+        services.procs["executor"].send_signal(signal.SIGSTOP)
+        try:
+            load.check_against_reference()
+        finally:
+            services.procs["executor"].send_signal(signal.SIGCONT)
+        status = services.status()
+        assert status.executor_address == f"127.0.0.1:{backup_port}" and status.resyncs >= 1
+        assert_pools_whole(services)
+    finally:
+        services.stop()
+
+
+def test_cancelling_half_the_streams_frees_their_pages(tmp_path):
+    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "128"])
+    try:
+        prompts = random_prompts(100, seed=14)
+        cancel_after = 4
+        with grpc.insecure_channel(services.scheduler_address) as channel:
+            stub = services.stub(channel)
+            calls = []
+            for prompt in prompts:
+                req = generate_pb2.GenerateRequest()
+                req.token_ids.ids.extend(prompt)
+                req.stopping.max_tokens = 64
+                req.stopping.ignore_eos = True
+                calls.append(stub.Generate(req, timeout=300))
+            for call in calls[:50]:  # read a few tokens from the first 50, then hang up
+                for _ in range(cancel_after):
+                    next(call)
+                call.cancel()
+            steps_at_cancel = services.status().steps
+            status = services.status()
+            while status.running + status.waiting + status.swapped > 50:
+                status = services.status()
+            assert status.steps - steps_at_cancel <= 1, (status.steps, steps_at_cancel)
+            kept = [[m.token_id for m in call if not m.finished] for call in calls[50:]]
+        for prompt, ids in zip(prompts[50:], kept):
+            assert ids == hf_greedy(TINY, prompt, 64)
+        assert_pools_whole(services)
+    finally:
+        services.stop()
+
+
+def test_full_waiting_queue_answers_resource_exhausted(tmp_path):
+    services = start_services(tmp_path, ["--model", TINY],
+                              ["--max-num-seqs", "2", "--max-waiting", "3"])
+    try:
+        prompts = random_prompts(24, seed=15)
+        with grpc.insecure_channel(services.scheduler_address) as channel, ThreadPoolExecutor(24) as pool:
+            stub = services.stub(channel)
+
+            def run(prompt):
+                try:
+                    return generate(stub, prompt, max_tokens=32)[0]
+                except grpc.RpcError as err:
+                    return err.code()
+            outcomes = list(pool.map(run, prompts))
+        refused = [o for o in outcomes if o == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        served = [(p, o) for p, o in zip(prompts, outcomes) if isinstance(o, list)]
+        assert refused and served and len(refused) + len(served) == len(prompts)
+        for prompt, ids in served:
+            assert ids == hf_greedy(TINY, prompt, 32)
+        assert_pools_whole(services)
+    finally:
+        services.stop()
+
+
+def test_sigterm_drains_then_ends_the_rest(tmp_path):
+    services = start_services(tmp_path, ["--model", TINY],
+                              ["--shutdown-timeout", "1", "--max-num-seqs", "1"])
+    try:
+        long_prompts = random_prompts(3, seed=16)
+        load = Load(services.scheduler_address, long_prompts, max_tokens=1500)
+        load.wait_tokens(5)
+        services.procs["scheduler"].send_signal(signal.SIGTERM)
+        results = load.results()
+        assert all(final is not None for _, final in results)
+        assert any(final.finish_reason == generate_pb2.FINISH_REASON_ABORTED for _, final in results)
+        assert services.procs["scheduler"].wait(timeout=60) == 0
+        assert "shutting down" in services.log_of("scheduler")
+    finally:
+        services.stop()
+
+
+def test_health_follows_the_executor(tmp_path):
+    services = start_services(tmp_path, ["--model", TINY])
+    try:
+        with grpc.insecure_channel(services.scheduler_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            services.procs["executor"].send_signal(signal.SIGKILL)
+            # The loss is noticed at the next step: send one.
+            threading.Thread(target=lambda: _try_generate(services), daemon=True).start()
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            port = int(services.executor_address.rsplit(":", 1)[1])
+            services.add_executor("executor2", ["--model", TINY], port=port)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+    finally:
+        services.stop()
+
+
+def _try_generate(services):
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        try:
+            generate(services.stub(channel), [1, 2, 3], max_tokens=2, timeout=120)
+        except grpc.RpcError:
+            pass
+
+
+def _self_signed_cert(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(key), str(cert)
+
+
+def test_tls_and_token_on_the_executor_link(tmp_path):
+    key, cert = _self_signed_cert(tmp_path)
+    services = start_services(
+        tmp_path,
+        ["--model", TINY, "--tls-cert", cert, "--tls-key", key, "--auth-token", "s3cret"],
+        ["--executor-tls-ca", cert, "--executor-tls-server-name", "localhost",
+         "--executor-token", "s3cret"])
+    try:
+        with grpc.insecure_channel(services.scheduler_address) as channel:
+            ids, _, _ = generate(services.stub(channel), [7, 8, 9], max_tokens=6)
+        assert ids == hf_greedy(TINY, [7, 8, 9], 6)
+        # A client without the token is refused by the executor.
+        from protos import executor_pb2, executor_pb2_grpc
+        with open(cert, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        with grpc.secure_channel(services.executor_address, creds,
+                                 options=[("grpc.ssl_target_name_override", "localhost")]) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                executor_pb2_grpc.ExecutorStub(ch).Describe(executor_pb2.DescribeRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        services.stop()

@@ -9,6 +9,7 @@ import logging
 import uuid
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -36,11 +37,30 @@ def _status_for(err: Exception) -> grpc.StatusCode | None:
     return None
 
 
+class _Undecodable:
+    """Stands in for a request that is not a valid message (e.g. bad UTF-8 in a string field)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _lenient(parse):
+    """A deserializer that lets the servicer answer INVALID_ARGUMENT instead of grpc's UNKNOWN."""
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError as err:
+            return _Undecodable(str(err))
+    return deserialize
+
+
 class GeneratorServicer(generate_pb2_grpc.GeneratorServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     async def Generate(self, request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.reason}")
         request_id = request.request_id or uuid.uuid4().hex
         try:
             spec = wire.spec_from_proto(request)
@@ -104,13 +124,28 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
+def _add_generator(servicer: GeneratorServicer, server) -> None:
+    """As the generated add_GeneratorServicer_to_server, with a lenient Generate deserializer."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(generate_pb2.GenerateRequest.FromString),
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfo,
+            request_deserializer=generate_pb2.ModelInfoRequest.FromString,
+            response_serializer=generate_pb2.ModelInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 def build_server(engine: Engine, address: str, max_message_bytes: int = 64 * 1024 * 1024):
     """A grpc.aio server with the Generator, health and reflection services; returns (server, health)."""
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ])
-    generate_pb2_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine), server)
+    _add_generator(GeneratorServicer(engine), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

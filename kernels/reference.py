@@ -59,8 +59,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     kf = k.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, ctx, hd]
     vf = v.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [heads, q_len, ctx]
-    q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-    k_pos = torch.arange(ctx_len).unsqueeze(0)
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(ctx_len, device=q.device).unsqueeze(0)
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vf).transpose(0, 1)  # [q_len, heads, hd]
@@ -114,7 +114,7 @@ def paged_decode_attention(
     q: [num_seqs, num_heads, head_dim]; seq_lens: [num_seqs] int32 including the new token;
     other arguments as paged_prefill_attention. returns out: [num_seqs, num_heads, head_dim]
     """
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
 
 

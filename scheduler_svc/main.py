@@ -22,6 +22,7 @@ class ServiceConfig:
     host: str
     port: int
     executor_addresses: tuple[str, ...]
+    executor_file: str | None  # re-read on SIGHUP
     engine: EngineConfig
     step_timeout_s: float
     shutdown_timeout_s: float
@@ -39,7 +40,8 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", 50051)))
     p.add_argument("--executor", default=_env("EXECUTOR", "127.0.0.1:50052"),
-                   help="executor address(es), comma separated, tried in order")
+                   help="executor address(es), comma separated, tried in order; or @FILE to read "
+                        "them from FILE, which SIGHUP re-reads to move serving to new executors")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048)))
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 256)))
@@ -66,7 +68,8 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                                 max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode)
     return ServiceConfig(
         host=a.host, port=a.port,
-        executor_addresses=tuple(x.strip() for x in a.executor.split(",") if x.strip()),
+        executor_addresses=read_addresses(a.executor),
+        executor_file=a.executor[1:] if a.executor.startswith("@") else None,
         engine=EngineConfig(scheduler=scheduler, max_waiting=a.max_waiting,
                             unavailable_grace_s=a.unavailable_grace),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
@@ -74,6 +77,24 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         security=LinkSecurity(tls_ca=a.executor_tls_ca, tls_server_name=a.executor_tls_server_name,
                               auth_token=a.executor_token),
         log_level=a.log_level)
+
+
+def read_addresses(spec: str) -> tuple[str, ...]:
+    """'host:port,host:port' or '@FILE' (addresses separated by commas or lines)."""
+    if spec.startswith("@"):
+        with open(spec[1:]) as f:
+            spec = f.read().replace("\n", ",")
+    return tuple(x.strip() for x in spec.split(",") if x.strip())
+
+
+async def _reload_executors(path: str, engine) -> None:
+    """SIGHUP: move serving to the addresses now in `path`, as the Admin call would."""
+    try:
+        addresses = read_addresses("@" + path)
+        address, _, moved = await engine.switch_executor(list(addresses))
+        log.info("SIGHUP: now serving from %s (%d sequences moved)", address, moved)
+    except Exception as err:  # noqa: BLE001 - a bad reload must not stop the service
+        log.error("SIGHUP: executors in %s not taken: %s", path, err)
 
 
 async def serve(config: ServiceConfig) -> None:
@@ -99,6 +120,14 @@ async def serve(config: ServiceConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if config.executor_file:
+        reloads: set[asyncio.Task] = set()
+
+        def on_hup() -> None:
+            task = asyncio.ensure_future(_reload_executors(config.executor_file, engine))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
     starting = asyncio.create_task(engine.start())
     await asyncio.wait({starting, asyncio.create_task(stop.wait())},
                        return_when=asyncio.FIRST_COMPLETED)

@@ -268,3 +268,31 @@ def test_tls_and_token_on_the_executor_link(tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         services.stop()
+
+
+def test_sighup_rereads_the_executor_file(tmp_path):
+    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
+    services.procs["scheduler"].terminate()  # restart it reading its executors from a file
+    services.procs["scheduler"].wait()
+    executors = tmp_path / "executors"
+    executors.write_text(services.executor_address + "\n")
+    import sys
+    services.procs["scheduler"] = subprocess.Popen(
+        [sys.executable, "-m", "scheduler_svc.main", "--port",
+         services.scheduler_address.rsplit(":", 1)[1], "--executor", f"@{executors}",
+         "--metrics-port", str(services.metrics_port), "--max-num-seqs", "8"],
+        stdout=open(tmp_path / "scheduler2.log", "w"), stderr=subprocess.STDOUT)
+    services.logs["scheduler"] = str(tmp_path / "scheduler2.log")
+    try:
+        wait_serving(services.scheduler_address)
+        new_address = services.add_executor("executor2", ["--model", TINY])
+        load = Load(services.scheduler_address, random_prompts(16, seed=17), max_tokens=48)
+        load.wait_tokens(100)
+        executors.write_text(new_address + "\n")
+        services.procs["scheduler"].send_signal(signal.SIGHUP)
+        load.check_against_reference()
+        assert "SIGHUP: now serving from " + new_address in services.log_of("scheduler")
+        assert services.status().executor_address == new_address
+        assert_pools_whole(services)
+    finally:
+        services.stop()

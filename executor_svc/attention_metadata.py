@@ -51,12 +51,20 @@ def build_attention_metadata(
         [c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens)], dtype=torch.int32
     )
     metadata = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=tables.to(device=device, dtype=torch.int32),
-        cu_seqlens_q=cu_seqlens_q.to(device),
-        seq_lens=seq_lens.to(device),
+        slot_mapping=to_device(slot_mapping, device),
+        block_tables=to_device(tables.to(torch.int32), device),
+        cu_seqlens_q=to_device(cu_seqlens_q, device),
+        seq_lens=to_device(seq_lens, device),
         max_seqlen_q=max(num_scheduled_tokens),
         max_seqlen_k=int(seq_lens.max()),
         is_decode_only=all(n == 1 for n in num_scheduled_tokens),
     )
-    return positions.to(device), metadata
+    return to_device(positions, device), metadata
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory without blocking the host, so
+    building a step's inputs never waits for the GPU."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -10,8 +10,11 @@ class ExecutorConfig:
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on cpu, bfloat16 on cuda
     backend: str = "cpu"  # "cpu" | "cuda"
     block_size: int = 16
-    num_gpu_blocks: int | None = None  # None = 1024 on cpu (cuda: sized from free memory, later)
-    swap_space_gib: float = 1.0
+    num_gpu_blocks: int | None = None  # None = 1024 on cpu; cuda: sized from free memory
+    swap_space_gib: float = 1.0  # CPU swap space (pinned on cuda)
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory weights + KV + activations may use
+    max_num_batched_tokens: int = 2048  # the largest step the memory profile must leave room for
+    enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
     max_model_len: int | None = None  # None = min(model max positions, 4096)
     seed: int = 0
     host: str = "127.0.0.1"

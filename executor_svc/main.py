@@ -32,6 +32,15 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                    help="KV cache pages (cpu backend default 1024; cuda sizes from free memory)")
     p.add_argument("--swap-space", type=float, default=float(_env("SWAP_SPACE", 1.0)),
                    help="GiB of CPU swap space for preempted sequences' pages")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)),
+                   help="share of GPU memory for weights, activations and the KV cache (cuda)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048)),
+                   help="largest step the cuda memory profile leaves room for (match the scheduler's)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   default=_env("ENFORCE_EAGER", "") not in ("", "0", "false"),
+                   help="cuda: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
     p.add_argument("--seed", type=int, default=int(_env("SEED", 0)),
                    help="seed of random weights for preset models")
@@ -49,7 +58,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     config = ExecutorConfig(
         model=a.model, dtype=a.dtype, backend=backend, block_size=a.block_size,
         num_gpu_blocks=int(a.num_gpu_blocks) if a.num_gpu_blocks is not None else None,
-        swap_space_gib=a.swap_space,
+        swap_space_gib=a.swap_space, gpu_memory_utilization=a.gpu_memory_utilization,
+        max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
         max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
         seed=a.seed, host=a.host, port=a.port)
     transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=a.auth_token)

@@ -1,15 +1,19 @@
 """ModelRunner: executes one Step (copies, then one packed forward, then sampling) and keeps a
-per-sequence cache rebuilt only from what plans say. Plain Python: no gRPC, no kernels.
+per-sequence cache rebuilt only from what plans say. Decode steps replay CUDA graphs when given
+DecodeGraphs; others run eagerly. Plain Python: no gRPC, no kernels.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
 import torch
 
-from executor_svc.attention_metadata import build_attention_metadata
-from executor_svc.sampler import Sampler
+from executor_svc.attention_metadata import build_attention_metadata, to_device
+from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.sampler import Sampler, SamplingTensors, to_host
+from executor_svc.step_timing import StepTimer
 from executor_svc.step import (
     CachedSeq, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions, Step, StepOutput,
 )
@@ -31,12 +35,15 @@ class _Scheduled:
 
 
 class ModelRunner:
-    def __init__(self, model, backend, cache_engine, info: ExecutorInfo) -> None:
+    def __init__(self, model, backend, cache_engine, info: ExecutorInfo,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.backend = backend
         self.cache_engine = cache_engine
         self.info = info
         self.sampler = Sampler()
+        self.decode_graphs = decode_graphs  # None: every step runs eagerly
+        self.timer = StepTimer(backend.device)
         self.seqs: dict[int, SeqState] = {}
         self.last_step_id: int | None = None
 
@@ -44,9 +51,10 @@ class ModelRunner:
         """Forget every sequence and the step counter (a new Execute stream)."""
         self.seqs.clear()
         self.last_step_id = None
+        self.timer.reset()
 
     def execute(self, step: Step) -> StepOutput:
-        start = time.perf_counter()
+        start = self.timer.begin()
         self._validate(step)
         self.last_step_id = step.step_id
         for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
@@ -58,9 +66,10 @@ class ModelRunner:
         scheduled += [self._apply_diff(cached) for cached in step.cached_seqs]
         scheduled = [s for s in scheduled if s.num_scheduled_tokens > 0]
         forward_start = time.perf_counter()
-        sampled = self._run(scheduled) if scheduled else []
+        sampled, kind = self._run(scheduled) if scheduled else ([], "other")
         forward_ms = (time.perf_counter() - forward_start) * 1e3
-        return StepOutput(step.step_id, sampled, forward_ms, (time.perf_counter() - start) * 1e3)
+        step_ms = self.timer.finish(kind, start)
+        return StepOutput(step.step_id, sampled, forward_ms, step_ms)
 
     # -- validation: everything is checked before any state or cache changes ------------------
 
@@ -130,13 +139,41 @@ class ModelRunner:
 
     # -- forward and sampling ---------------------------------------------------------------------
 
-    def _run(self, scheduled: list[_Scheduled]) -> list[SampledToken]:
+    def _run(self, scheduled: list[_Scheduled]) -> tuple[list[SampledToken], str]:
+        """One forward over the packed batch, then sampling; the step's only host sync is the
+        transfer of the sampled ids. Returns them and the step kind ("decode" if replayed)."""
+        to_sample = [i for i, s in enumerate(scheduled)
+                     if s.state.num_computed_tokens + s.num_scheduled_tokens == len(s.state.token_ids)]
+        seqs = [scheduled[i] for i in to_sample]
+        # Built before the forward: their host-to-device copies are queued, never waited for.
+        params = SamplingTensors.build([s.state.sampling for s in seqs],
+                                       [len(s.state.token_ids) for s in seqs],
+                                       self.info.vocab_size, self.backend.device)
+        graphs = self.decode_graphs
+        if (graphs is not None and all(s.num_scheduled_tokens == 1 for s in scheduled)
+                and graphs.can_run(len(scheduled), max(len(s.state.block_table) for s in scheduled))):
+            logits, kind = self._decode_replay(scheduled, to_sample), "decode"
+        else:
+            logits, kind = self._forward_eager(scheduled, to_sample), "other"
+        for s in scheduled:
+            s.state.num_computed_tokens += s.num_scheduled_tokens
+        if not seqs:
+            self.timer.end_gpu()
+            return [], kind
+        token_ids, logprobs = self.sampler.sample(logits, params)
+        self.timer.end_gpu()
+        token_ids, logprobs = to_host(token_ids, logprobs)
+        for s, token_id in zip(seqs, token_ids):
+            s.state.token_ids.append(token_id)
+        return [SampledToken(s.seq_id, t, lp) for s, t, lp in zip(seqs, token_ids, logprobs)], kind
+
+    def _forward_eager(self, scheduled: list[_Scheduled], to_sample: list[int]) -> torch.Tensor:
         device = self.backend.device
-        input_ids = torch.tensor([
+        input_ids = to_device(torch.tensor([
             t for s in scheduled
             for t in s.state.token_ids[s.state.num_computed_tokens:
                                        s.state.num_computed_tokens + s.num_scheduled_tokens]
-        ], dtype=torch.int64, device=device)  # [num_tokens]
+        ], dtype=torch.int64), device)  # [num_tokens]
         positions, metadata = build_attention_metadata(
             [s.state.block_table for s in scheduled],
             [s.state.num_computed_tokens for s in scheduled],
@@ -144,21 +181,24 @@ class ModelRunner:
             self.info.block_size, device,
         )
         hidden = self.model.forward(input_ids, positions, metadata, self.cache_engine.kv_caches)
-        for s in scheduled:
-            s.state.num_computed_tokens += s.num_scheduled_tokens
-        to_sample = [i for i, s in enumerate(scheduled)
-                     if s.state.num_computed_tokens == len(s.state.token_ids)]
         if not to_sample:
-            return []
-        last_rows = (metadata.cu_seqlens_q[1:].long() - 1)[to_sample]  # each seq's last query row
-        logits = self.model.compute_logits(hidden[last_rows])  # [num_sampled, vocab]
-        seqs = [scheduled[i] for i in to_sample]
-        token_ids, logprobs = self.sampler(
-            logits, [s.state.sampling for s in seqs], [len(s.state.token_ids) for s in seqs]
-        )
-        for s, token_id in zip(seqs, token_ids):
-            s.state.token_ids.append(token_id)
-        return [SampledToken(s.seq_id, t, lp) for s, t, lp in zip(seqs, token_ids, logprobs)]
+            return hidden[:0]
+        ends = list(itertools.accumulate(s.num_scheduled_tokens for s in scheduled))
+        last_rows = to_device(torch.tensor([ends[i] - 1 for i in to_sample]), device)
+        return self.model.compute_logits(hidden[last_rows])  # [num_sampled, vocab]
+
+    def _decode_replay(self, scheduled: list[_Scheduled], to_sample: list[int]) -> torch.Tensor:
+        block_size = self.info.block_size
+        positions = [s.state.num_computed_tokens for s in scheduled]
+        tables = [s.state.block_table for s in scheduled]
+        logits = self.decode_graphs.run(
+            [s.state.token_ids[p] for s, p in zip(scheduled, positions)], positions,
+            [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)],
+            tables,
+        )  # [num_seqs, vocab]
+        if len(to_sample) == len(scheduled):
+            return logits
+        return logits[to_device(torch.tensor(to_sample), self.backend.device)]
 
 
 def _check_pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:

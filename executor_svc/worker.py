@@ -1,14 +1,25 @@
 """Worker: builds backend, model, cache engine and model runner from an ExecutorConfig; the gRPC
-servicer's one domain object. No gRPC or protobuf here.
+servicer's one domain object. On cuda it also sizes the KV cache from a memory profile, captures
+the decode graphs and warms every path before the server reports ready. No gRPC or protobuf here.
 """
 from __future__ import annotations
+
+import logging
+
+import torch
 
 from executor_svc.backends import get_backend
 from executor_svc.cache_engine import CacheEngine, bytes_per_block, num_blocks_for
 from executor_svc.config import ExecutorConfig
+from executor_svc.cuda_graphs import BATCH_SIZES, DecodeGraphs
+from executor_svc.memory_profile import profile_num_gpu_blocks
 from executor_svc.model_loader import DTYPES, default_model_source, load_model, model_fingerprint
 from executor_svc.model_runner import ModelRunner
-from executor_svc.step import ExecutorInfo, Step, StepOutput
+from executor_svc.step import (
+    CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step, StepOutput,
+)
+
+log = logging.getLogger(__name__)
 
 FEATURES = ("swap", "copy", "chunked_prefill", "seeded_sampling", "logprobs")
 _CPU_DEFAULT_GPU_BLOCKS = 1024
@@ -28,14 +39,21 @@ class Worker:
         mc = self.model_config
         block_bytes = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                       config.block_size, dtype)
-        num_gpu_blocks = config.num_gpu_blocks or _CPU_DEFAULT_GPU_BLOCKS
+        max_model_len = config.max_model_len or min(mc.max_position_embeddings, _MAX_MODEL_LEN_CAP)
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} > model's {mc.max_position_embeddings}")
+        self.memory_profile = None
+        num_gpu_blocks = config.num_gpu_blocks
+        if num_gpu_blocks is None and self.backend.name == "cuda":
+            self.memory_profile = profile_num_gpu_blocks(
+                self.model, config.block_size, block_bytes, config.gpu_memory_utilization,
+                config.max_num_batched_tokens, BATCH_SIZES[-1], self.backend.device)
+            num_gpu_blocks = self.memory_profile.num_gpu_blocks
+        num_gpu_blocks = num_gpu_blocks or _CPU_DEFAULT_GPU_BLOCKS
         self.cache_engine = CacheEngine(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, num_gpu_blocks,
             num_blocks_for(config.swap_space_gib, block_bytes), dtype, self.backend,
         )
-        max_model_len = config.max_model_len or min(mc.max_position_embeddings, _MAX_MODEL_LEN_CAP)
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} > model's {mc.max_position_embeddings}")
         self.info = ExecutorInfo(
             model_name=name,
             fingerprint=model_fingerprint(mc, source, config.seed),
@@ -49,7 +67,36 @@ class Worker:
             backend=self.backend.name,
             features=FEATURES,
         )
-        self.runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info)
+        graphs = None
+        if self.backend.name == "cuda" and not config.enforce_eager:
+            max_blocks_per_seq = -(-max_model_len // config.block_size)
+            graphs = DecodeGraphs(self.model, self.cache_engine.kv_caches, max_blocks_per_seq)
+            graphs.capture()
+        self.runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs)
+        if self.backend.name == "cuda":
+            self._warm_up()
+        log.info("worker ready: %s, %s, attention %s, %d GPU blocks (%.1f GiB), %d CPU blocks "
+                 "(%.1f GiB%s), decode graphs %s", name, dtype_name,
+                 getattr(self.backend, "attention_impl", lambda *a: "torch")(dtype, mc.head_dim),
+                 num_gpu_blocks, num_gpu_blocks * block_bytes / 2**30,
+                 self.cache_engine.num_cpu_blocks,
+                 self.cache_engine.num_cpu_blocks * block_bytes / 2**30,
+                 " pinned" if self.backend.pin_swap_memory else "",
+                 "off" if graphs is None else graphs.batch_sizes)
+
+    def _warm_up(self) -> None:
+        """A prefill, a batched decode (graph replay) and a seeded sampled step through the
+        runner, so that nothing compiles or allocates on the first request; then forgets them."""
+        bs = self.config.block_size
+        prompt = list(range(1, 2 * bs + 2))
+        blocks = min(self.info.num_gpu_blocks, -(-(len(prompt) + 2) // bs))
+        greedy, seeded = SamplingOptions(), SamplingOptions(temperature=0.8, top_p=0.9, seed=1)
+        new = [NewSeq(i, prompt, list(range(blocks)), 0, len(prompt), opt)
+               for i, opt in enumerate((greedy, seeded))]
+        self.runner.execute(Step(1, new_seqs=new))
+        self.runner.execute(Step(2, cached_seqs=[CachedSeq(i, 1, len(prompt)) for i in range(2)]))
+        self.runner.reset()
+        torch.cuda.synchronize(self.backend.device)
 
     def describe(self) -> ExecutorInfo:
         return self.info

@@ -29,14 +29,14 @@ class Backend(Protocol):
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called `name` ("cpu"; "cuda" once the CuPy kernels land)."""
+    """The backend called `name`: "cpu" (torch reference ops) or "cuda" (the CuPy kernels,
+    compiled before this returns)."""
     if name == "cpu":
         from executor_svc.backends.cpu import CpuBackend
 
         return CpuBackend()
     if name == "cuda":
-        raise NotImplementedError(
-            "the cuda backend is not written yet: it will wrap the kernels/ CuPy launchers with "
-            "the same five ops as executor_svc.backends.cpu.CpuBackend; use --backend cpu"
-        )
+        from executor_svc.backends.cuda import CudaBackend
+
+        return CudaBackend()
     raise ValueError(f"unknown backend {name!r} (expected 'cpu' or 'cuda')")

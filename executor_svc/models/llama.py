@@ -92,8 +92,10 @@ class LlamaModel:
         """input_ids, positions: [T]; kv_caches: K and V, [layers, blocks, kv_heads, block_size,
         head_dim]. Writes this step's K/V into the cache; returns hidden [T, hidden]."""
         k_cache, v_cache = kv_caches
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, head_dim]
         h = self.embed_tokens[input_ids]  # [T, hidden]
+        # Cast once per step, not twice per layer (transformers rounds cos/sin to the same dtype).
+        cos = self.rope_cos[positions].to(h.dtype)  # [T, head_dim]
+        sin = self.rope_sin[positions].to(h.dtype)
         for i, layer in enumerate(self.layers):
             attn_in = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
             h = h + self._attention(attn_in, layer, cos, sin, attn_metadata, k_cache[i], v_cache[i])

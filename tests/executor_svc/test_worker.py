@@ -1,5 +1,6 @@
 """Worker from an ExecutorConfig: describe() and a step round trip on a preset."""
 import pytest
+import torch
 
 from executor_svc.backends import get_backend
 from executor_svc.config import ExecutorConfig
@@ -28,6 +29,7 @@ def test_fingerprint_depends_on_seed_and_preset():
     assert len({a.describe().fingerprint, b.describe().fingerprint, c.describe().fingerprint}) == 3
 
 
-def test_cuda_backend_not_yet():
-    with pytest.raises(NotImplementedError):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine builds the backend")
+def test_cuda_backend_fails_loudly_without_cuda():
+    with pytest.raises(RuntimeError, match="CUDA device"):
         get_backend("cuda")

@@ -1,0 +1,291 @@
+"""Serving benchmark (BENCHMARK.md W1/W2/W3): both services on this machine's GPU, every request
+submitted at once through the public gRPC Generate API, then the Hugging Face `generate` baseline
+on the same random weights, in one command. Prints throughput, TTFT/ITL percentiles, peak KV
+pages, preemptions, swapped pages, the executor's GPU-wait share of decode steps, and the ratio.
+
+    python -m benchmarks.bench_serving --workload W1 --out results.json
+
+Lengths come from random.Random(0) request by request (prompt, then output); prompt ids from a
+separate random.Random(1) so that the lengths are exactly BENCHMARK.md's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.integration.harness import start_services  # noqa: E402  (reused, not copied)
+
+WORKLOADS = {  # name: (requests, prompt range, output range)
+    "W1": (256, (64, 1024), (32, 512)),
+    "W2": (1000, (64, 1024), (32, 512)),
+    "W3": (1024, (1536, 2048), (256, 1024)),
+}
+
+
+def make_requests(workload: str, vocab: int) -> list[tuple[list[int], int]]:
+    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[workload]
+    lengths_rng, ids_rng = random.Random(0), random.Random(1)
+    requests = []
+    for _ in range(n):
+        prompt_len = lengths_rng.randint(p_lo, p_hi)
+        output_len = lengths_rng.randint(o_lo, o_hi)
+        prompt = [ids_rng.randrange(1, vocab) for _ in range(prompt_len)]
+        requests.append((prompt, output_len))
+    return requests
+
+
+@dataclass
+class Trace:
+    submitted: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+async def _one(stub, prompt: list[int], max_tokens: int, trace: Trace) -> None:
+    from protos import generate_pb2
+
+    req = generate_pb2.GenerateRequest()
+    req.token_ids.ids.extend(prompt)
+    req.stopping.max_tokens = max_tokens
+    req.stopping.ignore_eos = True
+    trace.submitted = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req):
+            if msg.finished:
+                trace.completion_tokens = msg.completion_tokens
+            else:
+                trace.token_times.append(time.perf_counter())
+    except Exception as err:  # reported, never hides a lost request
+        trace.error = repr(err)
+
+
+async def _run_all(address: str, requests, time_limit: float) -> tuple[list[Trace], float, bool]:
+    import grpc
+
+    from protos import generate_pb2_grpc
+
+    traces = [Trace() for _ in requests]
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = generate_pb2_grpc.GeneratorStub(channel)
+        start = time.perf_counter()
+        tasks = [asyncio.ensure_future(_one(stub, p, o, t)) for (p, o), t in zip(requests, traces)]
+        done, pending = await asyncio.wait(tasks, timeout=time_limit)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return traces, start, bool(pending)
+
+
+class PeakSampler(threading.Thread):
+    """Polls the scheduler's metrics for the peak of GPU pages in use."""
+
+    def __init__(self, services, period: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.services, self.period = services, period
+        self.peak_gpu_blocks = 0.0
+        self.peak_cpu_blocks = 0.0
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                m = self.services.metrics()
+                self.peak_gpu_blocks = max(self.peak_gpu_blocks, m.get("pagedserve_gpu_blocks_used", 0))
+                self.peak_cpu_blocks = max(self.peak_cpu_blocks, m.get("pagedserve_cpu_blocks_used", 0))
+            except Exception:
+                pass
+            self.stop_event.wait(self.period)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def _step_timing(executor_log: str) -> dict:
+    """The executor's last cumulative 'step timing' lines (see executor_svc/step_timing.py)."""
+    out = {}
+    for kind in ("decode", "other"):
+        lines = re.findall(rf"step timing {kind}: (.*)", executor_log)
+        if lines:
+            out[kind] = {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.e+-]+)", lines[-1])}
+    return out
+
+
+def run_serving(args, requests) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="bench_serving_"))
+    executor_args = ["--model", args.model, "--backend", args.backend,
+                     "--swap-space", str(args.swap_space),
+                     "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    scheduler_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                      "--max-num-seqs", str(args.max_num_seqs)]
+    t0 = time.perf_counter()
+    services = start_services(tmp, executor_args, scheduler_args)
+    startup_s = time.perf_counter() - t0
+    peak = PeakSampler(services)
+    peak.start()
+    try:
+        traces, start, timed_out = asyncio.run(_run_all(services.scheduler_address, requests,
+                                                        args.time_limit))
+        peak.stop_event.set()
+        peak.join()
+        metrics = services.metrics()
+        executor_log = services.log_of("executor")
+    finally:
+        services.stop()
+    if args.log_dir:
+        (Path(args.log_dir) / f"executor_{args.workload}.log").write_text(executor_log)
+        (Path(args.log_dir) / f"scheduler_{args.workload}.log").write_text(services.log_of("scheduler"))
+    ends = [t.token_times[-1] for t in traces if t.token_times]
+    wall = (max(ends) if ends else time.perf_counter()) - start
+    useful = sum(len(t.token_times) for t in traces)
+    ttft = [t.token_times[0] - t.submitted for t in traces if t.token_times]
+    itl = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:])]
+    complete = sum(1 for t, (_, o) in zip(traces, requests)
+                   if len(t.token_times) == o and t.error is None)
+    info = re.search(r"worker ready: (.*)", executor_log)
+    return {
+        "requests": len(requests), "complete": complete, "timed_out": timed_out,
+        "errors": sorted({t.error for t in traces if t.error})[:3],
+        "output_tokens": useful, "expected_output_tokens": sum(o for _, o in requests),
+        "wall_s": wall, "output_tok_s": useful / wall if wall > 0 else 0.0,
+        "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
+        "itl_p50_ms": _percentile(itl, 50) * 1e3, "itl_p99_ms": _percentile(itl, 99) * 1e3,
+        "peak_gpu_blocks": peak.peak_gpu_blocks, "gpu_blocks_total": metrics.get("pagedserve_gpu_blocks_total"),
+        "peak_cpu_blocks": peak.peak_cpu_blocks,
+        "preemptions_swap": metrics.get('pagedserve_preemptions{mode="swap"}', 0.0),
+        "preemptions_recompute": metrics.get('pagedserve_preemptions{mode="recompute"}', 0.0),
+        "blocks_swapped_out": metrics.get('pagedserve_blocks_swapped{direction="out"}', 0.0),
+        "blocks_swapped_in": metrics.get('pagedserve_blocks_swapped{direction="in"}', 0.0),
+        "scheduler_steps": metrics.get("pagedserve_steps_total", metrics.get("pagedserve_steps")),
+        "executor_step_timing": _step_timing(executor_log),
+        "executor": info.group(1) if info else None,
+        "startup_s": startup_s,
+    }
+
+
+def run_hf(args, requests) -> dict:
+    """transformers generate, static batches in request order, left padding, every sequence of a
+    batch generating the batch's longest output; only each request's own tokens count."""
+    import torch
+    from transformers import GenerationConfig
+
+    from executor_svc.model_loader import build_hf_model
+
+    device = "cuda" if args.backend == "cuda" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_hf_model(args.model.removeprefix("preset:"), seed=0, dtype=dtype, device=device)
+    batches = [requests[i:i + args.hf_batch_size]
+               for i in range(0, len(requests), args.hf_batch_size)][:args.hf_batches]
+    useful, seconds = 0, 0.0
+    for batch in batches:
+        longest = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (prompt, _) in enumerate(batch):
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            mask[row, longest - len(prompt):] = 1
+        new = max(o for _, o in batch)
+        gen = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=gen)
+        _sync(device)
+        seconds += time.perf_counter() - t0
+        useful += sum(o for _, o in batch)
+        print(f"hf batch of {len(batch)}: {new} new tokens, {time.perf_counter() - t0:.1f}s",
+              flush=True)
+    del model
+    _sync(device)
+    return {"batches": len(batches), "batch_size": args.hf_batch_size, "output_tokens": useful,
+            "seconds": seconds, "output_tok_s": useful / seconds if seconds else 0.0}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _fmt(serving: dict, hf: dict | None) -> str:
+    timing = serving["executor_step_timing"].get("decode", {})
+    lines = [
+        f"requests complete      {serving['complete']}/{serving['requests']}"
+        + (" (TIMED OUT)" if serving["timed_out"] else ""),
+        f"output tokens          {serving['output_tokens']} / {serving['expected_output_tokens']}",
+        f"wall                   {serving['wall_s']:.1f} s",
+        f"output tokens/s        {serving['output_tok_s']:.0f}",
+        f"TTFT p50 / p99         {serving['ttft_p50_s']:.2f} / {serving['ttft_p99_s']:.2f} s",
+        f"ITL p50 / p99          {serving['itl_p50_ms']:.1f} / {serving['itl_p99_ms']:.1f} ms",
+        f"peak KV pages          {serving['peak_gpu_blocks']:.0f} of {serving['gpu_blocks_total']}",
+        f"preemptions swap/recompute {serving['preemptions_swap']:.0f} / "
+        f"{serving['preemptions_recompute']:.0f}; pages out/in {serving['blocks_swapped_out']:.0f} / "
+        f"{serving['blocks_swapped_in']:.0f}",
+        f"decode steps (executor) {timing.get('steps', 0):.0f}: wall {timing.get('wall_ms', 0):.2f} ms, "
+        f"gap between steps {timing.get('gap_ms', 0):.2f} ms, host step {timing.get('step_ms', 0):.2f} ms, "
+        f"GPU {timing.get('gpu_ms', 0):.2f} ms -> GPU waits for host "
+        f"{100 * timing.get('gpu_wait_frac', 0):.1f}% of each decode step",
+    ]
+    if hf:
+        lines.append(f"HF generate            {hf['output_tok_s']:.0f} tok/s "
+                     f"({hf['batches']} batch(es) of {hf['batch_size']})")
+        lines.append(f"ratio to HF            {serving['output_tok_s'] / hf['output_tok_s']:.1f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="W1", choices=sorted(WORKLOADS))
+    p.add_argument("--model", default="preset:llama3-8b")
+    p.add_argument("--backend", default="cuda", help="executor backend (cpu: a smoke test)")
+    p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--swap-space", type=float, default=4.0, help="executor swap space, GiB")
+    p.add_argument("--time-limit", type=float, default=300.0,
+                   help="seconds for the serving run; unfinished requests are cancelled")
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--hf-batches", type=int, default=None,
+                   help="run only the first N HF batches (its rate is per batch; default all)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--log-dir", default=None, help="copy the services' logs here")
+    args = p.parse_args(argv)
+    from executor_svc.model_config import preset_hf_config
+
+    vocab = preset_hf_config(args.model.removeprefix("preset:")).vocab_size
+    requests = make_requests(args.workload, vocab)[:args.num_requests]
+    serving = run_serving(args, requests)
+    print(json.dumps(serving, indent=1), flush=True)
+    hf = None if args.skip_hf else run_hf(args, requests)
+    result = {"workload": args.workload, "date": time.strftime("%Y-%m-%d"), "serving": serving,
+              "hf": hf, "args": vars(args)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"== {args.workload}: {args.model} ==")
+    print(_fmt(serving, hf))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""CUDA backend: the five ops are the CuPy kernels of `kernels.attention` / `kernels.cache`, launched
+on torch's current stream. Imports cupy and the launchers lazily (in __init__), so this module
+imports on a machine without CUDA; constructing the backend there fails loudly.
+
+The attention kernels exist for bf16/fp16 and head_dim 64/128. Other dtypes or head sizes (the
+float32 tiny preset of the tests: head_dim 16) run attention through torch on the GPU: a
+capturable gather-and-softmax for decode, the reference twin for prefill. `attention_impl` says
+which one a model gets; the cache write and the page copies are always the kernels.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_KERNEL_HEAD_DIMS = (64, 128)
+
+
+class CudaBackend:
+    name = "cuda"
+    pin_swap_memory = True
+
+    def __init__(self, device: str | torch.device = "cuda") -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the cuda backend needs a CUDA device (torch.cuda.is_available() "
+                               "is False); use --backend cpu")
+        try:
+            import cupy  # noqa: F401  (the kernels need it; fail here, not mid-request)
+        except ImportError as err:
+            raise RuntimeError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from err
+        from kernels import _compile, attention, cache
+
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
+        self._attention, self._cache = attention, cache
+        # Compile and load every kernel now: a compile error stops the executor before it serves.
+        self.compile_seconds = _compile.warmup(self.device)
+        log.info("CuPy kernels ready in %.2fs (%s)", self.compile_seconds["total"],
+                 _compile.arch_used(self.device))
+
+    @staticmethod
+    def kernels_cover(dtype: torch.dtype, head_dim: int) -> bool:
+        return dtype in _KERNEL_DTYPES and head_dim in _KERNEL_HEAD_DIMS
+
+    def attention_impl(self, dtype: torch.dtype, head_dim: int) -> str:
+        return "cupy" if self.kernels_cover(dtype, head_dim) else "torch"
+
+    # -- the five ops -----------------------------------------------------------------------------
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                scale, out=None) -> torch.Tensor:
+        if self.kernels_cover(q.dtype, q.shape[-1]):
+            return self._attention.paged_prefill_attention(
+                q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+        from kernels import reference
+
+        return reference.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale,
+                               out=None) -> torch.Tensor:
+        if self.kernels_cover(q.dtype, q.shape[-1]):
+            return self._attention.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+
+    def swap_blocks(self, src_k, src_v, dst_k, dst_v, block_mapping) -> None:
+        self._cache.swap_blocks(src_k, src_v, dst_k, dst_v, block_mapping)
+
+    def copy_blocks(self, k_cache, v_cache, block_mapping) -> None:
+        self._cache.copy_blocks(k_cache, v_cache, block_mapping)
+
+
+def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+    """Decode attention with torch ops only and no host sync (capturable in a CUDA graph).
+
+    q: [num_seqs, num_heads, head_dim]; caches [num_blocks, kv_heads, block_size, head_dim];
+    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. Reads every listed
+    page (max_blocks of them per row), so it suits small models only.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    tables = block_tables.long()
+
+    def gather(cache):  # -> [num_seqs, kv_heads, max_blocks * block_size, head_dim]
+        pages = cache[tables]  # [num_seqs, max_blocks, kv_heads, block_size, head_dim]
+        return pages.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
+
+    k, v = gather(k_cache).float(), gather(v_cache).float()
+    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,sktd->skgt", qf, k) * scale  # [seqs, kv_heads, group, ctx]
+    ctx = torch.arange(k.shape[2], device=q.device)
+    valid = ctx.view(1, 1, 1, -1) < seq_lens.view(-1, 1, 1, 1)
+    probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
+    result = torch.einsum("skgt,sktd->skgd", probs, v).reshape(num_seqs, num_heads, head_dim)
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out

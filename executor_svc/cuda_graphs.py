@@ -1,0 +1,126 @@
+"""DecodeGraphs: decode steps (one query token per sequence) replayed from CUDA graphs captured at
+start for a ladder of batch sizes; a batch is padded up to the nearest size. Inputs are packed on
+the host into one pinned buffer, copied once, and spread into the graphs' static buffers.
+Imports torch only; the attention kernels are reached through the model's backend.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from executor_svc.attention_metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeGraphs:
+    """Captured decode forwards (embedding to float32 logits) of `model` over `kv_caches`."""
+
+    def __init__(self, model, kv_caches, max_blocks_per_seq: int,
+                 batch_sizes: tuple[int, ...] = BATCH_SIZES) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.max_batch_size = self.batch_sizes[-1]
+        self.width = max_blocks_per_seq  # block-table columns every graph was captured with
+        device = kv_caches[0].device
+        n = self.max_batch_size
+        # Static inputs; padded rows write no slot (-1) and attend to one token of whatever block
+        # their stale table row names (always a valid id: only block ids are ever written).
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n]
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # [n]
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1]
+        self.block_tables = torch.zeros(n, self.width, dtype=torch.int32,
+                                        device=device)  # [n, width]
+        # One pinned host buffer and its device twin: 4 rows of n, then the block tables.
+        self._host = torch.zeros(4 * n + n * self.width, dtype=torch.int64,
+                                 pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._staging = torch.zeros_like(self._host, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # bs -> [bs, vocab] float32, graph output
+        self._keepalive: list[torch.Tensor] = []
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+            cu_seqlens_q=self.cu_seqlens_q[:bs + 1], seq_lens=self.seq_lens[:bs],
+            max_seqlen_q=1, max_seqlen_k=self.width * self.kv_caches[0].shape[3],
+            is_decode_only=True,
+        )
+        hidden = self.model.forward(self.input_ids[:bs], self.positions[:bs], metadata,
+                                    self.kv_caches)
+        return self.model.compute_logits(hidden)  # [bs, vocab] float32
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Run every size eagerly (kernels compiled, scratch workspaces at their final size),
+        then capture largest first into one shared memory pool. Returns seconds taken."""
+        start = time.perf_counter()
+        for bs in self.batch_sizes:
+            self._forward(bs)
+        torch.cuda.synchronize()
+        self._keepalive = _kernel_workspaces()
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.batch_sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bs] = self._forward(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        log.info("captured decode graphs for batch sizes %s in %.2fs", self.batch_sizes, seconds)
+        return seconds
+
+    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
+        return bool(self.graphs) and num_seqs <= self.max_batch_size and max_blocks <= self.width
+
+    def padded_size(self, num_seqs: int) -> int:
+        return next(bs for bs in self.batch_sizes if bs >= num_seqs)
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step of len(input_ids) sequences (seq_len = position + 1); returns the
+        graph's logits view [num_seqs, vocab], valid until the next replay."""
+        num_seqs = len(input_ids)
+        bs = self.padded_size(num_seqs)
+        width = max(len(t) for t in block_tables)
+        n, h = self.max_batch_size, self._host_np
+        h[0:num_seqs], h[num_seqs:bs] = input_ids, 0
+        h[n:n + num_seqs], h[n + num_seqs:n + bs] = positions, 0
+        h[2 * n:2 * n + num_seqs], h[2 * n + num_seqs:2 * n + bs] = slots, -1
+        h[3 * n:3 * n + num_seqs] = positions
+        h[3 * n:3 * n + num_seqs] += 1
+        h[3 * n + num_seqs:3 * n + bs] = 1
+        tables = h[4 * n:4 * n + num_seqs * width].reshape(num_seqs, width)
+        for row, table in zip(tables, block_tables):
+            row[:len(table)] = table  # columns past a table's end are never read
+        used = 4 * n + num_seqs * width
+        # Safe to reuse the pinned buffer: the previous step ended with a host sync.
+        self._staging[:used].copy_(self._host[:used], non_blocking=True)
+        staged = self._staging
+        self.input_ids[:bs].copy_(staged[0:bs])
+        self.positions[:bs].copy_(staged[n:n + bs])
+        self.slot_mapping[:bs].copy_(staged[2 * n:2 * n + bs])
+        self.seq_lens[:bs].copy_(staged[3 * n:3 * n + bs])
+        self.block_tables[:num_seqs, :width].copy_(
+            staged[4 * n:used].view(num_seqs, width))
+        self.graphs[bs].replay()
+        return self.logits[bs][:num_seqs]
+
+
+def _kernel_workspaces() -> list[torch.Tensor]:
+    """The attention launchers' scratch tensors the graphs were captured with, kept referenced so
+    that a later (eager) regrowth of a workspace can never free memory a graph still uses."""
+    try:
+        from kernels import attention
+    except ImportError:
+        return []
+    return list(getattr(attention, "_workspaces", {}).values())

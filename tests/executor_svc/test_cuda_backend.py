@@ -1,0 +1,241 @@
+"""The CUDA executor path: decode-graph input packing (also on CPU, replayed eagerly), and on the
+GPU: tiny float32 greedy identical to transformers, bf16 SmolLM2/Llama-3-8B shapes within bf16
+tolerance of transformers (teacher-forced logits through graph replays, then free-running greedy
+tokens up to the first near-tie), sampling without host syncs, and the worker's memory profile."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from executor_svc.cache_engine import CacheEngine
+from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.model_config import ModelConfig
+from executor_svc.model_loader import build_hf_model, model_from_hf
+from executor_svc.model_runner import ModelRunner
+from executor_svc.sampler import Sampler, SamplingTensors
+from executor_svc.step import ExecutorInfo, SamplingOptions
+from tests.executor_svc.helpers import PlanDriver, hf_greedy, hf_model, make_runner, random_prompt
+
+
+def _gpu_ready() -> bool:
+    try:
+        import cupy
+
+        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+BLOCK_SIZE = 16
+
+
+def _decode_all(driver: PlanDriver, prompts: dict[int, list[int]], num_new: int) -> None:
+    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
+    while min(len(driver.tokens[s]) - len(p) for s, p in prompts.items()) < num_new:
+        driver.run(cached_seqs=[driver.cached_seq(s) for s, p in prompts.items()
+                                if len(driver.tokens[s]) - len(p) < num_new])
+
+
+# -- CPU: the graph runner's packing and padding, with replays run eagerly ----------------------
+
+class _EagerReplay:
+    def __init__(self, graphs: DecodeGraphs, bs: int) -> None:
+        self.graphs, self.bs = graphs, bs
+
+    def replay(self) -> None:
+        self.graphs.logits[self.bs] = self.graphs._forward(self.bs)
+
+
+def test_decode_graph_inputs_replayed_eagerly_match_transformers():
+    hf = hf_model("tiny")
+    runner = make_runner(hf)
+    graphs = DecodeGraphs(runner.model, runner.cache_engine.kv_caches, 512 // 4, (1, 2, 4, 8))
+    graphs.graphs = {bs: _EagerReplay(graphs, bs) for bs in graphs.batch_sizes}
+    runner.decode_graphs = graphs
+    rng = random.Random(20)
+    prompts = {s: random_prompt(rng, n) for s, n in zip(range(1, 6), (3, 9, 14, 1, 6))}
+    driver = PlanDriver(runner)
+    _decode_all(driver, prompts, 8)  # 5 seqs padded to 8, then fewer as they finish
+    for seq_id, prompt in prompts.items():
+        assert driver.tokens[seq_id][len(prompt):len(prompt) + 8] == hf_greedy(hf, prompt, 8)
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _backend():
+    from executor_svc.backends import get_backend
+
+    return get_backend("cuda")
+
+
+def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: int = 16,
+               max_model_len: int = 1024, graphs: bool = True) -> ModelRunner:
+    backend = _backend()
+    config = ModelConfig.from_hf_config(hf.config)
+    model = model_from_hf(hf, config, backend)
+    cache = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
+                        num_gpu_blocks, num_cpu_blocks, model.embed_tokens.dtype, backend)
+    info = ExecutorInfo("test", "fp", dtype_name, BLOCK_SIZE, num_gpu_blocks, num_cpu_blocks,
+                        max_model_len, config.vocab_size, "", "cuda")
+    decode_graphs = None
+    if graphs:
+        decode_graphs = DecodeGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE)
+        decode_graphs.capture()
+    return ModelRunner(model, backend, cache, info, decode_graphs)
+
+
+@torch.inference_mode()
+def hf_generate(hf, prompt: list[int], num_new: int) -> list[int]:
+    gen = GenerationConfig(max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    out = hf.generate(torch.tensor([prompt], device="cuda"),
+                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+                      generation_config=gen)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama3"])
+def test_tiny_float32_greedy_identical_to_transformers_on_gpu(preset):
+    hf = build_hf_model(preset, seed=0, dtype=torch.float32, device="cuda")
+    runner = gpu_runner(hf, "float32")
+    rng = random.Random(30)
+    prompts = {s: random_prompt(rng, n) for s, n in zip(range(1, 5), (5, 17, 40, 1))}
+    driver = PlanDriver(runner)
+    _decode_all(driver, prompts, 32)
+    for seq_id, prompt in prompts.items():
+        assert driver.tokens[seq_id][len(prompt):len(prompt) + 32] == hf_generate(hf, prompt, 32)
+
+
+class _RecordingSampler:
+    """Keeps each step's logits (rows in sampling order) before delegating."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner, self.logits = inner, []
+
+    def sample(self, logits, params):
+        self.logits.append(logits.float().clone())
+        return self.inner.sample(logits, params)
+
+
+REL_TOL = 0.05  # ||ours - hf|| / ||hf|| per position, bf16 through every layer
+NUM_NEW = 24
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("preset", ["smollm2-135m", "llama3-8b"])
+def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
+    hf = build_hf_model(preset, seed=0, dtype=torch.bfloat16, device="cuda")
+    vocab = hf.config.vocab_size
+    rng = random.Random(40)
+    prompts = {s: random_prompt(rng, n, vocab) for s, n in zip(range(1, 4), (37, 80, 129))}
+    hf_tokens = {s: hf_generate(hf, p, NUM_NEW) for s, p in prompts.items()}
+    with torch.inference_mode():
+        hf_logits = {s: hf(torch.tensor([p + hf_tokens[s][:-1]], device="cuda")).logits[
+            0, len(p) - 1:].float() for s, p in prompts.items()}  # [NUM_NEW, vocab]
+    runner = gpu_runner(hf, "bfloat16")
+
+    # Teacher-forced: feed transformers' tokens; every decode step is a graph replay (3 -> 4).
+    recorder = runner.sampler = _RecordingSampler(runner.sampler)
+    driver = PlanDriver(runner)
+    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
+    for k in range(1, NUM_NEW):
+        for s in prompts:
+            runner.seqs[s].token_ids[-1] = hf_tokens[s][k - 1]
+        driver.run(cached_seqs=[driver.cached_seq(s) for s in prompts])
+    ours = torch.stack(recorder.logits, dim=1)  # [seqs, NUM_NEW, vocab]
+    tolerance = {}
+    for row, (s, ref) in enumerate(hf_logits.items()):
+        rel = (ours[row] - ref).norm(dim=-1) / ref.norm(dim=-1)  # [NUM_NEW]
+        print(f"{preset} seq {s}: rel err max {rel.max():.4f} mean {rel.mean():.4f}")
+        assert rel.max() < REL_TOL, (s, rel.tolist())
+        tolerance[s] = (ours[row] - ref).abs().max(dim=-1).values  # [NUM_NEW]
+
+    # Free-running greedy (new seqs): identical until transformers' top-2 margin is within
+    # twice the largest logit difference seen at that position.
+    runner.sampler = recorder.inner
+    runner.reset()
+    driver = PlanDriver(runner, seed=1)
+    _decode_all(driver, {s + 10: p for s, p in prompts.items()}, NUM_NEW)
+    for s, prompt in prompts.items():
+        top2 = hf_logits[s].topk(2, dim=-1).values
+        near_tie = ((top2[:, 0] - top2[:, 1]) <= 2 * tolerance[s]).nonzero()
+        stop = int(near_tie[0]) if len(near_tie) else NUM_NEW
+        got = driver.tokens[s + 10][len(prompt):len(prompt) + NUM_NEW]
+        print(f"{preset} seq {s}: greedy identical through {stop}/{NUM_NEW} "
+              f"(first differing {next((i for i, (a, b) in enumerate(zip(got, hf_tokens[s])) if a != b), None)})")
+        assert got[:stop] == hf_tokens[s][:stop]
+    del runner, hf
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+def test_sampling_on_gpu_has_no_host_sync_and_matches_cpu():
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    options = [SamplingOptions(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=i % 5)
+               if i % 3 else SamplingOptions() for i in range(64)]
+    positions = list(range(100, 164))
+    cpu = Sampler()(logits, options, positions)
+    gpu_logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        params = SamplingTensors.build(options, positions, 1000, gpu_logits.device)
+        token_ids, logprobs = Sampler().sample(gpu_logits, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert token_ids.tolist() == cpu[0]  # same counter-based draws on both devices
+    torch.testing.assert_close(logprobs.cpu(), torch.tensor(cpu[1]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+def test_decode_replay_has_no_host_sync():
+    hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
+    runner = gpu_runner(hf, "bfloat16", max_model_len=512)
+    driver = PlanDriver(runner)
+    prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
+    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
+    scheduled = [runner._apply_diff(driver.cached_seq(s)) for s in prompts]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = runner._decode_replay(scheduled, [0, 1])
+        params = SamplingTensors.build([SamplingOptions()] * 2, [0, 0], hf.config.vocab_size,
+                                       logits.device)
+        runner.sampler.sample(logits, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+def test_worker_sizes_kv_cache_from_memory_and_pins_swap_space():
+    from executor_svc.config import ExecutorConfig
+    from executor_svc.step import NewSeq, Step
+    from executor_svc.worker import Worker
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilization = (total - free + 6 * 2**30) / total  # about 6 GiB beyond what is in use now
+    worker = Worker(ExecutorConfig(model="preset:smollm2-135m", backend="cuda",
+                                   gpu_memory_utilization=utilization, swap_space_gib=0.25))
+    info, profile = worker.describe(), worker.memory_profile
+    assert info.backend == "cuda" and info.dtype == "bfloat16"
+    assert info.num_gpu_blocks == profile.num_gpu_blocks > 1000
+    assert info.num_cpu_blocks == int(0.25 * 2**30) // worker.cache_engine.bytes_per_block()
+    assert worker.cache_engine.cpu_k.is_pinned() and worker.cache_engine.cpu_v.is_pinned()
+    kv_bytes = info.num_gpu_blocks * worker.cache_engine.bytes_per_block()
+    assert kv_bytes <= total * utilization - profile.used_after_weights
+    out = worker.execute(Step(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 3)]))
+    assert [s.seq_id for s in out.sampled] == [1] and out.step_ms > 0
+    del worker
+    torch.cuda.empty_cache()

@@ -264,30 +264,53 @@ class Engine:
     # --- the step loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """One plan in flight at a time. The next plan is sent as soon as the last result is
+        applied, before that result's tokens are detokenized and streamed, so the executor
+        computes while the host does the per-token work."""
+        in_flight = None
         while True:
-            if self._switch is not None:
-                await self._apply_switch()
-                continue
-            if not self.scheduler.has_unfinished():
-                self.metrics.observe_scheduler(self.scheduler)
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            plan = self.scheduler.schedule()
-            if plan.is_empty:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
             try:
-                sampled = await self.client.execute(plan)
+                if in_flight is None:
+                    in_flight = await self._next_plan()
+                    continue
+                sampled = await self.client.receive(in_flight)
+                updates = self.scheduler.update_from_output(in_flight, sampled)
+                self.num_steps += 1
+                in_flight = None
+                try:
+                    if self._switch is None:
+                        in_flight = await self._send_next()
+                finally:
+                    for update in updates:
+                        self._emit(update)
+                    self.metrics.steps.inc()
+                    self.metrics.observe_scheduler(self.scheduler)
             except ExecutorLost:
+                in_flight = None
                 await self._resync()
-                continue
-            self.num_steps += 1
-            for update in self.scheduler.update_from_output(plan, sampled):
-                self._emit(update)
-            self.metrics.steps.inc()
+
+    async def _next_plan(self):
+        """Waits for work (or a planned switch), then schedules and sends a step."""
+        if self._switch is not None:
+            await self._apply_switch()
+            return None
+        plan = await self._send_next()
+        if plan is None:
             self.metrics.observe_scheduler(self.scheduler)
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        return plan
+
+    async def _send_next(self):
+        """Schedules and sends the next step; None when there is nothing to run.
+        Raises ExecutorLost."""
+        if not self.scheduler.has_unfinished():
+            return None
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return None
+        await self.client.send(plan)
+        return plan
 
     async def _resync(self) -> None:
         """Frees everything mapped on the lost executor; every unfinished sequence is recomputed."""

@@ -73,6 +73,7 @@ class ExecutorClient:
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self.num_connects = 0
+        self.last_result = None  # the last StepResult message (timings, executor step counter)
         self.disconnected_since: float | None = time.monotonic()
 
     async def connect(self) -> wire.ExecutorDescription:
@@ -125,22 +126,37 @@ class ExecutorClient:
 
     async def execute(self, plan: StepPlan) -> dict[int, int]:
         """Sends one plan and waits for its result: {seq_id: sampled token id}."""
+        await self.send(plan)
+        return await self.receive(plan)
+
+    async def send(self, plan: StepPlan) -> None:
+        """Writes a plan to the Execute stream; its result is read by `receive`."""
         if self._call is None:
             raise ExecutorLost("no executor attached")
+        await self._guard(plan, self._call.write(wire.plan_to_proto(plan)))
+
+    async def receive(self, plan: StepPlan) -> dict[int, int]:
+        """The result of `plan`, already sent: {seq_id: sampled token id}."""
+        if self._call is None:
+            raise ExecutorLost("no executor attached")
+        result = await self._guard(plan, self._call.read())
+        if result is grpc.aio.EOF:
+            raise self._lost("executor closed the stream")
+        if result.step_id != plan.step_id:
+            raise self._lost(f"result for step {result.step_id}, expected {plan.step_id}")
+        self.last_result = result
+        return wire.sampled_from_proto(result)
+
+    async def _guard(self, plan: StepPlan, operation):
+        """Awaits a stream operation; every way it can fail becomes ExecutorLost."""
         try:
-            await asyncio.wait_for(self._call.write(wire.plan_to_proto(plan)), self.step_timeout_s)
-            result = await asyncio.wait_for(self._call.read(), self.step_timeout_s)
+            return await asyncio.wait_for(operation, self.step_timeout_s)
         except asyncio.TimeoutError:
             raise self._lost(f"no result for step {plan.step_id} within {self.step_timeout_s}s")
         except grpc.aio.AioRpcError as err:
             raise self._lost(f"stream failed: {err.code().name}: {err.details()}")
         except Exception as err:  # the channel may break in ways grpc reports differently
             raise self._lost(f"stream failed: {err!r}")
-        if result is grpc.aio.EOF:
-            raise self._lost("executor closed the stream")
-        if result.step_id != plan.step_id:
-            raise self._lost(f"result for step {result.step_id}, expected {plan.step_id}")
-        return wire.sampled_from_proto(result)
 
     def _lost(self, reason: str) -> ExecutorLost:
         log.warning("executor %s lost: %s", self.connected_address, reason)

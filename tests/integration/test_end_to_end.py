@@ -150,3 +150,39 @@ def test_preemption_keeps_outputs_identical(tmp_path, swap_space, mode):
         assert_pools_whole(services)
     finally:
         services.stop()
+
+
+def test_stop_rules_through_the_api(tiny, channel):
+    from executor_svc.model_loader import tokenizer_source
+    from scheduler_svc.tokenizer import load_tokenizer
+
+    stub = tiny.stub(channel)
+    tokenizer = load_tokenizer(tokenizer_source(TINY))
+    prompt = random_prompts(1, seed=5)[0]
+    reference = hf_greedy(TINY, prompt, 24)
+    # stop token ids: ends at the first occurrence (after min_tokens), the token is included
+    stop_id = reference[5]
+    first = reference.index(stop_id)
+    req = generate_pb2.GenerateRequest()
+    req.token_ids.ids.extend(prompt)
+    req.stopping.max_tokens = 24
+    req.stopping.stop_token_ids.append(stop_id)
+    msgs = list(stub.Generate(req, timeout=60))
+    assert [m.token_id for m in msgs[:-1]] == reference[:first + 1]
+    assert msgs[-1].finish_reason == generate_pb2.FINISH_REASON_STOP_TOKEN
+    # min_tokens defers the stop id past its first occurrence
+    req.stopping.min_tokens = first + 2
+    msgs = list(stub.Generate(req, timeout=60))
+    out = [m.token_id for m in msgs[:-1]]
+    assert len(out) >= first + 2 and out == reference[:len(out)]
+    # a stop string: the text ends right before it, and it is not included
+    full_text = tokenizer.decode(reference)
+    stop = full_text[len(full_text) // 2: len(full_text) // 2 + 3]
+    req = generate_pb2.GenerateRequest()
+    req.token_ids.ids.extend(prompt)
+    req.stopping.max_tokens = 24
+    req.stopping.stop.append(stop)
+    msgs = list(stub.Generate(req, timeout=60))
+    text = "".join(m.text for m in msgs)
+    assert msgs[-1].finish_reason == generate_pb2.FINISH_REASON_STOP_STRING
+    assert text == full_text[: full_text.index(stop)]

@@ -130,7 +130,12 @@ def _step_timing(executor_log: str) -> dict:
 
 
 def run_serving(args, requests) -> dict:
-    tmp = Path(tempfile.mkdtemp(prefix="bench_serving_"))
+    # Logs go straight to --log-dir, so that they survive a run stopped by a time limit.
+    if args.log_dir:
+        tmp = Path(args.log_dir) / args.workload
+        tmp.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="bench_serving_"))
     executor_args = ["--model", args.model, "--backend", args.backend,
                      "--swap-space", str(args.swap_space),
                      "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -139,6 +144,7 @@ def run_serving(args, requests) -> dict:
     t0 = time.perf_counter()
     services = start_services(tmp, executor_args, scheduler_args)
     startup_s = time.perf_counter() - t0
+    print(f"services ready in {startup_s:.0f}s; submitting {len(requests)} requests", flush=True)
     peak = PeakSampler(services)
     peak.start()
     try:
@@ -146,13 +152,12 @@ def run_serving(args, requests) -> dict:
                                                         args.time_limit))
         peak.stop_event.set()
         peak.join()
+        print(f"serving done in {time.perf_counter() - start:.0f}s (timed out: {timed_out})",
+              flush=True)
         metrics = services.metrics()
         executor_log = services.log_of("executor")
     finally:
         services.stop()
-    if args.log_dir:
-        (Path(args.log_dir) / f"executor_{args.workload}.log").write_text(executor_log)
-        (Path(args.log_dir) / f"scheduler_{args.workload}.log").write_text(services.log_of("scheduler"))
     ends = [t.token_times[-1] for t in traces if t.token_times]
     wall = (max(ends) if ends else time.perf_counter()) - start
     useful = sum(len(t.token_times) for t in traces)

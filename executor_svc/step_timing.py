@@ -30,7 +30,7 @@ class _Totals:
 
 
 class StepTimer:
-    def __init__(self, device: torch.device, log_every: int = 500) -> None:
+    def __init__(self, device: torch.device, log_every: int = 100) -> None:
         self.enabled = device.type == "cuda"
         self.log_every = log_every
         self.totals = {"decode": _Totals(), "other": _Totals()}

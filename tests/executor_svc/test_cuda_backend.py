@@ -4,6 +4,7 @@ tolerance of transformers (teacher-forced logits through graph replays, then fre
 tokens up to the first near-tie), sampling without host syncs, and the worker's memory profile."""
 from __future__ import annotations
 
+import copy
 import functools
 import random
 
@@ -124,22 +125,34 @@ class _RecordingSampler:
         return self.inner.sample(logits, params)
 
 
-REL_TOL = 0.05  # ||ours - hf|| / ||hf|| per position, bf16 through every layer
 NUM_NEW = 24
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a - b).norm(dim=-1) / b.norm(dim=-1)  # per position
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
 @pytest.mark.parametrize("preset", ["smollm2-135m", "llama3-8b"])
 def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
+    """bf16 tolerance, measured rather than guessed: transformers' own bf16 logits against the
+    same model in float32. Ours may be at most twice that far from transformers' bf16 logits
+    (plus 0.5%), position by position, on the teacher-forced sequence."""
     hf = build_hf_model(preset, seed=0, dtype=torch.bfloat16, device="cuda")
     vocab = hf.config.vocab_size
     rng = random.Random(40)
     prompts = {s: random_prompt(rng, n, vocab) for s, n in zip(range(1, 4), (37, 80, 129))}
     hf_tokens = {s: hf_generate(hf, p, NUM_NEW) for s, p in prompts.items()}
+    forced = {s: torch.tensor([p + hf_tokens[s][:-1]], device="cuda") for s, p in prompts.items()}
     with torch.inference_mode():
-        hf_logits = {s: hf(torch.tensor([p + hf_tokens[s][:-1]], device="cuda")).logits[
-            0, len(p) - 1:].float() for s, p in prompts.items()}  # [NUM_NEW, vocab]
+        hf_logits = {s: hf(ids).logits[0, len(prompts[s]) - 1:].float()
+                     for s, ids in forced.items()}  # [NUM_NEW, vocab]
+        hf32 = copy.deepcopy(hf).float()
+        fp32_logits = {s: hf32(ids).logits[0, len(prompts[s]) - 1:].float()
+                       for s, ids in forced.items()}
+        del hf32
+    torch.cuda.empty_cache()
     runner = gpu_runner(hf, "bfloat16")
 
     # Teacher-forced: feed transformers' tokens; every decode step is a graph replay (3 -> 4).
@@ -151,11 +164,13 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
             runner.seqs[s].token_ids[-1] = hf_tokens[s][k - 1]
         driver.run(cached_seqs=[driver.cached_seq(s) for s in prompts])
     ours = torch.stack(recorder.logits, dim=1)  # [seqs, NUM_NEW, vocab]
-    tolerance = {}
+    tolerance, within = {}, {}
     for row, (s, ref) in enumerate(hf_logits.items()):
-        rel = (ours[row] - ref).norm(dim=-1) / ref.norm(dim=-1)  # [NUM_NEW]
-        print(f"{preset} seq {s}: rel err max {rel.max():.4f} mean {rel.mean():.4f}")
-        assert rel.max() < REL_TOL, (s, rel.tolist())
+        ours_vs_hf, hf_vs_fp32 = _rel(ours[row], ref), _rel(ref, fp32_logits[s])
+        print(f"{preset} seq {s}: ||ours-hf||/||hf|| max {ours_vs_hf.max():.4f} mean "
+              f"{ours_vs_hf.mean():.4f}; transformers bf16 vs fp32 mean {hf_vs_fp32.mean():.4f}; "
+              f"ours vs fp32 mean {_rel(ours[row], fp32_logits[s]).mean():.4f}")
+        within[s] = bool((ours_vs_hf <= 2 * hf_vs_fp32 + 0.005).all())
         tolerance[s] = (ours[row] - ref).abs().max(dim=-1).values  # [NUM_NEW]
 
     # Free-running greedy (new seqs): identical until transformers' top-2 margin is within
@@ -164,16 +179,20 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
     runner.reset()
     driver = PlanDriver(runner, seed=1)
     _decode_all(driver, {s + 10: p for s, p in prompts.items()}, NUM_NEW)
+    identical = {}
     for s, prompt in prompts.items():
         top2 = hf_logits[s].topk(2, dim=-1).values
         near_tie = ((top2[:, 0] - top2[:, 1]) <= 2 * tolerance[s]).nonzero()
         stop = int(near_tie[0]) if len(near_tie) else NUM_NEW
         got = driver.tokens[s + 10][len(prompt):len(prompt) + NUM_NEW]
-        print(f"{preset} seq {s}: greedy identical through {stop}/{NUM_NEW} "
-              f"(first differing {next((i for i, (a, b) in enumerate(zip(got, hf_tokens[s])) if a != b), None)})")
-        assert got[:stop] == hf_tokens[s][:stop]
+        first_diff = next((i for i, (a, b) in enumerate(zip(got, hf_tokens[s])) if a != b), None)
+        print(f"{preset} seq {s}: greedy identical through {stop}/{NUM_NEW} required "
+              f"(first differing position: {first_diff})")
+        identical[s] = got[:stop] == hf_tokens[s][:stop]
     del runner, hf
     torch.cuda.empty_cache()
+    assert all(within.values()), within
+    assert all(identical.values()), identical
 
 
 @pytest.mark.gpu

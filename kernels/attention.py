@@ -21,8 +21,28 @@ _MAX_GROUP = 16          # query heads per KV head served by one decode CTA (the
 _HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# (dtype, head_dim) -> kernel; benchmarks swap in candidate variants through this table.
-PREFILL_KERNELS = {(dt, hd): f"prefill_{name}_hd{hd}" for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
+# (dtype, head_dim) -> kernel; benchmarks and tests swap in variants through these tables.
+# Hopper (module built for sm_90a): the wgmma kernels; anything else: the mma.sync kernels.
+PREFILL_KERNELS = {(dt, hd): f"prefill_wg_{name}_hd{hd}" for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
+PREFILL_KERNELS_MMA_SYNC = {(dt, hd): f"prefill_{name}_hd{hd}" for dt, name in _DTYPES.items()
+                            for hd in _HEAD_DIMS}
+_WG_THREADS, _WG_BN = 256, 128
+
+
+def prefill_launch_shape(kernel: str, head_dim: int, elem_bytes: int) -> tuple[int, int]:
+    """(threads, dynamic shared memory bytes) of a prefill kernel by its name."""
+    if kernel.startswith("prefill_wg"):  # 1 KiB for the manual 1024-byte alignment, Q, 2 x (K, V)
+        return _WG_THREADS, 1024 + (_PREFILL_BM + 4 * _WG_BN) * head_dim * elem_bytes
+    return _THREADS, (_PREFILL_BM + 2 * _PREFILL_BN) * head_dim * elem_bytes
+
+
+def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
+    kernel = PREFILL_KERNELS[(dtype, head_dim)]
+    if kernel.startswith("prefill_wg"):
+        _compile.get_module("attention", device)
+        if _compile.arch_used(device) != "-arch=sm_90a":
+            kernel = PREFILL_KERNELS_MMA_SYNC[(dtype, head_dim)]
+    return kernel
 
 _workspaces: dict[tuple[str, int], torch.Tensor] = {}
 _num_sms: dict[int, int] = {}
@@ -135,8 +155,8 @@ def paged_prefill_attention(
     tiles = _workspace("prefill_tiles", device, 2 * num_entries, torch.int32)
     _compile.launch("attention", "prefill_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(), _i32(num_entries)))
-    smem = (_PREFILL_BM + 2 * _PREFILL_BN) * head_dim * q.element_size()
-    kernel = PREFILL_KERNELS[(q.dtype, head_dim)]
+    kernel = prefill_kernel(q.dtype, head_dim, device)
+    threads, smem = prefill_launch_shape(kernel, head_dim, q.element_size())
     args = (
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
@@ -144,7 +164,7 @@ def paged_prefill_attention(
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
         _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)),
     )
-    _compile.launch("attention", kernel, device, (num_heads, num_entries, 1), (_THREADS, 1, 1),
+    _compile.launch("attention", kernel, device, (num_heads, num_entries, 1), (threads, 1, 1),
                     args, shared_mem=smem)
     return out
 

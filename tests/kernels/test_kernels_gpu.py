@@ -121,12 +121,43 @@ PREFILL_CASES = {
 }
 
 
+@pytest.fixture(params=["default", "mma_sync"])
+def prefill_impl(request, kern):
+    """The default prefill kernels (wgmma on Hopper), then the mma.sync fallback kernels."""
+    attention, _ = kern
+    saved = dict(attention.PREFILL_KERNELS)
+    if request.param == "mma_sync":
+        attention.PREFILL_KERNELS.update(attention.PREFILL_KERNELS_MMA_SYNC)
+    yield request.param
+    attention.PREFILL_KERNELS.update(saved)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill_matches_reference(kern, dtype, head_dim, heads, kv_heads, block_size, case):
+def test_prefill_matches_reference(kern, prefill_impl, dtype, head_dim, heads, kv_heads, block_size,
+                                   case):
+    _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (16, 2)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_candidate_wg1_hd64(kern, heads, kv_heads, block_size, case):
+    """The benchmark's comparison variant (wgmma hd64 at 1 CTA/SM), and block size 8."""
+    attention, _ = kern
+    key = (torch.bfloat16, 64)
+    saved = attention.PREFILL_KERNELS[key]
+    attention.PREFILL_KERNELS[key] = "prefill_wg1_bf16_hd64"
+    try:
+        _check_prefill(kern, torch.bfloat16, 64, heads, kv_heads, block_size, case)
+    finally:
+        attention.PREFILL_KERNELS[key] = saved
+
+
+def _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case):
     attention, _ = kern
     seq_lens, q_lens = PREFILL_CASES[case]
     gen = torch.Generator(device="cuda").manual_seed(seed_of(case, dtype, head_dim, heads, block_size))

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.plan import SeqUpdate
+from scheduler_svc.plan import SeqUpdate, StepPlan
 from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, TokenEvent,
                                    resolve_prompt, validate_params)
 from scheduler_svc.scheduler import Scheduler
@@ -46,6 +47,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     max_waiting: int = 4096
     unavailable_grace_s: float = 30.0
+    # Steps sent before the oldest one's result is back: 2 lets the scheduler plan step N+1
+    # while the executor runs step N (async scheduling); 1 is lockstep.
+    max_steps_in_flight: int = 2
 
 
 class _RequestState:
@@ -264,53 +268,49 @@ class Engine:
     # --- the step loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        """One plan in flight at a time. The next plan is sent as soon as the last result is
-        applied, before that result's tokens are detokenized and streamed, so the executor
-        computes while the host does the per-token work."""
-        in_flight = None
+        """Keeps up to max_steps_in_flight plans sent. When the oldest result comes back it is
+        applied, the next plan goes out, and only then are that result's tokens detokenized and
+        streamed, so the executor always has a step queued while the host works."""
+        in_flight: deque[StepPlan] = deque()
         while True:
             try:
-                if in_flight is None:
-                    in_flight = await self._next_plan()
+                await self._fill(in_flight)
+                if not in_flight:
+                    await self._wait_for_work()
                     continue
-                sampled = await self.client.receive(in_flight)
-                updates = self.scheduler.update_from_output(in_flight, sampled)
+                sampled = await self.client.receive(in_flight[0])
+                updates = self.scheduler.update_from_output(in_flight.popleft(), sampled)
                 self.num_steps += 1
-                in_flight = None
                 try:
-                    if self._switch is None:
-                        in_flight = await self._send_next()
+                    await self._fill(in_flight)
                 finally:
                     for update in updates:
                         self._emit(update)
                     self.metrics.steps.inc()
                     self.metrics.observe_scheduler(self.scheduler)
             except ExecutorLost:
-                in_flight = None
+                in_flight.clear()
                 await self._resync()
 
-    async def _next_plan(self):
-        """Waits for work (or a planned switch), then schedules and sends a step."""
+    async def _fill(self, in_flight: deque) -> None:
+        """Schedules and sends steps until max_steps_in_flight are out or nothing is runnable.
+        No new step goes out while a planned executor switch waits. Raises ExecutorLost."""
+        while (len(in_flight) < self.config.max_steps_in_flight and self._switch is None
+               and self.scheduler.has_unfinished()):
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return
+            await self.client.send(plan)
+            in_flight.append(plan)
+
+    async def _wait_for_work(self) -> None:
+        """Nothing in flight: apply a waiting executor switch, or sleep until a request arrives."""
         if self._switch is not None:
             await self._apply_switch()
-            return None
-        plan = await self._send_next()
-        if plan is None:
-            self.metrics.observe_scheduler(self.scheduler)
-            self._wakeup.clear()
-            await self._wakeup.wait()
-        return plan
-
-    async def _send_next(self):
-        """Schedules and sends the next step; None when there is nothing to run.
-        Raises ExecutorLost."""
-        if not self.scheduler.has_unfinished():
-            return None
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return None
-        await self.client.send(plan)
-        return plan
+            return
+        self.metrics.observe_scheduler(self.scheduler)
+        self._wakeup.clear()
+        await self._wakeup.wait()
 
     async def _resync(self) -> None:
         """Frees everything mapped on the lost executor; every unfinished sequence is recomputed."""

@@ -47,6 +47,10 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 256)))
     p.add_argument("--preemption-mode", default=_env("PREEMPTION_MODE", "swap"),
                    choices=["swap", "recompute"])
+    p.add_argument("--max-steps-in-flight", type=int,
+                   default=int(_env("MAX_STEPS_IN_FLIGHT", 2)), choices=[1, 2],
+                   help="2: plan step N+1 while the executor runs step N (async scheduling); "
+                        "1: lockstep")
     p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", 4096)))
     p.add_argument("--step-timeout", type=float, default=float(_env("STEP_TIMEOUT", 60.0)),
                    help="seconds without a step result before the executor counts as hung")
@@ -71,6 +75,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         executor_addresses=read_addresses(a.executor),
         executor_file=a.executor[1:] if a.executor.startswith("@") else None,
         engine=EngineConfig(scheduler=scheduler, max_waiting=a.max_waiting,
+                            max_steps_in_flight=a.max_steps_in_flight,
                             unavailable_grace_s=a.unavailable_grace),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
         metrics_port=a.metrics_port,

@@ -43,6 +43,9 @@ class StepPlan:
     cached_seqs: list[CachedSeqPlan] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
+    # Seqs whose scheduled tokens complete them, so the executor samples one token each.
+    # Scheduler bookkeeping, not sent: the executor derives the same set.
+    sampling_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -191,14 +191,25 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
         """Tokens to compute for seq this step; 0 when it must wait for a later step.
 
+        Tokens a step in flight will sample count as known (the executor feeds them itself), but
+        only for running seqs, and not past the point where the seq is certain to stop.
         Without chunked prefill a seq waits for a step with room for all its tokens, unless it
         could never get one (more than max_num_batched_tokens): then it is chunked anyway.
         """
-        num_new = seq.num_tokens - seq.num_computed_tokens
+        if seq.num_pending_tokens and (seq.status is not SequenceStatus.RUNNING
+                                       or self._stops_for_sure(seq)):
+            return 0
+        num_new = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
         too_big_ever = num_new > self.config.max_num_batched_tokens
         if num_new > budget.tokens and not (self.config.enable_chunked_prefill or too_big_ever):
             return 0
         return min(num_new, budget.tokens)
+
+    def _stops_for_sure(self, seq: Sequence) -> bool:
+        """The tokens in flight take seq to a length limit: scheduling more would be wasted."""
+        outputs = seq.num_output_tokens + seq.num_pending_tokens
+        total = seq.num_tokens + seq.num_pending_tokens
+        return outputs >= seq.max_tokens or total >= self._max_num_tokens(seq)
 
     def _has_seq_room(self) -> bool:
         return len(self.running) < self.config.max_num_seqs
@@ -212,13 +223,25 @@ class Scheduler:
             plan.cached_seqs.append(CachedSeqPlan(
                 seq_id=seq.seq_id, num_scheduled_tokens=num_new,
                 num_computed_tokens=seq.num_computed_tokens, new_block_ids=new_block_ids))
-            return
-        plan.new_seqs.append(NewSeqPlan(
-            seq_id=seq.seq_id, token_ids=list(seq.token_ids),
-            block_table=self.block_manager.get_block_table(seq.seq_id),
-            num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_new,
-            sampling=seq.sampling, seed=seq.seed))
-        self._executor_seq_ids.add(seq.seq_id)
+        else:
+            # Sent in full, so every token must be known: no sample may be outstanding.
+            assert seq.num_pending_tokens == 0, f"seq {seq.seq_id} resent with a pending token"
+            plan.new_seqs.append(NewSeqPlan(
+                seq_id=seq.seq_id, token_ids=list(seq.token_ids),
+                block_table=self.block_manager.get_block_table(seq.seq_id),
+                num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_new,
+                sampling=seq.sampling, seed=seq.seed))
+            self._executor_seq_ids.add(seq.seq_id)
+        self._advance(seq, num_new, plan)
+
+    @staticmethod
+    def _advance(seq: Sequence, num_new: int, plan: StepPlan) -> None:
+        """Counts the scheduled tokens as computed now (the next step may be planned before this
+        one's result is back); a seq this step completes will get one sampled token."""
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens == seq.num_tokens + seq.num_pending_tokens:
+            seq.num_pending_tokens += 1
+            plan.sampling_seq_ids.append(seq.seq_id)
 
     # ---- preemption --------------------------------------------------------------------------
 
@@ -253,45 +276,27 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------------
 
     def update_from_output(self, plan: StepPlan, sampled: dict[int, int]) -> list[SeqUpdate]:
-        """Apply a step's result: advance num_computed_tokens, append sampled tokens, apply the
-        token-level stop rules, free finished seqs' pages now. Seqs aborted while the step was in
-        flight are skipped; a plan from before reset_executor() is ignored."""
+        """Apply a step's result (steps come back in order): append the sampled tokens, apply the
+        token-level stop rules, free finished seqs' pages now. Seqs finished or aborted while the
+        step was in flight are skipped; a plan from before reset_executor() is ignored."""
         if plan.step_id <= self._last_updated_step_id:
             return []
         self._last_updated_step_id = plan.step_id
-        scheduled = self._live_scheduled(plan)
-        self._check_sampled(plan, scheduled, sampled)
-        updates = []
-        for seq, num_scheduled in scheduled:
-            seq.num_computed_tokens += num_scheduled
-            if seq.num_computed_tokens == seq.num_tokens:
-                updates.append(self._append_token(seq, sampled[seq.seq_id]))
-        return updates
-
-    def _live_scheduled(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
-        """(seq, num_scheduled_tokens) for the plan's seqs that are still running."""
-        entries = [*plan.new_seqs, *plan.cached_seqs]
-        live = []
-        for entry in entries:
-            seq = self._seqs.get(entry.seq_id)
-            if seq is not None and seq.status is SequenceStatus.RUNNING:
-                live.append((seq, entry.num_scheduled_tokens))
-        return live
-
-    @staticmethod
-    def _check_sampled(plan: StepPlan, scheduled: list[tuple[Sequence, int]],
-                       sampled: dict[int, int]) -> None:
-        """Fail before mutating anything if a seq that completed its tokens got no sample."""
-        missing = [seq.seq_id for seq, n in scheduled
-                   if seq.num_computed_tokens + n == seq.num_tokens and seq.seq_id not in sampled]
-        if missing:
+        seqs = [self._seqs[i] for i in plan.sampling_seq_ids if i in self._seqs]
+        missing = [seq.seq_id for seq in seqs if seq.seq_id not in sampled]
+        if missing:  # fail before mutating anything
             raise ValueError(f"step {plan.step_id}: no sampled token for seqs {missing}")
+        updates = []
+        for seq in seqs:
+            seq.num_pending_tokens -= 1
+            updates.append(self._append_token(seq, sampled[seq.seq_id]))
+        return updates
 
     def _append_token(self, seq: Sequence, token_id: int) -> SeqUpdate:
         seq.append_token(token_id)
         reason = self._check_stop(seq, token_id)
         if reason is not None:
-            self.running.remove(seq)
+            self._queue_of(seq).remove(seq)  # a preempted seq can still get its in-flight token
             self._finish(seq, reason)
         return SeqUpdate(seq=seq, token_id=token_id, finish_reason=reason)
 
@@ -343,8 +348,10 @@ class Scheduler:
         started = [*self.running, *self.swapped,
                    *(s for s in self.waiting if s.num_preemptions or s.output_token_ids)]
         fresh = [s for s in self.waiting if not (s.num_preemptions or s.output_token_ids)]
-        for seq in started:
+        for seq in [*started, *fresh]:
             seq.num_computed_tokens = 0
+            seq.num_pending_tokens = 0  # the steps that would sample them are gone
+        for seq in started:
             seq.status = SequenceStatus.WAITING
         self.waiting = deque(sorted(started, key=_age) + fresh)
         self.running, self.swapped = [], []

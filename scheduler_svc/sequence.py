@@ -25,7 +25,9 @@ class FinishReason(enum.Enum):
 class Sequence:
     """Token ids and progress of one request.
 
-    `num_computed_tokens` counts tokens whose KV lies in the cache; the scheduler moves it
+    `num_computed_tokens` counts tokens whose KV lies in the cache once the steps scheduled so far
+    have run (it advances when a step is scheduled); `num_pending_tokens` counts tokens those steps
+    will sample that have not come back yet. The scheduler moves num_computed_tokens
     towards `num_tokens`. `seed` is the request's seed, or one the scheduler assigns, so that a
     recomputed sequence samples the same tokens.
     """
@@ -43,6 +45,8 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens a step in flight will sample for this seq, not yet known here (async scheduling).
+        self.num_pending_tokens = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0

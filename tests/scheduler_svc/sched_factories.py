@@ -192,3 +192,51 @@ class Loop:
                 return n
             self.step()
         raise AssertionError(f"not finished after {max_steps} steps")
+
+
+class PipelinedLoop(Loop):
+    """Async scheduling: step N+1 is scheduled (and run by the executor, which is ahead) before
+    step N's result reaches the scheduler, as the engine does with two plans in flight."""
+
+    def __init__(self, sched: Scheduler, token_fn=default_token) -> None:
+        super().__init__(sched, token_fn)
+        self.in_flight: list[tuple[StepPlan, dict[int, int]]] = []
+
+    def fill(self) -> None:
+        while len(self.in_flight) < 2 and self.sched.has_unfinished():
+            plan = self.sched.schedule()
+            if not plan.num_scheduled_seqs and not plan.finished_seq_ids:
+                return
+            check_plan(self.sched, plan)
+            self.plans.append(plan)
+            self.in_flight.append((plan, self.executor.execute(plan)))
+
+    def step(self, between=None):
+        self.fill()
+        plan, sampled = self.in_flight.pop(0)
+        if between is not None:
+            between(plan)
+        updates = self.sched.update_from_output(plan, sampled)
+        self.record(updates)
+        self.check()
+        return plan, updates
+
+    def check(self) -> None:
+        self.sched.block_manager.check_invariants()
+        check_queues(self.sched)
+        for seq in self.sched.running:  # the executor may hold tokens not back yet
+            known = self.executor.tokens.get(seq.seq_id)
+            if known is not None:
+                assert known[:seq.num_tokens] == seq.token_ids
+                assert len(known) - seq.num_tokens == seq.num_pending_tokens
+
+    def reset_executor(self) -> None:
+        self.in_flight.clear()
+        super().reset_executor()
+
+    def run_until_done(self, max_steps: int = 10_000) -> int:
+        for n in range(max_steps):
+            if not self.sched.has_unfinished() and not self.in_flight:
+                return n
+            self.step()
+        raise AssertionError(f"not finished after {max_steps} steps")

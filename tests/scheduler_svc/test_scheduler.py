@@ -340,7 +340,8 @@ def test_missing_sample_raises_before_mutating():
     plan = sched.schedule()
     with pytest.raises(ValueError, match="no sampled token"):
         sched.update_from_output(plan, {})
-    assert sched.get_seq(1).num_computed_tokens == 0
+    seq = sched.get_seq(1)
+    assert seq.output_token_ids == [] and seq.num_pending_tokens == 1
 
 
 def test_copy_on_write_goes_into_plan_copy_and_resends_full_table():

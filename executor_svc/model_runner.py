@@ -98,7 +98,7 @@ class ModelRunner:
         if any(t < 0 or t >= self.info.vocab_size for t in new.token_ids):
             raise PlanMismatch(f"seq {new.seq_id}: token id out of vocabulary")
         self._check_counts(new.seq_id, len(new.token_ids), new.num_computed_tokens,
-                           new.num_scheduled_tokens, new.block_table)
+                           new.num_scheduled_tokens, len(new.block_table), new.block_table)
 
     def _check_cached(self, cached: CachedSeq, state: SeqState) -> None:
         if cached.num_computed_tokens != state.num_computed_tokens:
@@ -106,11 +106,13 @@ class ModelRunner:
                 f"seq {cached.seq_id}: plan says {cached.num_computed_tokens} computed tokens, "
                 f"executor has {state.num_computed_tokens}"
             )
+        # The held table was checked when it arrived: only the appended ids are new.
         self._check_counts(cached.seq_id, len(state.token_ids), state.num_computed_tokens,
-                           cached.num_scheduled_tokens, state.block_table + cached.new_block_ids)
+                           cached.num_scheduled_tokens,
+                           len(state.block_table) + len(cached.new_block_ids), cached.new_block_ids)
 
     def _check_counts(self, seq_id: int, num_tokens: int, num_computed: int, num_scheduled: int,
-                      block_table: list[int]) -> None:
+                      num_blocks: int, unchecked_blocks: list[int]) -> None:
         end = num_computed + num_scheduled
         if num_computed < 0 or num_scheduled < 0 or end > num_tokens:
             raise PlanMismatch(
@@ -119,10 +121,10 @@ class ModelRunner:
             )
         if end > self.info.max_model_len:
             raise PlanMismatch(f"seq {seq_id}: {end} tokens exceed max_model_len")
-        if any(b < 0 or b >= self.info.num_gpu_blocks for b in block_table):
+        if any(b < 0 or b >= self.info.num_gpu_blocks for b in unchecked_blocks):
             raise PlanMismatch(f"seq {seq_id}: block id out of range [0, {self.info.num_gpu_blocks})")
-        if len(block_table) * self.info.block_size < end:
-            raise PlanMismatch(f"seq {seq_id}: {len(block_table)} blocks cannot hold {end} tokens")
+        if num_blocks * self.info.block_size < end:
+            raise PlanMismatch(f"seq {seq_id}: {num_blocks} blocks cannot hold {end} tokens")
 
     # -- state updates --------------------------------------------------------------------------
 

@@ -20,10 +20,16 @@ import struct
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
-from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-    GGUF_TOKENIZER_MAPPING,
-    convert_gguf_tokenizer,
-)
+
+def _gguf_tokenizer_api():
+    """transformers' GGUF tokenizer converter: `integrations/gguf/` since 5.2x, `ggml` before."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    except ImportError:
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
 
 # special token name -> the GGUF key (under `tokenizer.ggml.`) holding its id; as in transformers
 _GGUF_SPECIAL_TOKEN_KEYS = {
@@ -82,15 +88,17 @@ def load_tokenizer(source: str) -> Tokenizer | None:
 def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     metadata = read_gguf_metadata(path, prefixes=("general.architecture", "tokenizer."))
     architecture, tokenizer_dict, tokenizer_config = _gguf_tokenizer_fields(metadata)
+    _, convert_gguf_tokenizer = _gguf_tokenizer_api()
     backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra_kwargs)
 
 
 def _gguf_tokenizer_fields(metadata: dict[str, Any]) -> tuple[str, dict, dict]:
     """`(architecture, tokenizer_dict, tokenizer_config)` exactly as transformers' `get_gguf_tokenizer`."""
+    mapping, _ = _gguf_tokenizer_api()
     grouped = {
         group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
-        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+        for group, renames in mapping.items()
     }
     tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
     tokenizer_type = tokenizer_dict.get("tokenizer_type")

@@ -46,14 +46,18 @@ def default_model_source() -> str:
 
 def build_hf_model(preset: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> Any:
-    """The transformers model of a preset with random weights drawn under torch.manual_seed(seed)."""
+    """The transformers model of a preset with random weights drawn under torch.manual_seed(seed).
+
+    Always drawn on the CPU, then moved: a GPU's generator gives other numbers for the same seed,
+    and the fingerprint promises the same weights on every executor of this preset and seed.
+    """
     from transformers import AutoModelForCausalLM
 
     cfg = preset_hf_config(preset)
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def load_hf_model(source: str, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -48,16 +48,16 @@ def build_hf_model(preset: str, seed: int = 0, dtype: torch.dtype = torch.float3
                    device: str | torch.device = "cpu") -> Any:
     """The transformers model of a preset with random weights drawn under torch.manual_seed(seed).
 
-    Always drawn on the CPU, then moved: a GPU's generator gives other numbers for the same seed,
-    and the fingerprint promises the same weights on every executor of this preset and seed.
+    Drawn on `device` in `dtype`: a GPU's generator gives other numbers than the CPU's for the same
+    seed (and drawing 8B weights on the CPU takes minutes), so the fingerprint names both.
     """
     from transformers import AutoModelForCausalLM
 
     cfg = preset_hf_config(preset)
     torch.manual_seed(seed)
-    with torch.device("cpu"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model.to(device).eval()
+    return model.eval()
 
 
 def load_hf_model(source: str, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -116,12 +116,16 @@ def model_from_hf(hf_model: Any, config: ModelConfig, backend) -> LlamaModel:
     return LlamaModel(config, weights, backend)
 
 
-def model_fingerprint(config: ModelConfig, source: str, seed: int = 0) -> str:
+def model_fingerprint(config: ModelConfig, source: str, seed: int = 0,
+                      init_device: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
     """sha256 of the model config, the identity of the weight source and the tokenizer source
-    (file names and sizes rather than absolute paths, so identical copies on two hosts match)."""
+    (file names and sizes rather than absolute paths, so identical copies on two hosts match).
+    Random preset weights also depend on the seed and on the device type and dtype they are
+    drawn on (see build_hf_model)."""
     identity = {"config": asdict(config), "source": _source_identity(source)}
     if source.startswith(_PRESET_PREFIX):
         identity["seed"] = seed
+        identity["drawn_on"] = [torch.device(init_device).type, str(dtype)]
     identity["tokenizer"] = _source_identity(tokenizer_source(source)) if tokenizer_source(source) else ""
     blob = json.dumps(identity, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()

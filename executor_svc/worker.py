@@ -56,7 +56,7 @@ class Worker:
         )
         self.info = ExecutorInfo(
             model_name=name,
-            fingerprint=model_fingerprint(mc, source, config.seed),
+            fingerprint=model_fingerprint(mc, source, config.seed, self.backend.device, dtype),
             dtype=dtype_name,
             block_size=config.block_size,
             num_gpu_blocks=num_gpu_blocks,

@@ -66,3 +66,16 @@ def test_seeded_sampling_survives_recompute():
     for _ in range(2):
         again.run(cached_seqs=[again.cached_seq(1)])
     assert again.tokens[1] == full
+
+
+def test_preset_fingerprint_names_where_the_weights_were_drawn():
+    import torch
+
+    from executor_svc.model_config import ModelConfig, preset_hf_config
+
+    config = ModelConfig.from_hf_config(preset_hf_config("tiny"))
+    cpu = model_fingerprint(config, "preset:tiny", 0, "cpu", torch.float32)
+    assert cpu == model_fingerprint(config, "preset:tiny", 0, "cpu", torch.float32)
+    assert cpu != model_fingerprint(config, "preset:tiny", 0, "cuda", torch.float32)
+    assert cpu != model_fingerprint(config, "preset:tiny", 0, "cpu", torch.bfloat16)
+    assert cpu != model_fingerprint(config, "preset:tiny", 1, "cpu", torch.float32)

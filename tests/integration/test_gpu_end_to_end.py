@@ -38,7 +38,7 @@ def test_preemption_on_gpu_keeps_outputs_identical(tmp_path, swap_space, mode):
             stub = services.stub(ch)
             results = list(pool.map(lambda p: generate(stub, p, max_tokens=40), prompts))
         for prompt, (ids, _, _) in zip(prompts, results):
-            assert ids == hf_greedy(TINY, prompt, 40)
+            assert ids == hf_greedy(TINY, prompt, 40, device="cuda")  # weights drawn on cuda
         m = services.metrics()
         assert m[f'pagedserve_preemptions{{mode="{mode}"}}'] > 0, m
         if mode == "swap":

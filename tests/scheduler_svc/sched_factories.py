@@ -205,7 +205,7 @@ class PipelinedLoop(Loop):
     def fill(self) -> None:
         while len(self.in_flight) < 2 and self.sched.has_unfinished():
             plan = self.sched.schedule()
-            if not plan.num_scheduled_seqs and not plan.finished_seq_ids:
+            if plan.is_empty:  # as the engine: a plan that only moves or drops pages still goes
                 return
             check_plan(self.sched, plan)
             self.plans.append(plan)
@@ -213,6 +213,8 @@ class PipelinedLoop(Loop):
 
     def step(self, between=None):
         self.fill()
+        if not self.in_flight:
+            return None, []
         plan, sampled = self.in_flight.pop(0)
         if between is not None:
             between(plan)

@@ -12,10 +12,12 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason
-from sched_factories import Loop, check_queues, default_token, make_seq
+from sched_factories import Loop, PipelinedLoop, check_queues, default_token, make_seq
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    LOOP = Loop  # lockstep: each result is applied before the next step is planned
+
     @initialize(block_size=st.sampled_from([1, 2, 4, 8]), num_gpu_blocks=st.integers(2, 16),
                 num_cpu_blocks=st.integers(0, 48), max_num_batched_tokens=st.integers(1, 64),
                 max_num_seqs=st.integers(1, 8), chunked=st.booleans(),
@@ -27,7 +29,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                  preemption_mode=mode)
         bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks)
         self.sched = Scheduler(config, bm, rng=random.Random(0))
-        self.loop = Loop(self.sched)
+        self.loop = self.LOOP(self.sched)
         self.next_id = 0
         self.expected: dict[int, tuple[int, int]] = {}  # seq_id -> (prompt_len, num outputs)
         self.cut_short: set[int] = set()  # aborted or stopped by "stop string"
@@ -108,6 +110,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert self.loop.finished[seq_id] is FinishReason.LENGTH
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40,
-                                              deadline=None, derandomize=True)
+class PipelinedSchedulerMachine(SchedulerMachine):
+    """The same rules with two steps in flight (async scheduling): aborts, stop-string finishes
+    and resets land while the executor is a step ahead of the scheduler."""
+    LOOP = PipelinedLoop
+
+
+_SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None, derandomize=True)
+SchedulerMachine.TestCase.settings = _SETTINGS
+PipelinedSchedulerMachine.TestCase.settings = _SETTINGS
 TestSchedulerMachine = SchedulerMachine.TestCase
+TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase

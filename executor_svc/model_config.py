@@ -35,6 +35,15 @@ class ModelConfig:
     attention_bias: bool  # bias on the q/k/v projections (Qwen2)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Mistral-style local attention window; None = full attention.
+    sliding_window: int | None = None
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence this forward pass computes exactly: full attention only, so no
+        longer than the sliding window (beyond it the model would attend to fewer tokens)."""
+        limit = self.max_position_embeddings
+        return min(limit, self.sliding_window) if self.sliding_window else limit
 
     @property
     def eos_token_id(self) -> int | None:
@@ -67,7 +76,16 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             bos_token_id=cfg.bos_token_id,
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(cfg),
         )
+
+
+def _sliding_window(cfg: Any) -> int | None:
+    """Qwen2 configs carry a window that only applies with use_sliding_window."""
+    window = getattr(cfg, "sliding_window", None)
+    if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+        return None
+    return int(window) if window else None
 
 
 def _rope_params(cfg: Any) -> dict:

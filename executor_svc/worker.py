@@ -39,9 +39,10 @@ class Worker:
         mc = self.model_config
         block_bytes = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                       config.block_size, dtype)
-        max_model_len = config.max_model_len or min(mc.max_position_embeddings, _MAX_MODEL_LEN_CAP)
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} > model's {mc.max_position_embeddings}")
+        max_model_len = config.max_model_len or min(mc.max_context, _MAX_MODEL_LEN_CAP)
+        if max_model_len > mc.max_context:
+            raise ValueError(f"max_model_len {max_model_len} > the model's {mc.max_context} "
+                             "(max positions, or its sliding window: attention here is full)")
         self.memory_profile = None
         num_gpu_blocks = config.num_gpu_blocks
         if num_gpu_blocks is None and self.backend.name == "cuda":

@@ -79,3 +79,18 @@ def test_preset_fingerprint_names_where_the_weights_were_drawn():
     assert cpu != model_fingerprint(config, "preset:tiny", 0, "cuda", torch.float32)
     assert cpu != model_fingerprint(config, "preset:tiny", 0, "cpu", torch.bfloat16)
     assert cpu != model_fingerprint(config, "preset:tiny", 1, "cpu", torch.float32)
+
+
+def test_sliding_window_caps_the_context():
+    from transformers import MistralConfig, Qwen2Config
+
+    from executor_svc.model_config import ModelConfig
+
+    mistral = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                            max_position_embeddings=8192, sliding_window=1024)
+    assert ModelConfig.from_hf_config(mistral).max_context == 1024
+    qwen = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                       max_position_embeddings=8192, sliding_window=1024, use_sliding_window=False)
+    assert ModelConfig.from_hf_config(qwen).max_context == 8192

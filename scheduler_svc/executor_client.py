@@ -124,11 +124,6 @@ class ExecutorClient:
                  description.num_cpu_blocks)
         return description
 
-    async def execute(self, plan: StepPlan) -> dict[int, int]:
-        """Sends one plan and waits for its result: {seq_id: sampled token id}."""
-        await self.send(plan)
-        return await self.receive(plan)
-
     async def send(self, plan: StepPlan) -> None:
         """Writes a plan to the Execute stream; its result is read by `receive`."""
         if self._call is None:

@@ -130,26 +130,35 @@ def test_model_info(tiny, channel):
     assert info.vocab_size == 49152 and info.max_model_len > 0 and info.num_gpu_blocks > 0
 
 
-@pytest.mark.parametrize("swap_space,mode", [("1", "swap"), ("0", "recompute")])
-def test_preemption_keeps_outputs_identical(tmp_path, swap_space, mode):
+def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
+                     device: str = "cpu") -> str:
+    """Ten requests on a 24-page GPU pool: `mode` preemption must happen and every output stay
+    identical to transformers' (weights drawn on `device`); returns the executor's log."""
+    swap_space = "1" if mode == "swap" else "0"
     services = start_services(
-        tmp_path, ["--model", TINY, "--num-gpu-blocks", "24", "--swap-space", swap_space],
-        ["--max-num-seqs", "16"])
+        tmp_path, ["--model", TINY, "--num-gpu-blocks", "24", "--swap-space", swap_space,
+                   *executor_args], ["--max-num-seqs", "16"])
     try:
         prompts = random_prompts(10, seed=4, low=30, high=50)
         with grpc.insecure_channel(services.scheduler_address) as ch, ThreadPoolExecutor(10) as pool:
             stub = services.stub(ch)
             results = list(pool.map(lambda p: generate(stub, p, max_tokens=40), prompts))
         for prompt, (ids, _, _) in zip(prompts, results):
-            assert ids == hf_greedy(TINY, prompt, 40)
+            assert ids == hf_greedy(TINY, prompt, 40, device=device)
         m = services.metrics()
         assert m[f'pagedserve_preemptions{{mode="{mode}"}}'] > 0, m
         if mode == "swap":
             assert m['pagedserve_blocks_swapped{direction="out"}'] > 0
             assert m['pagedserve_blocks_swapped{direction="in"}'] > 0
         assert_pools_whole(services)
+        return services.log_of("executor")
     finally:
         services.stop()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_outputs_identical(tmp_path, mode):
+    check_preemption(tmp_path, mode)
 
 
 def test_stop_rules_through_the_api(tiny, channel):

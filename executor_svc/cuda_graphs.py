@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from executor_svc.attention_metadata import AttentionMetadata

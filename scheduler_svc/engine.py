@@ -146,8 +146,7 @@ class Engine:
                                      description.num_cpu_blocks)
         if self.scheduler is None:
             self.scheduler = Scheduler(self.config.scheduler, block_manager)
-        else:
-            self.scheduler.reset_executor()
+        else:  # the caller has reset the scheduler: nothing is mapped on the old pools
             self.scheduler.block_manager = block_manager
         self._set_attached(True)
 
@@ -184,6 +183,7 @@ class Engine:
         self._switch_requested.clear()
         old, self.client = self.client, client
         moved = self.scheduler.num_running + self.scheduler.num_swapped
+        self.scheduler.reset_executor()
         await self._attach(description)
         await old.close()
         log.info("serving moved to executor %s; %d sequences recomputed there",

@@ -72,8 +72,6 @@ class ExecutorClient:
         self.connected_address: str | None = None
         self._channel: grpc.aio.Channel | None = None
         self._call = None
-        self.num_connects = 0
-        self.last_result = None  # the last StepResult message (timings, executor step counter)
         self.disconnected_since: float | None = time.monotonic()
 
     async def connect(self) -> wire.ExecutorDescription:
@@ -117,7 +115,6 @@ class ExecutorClient:
         self.fingerprint = description.fingerprint
         self._channel, self._call = channel, stub.Execute(metadata=metadata)
         self.description, self.connected_address = description, address
-        self.num_connects += 1
         self.disconnected_since = None
         log.info("attached executor %s (%s, %s backend, %d GPU / %d CPU blocks)", address,
                  description.model_name, description.backend, description.num_gpu_blocks,
@@ -139,7 +136,6 @@ class ExecutorClient:
             raise self._lost("executor closed the stream")
         if result.step_id != plan.step_id:
             raise self._lost(f"result for step {result.step_id}, expected {plan.step_id}")
-        self.last_result = result
         return wire.sampled_from_proto(result)
 
     async def _guard(self, plan: StepPlan, operation):

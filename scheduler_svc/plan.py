@@ -57,10 +57,6 @@ class StepPlan:
         return len(self.new_seqs) + len(self.cached_seqs)
 
     @property
-    def scheduled_seq_ids(self) -> list[int]:
-        return [s.seq_id for s in self.new_seqs] + [s.seq_id for s in self.cached_seqs]
-
-    @property
     def is_empty(self) -> bool:
         """Nothing to compute, copy or drop: the engine need not send it."""
         return not (self.swap_out or self.swap_in or self.copy or self.new_seqs

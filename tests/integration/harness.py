@@ -107,15 +107,21 @@ def start_executor(args: list[str], port: int, log_path: str, env: dict | None =
 
 
 def start_services(tmp_path, executor_args: list[str], scheduler_args: list[str] = (),
-                   extra_executor_addresses: tuple[str, ...] = ()) -> Services:
+                   extra_executor_addresses: tuple[str, ...] = (),
+                   executor_file=None) -> Services:
+    """Executor, then scheduler. With `executor_file` the scheduler reads its executor addresses
+    from that file (`--executor @FILE`, re-read on SIGHUP); it is written here first."""
     ex_port, sch_port, metrics_port = free_port(), free_port(), free_port()
     services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port)
+    executors = ",".join((services.executor_address, *extra_executor_addresses))
+    if executor_file is not None:
+        executor_file.write_text(executors.replace(",", "\n") + "\n")
+        executors = f"@{executor_file}"
     services.logs = {"executor": str(tmp_path / "executor.log"),
                      "scheduler": str(tmp_path / "scheduler.log")}
     services.procs["executor"] = start_executor(executor_args, ex_port, services.logs["executor"])
     cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
-           str(sch_port), "--executor", ",".join((services.executor_address,
-                                                   *extra_executor_addresses)), "--metrics-port",
+           str(sch_port), "--executor", executors, "--metrics-port",
            str(metrics_port), *scheduler_args]
     services.procs["scheduler"] = subprocess.Popen(
         cmd, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)

@@ -153,6 +153,43 @@ def bench_decode(num_seqs, ctx, copy_bw, heads=32, kv_heads=8, head_dim=128, blo
             "block_ms_min": min(blocks), "block_ms_max": max(blocks)}
 
 
+def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, head_dim=128,
+                       block_size=16):
+    """Decode kernel candidates x split policies on one set of inputs, timed in interleaved rounds
+    (one block of 40 calls per candidate per round) so drift hits all alike; medians of rounds."""
+    k_cache, v_cache, tables = paged_inputs(num_seqs, ctx, kv_heads, head_dim, block_size, seed=2)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qs = [torch.randn(num_seqs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+          for _ in range(2)]
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(qs[0])
+    key = (torch.bfloat16, head_dim)
+    saved = attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM
+    candidates = [(kernel, ctas) for kernel in (saved[0], ("decode_s2_bf16_hd128", 2))
+                  for ctas in (4, 8, 12, 16, 24)]
+    times: dict = {c: [] for c in candidates}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        for r in range(rounds):
+            for c in candidates:
+                attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM = c
+                times[c].append(median_ms(lambda i: attention.paged_decode_attention(
+                    qs[i % 2], k_cache, v_cache, tables[i % 2], lens, head_dim**-0.5, out=out),
+                    iters=40, warmup=5 if r == 0 else 2))
+    finally:
+        attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM = saved
+    kv_bytes = 2 * num_seqs * ctx * kv_heads * head_dim * 2
+    result = {}
+    for (kernel, ctas), ts in times.items():
+        ms = statistics.median(ts)
+        splits, _ = attention.decode_splits(num_seqs, kv_heads, tables[0].shape[1], block_size,
+                                            sms, ctas)
+        result[f"{kernel[0]} ctas/SM {ctas}"] = {
+            "ms": ms, "frac_copy_bw": kv_bytes / (ms * 1e-3) / copy_bw, "splits": splits,
+            "round_ms_min": min(ts), "round_ms_max": max(ts)}
+    return result
+
+
 def bench_swap_and_copy(copy_bw, layers=32, kv_heads=8, block_size=16, head_dim=128,
                         gpu_blocks=8192, pairs=1024):
     import cupy
@@ -281,6 +318,16 @@ def main() -> None:
                          f"splits {r['splits']}, blocks {r['block_ms_min'] * 1e3:.0f}-"
                          f"{r['block_ms_max'] * 1e3:.0f} us",
                          f"{100 * r['frac_copy_bw']:.0f}% of copy bw"))
+    if "decode" in only and args.variants:
+        for seqs, ctx in ((64, 4096), (256, 1024)):
+            sweep = bench_decode_sweep(seqs, ctx, copy_bw)
+            results[f"decode sweep {seqs}x{ctx}"] = sweep
+            for name, r in sweep.items():
+                print(f"decode {seqs}x{ctx} [{name}]", json.dumps(r), flush=True)
+                rows.append((f"decode {seqs}x{ctx} [{name}]", f"{r['ms'] * 1e3:.0f} us", "",
+                             f"splits {r['splits']}, rounds {r['round_ms_min'] * 1e3:.0f}-"
+                             f"{r['round_ms_max'] * 1e3:.0f} us",
+                             f"{100 * r['frac_copy_bw']:.0f}% of copy bw"))
     if "swap" in only:
         r = bench_swap_and_copy(copy_bw)
         results["swap"] = r

@@ -26,6 +26,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "prefill_wg_bf16_hd64", "prefill_wg_bf16_hd128", "prefill_wg_fp16_hd64",
             "prefill_wg_fp16_hd128", "prefill_wg1_bf16_hd64",
             "decode_bf16_hd64", "decode_bf16_hd128", "decode_fp16_hd64", "decode_fp16_hd128",
+            "decode_s2_bf16_hd128",
             "decode_combine_bf16", "decode_combine_fp16",
         ),
     ),

@@ -15,7 +15,7 @@ from kernels import _compile
 _THREADS = 128
 _PREFILL_BM, _PREFILL_BN = 128, 64
 _DECODE_BN = 64
-_DECODE_STAGES = {64: 4, 128: 3}
+_DECODE_STAGES = {64: 4, 128: 3}  # pipeline stages of the default decode kernels (attention.cu)
 _DECODE_MAX_PAGES = 256  # pages one decode split may span: bounds its smem page list
 _MAX_GROUP = 16          # query heads per KV head served by one decode CTA (the MMA's M)
 _HEAD_DIMS = (64, 128)
@@ -24,6 +24,10 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # (dtype, head_dim) -> kernel; benchmarks and tests swap in variants through these tables.
 # Hopper (module built for sm_90a): the wgmma kernels; anything else: the mma.sync kernels.
 PREFILL_KERNELS = {(dt, hd): f"prefill_wg_{name}_hd{hd}" for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
+# (dtype, head_dim) -> (decode kernel, its pipeline stages); the benchmark swaps in candidates.
+DECODE_KERNELS = {(dt, hd): (f"decode_{name}_hd{hd}", _DECODE_STAGES[hd])
+                  for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
+DECODE_CTAS_PER_SM = 12  # decode splits aim for about this many CTAs per SM (see decode_splits)
 PREFILL_KERNELS_MMA_SYNC = {(dt, hd): f"prefill_{name}_hd{hd}" for dt, name in _DTYPES.items()
                             for hd in _HEAD_DIMS}
 _WG_THREADS, _WG_BN = 256, 128
@@ -170,7 +174,7 @@ def paged_prefill_attention(
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                  num_sms: int) -> tuple[int, int]:
+                  num_sms: int, ctas_per_sm: int | None = None) -> tuple[int, int]:
     """(num_splits, pages per split) from host-known shapes only (capturable).
 
     Splits bound each CTA's page list and, when sequences are few, spread one sequence over
@@ -179,7 +183,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, blo
     align = max(1, _DECODE_BN // block_size)  # split boundaries on stage boundaries
     max_pages = max(1, max_blocks_per_seq)
     splits = math.ceil(max_pages / _DECODE_MAX_PAGES)
-    want = math.ceil(12 * num_sms / max(1, num_seqs * num_kv_heads))
+    ctas_per_sm = ctas_per_sm or DECODE_CTAS_PER_SM
+    want = math.ceil(ctas_per_sm * num_sms / max(1, num_seqs * num_kv_heads))
     splits = max(splits, min(want, math.ceil(max_pages * block_size / 256)))
     chunk = math.ceil(math.ceil(max_pages / splits) / align) * align
     chunk = min(chunk, _DECODE_MAX_PAGES)
@@ -227,7 +232,7 @@ def paged_decode_attention(
         rows = num_seqs * num_heads * splits
         part = _workspace("decode_partials", device, rows * (head_dim + 1), torch.float32)
         part_o, part_lse = part.data_ptr(), part.data_ptr() + rows * head_dim * 4
-    stages = _DECODE_STAGES[head_dim]
+    kernel, stages = DECODE_KERNELS[(q.dtype, head_dim)]
     smem = stages * 2 * _DECODE_BN * head_dim * q.element_size() + _DECODE_MAX_PAGES * 4
     args = (
         q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
@@ -237,7 +242,7 @@ def paged_decode_attention(
         _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
         _f32(scale * math.log2(math.e)),
     )
-    _compile.launch("attention", f"decode_{dtype}_hd{head_dim}", device,
+    _compile.launch("attention", kernel, device,
                     (splits, num_kv_heads, num_seqs), (_THREADS, 1, 1), args, shared_mem=smem)
     if splits > 1:
         _compile.launch("attention", f"decode_combine_{dtype}", device, (num_seqs, num_heads, 1),

@@ -553,21 +553,6 @@ __device__ __forceinline__ void decode_impl(
   const int* bt = block_tables + (long long)seq * max_blocks_per_seq + page0;
   for (int i = tid; i < n_pages; i += kThreads) s_pages[i] = bt[i];
 
-  // Q of the group as the A operand: row r = head0 + r for r < group (rows past it are zero).
-  unsigned int qa[HD / 16][4];
-  {
-    const T* qs = q + (long long)seq * q_stride_tok;
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t4;
-        qa[kk][e] = r < group ? *reinterpret_cast<const unsigned int*>(
-                                    qs + (long long)(head0 + r) * q_stride_head + col)
-                              : 0u;
-      }
-    }
-  }
   __syncthreads();  // s_pages visible
 
   const int bs_mask = (1 << block_size_log2) - 1;
@@ -601,6 +586,23 @@ __device__ __forceinline__ void decode_impl(
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < n_stages) issue(st);
     cp_async_commit();
+  }
+
+  // Q of the group as the A operand: row r = head0 + r for r < group (rows past it are zero).
+  // Loaded after the first stages are issued, so its latency hides behind theirs.
+  unsigned int qa[HD / 16][4];
+  {
+    const T* qs = q + (long long)seq * q_stride_tok;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t4;
+        qa[kk][e] = r < group ? *reinterpret_cast<const unsigned int*>(
+                                    qs + (long long)(head0 + r) * q_stride_head + col)
+                              : 0u;
+      }
+    }
   }
 
   float o[DT][4];
@@ -799,8 +801,8 @@ PS_PREFILL_WG(prefill_wg_fp16_hd64, __half, 64, 2)
 PS_PREFILL_WG(prefill_wg_fp16_hd128, __half, 128, 1)
 PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark comparison only
 
-#define PS_DECODE(NAME, T, HD, STAGES)                                                           \
-  extern "C" __global__ void __launch_bounds__(ps::kThreads)                                     \
+#define PS_DECODE(NAME, T, HD, STAGES, MIN_CTAS)                                                 \
+  extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                           \
       NAME(const T* q, T* out, float* part_o, float* part_lse, const T* k_cache,                 \
            const T* v_cache, const int* block_tables, const int* seq_lens,                       \
            long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head, \
@@ -811,10 +813,13 @@ PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark compari
                                    o_stride_head, num_heads, num_kv_heads, block_size_log2,      \
                                    max_blocks_per_seq, chunk_pages, num_splits, scale_log2);     \
   }
-PS_DECODE(decode_bf16_hd64, __nv_bfloat16, 64, 4)
-PS_DECODE(decode_bf16_hd128, __nv_bfloat16, 128, 3)
-PS_DECODE(decode_fp16_hd64, __half, 64, 4)
-PS_DECODE(decode_fp16_hd128, __half, 128, 3)
+// hd128: 3 stages of 32 KB, 2 CTAs/SM; hd64: 4 stages of 16 KB. The _s2 kernel (2 stages, 3 CTAs
+// per SM) is a candidate the benchmark times beside the default (NOTES.md).
+PS_DECODE(decode_bf16_hd64, __nv_bfloat16, 64, 4, 1)
+PS_DECODE(decode_bf16_hd128, __nv_bfloat16, 128, 3, 2)
+PS_DECODE(decode_fp16_hd64, __half, 64, 4, 1)
+PS_DECODE(decode_fp16_hd128, __half, 128, 3, 2)
+PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
 
 #define PS_COMBINE(NAME, T)                                                                      \
   extern "C" __global__ void NAME(const float* part_o, const float* part_lse, T* out,            \

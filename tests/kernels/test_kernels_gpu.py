@@ -220,6 +220,30 @@ def test_decode_matches_reference(kern, dtype, head_dim, heads, kv_heads, block_
     check_attention(out, q, k_cache, v_cache, tables, cu, lens, head_dim**-0.5)
 
 
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+@pytest.mark.parametrize("ctas_per_sm", [None, 4, 24])
+def test_decode_candidate_kernel_and_split_policies(kern, case, ctas_per_sm):
+    """The 2-stage hd128 candidate the benchmark times, and other split counts, stay correct."""
+    attention, _ = kern
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("cand", case, ctas_per_sm))
+    seq_lens = decode_lens(case, gen)
+    k_cache, v_cache, tables = paged_cache(seq_lens, 8, 128, 16, torch.bfloat16, gen, width_extra=3)
+    q = torch.randn(len(seq_lens), 32, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device="cuda")
+    key = (torch.bfloat16, 128)
+    saved = attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM
+    for variant in (saved[0], ("decode_s2_bf16_hd128", 2)):
+        attention.DECODE_KERNELS[key] = variant
+        attention.DECODE_CTAS_PER_SM = ctas_per_sm or saved[1]
+        try:
+            out = torch.full_like(q, float("nan"))
+            attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, out=out)
+        finally:
+            attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM = saved
+        check_attention(out, q, k_cache, v_cache, tables, cu, lens, 128**-0.5)
+
+
 def test_decode_zero_length_rows_are_zero(kern):
     attention, _ = kern
     gen = torch.Generator(device="cuda").manual_seed(11)

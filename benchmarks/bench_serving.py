@@ -33,6 +33,10 @@ WORKLOADS = {  # name: (requests, prompt range, output range)
     "W2": (1000, (64, 1024), (32, 512)),
     "W3": (1024, (1536, 2048), (256, 1024)),
 }
+# Per-workload defaults of --max-num-seqs and --swap-space. W3 admits up to 512 sequences: at 256,
+# 256 x ~2,400 tokens fit in the ~110 GB cache and nothing would ever be preempted; 512 prompts of
+# ~1,800 tokens fill it, and their growth forces preemption. Its swap space holds ~100 of them.
+WORKLOAD_DEFAULTS = {"W1": (256, 4.0), "W2": (256, 4.0), "W3": (512, 32.0)}
 
 
 def make_requests(workload: str, vocab: int) -> list[tuple[list[int], int]]:
@@ -254,7 +258,8 @@ def _fmt(serving: dict, hf: dict | None) -> str:
     ]
     if hf:
         lines.append(f"HF generate            {hf['output_tok_s']:.0f} tok/s "
-                     f"({hf['batches']} batch(es) of {hf['batch_size']})")
+                     f"({hf['batches']} batch(es) of {hf['batch_size']}"
+                     + (f", from {hf['from']}" if "from" in hf else "") + ")")
         lines.append(f"ratio to HF            {serving['output_tok_s'] / hf['output_tok_s']:.1f}x")
     return "\n".join(lines)
 
@@ -266,24 +271,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", default="cuda", help="executor backend (cpu: a smoke test)")
     p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--swap-space", type=float, default=4.0, help="executor swap space, GiB")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: 256 (W1, W2), 512 (W3)")
+    p.add_argument("--swap-space", type=float, default=None,
+                   help="executor swap space, GiB; default: 4 (W1, W2), 32 (W3)")
     p.add_argument("--time-limit", type=float, default=300.0,
                    help="seconds for the serving run; unfinished requests are cancelled")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--hf-batches", type=int, default=None,
                    help="run only the first N HF batches (its rate is per batch; default all)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--hf-from", default=None,
+                   help="take the HF baseline from this earlier --out JSON (W2 uses W1's rate)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--log-dir", default=None, help="copy the services' logs here")
     args = p.parse_args(argv)
+    seqs, swap = WORKLOAD_DEFAULTS[args.workload]
+    args.max_num_seqs = args.max_num_seqs or seqs
+    args.swap_space = swap if args.swap_space is None else args.swap_space
     from executor_svc.model_config import preset_hf_config
 
     vocab = preset_hf_config(args.model.removeprefix("preset:")).vocab_size
     requests = make_requests(args.workload, vocab)[:args.num_requests]
     serving = run_serving(args, requests)
     print(json.dumps(serving, indent=1), flush=True)
-    hf = None if args.skip_hf else run_hf(args, requests)
+    if args.hf_from:
+        hf = json.loads(Path(args.hf_from).read_text())["hf"]
+        hf["from"] = args.hf_from
+    else:
+        hf = None if args.skip_hf else run_hf(args, requests)
     result = {"workload": args.workload, "date": time.strftime("%Y-%m-%d"), "serving": serving,
               "hf": hf, "args": vars(args)}
     if args.out:

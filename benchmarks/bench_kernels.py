@@ -1,10 +1,11 @@
 """BENCHMARK.md's kernel workloads on one GPU, in one command; prints a table (and --json).
 
-  PYTHONPATH=. python3 benchmarks/bench_kernels.py [--json out.json] [--skip-compile]
+  PYTHONPATH=. python3 benchmarks/bench_kernels.py [--json out.json] [--skip-compile] [--fusions]
 
 Ratios are measured in the same run: prefill vs torch SDPA's flash backend on contiguous KV,
 decode and copy_blocks vs a measured device-to-device copy, swap_blocks vs one large pinned copy
-and vs a loop of cudaMemcpyAsync per page and layer. Medians of CUDA-event timings after warm-up,
+and vs a loop of cudaMemcpyAsync per page and layer; with --fusions, the elementwise ops of a
+Llama-3-8B layer (kernels.ops) vs their torch twins. Medians of CUDA-event timings after warm-up,
 with inputs rotated between iterations.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import _compile, attention, cache  # noqa: E402
+from kernels import _compile, attention, cache, ops, reference  # noqa: E402
 
 GIB = 1 << 30
 
@@ -257,6 +258,55 @@ def bench_swap_and_copy(copy_bw, layers=32, kv_heads=8, block_size=16, head_dim=
     return res
 
 
+def bench_fusions(num_tokens, copy_bw, layers=32, hidden=4096, inter=14336, heads=32, kv_heads=8,
+                  head_dim=128, max_pos=8192):
+    """The elementwise part of one Llama-3-8B layer as the model runs it (fused add + RMSNorm
+    twice, RoPE on the q/k views of a fused qkv output, SiLU-and-mul): the kernels vs the torch
+    twins, bf16. Timed eagerly (one layer per call) and as one CUDA graph of `layers` layers
+    (how decode runs); microseconds per layer. The floor is the kernels' bytes over copy_bw."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    x, residual, gate_up = rand(num_tokens, hidden), rand(num_tokens, hidden), rand(num_tokens, 2 * inter)
+    qkv = rand(num_tokens, q_size + 2 * kv_size)
+    q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, kv_heads, head_dim)
+    norm1, norm2 = rand(hidden), rand(hidden)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=g, device="cuda")
+    angles = torch.rand(max_pos, head_dim, generator=g, device="cuda") * 6.3
+    cos_table, sin_table = angles.cos(), angles.sin()
+
+    def layer(impl):
+        impl.fused_add_rms_norm(x, residual, norm1, 1e-5)
+        impl.rotary_embedding(positions, q, k, cos_table, sin_table)
+        impl.fused_add_rms_norm(x, residual, norm2, 1e-5)
+        impl.silu_and_mul(gate_up)
+
+    res = {}
+    for label, impl in (("fused", ops), ("torch", reference)):
+        res[f"{label}_eager_us"] = median_ms(lambda i: layer(impl), iters=50, warmup=5) * 1e3
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(impl)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(layers):
+                layer(impl)
+        res[f"{label}_graph_us"] = median_ms(lambda i: graph.replay(), iters=20) * 1e3 / layers
+    moved = 2 * (4 * num_tokens * hidden + hidden) + 2 * num_tokens * (q_size + kv_size) \
+        + 3 * num_tokens * inter
+    res["bytes"] = 2 * moved + 2 * num_tokens * head_dim * 4  # bf16 elements + cos/sin rows
+    res["floor_us"] = res["bytes"] / copy_bw * 1e6
+    for mode in ("eager", "graph"):
+        res[f"ratio_{mode}"] = res[f"torch_{mode}_us"] / res[f"fused_{mode}_us"]
+    return res
+
+
 def compile_times() -> dict:
     """warmup() in fresh processes: cold (empty CUPY_CACHE_DIR), then cached."""
     code = "import json; from kernels import _compile; print(json.dumps(_compile.warmup()))"
@@ -275,10 +325,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write all numbers here too")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--variants", action="store_true", help="also time candidate kernels")
+    parser.add_argument("--fusions", action="store_true",
+                        help="also time the elementwise ops of a Llama-3-8B layer (kernels.ops) "
+                             "against their torch twins")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: prefill decode swap compile")
+                        help="subset of: prefill decode swap compile fusions")
     args = parser.parse_args()
     only = set(args.only or ["prefill", "decode", "swap", "compile"])
+    if args.fusions:
+        only.add("fusions")
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
     warm = _compile.warmup()
@@ -340,6 +395,17 @@ def main() -> None:
         rows.append(("copy_blocks 1024 pairs", f"{r['copy_blocks_ms']:.3f} ms",
                      f"{2 * r['bytes'] / r['copy_blocks_ms'] / 1e6:.0f} GB/s r+w", "",
                      f"{100 * r['copy_blocks_frac']:.0f}% of copy bw"))
+    if "fusions" in only:
+        for num_tokens in (64, 256, 2048):
+            r = bench_fusions(num_tokens, copy_bw)
+            results[f"fusions {num_tokens} tokens"] = r
+            print(f"fusions {num_tokens} tokens", json.dumps(r), flush=True)
+            for mode in ("graph", "eager"):
+                fused = r[f"fused_{mode}_us"]
+                rows.append((f"norm+rope+silu per layer, 8B, {num_tokens} tok, {mode}",
+                             f"{fused:.1f} us", f"{r['bytes'] / fused / 1e3:.0f} GB/s, floor "
+                             f"{r['floor_us']:.1f} us", f"torch twins {r[f'torch_{mode}_us']:.1f} us",
+                             f"{r[f'ratio_{mode}']:.2f}x"))
     if "compile" in only and not args.skip_compile:
         r = compile_times()
         results["compile"] = r

@@ -31,6 +31,14 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
     "cache": ("cache.cu", ("reshape_and_cache_i64", "reshape_and_cache_i32", "copy_pages")),
+    "ops": (
+        "ops.cu",
+        (
+            "rms_norm_bf16", "rms_norm_fp16", "fused_add_rms_norm_bf16", "fused_add_rms_norm_fp16",
+            "rotary_embedding_bf16", "rotary_embedding_fp16", "silu_and_mul_bf16",
+            "silu_and_mul_fp16",
+        ),
+    ),
 }
 
 _BASE_OPTIONS = ("-std=c++17",)

@@ -1,6 +1,9 @@
 """Torch reference twins of the CUDA kernels: same signatures, same KV layout.
 
 The CPU backend runs on these; GPU tests hold the CuPy kernels to them. Imports torch only.
+The elementwise twins (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul) keep the
+numerics of transformers' Llama in the tensors' dtype, so the CPU backend stays token-identical
+to it.
 
 KV cache layout (shared with the CUDA kernels):
   whole cache, one tensor for K and one for V: [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
@@ -11,6 +14,7 @@ A slot is `block_id * block_size + offset_in_block`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def reshape_and_cache(
@@ -151,3 +155,60 @@ def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_mapping: tor
     block_mapping: [n, 2] int64 pairs (src_block, dst_block); no block is both a source and a destination
     """
     swap_blocks(k_cache, v_cache, k_cache, v_cache, block_mapping)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm: normalise in float32, round to x's dtype, scale by weight
+    in that dtype. x: [num_tokens, hidden]; weight: [hidden]; returns out [num_tokens, hidden]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    result = weight * xf.to(x.dtype)
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual += x (rounded to the dtype, as transformers' `residual + hidden`), then
+    x = rms_norm(residual). x, residual: [num_tokens, hidden]; returns (x, residual)."""
+    residual.add_(x)
+    x.copy_(rms_norm(residual, weight, eps))
+    return x, residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+) -> None:
+    """Rotate-half (HF/neox) RoPE in place, as transformers: cos/sin rounded to q's dtype, then
+    x * cos + rotate_half(x) * sin in that dtype.
+
+    positions: [num_tokens] int64; q: [num_tokens, num_heads, head_dim], k: [num_tokens,
+    num_kv_heads, head_dim] (may be strided views); cos_table, sin_table: [max_pos, head_dim]
+    """
+    cos = cos_table[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+    sin = sin_table[positions].to(q.dtype).unsqueeze(1)
+    q.copy_(_rotate(q, cos, sin))
+    k.copy_(_rotate(k, cos, sin))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up in x's dtype, gate, up = x.chunk(2, -1). x: [num_tokens, 2 * d];
+    returns out [num_tokens, d]."""
+    gate, up = x.chunk(2, dim=-1)
+    result = F.silu(gate) * up
+    if out is None:
+        return result
+    return out.copy_(result)

@@ -1,5 +1,6 @@
 """The backend seam: the model and cache engine call these ops, never kernels directly.
-A backend owns a device and five ops with the signatures of `kernels.reference`.
+A backend owns a device and nine ops with the signatures of `kernels.reference`: five for
+attention and the KV cache, four elementwise ones of the forward pass.
 """
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ class Backend(Protocol):
     def swap_blocks(self, src_k, src_v, dst_k, dst_v, block_mapping) -> None: ...
 
     def copy_blocks(self, k_cache, v_cache, block_mapping) -> None: ...
+
+    def rms_norm(self, x, weight, eps, out=None) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def rotary_embedding(self, positions, q, k, cos_table, sin_table) -> None: ...
+
+    def silu_and_mul(self, x, out=None) -> torch.Tensor: ...
 
 
 def get_backend(name: str) -> Backend:

@@ -16,3 +16,7 @@ class CpuBackend:
     paged_decode_attention = staticmethod(reference.paged_decode_attention)
     swap_blocks = staticmethod(reference.swap_blocks)
     copy_blocks = staticmethod(reference.copy_blocks)
+    rms_norm = staticmethod(reference.rms_norm)
+    fused_add_rms_norm = staticmethod(reference.fused_add_rms_norm)
+    rotary_embedding = staticmethod(reference.rotary_embedding)
+    silu_and_mul = staticmethod(reference.silu_and_mul)

@@ -1,17 +1,22 @@
-"""CUDA backend: the five ops are the CuPy kernels of `kernels.attention` / `kernels.cache`, launched
-on torch's current stream. Imports cupy and the launchers lazily (in __init__), so this module
-imports on a machine without CUDA; constructing the backend there fails loudly.
+"""CUDA backend: the ops are the CuPy kernels of `kernels.attention` / `kernels.cache` /
+`kernels.ops`, launched on torch's current stream. Imports cupy and the launchers lazily (in
+__init__), so this module imports on a machine without CUDA; constructing the backend there fails
+loudly.
 
 The attention kernels exist for bf16/fp16 and head_dim 64/128. Other dtypes or head sizes (the
 float32 tiny preset of the tests: head_dim 16) run attention through torch on the GPU: a
 capturable gather-and-softmax for decode, the reference twin for prefill. `attention_impl` says
-which one a model gets; the cache write and the page copies are always the kernels.
+which one a model gets; the cache write and the page copies are always the kernels. The
+elementwise ops (RMSNorm, RoPE, SiLU-and-mul) are kernels for bf16/fp16 and the reference twins
+for other dtypes (float32 stays bit-identical to transformers) or when `fused_ops` is False.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+
+from kernels import reference
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +28,9 @@ class CudaBackend:
     name = "cuda"
     pin_swap_memory = True
 
-    def __init__(self, device: str | torch.device = "cuda") -> None:
+    def __init__(self, device: str | torch.device = "cuda", fused_ops: bool = True) -> None:
+        """fused_ops=False runs RMSNorm, RoPE and SiLU-and-mul through the torch twins even for
+        bf16/fp16 (what the fused kernels are benchmarked against)."""
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda backend needs a CUDA device (torch.cuda.is_available() "
                                "is False); use --backend cpu")
@@ -31,13 +38,14 @@ class CudaBackend:
             import cupy  # noqa: F401  (the kernels need it; fail here, not mid-request)
         except ImportError as err:
             raise RuntimeError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from err
-        from kernels import _compile, attention, cache
+        from kernels import _compile, attention, cache, ops
 
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
-        self._attention, self._cache = attention, cache
+        self._attention, self._cache, self._ops = attention, cache, ops
+        self.fused_ops = fused_ops
         # Compile and load every kernel now: a compile error stops the executor before it serves.
         self.compile_seconds = _compile.warmup(self.device)
         log.info("CuPy kernels ready in %.2fs (%s)", self.compile_seconds["total"],
@@ -50,7 +58,13 @@ class CudaBackend:
     def attention_impl(self, dtype: torch.dtype, head_dim: int) -> str:
         return "cupy" if self.kernels_cover(dtype, head_dim) else "torch"
 
-    # -- the five ops -----------------------------------------------------------------------------
+    def elementwise_impl(self, dtype: torch.dtype) -> str:
+        return "cupy" if self.fused_ops and dtype in _KERNEL_DTYPES else "torch"
+
+    def _elementwise(self, dtype: torch.dtype):
+        return self._ops if self.elementwise_impl(dtype) == "cupy" else reference
+
+    # -- attention and the KV cache ---------------------------------------------------------------
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
@@ -60,8 +74,6 @@ class CudaBackend:
         if self.kernels_cover(q.dtype, q.shape[-1]):
             return self._attention.paged_prefill_attention(
                 q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
-        from kernels import reference
-
         return reference.paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
 
@@ -77,6 +89,20 @@ class CudaBackend:
 
     def copy_blocks(self, k_cache, v_cache, block_mapping) -> None:
         self._cache.copy_blocks(k_cache, v_cache, block_mapping)
+
+    # -- elementwise ops of the forward -----------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps, out=None) -> torch.Tensor:
+        return self._elementwise(x.dtype).rms_norm(x, weight, eps, out)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._elementwise(x.dtype).fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(self, positions, q, k, cos_table, sin_table) -> None:
+        self._elementwise(q.dtype).rotary_embedding(positions, q, k, cos_table, sin_table)
+
+    def silu_and_mul(self, x, out=None) -> torch.Tensor:
+        return self._elementwise(x.dtype).silu_and_mul(x, out)
 
 
 def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):

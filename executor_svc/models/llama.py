@@ -1,5 +1,6 @@
 """A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache,
-gpt-fast style: weights as plain tensors, attention and cache writes through a backend's ops.
+gpt-fast style: weights as plain tensors, GEMMs in torch; attention, cache writes, RMSNorm (fused
+with the residual add, vLLM style), RoPE and SiLU-and-mul through a backend's ops.
 Imports torch only (plus the backend protocol for typing).
 """
 from __future__ import annotations
@@ -25,13 +26,6 @@ class LayerWeights:
     down_proj: torch.Tensor  # [hidden, intermediate]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] float32, with llama3 band scaling when configured."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -48,14 +42,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF convention). x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim]."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -78,7 +64,7 @@ class LlamaModel:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-        self.rope_cos = emb.cos().to(backend.device)
+        self.rope_cos = emb.cos().to(backend.device)  # [max_pos, head_dim] float32
         self.rope_sin = emb.sin().to(backend.device)
 
     @torch.inference_mode()
@@ -92,31 +78,36 @@ class LlamaModel:
         """input_ids, positions: [T]; kv_caches: K and V, [layers, blocks, kv_heads, block_size,
         head_dim]. Writes this step's K/V into the cache; returns hidden [T, hidden]."""
         k_cache, v_cache = kv_caches
-        h = self.embed_tokens[input_ids]  # [T, hidden]
-        # Cast once per step, not twice per layer (transformers rounds cos/sin to the same dtype).
-        cos = self.rope_cos[positions].to(h.dtype)  # [T, head_dim]
-        sin = self.rope_sin[positions].to(h.dtype)
+        ops, eps = self.backend, self.config.rms_norm_eps
+        # fused_add_rms_norm(x, residual): residual += x, rounded to the dtype as transformers'
+        # `h + out` is, then x = norm(residual); both in place.
+        residual = self.embed_tokens[input_ids]  # [T, hidden]: a gather, ours to update in place
+        x = ops.rms_norm(residual, self.layers[0].input_norm, eps)  # [T, hidden]
         for i, layer in enumerate(self.layers):
-            attn_in = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
-            h = h + self._attention(attn_in, layer, cos, sin, attn_metadata, k_cache[i], v_cache[i])
-            mlp_in = rms_norm(h, layer.post_attention_norm, self.config.rms_norm_eps)
-            h = h + self._mlp(mlp_in, layer)
-        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+            if i > 0:
+                x, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, eps)
+            x = self._attention(x, layer, positions, attn_metadata, k_cache[i], v_cache[i])
+            x, residual = ops.fused_add_rms_norm(x, residual, layer.post_attention_norm, eps)
+            x = self._mlp(x, layer)
+        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, eps)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to sample) -> logits [n, vocab] float32."""
         return F.linear(hidden, self.lm_head).float()
 
-    def _attention(self, x, layer, cos, sin, md, k_cache, v_cache) -> torch.Tensor:
+    def _attention(self, x, layer, positions, md, k_cache, v_cache) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, heads, hd]
-        k = apply_rope(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, kv, hd]
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
+        # Views into qkv (strided): RoPE rotates q and k where they lie.
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, heads, hd]
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
+        self.backend.rotary_embedding(positions, q, k, self.rope_cos, self.rope_sin)
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
         if md.is_decode_only:
             out = self.backend.paged_decode_attention(
@@ -129,8 +120,8 @@ class LlamaModel:
         return F.linear(out.reshape(num_tokens, q_size), layer.o_proj)  # [T, hidden]
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)  # [T, intermediate] each
-        return F.linear(F.silu(gate) * up, layer.down_proj)  # [T, hidden]
+        gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate], gate | up
+        return F.linear(self.backend.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
 
 
 def _layer_weights(weights: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> LayerWeights:

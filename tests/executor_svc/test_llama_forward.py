@@ -1,15 +1,19 @@
-"""Our LlamaModel over the paged cache against transformers' logits on the same weights."""
+"""Our LlamaModel over the paged cache against transformers' logits on the same weights, and
+bit for bit against the forward it had before RMSNorm, RoPE and SiLU-and-mul became backend ops."""
 import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from executor_svc.attention_metadata import build_attention_metadata
 from executor_svc.backends import get_backend
 from executor_svc.cache_engine import CacheEngine
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import model_from_hf
+from executor_svc.models.llama import LlamaModel
 from tests.executor_svc.helpers import hf_model, random_prompt
+from tests.kernels.test_ops_reference import unfused_rms_norm, unfused_rope
 
 PRESETS = ["tiny", "tiny-qwen2", "tiny-llama3"]
 BLOCK_SIZE = 4
@@ -82,3 +86,52 @@ def test_mixed_batch_prefill_chunk_and_decode():
     logits = _forward(model, cache, [a, b], tables, [8, 4], [1, 7])
     torch.testing.assert_close(logits[0], _hf_logits(hf, a)[-1], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(logits[1:], _hf_logits(hf, b)[4:], atol=ATOL, rtol=RTOL)
+
+
+def _unfused_forward(model, input_ids, positions, md, kv_caches):
+    """The oracle: LlamaModel.forward as it was before the backend's elementwise ops (one rounded
+    `h + out` per residual add, norms and RoPE by the formulas of transformers)."""
+    cfg, backend, eps = model.config, model.backend, model.config.rms_norm_eps
+    num_tokens = input_ids.shape[0]
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h = model.embed_tokens[input_ids]
+    cos = model.rope_cos[positions].to(h.dtype)
+    sin = model.rope_sin[positions].to(h.dtype)
+    for i, layer in enumerate(model.layers):
+        qkv = F.linear(unfused_rms_norm(h, layer.input_norm, eps), layer.qkv_proj, layer.qkv_bias)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = unfused_rope(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = unfused_rope(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        backend.reshape_and_cache(k, v, kv_caches[0][i], kv_caches[1][i], md.slot_mapping)
+        out = backend.paged_prefill_attention(q, kv_caches[0][i], kv_caches[1][i], md.block_tables,
+                                              md.cu_seqlens_q, md.seq_lens, model.scale)
+        h = h + F.linear(out.reshape(num_tokens, q_size), layer.o_proj)
+        gate, up = F.linear(unfused_rms_norm(h, layer.post_attention_norm, eps),
+                            layer.gate_up_proj).chunk(2, dim=-1)
+        h = h + F.linear(F.silu(gate) * up, layer.down_proj)
+    return unfused_rms_norm(h, model.norm, eps)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_bit_identical_to_the_unfused_formulas(preset, dtype):
+    hf = hf_model(preset)
+    config = ModelConfig.from_hf_config(hf.config)
+    backend = get_backend("cpu")
+    model = LlamaModel(config, {k: v.detach().to(dtype) for k, v in hf.state_dict().items()}, backend)
+    caches = [CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
+                          16, 1, dtype, backend).kv_caches for _ in range(2)]
+    rng = random.Random(4)
+    prompts = [random_prompt(rng, 13), random_prompt(rng, 6)]
+    tables = [list(range(8)), list(range(8, 16))]
+    steps = [([0, 0], [13, 6]), ([13, 6], [1, 1])]  # prefill of both, then one decode step each
+    for computed, scheduled in steps:
+        prompts = [p + [rng.randrange(3, 49152)] for p in prompts] if computed[0] else prompts
+        ids = torch.tensor([t for p, c, n in zip(prompts, computed, scheduled) for t in p[c:c + n]])
+        positions, md = build_attention_metadata(tables, computed, scheduled, BLOCK_SIZE,
+                                                 torch.device("cpu"))
+        hidden = model.forward(ids, positions, md, caches[0])
+        with torch.inference_mode():
+            expect = _unfused_forward(model, ids, positions, md, caches[1])
+        assert torch.equal(hidden, expect)

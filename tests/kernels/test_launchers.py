@@ -2,6 +2,7 @@
 decode split plan, and the source loader (CI; needs neither CuPy nor a GPU)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import _compile, attention, cache
+from kernels import _compile, attention, cache, ops
 
 
 def test_importing_launchers_does_not_import_cupy():
-    code = ("import sys, kernels, kernels.attention, kernels.cache, kernels._compile; "
+    code = ("import sys, kernels, kernels.attention, kernels.cache, kernels.ops, kernels._compile; "
             "assert 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
@@ -49,3 +50,32 @@ def test_sources_inline_local_headers_once():
     assert '#include "common.cuh"' not in src and src.count("struct Pack<__half>") == 1
     assert _compile.arch_options("90")[0] == ("-arch=sm_90a",)
     assert _compile.arch_options("80")[0] == ("-arch=sm_80",)
+
+
+def test_elementwise_ops_reject_cpu_tensors():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    q, k = torch.zeros(4, 8, 64, dtype=torch.bfloat16), torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    table = torch.zeros(16, 64)
+    for call in (lambda: ops.rms_norm(x, w, 1e-5), lambda: ops.fused_add_rms_norm(x, x, w, 1e-5),
+                 lambda: ops.silu_and_mul(x),
+                 lambda: ops.rotary_embedding(torch.zeros(4, dtype=torch.int64), q, k, table, table)):
+        with pytest.raises(ValueError, match="CUDA"):
+            call()
+
+
+def test_vector_path_needs_aligned_rows_of_whole_vectors():
+    buf = torch.zeros(4, 80, dtype=torch.bfloat16)
+    assert ops._rows_aligned(64, buf[:, :64])  # row stride 160 B, start aligned
+    assert not ops._rows_aligned(64, buf[:, 1:65])  # every row starts 2 bytes in
+    assert not ops._rows_aligned(60, buf[:, :60])  # 60 is not whole 8-element vectors
+    assert not ops._rows_aligned(64, torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64])  # 136 B rows
+    assert [ops._threads(n, 1024) for n in (1, 72, 512, 5000)] == [32, 96, 512, 1024]
+
+
+def test_ops_module_lists_every_kernel_of_ops_cu():
+    src = _compile.load_source("ops.cu")
+    ops_names = re.findall(r"\b(\w+)_##NAME\(", src)
+    dtypes = re.findall(r"^PS_OPS\((\w+),", src, re.MULTILINE)
+    assert sorted(_compile.MODULES["ops"][1]) == sorted(f"{o}_{d}" for o in ops_names for d in dtypes)
+    assert len(ops_names) == 4 and dtypes == ["bf16", "fp16"]

@@ -1,0 +1,237 @@
+// The elementwise ops of the Llama forward, one launch each: RMSNorm (alone, or fused with the
+// residual add, in place), rotate-half RoPE applied in place to the strided q/k views of the
+// fused qkv output, and SiLU-and-mul. bf16/fp16 storage, fp32 math, one rounding per stored value
+// (the residual sum and the normalised value before the weight are rounded where torch rounds).
+//
+// Every kernel has a 16-byte vector path (8 elements per load) and a scalar path; the launcher
+// picks the vector one (`vec` = 1) only when every row start it touches is 16-byte aligned and
+// the widths it splits into vectors (rows; half a head for RoPE) are multiples of 8 elements, so
+// the kernels never check alignment themselves.
+#include "common.cuh"
+
+namespace ps_ops {
+
+constexpr int kVec = 8;  // 2-byte elements per 16-byte vector
+
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// v rounded to T and back: what torch holds after an op whose result is stored in T.
+template <typename T> __device__ __forceinline__ float round_to(float v) {
+  return to_float<T>(from_float<T>(v));
+}
+
+// One 16-byte vector <-> 8 floats (element 2i in the low half of word i).
+template <typename T> __device__ __forceinline__ void unpack8(const uint4 u, float (&f)[kVec]) {
+  const float2 a = ps::Pack<T>::unpack(u.x), b = ps::Pack<T>::unpack(u.y);
+  const float2 c = ps::Pack<T>::unpack(u.z), d = ps::Pack<T>::unpack(u.w);
+  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+template <typename T> __device__ __forceinline__ uint4 pack8(const float (&f)[kVec]) {
+  uint4 u;
+  u.x = ps::Pack<T>::two(f[0], f[1]);
+  u.y = ps::Pack<T>::two(f[2], f[3]);
+  u.z = ps::Pack<T>::two(f[4], f[5]);
+  u.w = ps::Pack<T>::two(f[6], f[7]);
+  return u;
+}
+__device__ __forceinline__ void load8(const float* p, float (&f)[kVec]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+// Sum over the CTA; every thread gets the total. blockDim.x must be a multiple of 32 (<= 1024);
+// called once per kernel (the shared slots are not reused).
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? warp_sums[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One CTA per token row. ADD: residual = round(residual + x), then out = weight * round(residual *
+// rsqrt(mean(residual^2) + eps)); else the same on x. The second pass re-reads the row (each
+// thread only its own elements, so its own writes of the first pass; L1/L2 hits).
+template <typename T, bool ADD>
+__device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const T* in,
+                                             long long in_stride, T* residual,
+                                             long long residual_stride,
+                                             const T* __restrict__ weight, int hidden, float eps,
+                                             int vec) {
+  const long long row = blockIdx.x;
+  const T* x = in + row * in_stride;
+  T* r = ADD ? residual + row * residual_stride : nullptr;
+  T* y = out + row * out_stride;
+  float sumsq = 0.f;
+  if (vec) {
+    for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
+      float a[kVec];
+      unpack8<T>(reinterpret_cast<const uint4*>(x)[i], a);
+      if (ADD) {
+        float b[kVec];
+        unpack8<T>(reinterpret_cast<const uint4*>(r)[i], b);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) a[e] = round_to<T>(b[e] + a[e]);
+        reinterpret_cast<uint4*>(r)[i] = pack8<T>(a);
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sumsq += a[e] * a[e];
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+      float a = to_float<T>(x[i]);
+      if (ADD) {
+        a = round_to<T>(to_float<T>(r[i]) + a);
+        r[i] = from_float<T>(a);
+      }
+      sumsq += a * a;
+    }
+  }
+  const float inv = rsqrtf(block_sum(sumsq) / (float)hidden + eps);
+  const T* src = ADD ? r : x;
+  if (vec) {
+    for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
+      float a[kVec], w[kVec];
+      unpack8<T>(reinterpret_cast<const uint4*>(src)[i], a);
+      unpack8<T>(reinterpret_cast<const uint4*>(weight)[i], w);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) a[e] = w[e] * round_to<T>(a[e] * inv);
+      reinterpret_cast<uint4*>(y)[i] = pack8<T>(a);
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+      y[i] = from_float<T>(to_float<T>(weight[i]) * round_to<T>(to_float<T>(src[i]) * inv));
+    }
+  }
+}
+
+// One CTA per token; a work unit is 8 (vec) or 1 element pair (j, j + head_dim / 2) of one head,
+// q heads first, then k heads. Tables: float32 [max_pos, head_dim], contiguous. Tokens whose
+// position is outside [0, max_pos) are left as they are (the launcher cannot check without a
+// host sync; the reference twin raises).
+template <typename T>
+__device__ __forceinline__ void rotary_row(const long long* __restrict__ positions, T* q,
+                                           long long q_stride_tok, long long q_stride_head, T* k,
+                                           long long k_stride_tok, long long k_stride_head,
+                                           const float* __restrict__ cos_table,
+                                           const float* __restrict__ sin_table, int num_heads,
+                                           int num_kv_heads, int head_dim, long long max_pos,
+                                           int vec) {
+  const long long tok = blockIdx.x;
+  const long long pos = positions[tok];
+  if (pos < 0 || pos >= max_pos) return;
+  const int half = head_dim / 2;
+  const float* cos_row = cos_table + pos * head_dim;
+  const float* sin_row = sin_table + pos * head_dim;
+  const int width = vec ? kVec : 1;
+  const int per_head = half / width;
+  const int units = (num_heads + num_kv_heads) * per_head;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    const int head = u / per_head;
+    const int j = (u - head * per_head) * width;  // first element of the unit, first half
+    T* row = head < num_heads ? q + tok * q_stride_tok + head * q_stride_head
+                              : k + tok * k_stride_tok + (long long)(head - num_heads) * k_stride_head;
+    if (vec) {
+      float x1[kVec], x2[kVec], c1[kVec], s1[kVec], c2[kVec], s2[kVec];
+      uint4* p1 = reinterpret_cast<uint4*>(row + j);
+      uint4* p2 = reinterpret_cast<uint4*>(row + half + j);
+      unpack8<T>(*p1, x1);
+      unpack8<T>(*p2, x2);
+      load8(cos_row + j, c1);
+      load8(sin_row + j, s1);
+      load8(cos_row + half + j, c2);
+      load8(sin_row + half + j, s2);
+      float o1[kVec], o2[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        o1[e] = x1[e] * c1[e] - x2[e] * s1[e];
+        o2[e] = x2[e] * c2[e] + x1[e] * s2[e];
+      }
+      *p1 = pack8<T>(o1);
+      *p2 = pack8<T>(o2);
+    } else {
+      const float x1 = to_float<T>(row[j]), x2 = to_float<T>(row[half + j]);
+      row[j] = from_float<T>(x1 * cos_row[j] - x2 * sin_row[j]);
+      row[half + j] = from_float<T>(x2 * cos_row[half + j] + x1 * sin_row[half + j]);
+    }
+  }
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
+
+// grid (tokens, chunks of blockDim units); a unit is 8 (vec) or 1 output element.
+template <typename T>
+__device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long out_stride,
+                                                 const T* __restrict__ x, long long x_stride,
+                                                 int d, int vec) {
+  const long long tok = blockIdx.x;
+  const int i = blockIdx.y * blockDim.x + threadIdx.x;
+  const T* gate = x + tok * x_stride;
+  const T* up = gate + d;
+  T* y = out + tok * out_stride;
+  if (vec) {
+    if (i >= d / kVec) return;
+    float g[kVec], u[kVec];
+    unpack8<T>(reinterpret_cast<const uint4*>(gate)[i], g);
+    unpack8<T>(reinterpret_cast<const uint4*>(up)[i], u);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) g[e] = silu(g[e]) * u[e];
+    reinterpret_cast<uint4*>(y)[i] = pack8<T>(g);
+  } else {
+    if (i >= d) return;
+    y[i] = from_float<T>(silu(to_float<T>(gate[i])) * to_float<T>(up[i]));
+  }
+}
+
+}  // namespace ps_ops
+
+#define PS_OPS(NAME, T)                                                                          \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      rms_norm_##NAME(T* out, long long out_stride, const T* x, long long x_stride,              \
+                      const T* weight, int hidden, float eps, int vec) {                         \
+    ps_ops::rms_norm_row<T, false>(out, out_stride, x, x_stride, nullptr, 0, weight, hidden,     \
+                                   eps, vec);                                                    \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      fused_add_rms_norm_##NAME(T* x, long long x_stride, T* residual,                           \
+                                long long residual_stride, const T* weight, int hidden,          \
+                                float eps, int vec) {                                            \
+    ps_ops::rms_norm_row<T, true>(x, x_stride, x, x_stride, residual, residual_stride, weight,   \
+                                  hidden, eps, vec);                                             \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(512)                                              \
+      rotary_embedding_##NAME(const long long* positions, T* q, long long q_stride_tok,          \
+                              long long q_stride_head, T* k, long long k_stride_tok,             \
+                              long long k_stride_head, const float* cos_table,                   \
+                              const float* sin_table, int num_heads, int num_kv_heads,           \
+                              int head_dim, long long max_pos, int vec) {                        \
+    ps_ops::rotary_row<T>(positions, q, q_stride_tok, q_stride_head, k, k_stride_tok,            \
+                          k_stride_head, cos_table, sin_table, num_heads, num_kv_heads,          \
+                          head_dim, max_pos, vec);                                               \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(256)                                              \
+      silu_and_mul_##NAME(T* out, long long out_stride, const T* x, long long x_stride, int d,   \
+                          int vec) {                                                             \
+    ps_ops::silu_and_mul_row<T>(out, out_stride, x, x_stride, d, vec);                           \
+  }
+PS_OPS(bf16, __nv_bfloat16)
+PS_OPS(fp16, __half)

@@ -1,0 +1,234 @@
+"""Launchers of the elementwise kernels of the Llama forward (csrc/ops.cu): RMSNorm, RMSNorm fused
+with the residual add, rotate-half RoPE in place on q/k, SiLU-and-mul; bf16/fp16 only.
+
+Same signatures as `kernels.reference`. The kernels compute in fp32 and round each stored value
+once, so they agree with the twins to rounding, not bit for bit. Imports cupy only when launching;
+launches go to torch's current stream, sync nothing and allocate only a missing `out`
+(capturable in CUDA graphs).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import _compile
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_VEC = 8  # 2-byte elements per 16-byte vector: the kernels' vector width
+_NORM_MAX_THREADS = 1024
+_ROPE_MAX_THREADS = 512
+_SILU_THREADS = 256
+_MAX_GRID_Y = 65535
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), row by row, fp32 inside.
+
+    x: [num_tokens, hidden] bf16/fp16 on the GPU, last dim contiguous (any row stride)
+    weight: [hidden] contiguous, x's dtype
+    out: [num_tokens, hidden], last dim contiguous, may be x itself; allocated when None
+    returns out. One CTA per row.
+    """
+    _check_rows("x", x)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _check_rows("out", out, like=x)
+    _check_weight(weight, x)
+    num_tokens, hidden = x.shape
+    if num_tokens == 0:
+        return out
+    vec = _rows_aligned(hidden, x, out) and weight.data_ptr() % 16 == 0
+    args = (out.data_ptr(), _i64(out.stride(0)), x.data_ptr(), _i64(x.stride(0)),
+            weight.data_ptr(), _i32(hidden), _f32(eps), _i32(vec))
+    threads = _threads(hidden // _VEC if vec else hidden, _NORM_MAX_THREADS)
+    _launch(f"rms_norm_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads, args)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual = to_dtype(residual + x), then x = rms_norm(residual, weight, eps).
+
+    x, residual: [num_tokens, hidden] bf16/fp16 on the GPU, last dim contiguous
+    weight: [hidden] contiguous, x's dtype
+    returns (x, residual), the same tensors. One CTA per row.
+    """
+    _check_rows("x", x)
+    _check_rows("residual", residual, like=x)
+    _check_weight(weight, x)
+    num_tokens, hidden = x.shape
+    if num_tokens == 0:
+        return x, residual
+    vec = _rows_aligned(hidden, x, residual) and weight.data_ptr() % 16 == 0
+    args = (x.data_ptr(), _i64(x.stride(0)), residual.data_ptr(), _i64(residual.stride(0)),
+            weight.data_ptr(), _i32(hidden), _f32(eps), _i32(vec))
+    threads = _threads(hidden // _VEC if vec else hidden, _NORM_MAX_THREADS)
+    _launch(f"fused_add_rms_norm_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads, args)
+    return x, residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+) -> None:
+    """Rotate-half (HF/neox) RoPE, in place, on q and k in one launch; fp32 math, table values
+    used unrounded.
+
+    positions: [num_tokens] int64, contiguous; a position outside [0, max_pos) leaves its token's
+        rows unchanged (checking would need a host sync)
+    q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], bf16/fp16,
+        last dim contiguous, any token/head strides (views of a fused qkv output), even head_dim
+    cos_table, sin_table: [max_pos, head_dim] float32, contiguous
+    One CTA per token.
+    """
+    _check_qk(q, k)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    _check_positions(positions, num_tokens, q.device)
+    for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
+        if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != head_dim
+                or not t.is_contiguous() or t.device != q.device or t.shape != cos_table.shape):
+            raise ValueError(f"{name} must be a contiguous [max_pos, {head_dim}] float32 tensor on "
+                             f"{q.device} (both tables alike), got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+    if num_tokens == 0:
+        return
+    es = q.element_size()
+    vec = (head_dim % (2 * _VEC) == 0
+           and all(t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
+                   and (t.stride(1) * es) % 16 == 0 for t in (q, k))
+           and cos_table.data_ptr() % 16 == 0 and sin_table.data_ptr() % 16 == 0)
+    units = (num_heads + num_kv_heads) * (head_dim // 2 // (_VEC if vec else 1))
+    args = (positions.data_ptr(), q.data_ptr(), _i64(q.stride(0)), _i64(q.stride(1)),
+            k.data_ptr(), _i64(k.stride(0)), _i64(k.stride(1)), cos_table.data_ptr(),
+            sin_table.data_ptr(), _i32(num_heads), _i32(num_kv_heads), _i32(head_dim),
+            _i64(cos_table.shape[0]), _i32(vec))
+    _launch(f"rotary_embedding_{_DTYPES[q.dtype]}", q, (num_tokens, 1, 1),
+            _threads(units, _ROPE_MAX_THREADS), args)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = silu(gate) * up with gate, up = x.chunk(2, -1); fp32 math, one rounding.
+
+    x: [num_tokens, 2 * d] bf16/fp16 on the GPU (gate | up), last dim contiguous
+    out: [num_tokens, d], last dim contiguous; allocated when None. returns out
+    Grid (tokens, chunks of the row).
+    """
+    _check_rows("x", x)
+    num_tokens, width = x.shape
+    if width % 2:
+        raise ValueError(f"x must be [num_tokens, 2 * d] (gate | up), got width {width}")
+    d = width // 2
+    if out is None:
+        out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
+    _check_rows("out", out)
+    if out.shape != (num_tokens, d) or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be ({num_tokens}, {d}) {x.dtype} on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if num_tokens == 0 or d == 0:
+        return out
+    vec = _rows_aligned(d, x, out)
+    units = d // _VEC if vec else d
+    threads = _threads(units, _SILU_THREADS)
+    chunks = (units + threads - 1) // threads
+    if chunks > _MAX_GRID_Y:
+        raise ValueError(f"rows of {d} outputs are too wide for one launch")
+    args = (out.data_ptr(), _i64(out.stride(0)), x.data_ptr(), _i64(x.stride(0)), _i32(d),
+            _i32(vec))
+    _launch(f"silu_and_mul_{_DTYPES[x.dtype]}", x, (num_tokens, chunks, 1), threads, args)
+    return out
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+def _check_device(name: str, t: torch.Tensor) -> None:
+    if not t.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
+
+
+def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    """A [rows, width] bf16/fp16 GPU tensor with a contiguous last dim (and `like`'s shape,
+    dtype and device)."""
+    _check_device(name, t)
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype} (other dtypes run "
+                         f"through kernels.reference)")
+    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be [num_tokens, width] with a contiguous last dim, got "
+                         f"shape {tuple(t.shape)} strides {t.stride()}")
+    if like is not None and (t.shape != like.shape or t.dtype != like.dtype
+                             or t.device != like.device):
+        raise ValueError(f"{name} must be {tuple(like.shape)} {like.dtype} on {like.device}, got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def _check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
+    if (weight.dim() != 1 or weight.shape[0] != x.shape[1] or weight.dtype != x.dtype
+            or weight.device != x.device or not weight.is_contiguous()):
+        raise ValueError(f"weight must be a contiguous [{x.shape[1]}] {x.dtype} tensor on "
+                         f"{x.device}, got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k)):
+        _check_device(name, t)
+        if t.dtype not in _DTYPES or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"q and k must share one dtype (bfloat16 or float16) and device, got "
+                             f"{q.dtype} on {q.device} and {k.dtype} on {k.device}")
+        if t.dim() != 3 or t.stride(2) != 1:
+            raise ValueError(f"{name} must be [num_tokens, heads, head_dim] with a contiguous last "
+                             f"dim, got shape {tuple(t.shape)} strides {t.stride()}")
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[2] % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need the same number of "
+                         f"tokens and the same, even, head_dim")
+
+
+def _check_positions(positions: torch.Tensor, num_tokens: int, device: torch.device) -> None:
+    if (positions.dtype != torch.int64 or positions.dim() != 1 or positions.shape[0] != num_tokens
+            or positions.device != device or not positions.is_contiguous()):
+        raise ValueError(f"positions must be a contiguous [{num_tokens}] int64 tensor on {device}, "
+                         f"got {positions.dtype} {tuple(positions.shape)} on {positions.device}")
+
+
+def _rows_aligned(width: int, *tensors: torch.Tensor) -> bool:
+    """Whether every row of every tensor starts 16-byte aligned and holds whole 16-byte vectors:
+    the condition for the kernels' vector path."""
+    if width % _VEC:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in tensors)
+
+
+# -- launch ------------------------------------------------------------------------------------
+
+def _threads(units: int, cap: int) -> int:
+    """A multiple of 32 (the block reduction needs whole warps), at most `cap`."""
+    return min(cap, max(32, (units + 31) // 32 * 32))
+
+
+def _launch(kernel: str, like: torch.Tensor, grid: tuple[int, int, int], threads: int,
+            args: tuple) -> None:
+    _compile.launch("ops", kernel, like.device, grid, (threads, 1, 1), args)
+
+
+def _i32(x: int):
+    import numpy as np
+
+    return np.int32(x)
+
+
+def _i64(x: int):
+    import numpy as np
+
+    return np.int64(x)
+
+
+def _f32(x: float):
+    import numpy as np
+
+    return np.float32(x)

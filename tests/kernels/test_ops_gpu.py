@@ -1,0 +1,287 @@
+"""The elementwise CuPy kernels (kernels.ops: RMSNorm, fused add + RMSNorm, RoPE, SiLU-and-mul)
+against float64 references on the GPU.
+
+Row by row, ||kernel - ref64|| / ||ref64|| must stay within 2x the same error of torch doing the
+computation in the kernel's dtype (the reference twins, i.e. transformers' numerics), plus a 1e-3
+floor. Out-of-place outputs are poisoned with NaN first; in-place ones are checked row by row
+(an unwritten row keeps its input, far from the reference) and their neighbours in the fused qkv
+buffer must be untouched. Fresh random inputs per case; the 16-byte vector path and the scalar
+fallback (misaligned rows, widths not a multiple of 8) are both swept.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from tests.kernels.test_kernels_gpu import FLOOR, seed_of
+
+DEVICE = "cuda"
+DTYPES = [torch.bfloat16, torch.float16]
+EPS = 1e-5
+TOKENS = [1, 7, 64, 300]
+MAX_POS = 8192
+
+
+def _gpu_ready() -> bool:
+    try:
+        import cupy
+
+        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from kernels import _compile, ops
+
+    _compile.warmup()
+    return ops
+
+
+def randn(*shape, gen, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen, device=DEVICE).to(dtype)
+
+
+def rows_within(out: torch.Tensor, ref64: torch.Tensor, base: torch.Tensor, what: str) -> None:
+    """Per row (last dim): kernel error <= 2 x torch-in-dtype error + FLOOR, and all finite."""
+    assert torch.isfinite(out).all(), f"{what}: unwritten (NaN) or non-finite outputs"
+    width = ref64.shape[-1]
+    out, ref64, base = (t.reshape(-1, width).double() for t in (out, ref64, base))
+    norm = ref64.norm(dim=-1).clamp_min(1e-30)
+    err = (out - ref64).norm(dim=-1) / norm
+    base_err = (base - ref64).norm(dim=-1) / norm
+    bad = err > 2 * base_err + FLOOR
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {len(err)} rows off; row {row}: "
+                             f"{err[row]:.2e} vs torch {base_err[row]:.2e}")
+
+
+def rms_norm64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    return weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def rope_tables(head_dim: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [MAX_POS, head_dim] float32, built as LlamaModel builds them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(MAX_POS, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+def rope64(x, positions, cos_table, sin_table):
+    cos = cos_table[positions].double().unsqueeze(1)
+    sin = sin_table[positions].double().unsqueeze(1)
+    x = x.double()
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def silu_and_mul64(x):
+    gate, up = x.double().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rows_view(num_tokens, width, dtype, gen, offset=0, pad=8):
+    """[num_tokens, width] view of a [num_tokens, offset + width + pad] buffer: rows strided, still
+    16-byte aligned when offset is 0 and width a multiple of 8; offset 1 puts every row 2 bytes
+    past a 16-byte boundary (the scalar path)."""
+    buf = randn(num_tokens, offset + width + pad, gen=gen, dtype=dtype)
+    return buf[:, offset:offset + width]
+
+
+# -- RMSNorm --------------------------------------------------------------------------------------
+
+def check_rms_norm(ops, dtype, num_tokens, hidden, offset=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed_of("rms", dtype, num_tokens, hidden, offset))
+    x = rows_view(num_tokens, hidden, dtype, gen, offset)
+    weight = randn(hidden, gen=gen, dtype=dtype)
+    x_before = x.clone()
+    out = torch.full((num_tokens, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    assert ops.rms_norm(x, weight, EPS, out=out) is out
+    assert torch.equal(x, x_before)
+    rows_within(out, rms_norm64(x, weight), ref.rms_norm(x, weight, EPS), "rms_norm")
+    fresh = ops.rms_norm(x, weight, EPS)  # out allocated by the launcher
+    assert torch.equal(fresh, out)
+
+
+def check_fused_add_rms_norm(ops, dtype, num_tokens, hidden, offset=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed_of("add_rms", dtype, num_tokens, hidden, offset))
+    x = rows_view(num_tokens, hidden, dtype, gen, offset)
+    residual = rows_view(num_tokens, hidden, dtype, gen, offset, pad=16)
+    weight = randn(hidden, gen=gen, dtype=dtype)
+    x_in, residual_in = x.clone(), residual.clone()
+    base_x, base_residual = ref.fused_add_rms_norm(x_in.clone(), residual_in.clone(), weight, EPS)
+    x_out, residual_out = ops.fused_add_rms_norm(x, residual, weight, EPS)
+    assert x_out is x and residual_out is residual
+    # The residual sum is rounded exactly as torch's `residual + x` in the dtype.
+    assert torch.equal(residual, base_residual)
+    rows_within(x, rms_norm64(residual_in.double() + x_in.double(), weight), base_x,
+                "fused_add_rms_norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 4096])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_rms_norm(ops, dtype, hidden, num_tokens):
+    check_rms_norm(ops, dtype, num_tokens, hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 4096])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_fused_add_rms_norm(ops, dtype, hidden, num_tokens):
+    check_fused_add_rms_norm(ops, dtype, num_tokens, hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden,offset", [(576, 1), (4096, 1), (100, 0), (8195, 0)])
+def test_rms_norms_scalar_path(ops, dtype, hidden, offset):
+    """Rows 2 bytes off a 16-byte boundary, or widths that are not whole 16-byte vectors (8195 >
+    1024 threads: several elements per thread)."""
+    check_rms_norm(ops, dtype, 37, hidden, offset)
+    check_fused_add_rms_norm(ops, dtype, 37, hidden, offset)
+
+
+# -- RoPE -----------------------------------------------------------------------------------------
+
+def check_rotary(ops, dtype, num_tokens, heads, kv_heads, head_dim, offset=0):
+    """q/k as the model makes them: views of one fused qkv output (here with `offset` extra
+    leading columns); v and the extra columns must come out untouched."""
+    gen = torch.Generator(device=DEVICE).manual_seed(
+        seed_of("rope", dtype, num_tokens, heads, head_dim, offset))
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    buf = randn(num_tokens, offset + q_size + 2 * kv_size, gen=gen, dtype=dtype)
+    q, k, v = buf[:, offset:].split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, heads, head_dim)
+    k = k.view(num_tokens, kv_heads, head_dim)
+    positions = torch.randint(0, MAX_POS, (num_tokens,), generator=gen, device=DEVICE)
+    cos_table, sin_table = rope_tables(head_dim)
+    before = buf.clone()
+    q_in, k_in = q.clone(), k.clone()
+    base_q, base_k = q_in.clone(), k_in.clone()
+    ref.rotary_embedding(positions, base_q, base_k, cos_table, sin_table)
+    ops.rotary_embedding(positions, q, k, cos_table, sin_table)
+    untouched = torch.ones_like(buf, dtype=torch.bool)
+    untouched[:, offset:offset + q_size + kv_size] = False
+    assert torch.equal(buf[untouched], before[untouched]), "wrote outside q and k"
+    rows_within(q, rope64(q_in, positions, cos_table, sin_table), base_q, "rotary q")
+    rows_within(k, rope64(k_in, positions, cos_table, sin_table), base_k, "rotary k")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 8)])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_rotary_embedding(ops, dtype, head_dim, heads, kv_heads, num_tokens):
+    check_rotary(ops, dtype, num_tokens, heads, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,offset", [(64, 1), (128, 1), (72, 0), (16, 0)])
+def test_rotary_embedding_other_layouts(ops, dtype, head_dim, offset):
+    """Misaligned q/k rows, or a half head_dim that is not a whole vector (72 / 2 = 36); and the
+    smallest vector case (head_dim 16: one vector per half)."""
+    check_rotary(ops, dtype, 33, 9, 3, head_dim, offset)
+
+
+def test_rotary_embedding_leaves_out_of_range_positions(ops):
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    q = randn(4, 8, 64, gen=gen, dtype=torch.bfloat16)
+    k = randn(4, 2, 64, gen=gen, dtype=torch.bfloat16)
+    q_in, k_in = q.clone(), k.clone()
+    cos_table, sin_table = rope_tables(64)
+    positions = torch.tensor([5, -1, MAX_POS, 17], device=DEVICE)
+    ops.rotary_embedding(positions, q, k, cos_table, sin_table)
+    assert torch.equal(q[1:3], q_in[1:3]) and torch.equal(k[1:3], k_in[1:3])
+    assert not torch.equal(q[0], q_in[0]) and not torch.equal(k[3], k_in[3])
+
+
+# -- SiLU-and-mul ---------------------------------------------------------------------------------
+
+def check_silu_and_mul(ops, dtype, num_tokens, d, offset=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed_of("silu", dtype, num_tokens, d, offset))
+    x = rows_view(num_tokens, 2 * d, dtype, gen, offset)
+    x_before = x.clone()
+    out = torch.full((num_tokens, d), float("nan"), dtype=dtype, device=DEVICE)
+    assert ops.silu_and_mul(x, out=out) is out
+    assert torch.equal(x, x_before)
+    rows_within(out, silu_and_mul64(x), ref.silu_and_mul(x), "silu_and_mul")
+    assert torch.equal(ops.silu_and_mul(x), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1536, 14336])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_silu_and_mul(ops, dtype, d, num_tokens):
+    check_silu_and_mul(ops, dtype, num_tokens, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,offset", [(1536, 1), (1003, 0)])
+def test_silu_and_mul_scalar_path(ops, dtype, d, offset):
+    check_silu_and_mul(ops, dtype, 29, d, offset)
+
+
+# -- CUDA graphs ----------------------------------------------------------------------------------
+
+def test_cuda_graph_capture_and_replay(ops):
+    """The four ops captured once (Llama-3-8B shapes, 64 tokens), replayed on new inputs written
+    in place: bit-identical to the same launches run eagerly."""
+    gen = torch.Generator(device=DEVICE).manual_seed(17)
+    num_tokens, hidden, inter, heads, kv_heads, head_dim = 64, 4096, 14336, 32, 8, 128
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    dtype = torch.bfloat16
+    w1, w2 = randn(hidden, gen=gen, dtype=dtype), randn(hidden, gen=gen, dtype=dtype)
+    cos_table, sin_table = rope_tables(head_dim)
+
+    def buffers():
+        return {
+            "x": torch.empty(num_tokens, hidden, dtype=dtype, device=DEVICE),
+            "residual": torch.empty(num_tokens, hidden, dtype=dtype, device=DEVICE),
+            "qkv": torch.empty(num_tokens, q_size + 2 * kv_size, dtype=dtype, device=DEVICE),
+            "gate_up": torch.empty(num_tokens, 2 * inter, dtype=dtype, device=DEVICE),
+            "positions": torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE),
+            "normed": torch.empty(num_tokens, hidden, dtype=dtype, device=DEVICE),
+            "act": torch.empty(num_tokens, inter, dtype=dtype, device=DEVICE),
+        }
+
+    def fill(b):
+        for name in ("x", "residual", "qkv", "gate_up"):
+            b[name].copy_(torch.randn(b[name].shape, generator=gen, device=DEVICE))
+        b["positions"].copy_(torch.randint(0, MAX_POS, (num_tokens,), generator=gen, device=DEVICE))
+        b["normed"].fill_(float("nan"))
+        b["act"].fill_(float("nan"))
+
+    def step(b):
+        q, k, _ = b["qkv"].split([q_size, kv_size, kv_size], dim=-1)
+        ops.rms_norm(b["x"], w1, EPS, out=b["normed"])
+        ops.fused_add_rms_norm(b["x"], b["residual"], w2, EPS)
+        ops.rotary_embedding(b["positions"], q.view(num_tokens, heads, head_dim),
+                             k.view(num_tokens, kv_heads, head_dim), cos_table, sin_table)
+        ops.silu_and_mul(b["gate_up"], out=b["act"])
+
+    static = buffers()
+    fill(static)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static)  # eager warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(static)
+    for _ in range(2):
+        fill(static)
+        eager = {name: t.clone() for name, t in static.items()}
+        step(eager)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in ("normed", "x", "residual", "qkv", "act"):
+            assert torch.equal(static[name], eager[name]), f"{name} differs after replay"

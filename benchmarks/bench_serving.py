@@ -252,7 +252,8 @@ def _fmt(serving: dict, hf: dict | None) -> str:
         f"{serving['preemptions_recompute']:.0f}; pages out/in {serving['blocks_swapped_out']:.0f} / "
         f"{serving['blocks_swapped_in']:.0f}",
         f"decode steps (executor) {timing.get('steps', 0):.0f}: wall {timing.get('wall_ms', 0):.2f} ms, "
-        f"gap between steps {timing.get('gap_ms', 0):.2f} ms, host step {timing.get('step_ms', 0):.2f} ms, "
+        f"gap between steps {timing.get('gap_ms', 0):.2f} ms, host step {timing.get('step_ms', 0):.2f} ms "
+        f"(launch {timing.get('launch_ms', 0):.2f} ms), "
         f"GPU {timing.get('gpu_ms', 0):.2f} ms -> GPU waits for host "
         f"{100 * timing.get('gpu_wait_frac', 0):.1f}% of each decode step",
     ]

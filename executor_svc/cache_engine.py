@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from executor_svc.attention_metadata import to_device
+
 _GIB = 1 << 30
 
 
@@ -57,18 +59,21 @@ class CacheEngine:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(gpu block, cpu block) pairs: device -> swap space."""
         if pairs:
-            self.backend.swap_blocks(self.gpu_k, self.gpu_v, self.cpu_k, self.cpu_v, _mapping(pairs))
+            self.backend.swap_blocks(self.gpu_k, self.gpu_v, self.cpu_k, self.cpu_v,
+                                     self._mapping(pairs))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu block, gpu block) pairs: swap space -> device."""
         if pairs:
-            self.backend.swap_blocks(self.cpu_k, self.cpu_v, self.gpu_k, self.gpu_v, _mapping(pairs))
+            self.backend.swap_blocks(self.cpu_k, self.cpu_v, self.gpu_k, self.gpu_v,
+                                     self._mapping(pairs))
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src gpu block, dst gpu block) pairs within the device cache (copy-on-write)."""
         if pairs:
-            self.backend.copy_blocks(self.gpu_k, self.gpu_v, _mapping(pairs))
+            self.backend.copy_blocks(self.gpu_k, self.gpu_v, self._mapping(pairs))
 
-
-def _mapping(pairs: list[tuple[int, int]]) -> torch.Tensor:
-    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)  # [n, 2] (src, dst)
+    def _mapping(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        """[n, 2] (src, dst) on the device, through pinned memory: the copy never makes the host
+        wait for earlier steps still queued on the GPU."""
+        return to_device(torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2), self.backend.device)

@@ -1,7 +1,8 @@
 """DecodeGraphs: decode steps (one query token per sequence) replayed from CUDA graphs captured at
 start for a ladder of batch sizes; a batch is padded up to the nearest size. Inputs are packed on
-the host into one pinned buffer, copied once, and spread into the graphs' static buffers.
-Imports torch only; the attention kernels are reached through the model's backend.
+the host into a pinned buffer, copied once, and spread into the graphs' static buffers; input ids
+still on the device (sampled by an unfinished step) are gathered there. Imports torch only; the
+attention kernels are reached through the model's backend.
 """
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ import time
 import torch
 
 from executor_svc.attention_metadata import AttentionMetadata
+from executor_svc.device_tokens import DeviceTokens
 
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Pinned host buffers used in turn: a step is packed while the previous one may still be queued
+# (launched, not finished), so its buffer may not have been copied out yet.
+_NUM_HOST_BUFFERS = 2
+_ROWS = 6  # rows of max_batch_size before the block tables: see run()
 
 
 class DecodeGraphs:
@@ -38,11 +44,16 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1]
         self.block_tables = torch.zeros(n, self.width, dtype=torch.int32,
                                         device=device)  # [n, width]
-        # One pinned host buffer and its device twin: 4 rows of n, then the block tables.
-        self._host = torch.zeros(4 * n + n * self.width, dtype=torch.int64,
-                                 pin_memory=device.type == "cuda")
-        self._host_np = self._host.numpy()
-        self._staging = torch.zeros_like(self._host, device=device)
+        # Pinned host buffers (_ROWS rows of n, then the block tables), taken in turn, each with
+        # an event recorded after its copy to the device twin; the twin is only read in stream
+        # order, so one suffices.
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(_ROWS * n + n * self.width, dtype=torch.int64, pin_memory=cuda)
+                      for _ in range(_NUM_HOST_BUFFERS)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._copied = [torch.cuda.Event() if cuda else None for _ in self._host]
+        self._turn = 0
+        self._staging = torch.zeros_like(self._host[0], device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bs -> [bs, vocab] float32, graph output
         self._keepalive: list[torch.Tensor] = []
@@ -85,34 +96,55 @@ class DecodeGraphs:
         return next(bs for bs in self.batch_sizes if bs >= num_seqs)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """One decode step of len(input_ids) sequences (seq_len = position + 1); returns the
-        graph's logits view [num_seqs, vocab], valid until the next replay."""
+            block_tables: list[list[int]], device_tokens: DeviceTokens | None = None
+            ) -> torch.Tensor:
+        """One decode step of len(input_ids) sequences (seq_len = position + 1); rows named by
+        `device_tokens` take their input id from the device instead. Returns the graph's logits
+        view [num_seqs, vocab], valid until the next replay (later work on the stream may read
+        it)."""
         num_seqs = len(input_ids)
         bs = self.padded_size(num_seqs)
         width = max(len(t) for t in block_tables)
-        n, h = self.max_batch_size, self._host_np
+        n, k = self.max_batch_size, self._take_host_buffer()
+        h = self._host_np[k]
         h[0:num_seqs], h[num_seqs:bs] = input_ids, 0
         h[n:n + num_seqs], h[n + num_seqs:n + bs] = positions, 0
         h[2 * n:2 * n + num_seqs], h[2 * n + num_seqs:2 * n + bs] = slots, -1
         h[3 * n:3 * n + num_seqs] = positions
         h[3 * n:3 * n + num_seqs] += 1
         h[3 * n + num_seqs:3 * n + bs] = 1
-        tables = h[4 * n:4 * n + num_seqs * width].reshape(num_seqs, width)
+        m = len(device_tokens.src_rows) if device_tokens is not None else 0
+        if m:
+            h[4 * n:4 * n + m], h[5 * n:5 * n + m] = device_tokens.src_rows, device_tokens.dst_rows
+        tables = h[_ROWS * n:_ROWS * n + num_seqs * width].reshape(num_seqs, width)
         for row, table in zip(tables, block_tables):
             row[:len(table)] = table  # columns past a table's end are never read
-        used = 4 * n + num_seqs * width
-        # Safe to reuse the pinned buffer: the previous step ended with a host sync.
-        self._staging[:used].copy_(self._host[:used], non_blocking=True)
+        used = _ROWS * n + num_seqs * width
+        self._staging[:used].copy_(self._host[k][:used], non_blocking=True)
+        if self._copied[k] is not None:
+            self._copied[k].record()
         staged = self._staging
         self.input_ids[:bs].copy_(staged[0:bs])
+        if m:
+            device_tokens.scatter_into(self.input_ids, (staged[4 * n:4 * n + m],
+                                                        staged[5 * n:5 * n + m]))
         self.positions[:bs].copy_(staged[n:n + bs])
         self.slot_mapping[:bs].copy_(staged[2 * n:2 * n + bs])
         self.seq_lens[:bs].copy_(staged[3 * n:3 * n + bs])
         self.block_tables[:num_seqs, :width].copy_(
-            staged[4 * n:used].view(num_seqs, width))
+            staged[_ROWS * n:used].view(num_seqs, width))
         self.graphs[bs].replay()
         return self.logits[bs][:num_seqs]
+
+    def _take_host_buffer(self) -> int:
+        """The next pinned buffer, once the copy out of its last contents has run. With at most
+        two steps unfinished that copy is long done and nothing waits."""
+        k = self._turn
+        self._turn = (k + 1) % len(self._host)
+        event = self._copied[k]
+        if event is not None and not event.query():
+            event.synchronize()
+        return k
 
 
 def _kernel_workspaces() -> list[torch.Tensor]:

@@ -41,6 +41,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     p.add_argument("--enforce-eager", action="store_true",
                    default=_env("ENFORCE_EAGER", "") not in ("", "0", "false"),
                    help="cuda: run decode steps eagerly instead of replaying CUDA graphs")
+    p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
+                   default=_env("NO_OVERLAP_STEPS", "") in ("", "0", "false"),
+                   help="finish each step before launching the next (by default step N+1 is "
+                        "launched, when its plan is there, while the GPU still runs step N)")
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
     p.add_argument("--seed", type=int, default=int(_env("SEED", 0)),
                    help="seed of random weights for preset models")
@@ -60,6 +64,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
         num_gpu_blocks=int(a.num_gpu_blocks) if a.num_gpu_blocks is not None else None,
         swap_space_gib=a.swap_space, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
+        overlap_steps=a.overlap_steps,
         max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
         seed=a.seed, host=a.host, port=a.port)
     transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=a.auth_token)
@@ -82,11 +87,12 @@ def main(argv: list[str] | None = None) -> None:
 
     worker = Worker(config)
     info = worker.describe()
-    server, port = build_server(worker, f"{config.host}:{config.port}", transport)
+    server, port = build_server(worker, f"{config.host}:{config.port}", transport,
+                                config.overlap_steps)
     server.start()
-    log.info("executor ready on %s:%d: %s (%s, %s), %d GPU blocks, %d CPU blocks", config.host,
-             port, info.model_name, info.backend, info.dtype, info.num_gpu_blocks,
-             info.num_cpu_blocks)
+    log.info("executor ready on %s:%d: %s (%s, %s), %d GPU blocks, %d CPU blocks, steps %s",
+             config.host, port, info.model_name, info.backend, info.dtype, info.num_gpu_blocks,
+             info.num_cpu_blocks, "overlapped" if config.overlap_steps else "one at a time")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,19 +1,24 @@
 """ModelRunner: executes one Step (copies, then one packed forward, then sampling) and keeps a
-per-sequence cache rebuilt only from what plans say. Decode steps replay CUDA graphs when given
-DecodeGraphs; others run eagerly. Plain Python: no gRPC, no kernels.
+per-sequence cache rebuilt only from what plans say. A step is launched (GPU work queued, sampled
+ids left on the device) and finished later (ids copied to the host), so step N+1 can be launched
+before step N is finished; its input ids then come from step N's sampled ids on the device.
+Decode steps replay CUDA graphs when given DecodeGraphs; others run eagerly. Plain Python: no
+gRPC, no kernels.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from executor_svc.attention_metadata import build_attention_metadata, to_device
 from executor_svc.cuda_graphs import DecodeGraphs
-from executor_svc.sampler import Sampler, SamplingTensors, to_host
-from executor_svc.step_timing import StepTimer
+from executor_svc.device_tokens import DeviceTokens
+from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, from_host
+from executor_svc.step_timing import StepMarks, StepTimer
 from executor_svc.step import (
     CachedSeq, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions, Step, StepOutput,
 )
@@ -21,10 +26,17 @@ from executor_svc.step import (
 
 @dataclass
 class SeqState:
-    token_ids: list[int]  # prompt + generated, including tokens this executor sampled
+    token_ids: list[int]  # prompt + generated tokens known on the host
     block_table: list[int]
     num_computed_tokens: int
     sampling: SamplingOptions
+    # (step id, row) of each token sampled by a step launched but not finished, oldest first:
+    # they follow token_ids, and until their step finishes they exist on the device only.
+    pending: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + len(self.pending)
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,31 @@ class _Scheduled:
     seq_id: int
     state: SeqState
     num_scheduled_tokens: int
+
+
+@dataclass
+class PendingStep:
+    """A launched step. Its sampled ids stay on the device (`token_ids`) for the next steps'
+    inputs; `results` is their host copy, valid once the step's GPU work is done."""
+
+    step_id: int
+    seqs: list[_Scheduled]  # the seqs that sample, in row order
+    token_ids: torch.Tensor | None  # [num_sampled] int64 on the device
+    results: torch.Tensor | None  # [2, num_sampled] float64 on the host: ids, logprobs
+    kind: str  # "decode" (graph replay) or "other"
+    marks: StepMarks
+    done: torch.cuda.Event | None  # recorded after the step's GPU work; None on CPU (already done)
+    forward_ms: float
+    launch_ms: float
+
+    def is_ready(self) -> bool:
+        """Whether finish() would return without waiting for the GPU."""
+        return self.done is None or self.done.query()
+
+    def wait(self) -> None:
+        """Blocks until the step's GPU work is done (releases the GIL meanwhile)."""
+        if self.done is not None:
+            self.done.synchronize()
 
 
 class ModelRunner:
@@ -46,30 +83,61 @@ class ModelRunner:
         self.timer = StepTimer(backend.device)
         self.seqs: dict[int, SeqState] = {}
         self.last_step_id: int | None = None
+        self._pending: deque[PendingStep] = deque()  # launched, not finished, in step order
 
     def reset(self) -> None:
-        """Forget every sequence and the step counter (a new Execute stream)."""
+        """Forget every sequence, every unfinished step and the step counter (a new Execute
+        stream). GPU work already queued still runs; later steps queue behind it."""
         self.seqs.clear()
         self.last_step_id = None
+        self._pending.clear()
         self.timer.reset()
 
+    @property
+    def num_pending_steps(self) -> int:
+        return len(self._pending)
+
     def execute(self, step: Step) -> StepOutput:
-        start = self.timer.begin()
+        """Launch and finish one step (no other step may be unfinished)."""
+        return self.finish(self.launch(step))
+
+    def launch(self, step: Step) -> PendingStep:
+        """Checks the plan, applies it and queues the step's copies, forward and sampling on the
+        device, and the copy of its sampled ids to the host; waits for none of it. Raises
+        PlanMismatch (changing nothing) if the plan contradicts the state."""
+        start = time.perf_counter()
         self._validate(step)
-        self.last_step_id = step.step_id
-        for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
-            self.seqs.pop(seq_id, None)
-        self.cache_engine.swap_out(step.swap_out)
-        self.cache_engine.swap_in(step.swap_in)
-        self.cache_engine.copy(step.copy)
-        scheduled = [self._register(new) for new in step.new_seqs]
-        scheduled += [self._apply_diff(cached) for cached in step.cached_seqs]
-        scheduled = [s for s in scheduled if s.num_scheduled_tokens > 0]
+        marks = self.timer.begin()
+        scheduled = self._apply(step)
         forward_start = time.perf_counter()
-        sampled, kind = self._run(scheduled) if scheduled else ([], "other")
+        seqs, token_ids, logprobs, kind = (self._run(step.step_id, scheduled) if scheduled
+                                           else ([], None, None, "other"))
+        results = copy_to_host(token_ids, logprobs) if seqs else None
         forward_ms = (time.perf_counter() - forward_start) * 1e3
-        step_ms = self.timer.finish(kind, start)
-        return StepOutput(step.step_id, sampled, forward_ms, step_ms)
+        self.timer.end_gpu(marks)
+        pending = PendingStep(step.step_id, seqs, token_ids, results, kind, marks,
+                              self._record_done(), forward_ms,
+                              (time.perf_counter() - start) * 1e3)
+        self._pending.append(pending)
+        return pending
+
+    def finish(self, pending: PendingStep) -> StepOutput:
+        """Waits for the oldest unfinished step, appends its sampled ids to the host token
+        lists and returns its output. Steps finish in launch order."""
+        if not self._pending or self._pending[0] is not pending:
+            raise RuntimeError(f"step {pending.step_id} is not the oldest unfinished step")
+        start = time.perf_counter()
+        pending.wait()
+        self._pending.popleft()
+        token_ids, logprobs = from_host(pending.results) if pending.seqs else ([], [])
+        for s, token_id in zip(pending.seqs, token_ids):
+            s.state.pending.pop(0)  # this step's: steps finish in order
+            s.state.token_ids.append(token_id)
+        step_ms = pending.launch_ms + (time.perf_counter() - start) * 1e3
+        self.timer.finish(pending.marks, pending.kind, step_ms, pending.launch_ms)
+        sampled = [SampledToken(s.seq_id, t, lp)
+                   for s, t, lp in zip(pending.seqs, token_ids, logprobs)]
+        return StepOutput(pending.step_id, sampled, pending.forward_ms, step_ms)
 
     # -- validation: everything is checked before any state or cache changes ------------------
 
@@ -107,7 +175,7 @@ class ModelRunner:
                 f"executor has {state.num_computed_tokens}"
             )
         # The held table was checked when it arrived: only the appended ids are new.
-        self._check_counts(cached.seq_id, len(state.token_ids), state.num_computed_tokens,
+        self._check_counts(cached.seq_id, state.num_tokens, state.num_computed_tokens,
                            cached.num_scheduled_tokens,
                            len(state.block_table) + len(cached.new_block_ids), cached.new_block_ids)
 
@@ -128,6 +196,19 @@ class ModelRunner:
 
     # -- state updates --------------------------------------------------------------------------
 
+    def _apply(self, step: Step) -> list[_Scheduled]:
+        """Drops, then copies queued on the device, then the seqs' diffs; returns the seqs that
+        compute tokens this step."""
+        self.last_step_id = step.step_id
+        for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
+            self.seqs.pop(seq_id, None)
+        self.cache_engine.swap_out(step.swap_out)
+        self.cache_engine.swap_in(step.swap_in)
+        self.cache_engine.copy(step.copy)
+        scheduled = [self._register(new) for new in step.new_seqs]
+        scheduled += [self._apply_diff(cached) for cached in step.cached_seqs]
+        return [s for s in scheduled if s.num_scheduled_tokens > 0]
+
     def _register(self, new: NewSeq) -> _Scheduled:
         state = SeqState(list(new.token_ids), list(new.block_table), new.num_computed_tokens,
                          new.sampling)
@@ -141,15 +222,25 @@ class ModelRunner:
 
     # -- forward and sampling ---------------------------------------------------------------------
 
-    def _run(self, scheduled: list[_Scheduled]) -> tuple[list[SampledToken], str]:
-        """One forward over the packed batch, then sampling; the step's only host sync is the
-        transfer of the sampled ids. Returns them and the step kind ("decode" if replayed)."""
+    def _record_done(self) -> torch.cuda.Event | None:
+        """An event after everything queued so far (CUDA); None on CPU, where it is all done."""
+        if self.backend.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    def _run(self, step_id: int, scheduled: list[_Scheduled]
+             ) -> tuple[list[_Scheduled], torch.Tensor | None, torch.Tensor | None, str]:
+        """One forward over the packed batch, then sampling, all queued without a host sync.
+        Returns the seqs that sampled, their token ids and logprobs on the device, and the step
+        kind ("decode" if replayed)."""
         to_sample = [i for i, s in enumerate(scheduled)
-                     if s.state.num_computed_tokens + s.num_scheduled_tokens == len(s.state.token_ids)]
+                     if s.state.num_computed_tokens + s.num_scheduled_tokens == s.state.num_tokens]
         seqs = [scheduled[i] for i in to_sample]
         # Built before the forward: their host-to-device copies are queued, never waited for.
         params = SamplingTensors.build([s.state.sampling for s in seqs],
-                                       [len(s.state.token_ids) for s in seqs],
+                                       [s.state.num_tokens for s in seqs],
                                        self.info.vocab_size, self.backend.device)
         graphs = self.decode_graphs
         if (graphs is not None and all(s.num_scheduled_tokens == 1 for s in scheduled)
@@ -160,22 +251,36 @@ class ModelRunner:
         for s in scheduled:
             s.state.num_computed_tokens += s.num_scheduled_tokens
         if not seqs:
-            self.timer.end_gpu()
-            return [], kind
+            return [], None, None, kind
         token_ids, logprobs = self.sampler.sample(logits, params)
-        self.timer.end_gpu()
-        token_ids, logprobs = to_host(token_ids, logprobs)
-        for s, token_id in zip(seqs, token_ids):
-            s.state.token_ids.append(token_id)
-        return [SampledToken(s.seq_id, t, lp) for s, t, lp in zip(seqs, token_ids, logprobs)], kind
+        for row, s in enumerate(seqs):
+            s.state.pending.append((step_id, row))
+        return seqs, token_ids, logprobs, kind
+
+    def _input_ids(self, scheduled: list[_Scheduled]) -> tuple[list[int], DeviceTokens | None]:
+        """The packed input ids of the batch. A token sampled by an unfinished step is a 0 here
+        and comes from that step's sampled ids on the device (the DeviceTokens)."""
+        ids: list[int] = []
+        sources: list[tuple[torch.Tensor, int]] = []
+        rows: list[int] = []
+        sampled_by = {p.step_id: p.token_ids for p in self._pending}
+        for s in scheduled:
+            state, start = s.state, s.state.num_computed_tokens
+            end, known = start + s.num_scheduled_tokens, len(s.state.token_ids)
+            ids += state.token_ids[start:min(end, known)]
+            for position in range(max(start, known), end):
+                step_id, row = state.pending[position - known]
+                sources.append((sampled_by[step_id], row))
+                rows.append(len(ids))
+                ids.append(0)
+        return ids, DeviceTokens.collect(sources, rows)
 
     def _forward_eager(self, scheduled: list[_Scheduled], to_sample: list[int]) -> torch.Tensor:
         device = self.backend.device
-        input_ids = to_device(torch.tensor([
-            t for s in scheduled
-            for t in s.state.token_ids[s.state.num_computed_tokens:
-                                       s.state.num_computed_tokens + s.num_scheduled_tokens]
-        ], dtype=torch.int64), device)  # [num_tokens]
+        ids, device_tokens = self._input_ids(scheduled)
+        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), device)  # [num_tokens]
+        if device_tokens is not None:
+            device_tokens.scatter_into(input_ids)
         positions, metadata = build_attention_metadata(
             [s.state.block_table for s in scheduled],
             [s.state.num_computed_tokens for s in scheduled],
@@ -191,12 +296,13 @@ class ModelRunner:
 
     def _decode_replay(self, scheduled: list[_Scheduled], to_sample: list[int]) -> torch.Tensor:
         block_size = self.info.block_size
+        ids, device_tokens = self._input_ids(scheduled)
         positions = [s.state.num_computed_tokens for s in scheduled]
         tables = [s.state.block_table for s in scheduled]
         logits = self.decode_graphs.run(
-            [s.state.token_ids[p] for s, p in zip(scheduled, positions)], positions,
+            ids, positions,
             [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)],
-            tables,
+            tables, device_tokens,
         )  # [num_seqs, vocab]
         if len(to_sample) == len(scheduled):
             return logits

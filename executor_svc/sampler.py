@@ -112,9 +112,26 @@ class Sampler:
 
 
 def to_host(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """The one device-to-host transfer (and host sync) of a step."""
+    """The sampled ids and logprobs on the host, waiting for them (a host sync)."""
     both = torch.stack([token_ids.double(), logprobs.double()]).cpu()  # ids < 2^53: exact
-    return [int(t) for t in both[0].tolist()], both[1].tolist()
+    return from_host(both)
+
+
+def copy_to_host(token_ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Queues the one device-to-host transfer of a step and returns its destination without
+    waiting: [2, n] float64 (ids < 2^53: exact), pinned on CUDA; read it with from_host once the
+    stream has passed the copy."""
+    both = torch.stack([token_ids.double(), logprobs.double()])  # [2, n]
+    if both.device.type != "cuda":
+        return both
+    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+    return host.copy_(both, non_blocking=True)
+
+
+def from_host(both: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Token ids and logprobs from a [2, n] host tensor of copy_to_host or to_host."""
+    ids, logprobs = both.tolist()
+    return [int(t) for t in ids], logprobs
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingTensors | list[SamplingOptions]

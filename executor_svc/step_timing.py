@@ -1,11 +1,12 @@
-"""StepTimer: how long the GPU works in each step against the wall time between step starts, so
-the share of a step during which the GPU waits for the host (scheduling, gRPC, input building) is
-known. Logs cumulative figures every `log_every` steps and at reset. Imports torch only.
+"""StepTimer: how long the GPU works in each step against how long it sits idle before the step,
+both read from CUDA events on the step stream, so the share of a step during which the GPU waits
+for the host (scheduling, gRPC, input building) is known whether or not the executor launches a
+step before the previous one finished. Logs cumulative figures every `log_every` steps and at
+reset. Imports torch only.
 """
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -16,17 +17,30 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Totals:
     steps: int = 0
-    wall_ms: float = 0.0  # from the previous step's end to this step's end (gap + step)
-    gap_ms: float = 0.0  # from the previous step's end to this step's start (executor idle)
-    step_ms: float = 0.0  # execute() on the host, sync included
-    gpu_ms: float = 0.0  # first to last GPU event of the step
+    wall_ms: float = 0.0  # GPU clock: from the previous step's end to this step's end (gap + step)
+    gap_ms: float = 0.0  # GPU clock: from the previous step's end to this step's start (GPU idle)
+    step_ms: float = 0.0  # host time in launch() and finish(), waiting for the GPU included
+    # Host time in launch() (inputs built, work queued). A GPU with nothing else queued idles
+    # through it inside [start, end], so gpu_ms counts it as busy: one step at a time, the true
+    # idle share is up to (gap_ms + launch_ms) / wall_ms; overlapped, the GPU runs meanwhile.
+    launch_ms: float = 0.0
+    gpu_ms: float = 0.0  # GPU clock: this step's start to its end
 
     def line(self) -> str:
         n = max(self.steps, 1)
         wait = 1.0 - self.gpu_ms / self.wall_ms if self.wall_ms else 0.0
         return (f"steps={self.steps} wall_ms={self.wall_ms / n:.3f} gap_ms={self.gap_ms / n:.3f} "
-                f"step_ms={self.step_ms / n:.3f} gpu_ms={self.gpu_ms / n:.3f} "
-                f"gpu_wait_frac={wait:.3f}")
+                f"step_ms={self.step_ms / n:.3f} launch_ms={self.launch_ms / n:.3f} "
+                f"gpu_ms={self.gpu_ms / n:.3f} gpu_wait_frac={wait:.3f}")
+
+
+@dataclass
+class StepMarks:
+    """One step's events: `start` recorded when its launch begins (its plan checked), `end`
+    after its last GPU work. None on CPU."""
+
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
 
 
 class StepTimer:
@@ -34,43 +48,39 @@ class StepTimer:
         self.enabled = device.type == "cuda"
         self.log_every = log_every
         self.totals = {"decode": _Totals(), "other": _Totals()}
-        self._last_end: float | None = None
-        self._events: tuple | None = None
-        self._ended = False
+        self._last_end: torch.cuda.Event | None = None
 
-    def begin(self) -> float:
-        if self.enabled:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._events = (start, torch.cuda.Event(enable_timing=True))
-            self._ended = False
-        return time.perf_counter()
+    def begin(self) -> StepMarks:
+        if not self.enabled:
+            return StepMarks()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return StepMarks(start)
 
-    def end_gpu(self) -> None:
-        """Marks the end of the step's GPU work (call before the step's one host sync)."""
-        if self._events is not None and not self._ended:
-            self._events[1].record()
-            self._ended = True
+    def end_gpu(self, marks: StepMarks) -> None:
+        """Marks the end of the step's GPU work (the device-to-host copy of its results)."""
+        if self.enabled and marks.end is None:
+            marks.end = torch.cuda.Event(enable_timing=True)
+            marks.end.record()
 
-    def finish(self, kind: str, started: float) -> float:
-        """Accounts one step ("decode" or "other") after its host sync; returns step ms."""
-        if self._events is not None and not self._ended:  # a step that sampled nothing
-            self.end_gpu()
-            self._events[1].synchronize()
-        now = time.perf_counter()
-        step_ms = (now - started) * 1e3
-        if self.enabled and self._events is not None and self._last_end is not None:
+    def finish(self, marks: StepMarks, kind: str, host_ms: float, launch_ms: float) -> None:
+        """Accounts one step ("decode" or "other") once its GPU work is done; steps finish in
+        launch order, so the previous finished step is the one before it on the stream."""
+        if not self.enabled or marks.start is None:
+            return
+        self.end_gpu(marks)
+        marks.end.synchronize()
+        if self._last_end is not None:
             t = self.totals[kind]
             t.steps += 1
-            t.gap_ms += (started - self._last_end) * 1e3
-            t.wall_ms += (now - self._last_end) * 1e3
-            t.step_ms += step_ms
-            t.gpu_ms += self._events[0].elapsed_time(self._events[1])
+            t.gap_ms += self._last_end.elapsed_time(marks.start)
+            t.wall_ms += self._last_end.elapsed_time(marks.end)
+            t.step_ms += host_ms
+            t.launch_ms += launch_ms
+            t.gpu_ms += marks.start.elapsed_time(marks.end)
             if sum(x.steps for x in self.totals.values()) % self.log_every == 0:
                 self.report()
-        self._last_end = now
-        self._events = None
-        return step_ms
+        self._last_end = marks.end
 
     def report(self) -> None:
         if self.enabled and any(t.steps for t in self.totals.values()):

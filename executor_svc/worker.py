@@ -14,7 +14,7 @@ from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import BATCH_SIZES, DecodeGraphs
 from executor_svc.memory_profile import profile_num_gpu_blocks
 from executor_svc.model_loader import DTYPES, default_model_source, load_model, model_fingerprint
-from executor_svc.model_runner import ModelRunner
+from executor_svc.model_runner import ModelRunner, PendingStep
 from executor_svc.step import (
     CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step, StepOutput,
 )
@@ -86,16 +86,20 @@ class Worker:
                  "off" if graphs is None else graphs.batch_sizes)
 
     def _warm_up(self) -> None:
-        """A prefill, a batched decode (graph replay) and a seeded sampled step through the
-        runner, so that nothing compiles or allocates on the first request; then forgets them."""
+        """A prefill, then a batched decode (graph replay) launched before the prefill finished
+        (its input ids gathered on the device), with a seeded sampled seq, through the runner,
+        so that nothing compiles or allocates on the first request; then forgets them."""
         bs = self.config.block_size
         prompt = list(range(1, 2 * bs + 2))
         blocks = min(self.info.num_gpu_blocks, -(-(len(prompt) + 2) // bs))
         greedy, seeded = SamplingOptions(), SamplingOptions(temperature=0.8, top_p=0.9, seed=1)
         new = [NewSeq(i, prompt, list(range(blocks)), 0, len(prompt), opt)
                for i, opt in enumerate((greedy, seeded))]
-        self.runner.execute(Step(1, new_seqs=new))
-        self.runner.execute(Step(2, cached_seqs=[CachedSeq(i, 1, len(prompt)) for i in range(2)]))
+        prefill = self.runner.launch(Step(1, new_seqs=new))
+        decode = self.runner.launch(
+            Step(2, cached_seqs=[CachedSeq(i, 1, len(prompt)) for i in range(2)]))
+        self.runner.finish(prefill)
+        self.runner.finish(decode)
         self.runner.reset()
         torch.cuda.synchronize(self.backend.device)
 
@@ -104,6 +108,12 @@ class Worker:
 
     def execute(self, step: Step) -> StepOutput:
         return self.runner.execute(step)
+
+    def launch(self, step: Step) -> PendingStep:
+        return self.runner.launch(step)
+
+    def finish(self, pending: PendingStep) -> StepOutput:
+        return self.runner.finish(pending)
 
     def reset(self) -> None:
         self.runner.reset()

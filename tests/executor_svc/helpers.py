@@ -1,19 +1,28 @@
-"""Factories for executor tests: HF reference models, runners on small caches, and a tiny plan
-driver that plays the scheduler's part (block allocation from a shuffled free list)."""
+"""Factories for executor tests: HF reference models, runners on small caches, a tiny plan
+driver that plays the scheduler's part (block allocation from a shuffled free list), and the real
+scheduler driving a runner with two steps in flight."""
 from __future__ import annotations
 
 import functools
 import random
+from collections import deque
 
 import torch
 from transformers import GenerationConfig
 
+from executor_svc import wire as executor_wire
 from executor_svc.backends import get_backend
 from executor_svc.cache_engine import CacheEngine
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
 from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step
+from scheduler_svc import wire as scheduler_wire
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence import Sequence
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,3 +97,90 @@ class PlanDriver:
         for seq_id, token_id in sampled.items():
             self.tokens[seq_id].append(token_id)
         return sampled
+
+
+class RunnerLink:
+    """A ModelRunner as ScheduledRun's executor. With `overlap`, a plan is launched when sent and
+    finished when its result is read, so step N+1 is launched before step N is finished (what the
+    servicer does when the plan is already there); without, each step is finished when sent."""
+
+    def __init__(self, runner: ModelRunner, overlap: bool) -> None:
+        self.runner, self.overlap = runner, overlap
+        self.launched_with_pending = 0  # launches while an earlier step was unfinished
+        self._handles: deque = deque()  # PendingStep (overlap) or StepOutput
+
+    def send(self, message) -> None:
+        step = executor_wire.step_from_proto(message)
+        if self.overlap:
+            self.launched_with_pending += self.runner.num_pending_steps > 0
+            self._handles.append(self.runner.launch(step))
+        else:
+            self._handles.append(self.runner.execute(step))
+
+    def receive(self):
+        handle = self._handles.popleft()
+        return self.runner.finish(handle) if self.overlap else handle
+
+
+class ScheduledRun:
+    """The real Scheduler planning with two steps in flight, as its engine does (step N+2 is
+    planned once step N's result is applied), against `link` (send(StepPlan message),
+    receive() -> a result with step_id and sampled seq_id/token_id/logprob).
+
+    Sent plans are numbered 1, 2, ... here: the scheduler also spends a step id on a plan with
+    nothing in it, which is never sent, and the executor refuses the gap that leaves."""
+
+    def __init__(self, sched, link) -> None:
+        self.sched, self.link = sched, link
+        self.results: list[tuple[int, list[tuple[int, int, float]]]] = []  # per step, in order
+        self.outputs: dict[int, list[int]] = {}  # seq_id -> the tokens the scheduler kept
+        self._in_flight: deque = deque()  # (plan, step id sent)
+        self._num_sent = 0
+
+    def run(self, between=None, max_steps: int = 10_000) -> "ScheduledRun":
+        """Until every seq finished; `between(step_id)` runs after each result is applied."""
+        for _ in range(max_steps):
+            self._fill()
+            if not self._in_flight:
+                return self
+            (plan, step_id), out = self._in_flight.popleft(), self.link.receive()
+            assert out.step_id == step_id
+            sampled = [(t.seq_id, t.token_id, t.logprob) for t in out.sampled]
+            self.results.append((out.step_id, sampled))
+            for update in self.sched.update_from_output(plan, {s: t for s, t, _ in sampled}):
+                self.outputs.setdefault(update.seq.seq_id, []).append(update.token_id)
+            if between is not None:
+                between(step_id)
+        raise AssertionError(f"not finished after {max_steps} steps")
+
+    def _fill(self) -> None:
+        while len(self._in_flight) < 2 and self.sched.has_unfinished():
+            plan = self.sched.schedule()
+            if plan.is_empty:
+                return
+            self._num_sent += 1
+            message = scheduler_wire.plan_to_proto(plan)
+            message.step_id = self._num_sent
+            self.link.send(message)
+            self._in_flight.append((plan, self._num_sent))
+
+
+def add_workload(sched, seed: int, num_seqs: int = 10, vocab: int = 49152) -> dict[int, list[int]]:
+    """Prompts of 1-20 tokens, 1-14 output tokens; odd seqs greedy, even ones seeded samples.
+    Returns the prompts."""
+    rng = random.Random(seed)
+    prompts = {}
+    for seq_id in range(1, num_seqs + 1):
+        sampling = (SamplingParams() if seq_id % 2 else
+                    SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1000 + seq_id))
+        prompts[seq_id] = random_prompt(rng, rng.randint(1, 20), vocab)
+        sched.add_seq(Sequence(seq_id, prompts[seq_id], sampling,
+                               StoppingParams(max_tokens=rng.randint(1, 14)), eos_token_id=None,
+                               max_model_len=512, arrival_time=float(seq_id)))
+    return prompts
+
+
+def make_scheduler(info: ExecutorInfo, **config) -> Scheduler:
+    """A scheduler sized from the executor's info (as Describe's answer sizes it)."""
+    block_manager = BlockManager(info.block_size, info.num_gpu_blocks, info.num_cpu_blocks)
+    return Scheduler(SchedulerConfig(**config), block_manager, rng=random.Random(0))

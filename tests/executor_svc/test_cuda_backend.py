@@ -1,7 +1,9 @@
 """The CUDA executor path: decode-graph input packing (also on CPU, replayed eagerly), and on the
 GPU: tiny float32 greedy identical to transformers, bf16 SmolLM2/Llama-3-8B shapes within bf16
 tolerance of transformers (teacher-forced logits through graph replays, then free-running greedy
-tokens up to the first near-tie), sampling without host syncs, and the worker's memory profile."""
+tokens up to the first near-tie), sampling and overlapped step launches without host syncs,
+overlapped steps giving the same outputs as one step at a time, and the worker's memory
+profile."""
 from __future__ import annotations
 
 import copy
@@ -18,8 +20,11 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
 from executor_svc.sampler import Sampler, SamplingTensors
-from executor_svc.step import ExecutorInfo, SamplingOptions
-from tests.executor_svc.helpers import PlanDriver, hf_greedy, hf_model, make_runner, random_prompt
+from executor_svc.step import CachedSeq, ExecutorInfo, SamplingOptions, Step
+from tests.executor_svc.helpers import (
+    PlanDriver, RunnerLink, ScheduledRun, add_workload, hf_greedy, hf_model, make_runner,
+    make_scheduler, random_prompt,
+)
 
 
 def _gpu_ready() -> bool:
@@ -233,6 +238,58 @@ def test_decode_replay_has_no_host_sync():
         runner.sampler.sample(logits, params)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+def test_overlapped_decode_launch_has_no_host_sync():
+    """Step 3 launched while step 2 is unfinished: its input ids come from step 2's sampled ids
+    on the device, and nothing in the launch waits for the GPU."""
+    hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
+    runner = gpu_runner(hf, "bfloat16", max_model_len=512)
+    driver = PlanDriver(runner)
+    prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
+    prefill = runner.launch(Step(1, new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()]))
+    first = runner.launch(Step(2, cached_seqs=[CachedSeq(s, 1, len(p))
+                                               for s, p in prompts.items()]))
+    runner.finish(prefill)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = runner.launch(Step(3, cached_seqs=[CachedSeq(s, 1, len(p) + 1)
+                                                    for s, p in prompts.items()]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert second.kind == "decode"
+    outputs = runner.finish(first), runner.finish(second)
+    assert [[t.seq_id for t in out.sampled] for out in outputs] == [[1, 2], [1, 2]]
+    del runner, hf
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_overlapped_steps_match_one_step_at_a_time_on_gpu(graphs):
+    """The real scheduler's plans, two in flight (chunked prefill, decode, swap, finished seqs,
+    seeded samples): launching step N+1 before step N is finished gives the same tokens, and
+    logprobs within float32 rounding, as finishing every step at once."""
+    hf = build_hf_model("tiny", seed=0, dtype=torch.float32, device="cuda")
+    runs = {}
+    for overlap in (False, True):
+        runner = gpu_runner(hf, "float32", num_gpu_blocks=6, num_cpu_blocks=16, graphs=graphs)
+        sched = make_scheduler(runner.info, max_num_batched_tokens=16, max_num_seqs=6)
+        add_workload(sched, seed=4, vocab=hf.config.vocab_size)
+        link = RunnerLink(runner, overlap)
+        runs[overlap] = ScheduledRun(sched, link).run()
+    print(f"graphs={graphs}: {len(runs[True].results)} steps, {link.launched_with_pending} "
+          f"launched with an unfinished step, {sched.num_preemptions_swap} swap preemptions")
+    assert link.launched_with_pending > 0
+    assert runs[True].outputs == runs[False].outputs
+    for (step_a, a), (step_b, b) in zip(runs[True].results, runs[False].results, strict=True):
+        assert step_a == step_b and [x[:2] for x in a] == [x[:2] for x in b]
+        torch.testing.assert_close(torch.tensor([x[2] for x in a]), torch.tensor([x[2] for x in b]),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,141 @@
+"""StepPipeline: runs the plans of one Execute stream with up to `max_in_flight` steps launched and
+not finished, so that the host work of step N+1 (reading and checking its plan, building its
+inputs, queueing its GPU work) overlaps the GPU work of step N. Results come out strictly in step
+order. Plain Python: no gRPC, no torch.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+
+_END = object()  # the plan stream ended
+_READY = object()  # a watched step's GPU work is done
+
+
+class StepFailed(Exception):
+    """Launching or finishing step `step_id` raised `cause` (also chained as __cause__)."""
+
+    def __init__(self, step_id: int, cause: BaseException) -> None:
+        super().__init__(f"step {step_id} failed: {cause!r}")
+        self.step_id = step_id
+        self.cause = cause
+
+
+class StepPipeline:
+    """`launch(plan) -> pending` queues a step; `finish(pending) -> result` waits for it. A
+    pending step has `step_id`, `is_ready()` (finish would not wait) and `wait()` (blocks until
+    it is ready). Plans have `step_id`."""
+
+    def __init__(self, launch: Callable, finish: Callable, max_in_flight: int = 2) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self._launch, self._finish = launch, finish
+        self.max_in_flight = max_in_flight
+
+    def run(self, plans: Iterable) -> Iterator:
+        """The results of the plans' steps, in order. A step that fails raises StepFailed, after
+        the results of the steps launched before it; an error reading the plans is raised as is.
+
+        After launching a step, the next plan is launched before the step is finished if it is
+        already queued, or if it arrives while the step still runs; a finished step's result is
+        never held back waiting for a plan (the scheduler may be waiting for it to plan)."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_read, args=(iter(plans), inbox), name="plan-reader",
+                         daemon=True).start()
+        watcher = _Watcher(inbox)
+        in_flight: deque = deque()
+        try:
+            while True:
+                plan = self._next_plan(inbox, in_flight, watcher)
+                if plan is _END:
+                    return
+                if plan is None:
+                    yield self._call(self._finish, in_flight.popleft())
+                    continue
+                try:
+                    in_flight.append(self._call(self._launch, plan))
+                except StepFailed:
+                    while in_flight:  # the steps launched before it still count
+                        yield self._call(self._finish, in_flight.popleft())
+                    raise
+        finally:
+            watcher.stop()
+
+    def _next_plan(self, inbox: queue.SimpleQueue, in_flight: deque, watcher: "_Watcher"):
+        """The next plan to launch; None to finish the oldest step first; _END when done."""
+        ended = False
+        while True:
+            if ended or len(in_flight) >= self.max_in_flight:
+                return None if in_flight else _END
+            item = _poll(inbox)
+            if item is None:
+                if in_flight and in_flight[0].is_ready():
+                    return None
+                if in_flight:
+                    watcher.watch(in_flight[0])
+                item = inbox.get()
+            if item is _END:
+                ended = True
+                inbox.put(_END)  # stays the last item: later calls see it again
+            elif isinstance(item, BaseException):
+                raise item
+            elif item is not _READY:
+                return item
+
+    @staticmethod
+    def _call(fn: Callable, arg):
+        try:
+            return fn(arg)
+        except Exception as err:
+            raise StepFailed(arg.step_id, err) from err
+
+
+def _read(plans: Iterator, inbox: queue.SimpleQueue) -> None:
+    """Moves plans from the stream to the inbox as they arrive, then _END or the error."""
+    try:
+        for plan in plans:
+            inbox.put(plan)
+        inbox.put(_END)
+    except BaseException as err:  # the stream broke (cancelled, reset): the loop raises it
+        inbox.put(err)
+
+
+def _poll(inbox: queue.SimpleQueue):
+    try:
+        return inbox.get_nowait()
+    except queue.Empty:
+        return None
+
+
+class _Watcher:
+    """Waits in a background thread for a step's GPU work to end, then posts _READY to the inbox,
+    so the loop can wait for "a plan arrived or the oldest step is done" on one queue."""
+
+    def __init__(self, inbox: queue.SimpleQueue) -> None:
+        self._inbox = inbox
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._watched = None
+
+    def watch(self, pending) -> None:
+        if pending is self._watched:
+            return
+        self._watched = pending
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="step-watcher", daemon=True)
+            self._thread.start()
+        self._todo.put(pending)
+
+    def _run(self) -> None:
+        while (pending := self._todo.get()) is not None:
+            try:
+                pending.wait()
+            except Exception:  # finish() raises it again, on the loop's thread
+                pass
+            self._inbox.put(_READY)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._todo.put(None)

@@ -1,0 +1,168 @@
+"""StepPipeline on a fake worker whose "GPU" finishes a step only when told or when waited for:
+step N+1 is launched before step N is finished when its plan is there, at most two steps are
+unfinished, results come in step order, a finished step is never held back for a plan, and a
+failing step comes after the results of the steps launched before it."""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from executor_svc.step import PlanMismatch
+from executor_svc.step_pipeline import StepFailed, StepPipeline
+
+TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class Plan:
+    step_id: int
+
+
+class FakePending:
+    def __init__(self, step_id: int, ready: bool) -> None:
+        self.step_id = step_id
+        self.done = threading.Event()
+        if ready:
+            self.done.set()
+
+    def is_ready(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> None:
+        assert self.done.wait(TIMEOUT_S), f"step {self.step_id} never completed"
+
+
+class FakeWorker:
+    """Records launch/finish calls. `slow`: a step's GPU work ends only when finish() waits for it
+    (the GPU is always still busy when the next plan is checked) or when complete() is called;
+    else it is done at launch, as on the CPU backend."""
+
+    def __init__(self, slow: bool = True, fail_launch: int | None = None,
+                 fail_finish: int | None = None) -> None:
+        self.slow, self.fail_launch, self.fail_finish = slow, fail_launch, fail_finish
+        self.calls: list[str] = []
+        self.launched: queue.SimpleQueue = queue.SimpleQueue()
+        self.max_unfinished = 0
+        self._unfinished = 0
+
+    def launch(self, plan: Plan) -> FakePending:
+        if plan.step_id == self.fail_launch:
+            raise PlanMismatch(f"step {plan.step_id} is bad")
+        self.calls.append(f"L{plan.step_id}")
+        self._unfinished += 1
+        self.max_unfinished = max(self.max_unfinished, self._unfinished)
+        pending = FakePending(plan.step_id, ready=not self.slow)
+        self.launched.put(pending)
+        return pending
+
+    def finish(self, pending: FakePending) -> int:
+        pending.done.set()  # the sync: the GPU gets there
+        self._unfinished -= 1
+        if pending.step_id == self.fail_finish:
+            raise RuntimeError("device error")
+        self.calls.append(f"F{pending.step_id}")
+        return pending.step_id
+
+
+def pipeline(worker: FakeWorker, max_in_flight: int = 2) -> StepPipeline:
+    return StepPipeline(worker.launch, worker.finish, max_in_flight)
+
+
+class Plans:
+    """A plan stream the test writes to while the pipeline reads it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send(self, *step_ids: int) -> None:
+        for step_id in step_ids:
+            self._queue.put(Plan(step_id))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def __iter__(self):
+        return iter(self._queue.get, None)
+
+
+def next_within_timeout(results, pool: ThreadPoolExecutor):
+    return pool.submit(next, results).result(timeout=TIMEOUT_S)
+
+
+def test_next_step_launched_before_the_previous_finishes_results_in_order():
+    worker = FakeWorker(slow=True)
+    results = list(pipeline(worker).run([Plan(i) for i in range(1, 6)]))
+    assert results == [1, 2, 3, 4, 5]
+    assert worker.calls == ["L1", "L2", "F1", "L3", "F2", "L4", "F3", "L5", "F4", "F5"]
+    assert worker.max_unfinished == 2
+
+
+def test_one_in_flight_is_one_step_at_a_time():
+    worker = FakeWorker(slow=True)
+    assert list(pipeline(worker, max_in_flight=1).run([Plan(i) for i in range(1, 4)])) == [1, 2, 3]
+    assert worker.calls == ["L1", "F1", "L2", "F2", "L3", "F3"]
+
+
+def test_a_done_step_is_returned_without_waiting_for_the_next_plan():
+    worker, plans = FakeWorker(slow=False), Plans()
+    results = pipeline(worker).run(plans)
+    with ThreadPoolExecutor(1) as pool:
+        plans.send(1)
+        assert next_within_timeout(results, pool) == 1  # plan 2 is not sent yet
+        plans.send(2)
+        assert next_within_timeout(results, pool) == 2
+        plans.close()
+        with pytest.raises(StopIteration):
+            next_within_timeout(results, pool)
+
+
+def test_a_step_that_completes_later_is_returned_without_waiting_for_the_next_plan():
+    worker, plans = FakeWorker(slow=True), Plans()
+    results = pipeline(worker).run(plans)
+    with ThreadPoolExecutor(1) as pool:
+        plans.send(1)
+        result = pool.submit(next, results)
+        pending = worker.launched.get(timeout=TIMEOUT_S)
+        assert not result.done()  # step 1 still runs
+        pending.done.set()  # the GPU finishes step 1 while no plan is queued
+        assert result.result(timeout=TIMEOUT_S) == 1
+        plans.send(2)
+        result = pool.submit(next, results)
+        worker.launched.get(timeout=TIMEOUT_S)
+        plans.send(3)  # arrives while step 2 runs: launched before step 2 is finished
+        assert result.result(timeout=TIMEOUT_S) == 2
+        plans.close()
+        assert next_within_timeout(results, pool) == 3
+    assert worker.calls == ["L1", "F1", "L2", "L3", "F2", "F3"]
+
+
+def test_a_rejected_plan_comes_after_the_result_of_the_step_before_it():
+    worker = FakeWorker(slow=True, fail_launch=3)
+    results = pipeline(worker).run([Plan(i) for i in range(1, 6)])
+    assert [next(results), next(results)] == [1, 2]
+    with pytest.raises(StepFailed) as failed:
+        next(results)
+    assert failed.value.step_id == 3 and isinstance(failed.value.cause, PlanMismatch)
+    assert worker.calls == ["L1", "L2", "F1", "F2"]  # step 2 was unfinished when 3 was refused
+
+
+def test_a_failed_finish_ends_the_results_at_that_step():
+    worker = FakeWorker(slow=True, fail_finish=2)
+    results = pipeline(worker).run([Plan(i) for i in range(1, 6)])
+    assert next(results) == 1
+    with pytest.raises(StepFailed) as failed:
+        next(results)
+    assert failed.value.step_id == 2 and isinstance(failed.value.cause, RuntimeError)
+
+
+def test_a_broken_plan_stream_is_raised_as_is():
+    def plans():
+        yield Plan(1)
+        raise ConnectionResetError("stream broke")
+
+    with pytest.raises(ConnectionResetError):
+        list(pipeline(FakeWorker(slow=False)).run(plans()))

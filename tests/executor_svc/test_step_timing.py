@@ -1,0 +1,59 @@
+"""StepTimer's arithmetic on fake CUDA events (GPU-clock timestamps set by the test): the gap is
+the GPU's idle time between the previous step's end and this step's start, whichever way the
+steps were launched."""
+import logging
+
+import pytest
+import torch
+
+from executor_svc.step_timing import StepTimer
+
+
+class FakeEvent:
+    """A CUDA event whose GPU timestamp is the test's `now` when recorded."""
+
+    now = 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = None
+
+    def record(self) -> None:
+        self.t = FakeEvent.now
+
+    def synchronize(self) -> None:
+        assert self.t is not None
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return other.t - self.t
+
+
+@pytest.fixture
+def timer(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return StepTimer(torch.device("cuda"), log_every=3)
+
+
+def step(timer, start: float, end: float, kind: str = "decode", host_ms: float = 1.0,
+         launch_ms: float = 0.5):
+    FakeEvent.now = start
+    marks = timer.begin()
+    FakeEvent.now = end
+    timer.end_gpu(marks)
+    return marks, kind, host_ms, launch_ms
+
+
+def test_gap_is_gpu_idle_between_steps(timer, caplog):
+    first = step(timer, 0.0, 10.0)
+    second = step(timer, 10.0, 24.0)  # launched before the first ended: starts as it ends
+    third = step(timer, 25.5, 39.5)  # launched 1.5 ms after the second ended
+    for marks in (first, second, third):
+        timer.finish(*marks)
+    t = timer.totals["decode"]
+    assert t.steps == 2  # the first step has no previous end
+    assert (t.gap_ms, t.wall_ms, t.gpu_ms, t.step_ms, t.launch_ms) == (1.5, 29.5, 28.0, 2.0, 1.0)
+    with caplog.at_level(logging.INFO):
+        timer.finish(*step(timer, 40.0, 50.0, kind="other"))  # the 3rd counted step: a report
+    assert "gap_ms=0.750" in caplog.text and "gpu_wait_frac=0.051" in caplog.text
+    timer.reset()
+    timer.finish(*step(timer, 60.0, 70.0))
+    assert timer.totals["decode"].steps == 0  # no previous end after a reset

@@ -16,7 +16,10 @@ from executor_svc.device_tokens import DeviceTokens
 
 log = logging.getLogger(__name__)
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Steps of 16 to 128, then 32, then 64 (padding wastes at most ~1/8 of a large batch); up to 512
+# sequences, the most a scheduler here is run with (W3).
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
+               448, 512)
 # Pinned host buffers used in turn: a step is packed while the previous one may still be queued
 # (launched, not finished), so its buffer may not have been copied out yet.
 _NUM_HOST_BUFFERS = 2

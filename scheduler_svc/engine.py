@@ -131,7 +131,11 @@ class Engine:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
+            # Cancel until it takes: asyncio.wait_for (Python < 3.12) can swallow a cancellation
+            # that lands as the awaited stream read completes, and the loop would run on.
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=1.0)
             await asyncio.gather(self._task, return_exceptions=True)
         await self.client.close()
 

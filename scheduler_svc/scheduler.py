@@ -123,6 +123,8 @@ class Scheduler:
             self._schedule_waiting(plan, budget)
         self.peak_gpu_blocks_used = max(self.peak_gpu_blocks_used,
                                         self.block_manager.num_used_gpu_blocks)
+        if plan.is_empty:  # never sent: the next plan takes its id, so the executor sees no gap
+            self._step_id -= 1
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> None:
@@ -279,7 +281,7 @@ class Scheduler:
         """Apply a step's result (steps come back in order): append the sampled tokens, apply the
         token-level stop rules, free finished seqs' pages now. Seqs finished or aborted while the
         step was in flight are skipped; a plan from before reset_executor() is ignored."""
-        if plan.step_id <= self._last_updated_step_id:
+        if plan.is_empty or plan.step_id <= self._last_updated_step_id:
             return []
         self._last_updated_step_id = plan.step_id
         seqs = [self._seqs[i] for i in plan.sampling_seq_ids if i in self._seqs]

@@ -66,13 +66,18 @@ class FakeExecutor:
         self.tables: dict[int, list[int]] = {}
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
-        self.last_step_id = 0
+        self.last_step_id: int | None = None  # None: a new stream, any first id
 
     def reset(self) -> None:
         self.tables, self.tokens, self.computed = {}, {}, {}
+        self.last_step_id = None
 
     def execute(self, plan: StepPlan) -> dict[int, int]:
-        assert plan.step_id > self.last_step_id, "step ids must increase"
+        if plan.is_empty:  # the engine never sends one
+            return {}
+        # As the real executor: consecutive ids within a stream (a gap forces a resync).
+        assert self.last_step_id is None or plan.step_id == self.last_step_id + 1, \
+            f"step {plan.step_id} after step {self.last_step_id}"
         self.last_step_id = plan.step_id
         self._apply_copies(plan)
         for seq_id in [*plan.finished_seq_ids, *plan.preempted_seq_ids]:

@@ -46,10 +46,21 @@ def test_single_seq_prefill_then_decode():
     assert sched.schedule().is_empty
 
 
-def test_step_ids_strictly_increase():
+def test_step_ids_are_consecutive_and_empty_plans_use_none():
+    """The executor refuses a gap in step ids, so a plan the engine never sends (empty) must not
+    use one up."""
     sched = make_scheduler()
-    ids = [sched.schedule().step_id for _ in range(3)]
-    assert ids == sorted(set(ids)) and ids[0] >= 1
+    loop = Loop(sched)
+    assert sched.schedule().is_empty and sched.schedule().is_empty
+    sched.add_seq(make_seq(1, prompt_len=8, max_tokens=3))
+    ids = []
+    for _ in range(3):
+        ids.append(loop.step()[0].step_id)
+    assert ids == [1, 2, 3]
+    assert loop.step()[0].finished_seq_ids == [1]  # step 4 tells the executor to drop seq 1
+    assert sched.schedule().is_empty and sched.schedule().is_empty
+    sched.add_seq(make_seq(2, prompt_len=4, max_tokens=1))
+    assert loop.step()[0].step_id == 5
 
 
 def test_seed_assigned_only_when_missing():

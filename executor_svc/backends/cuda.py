@@ -122,9 +122,13 @@ def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
         return pages.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
 
     k, v = gather(k_cache).float(), gather(v_cache).float()
+    ctx = torch.arange(k.shape[2], device=q.device)
+    # Rows past a sequence's length come from pages it does not own (stale table columns, the
+    # unwritten end of its last page): they may hold anything, NaN included, and 0 * NaN is NaN,
+    # so they are zeroed, not only given zero weight.
+    v = v.masked_fill((ctx.view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)), 0.0)
     qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,sktd->skgt", qf, k) * scale  # [seqs, kv_heads, group, ctx]
-    ctx = torch.arange(k.shape[2], device=q.device)
     valid = ctx.view(1, 1, 1, -1) < seq_lens.view(-1, 1, 1, 1)
     probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
     result = torch.einsum("skgt,sktd->skgd", probs, v).reshape(num_seqs, num_heads, head_dim)

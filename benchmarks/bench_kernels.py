@@ -133,13 +133,19 @@ def bench_prefill(head_dim, q_len, ctx=4096, num_seqs=8, heads=32, kv_heads=8, b
     }
 
 
-def bench_decode(num_seqs, ctx, copy_bw, heads=32, kv_heads=8, head_dim=128, block_size=16):
+def decode_inputs(num_seqs, ctx, heads, kv_heads, head_dim, block_size):
+    """Shuffled pages of `ctx` tokens per sequence, two sets of tables and of q, lengths, out."""
     k_cache, v_cache, tables = paged_inputs(num_seqs, ctx, kv_heads, head_dim, block_size, seed=2)
     g = torch.Generator(device="cuda").manual_seed(3)
     qs = [torch.randn(num_seqs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
           for _ in range(2)]
     lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(qs[0])
+    return k_cache, v_cache, tables, qs, lens, torch.empty_like(qs[0])
+
+
+def bench_decode(num_seqs, ctx, copy_bw, heads=32, kv_heads=8, head_dim=128, block_size=16):
+    k_cache, v_cache, tables, qs, lens, out = decode_inputs(num_seqs, ctx, heads, kv_heads,
+                                                            head_dim, block_size)
     # 7 blocks of 40 timed calls (after a warm-up); the median of the block medians is reported,
     # with the spread of the blocks (the 1 GB of K/V does not fit in L2: rotation only varies q).
     blocks = [median_ms(lambda i: attention.paged_decode_attention(
@@ -158,12 +164,8 @@ def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, h
                        block_size=16):
     """Decode kernel candidates x split policies on one set of inputs, timed in interleaved rounds
     (one block of 40 calls per candidate per round) so drift hits all alike; medians of rounds."""
-    k_cache, v_cache, tables = paged_inputs(num_seqs, ctx, kv_heads, head_dim, block_size, seed=2)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    qs = [torch.randn(num_seqs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
-          for _ in range(2)]
-    lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(qs[0])
+    k_cache, v_cache, tables, qs, lens, out = decode_inputs(num_seqs, ctx, heads, kv_heads,
+                                                            head_dim, block_size)
     key = (torch.bfloat16, head_dim)
     saved = attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM
     candidates = [(kernel, ctas) for kernel in (saved[0], ("decode_s2_bf16_hd128", 2))

@@ -170,3 +170,22 @@ def warmup(device: torch.device | int | None = None) -> dict[str, float]:
         seconds[name] = time.perf_counter() - start
     seconds["total"] = sum(seconds.values())
     return seconds
+
+
+# Scalar kernel arguments with the C types the kernels declare (numpy scalars, as CuPy wants).
+def i32(x: int):
+    import numpy as np
+
+    return np.int32(x)
+
+
+def i64(x: int):
+    import numpy as np
+
+    return np.int64(x)
+
+
+def f32(x: float):
+    import numpy as np
+
+    return np.float32(x)

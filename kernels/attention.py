@@ -11,6 +11,7 @@ import math
 import torch
 
 from kernels import _compile
+from kernels._compile import f32 as _f32, i32 as _i32, i64 as _i64
 
 _THREADS = 128
 _PREFILL_BM, _PREFILL_BN = 128, 64
@@ -250,21 +251,3 @@ def paged_decode_attention(
                         (part_o, part_lse, out.data_ptr(), _i64(out.stride(0)),
                          _i32(out.stride(1)), _i32(num_heads), _i32(splits), _i32(head_dim)))
     return out
-
-
-def _i32(x: int):
-    import numpy as np
-
-    return np.int32(x)
-
-
-def _i64(x: int):
-    import numpy as np
-
-    return np.int64(x)
-
-
-def _f32(x: float):
-    import numpy as np
-
-    return np.float32(x)

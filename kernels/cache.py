@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels import _compile
+from kernels._compile import i32 as _i32, i64 as _i64
 
 _COPY_THREADS = 256
 _HOST_COPY_CTAS = 32       # saturates PCIe in both directions without taking many SMs
@@ -17,17 +18,6 @@ _RESHAPE_THREADS = 256
 _host_to_device_ptr: dict[int, int] = {}
 _num_sms: dict[int, int] = {}
 
-
-def _i32(x: int):
-    import numpy as np
-
-    return np.int32(x)
-
-
-def _i64(x: int):
-    import numpy as np
-
-    return np.int64(x)
 
 
 def reshape_and_cache(

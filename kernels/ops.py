@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import _compile
+from kernels._compile import f32 as _f32, i32 as _i32, i64 as _i64
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _VEC = 8  # 2-byte elements per 16-byte vector: the kernels' vector width
@@ -214,21 +215,3 @@ def _threads(units: int, cap: int) -> int:
 def _launch(kernel: str, like: torch.Tensor, grid: tuple[int, int, int], threads: int,
             args: tuple) -> None:
     _compile.launch("ops", kernel, like.device, grid, (threads, 1, 1), args)
-
-
-def _i32(x: int):
-    import numpy as np
-
-    return np.int32(x)
-
-
-def _i64(x: int):
-    import numpy as np
-
-    return np.int64(x)
-
-
-def _f32(x: float):
-    import numpy as np
-
-    return np.float32(x)

@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="preset:llama3-8b")
     p.add_argument("--backend", default="cuda", help="executor backend (cpu: a smoke test)")
     p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of a step, both services (offline throughput: 8192 beat "
+                        "2048 by 10%% on W1; the services' own default, 2048, favours latency)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="default: 256 (W1, W2), 512 (W3)")
     p.add_argument("--swap-space", type=float, default=None,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,8 @@ from executor_svc.attention_metadata import AttentionMetadata  # noqa: E402
 from executor_svc.backends.cuda import CudaBackend  # noqa: E402
 from executor_svc.cache_engine import CacheEngine  # noqa: E402
 from executor_svc.model_loader import load_model  # noqa: E402
+
+from bench_kernels import copy_bandwidth, median_ms  # noqa: E402  (this script's folder)
 
 BLOCK_SIZE = 16
 KINDS = (  # (kind, substrings of kernel names), first match wins
@@ -77,16 +78,7 @@ class DecodeStep:
         torch.cuda.synchronize()
 
     def replay_ms(self, iters: int = 30) -> float:
-        times = []
-        for i in range(iters + 3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.graph.replay()
-            end.record()
-            end.synchronize()
-            if i >= 3:
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return median_ms(lambda i: self.graph.replay(), iters=iters)
 
 
 def eager_breakdown(step: DecodeStep) -> dict:
@@ -126,17 +118,7 @@ def main() -> None:
     num_blocks = max(sum(-(-n // BLOCK_SIZE) for n in lens) for lens in lens_of.values())
     engine = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                          num_blocks, 0, torch.bfloat16, backend)
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    copy_bw = 5 * 2 * src.numel() / (start.elapsed_time(end) * 1e-3)
-    del src, dst
+    copy_bw = copy_bandwidth()
     weight_bytes = sum(t.numel() * t.element_size() for t in _weights(model))
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     results = {"gpu": torch.cuda.get_device_name(0), "copy_bw_GBps": copy_bw / 1e9,

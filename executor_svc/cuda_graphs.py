@@ -145,8 +145,8 @@ class DecodeGraphs:
         k = self._turn
         self._turn = (k + 1) % len(self._host)
         event = self._copied[k]
-        if event is not None and not event.query():
-            event.synchronize()
+        if event is not None:
+            event.synchronize()  # returns at once when the copy is long done
         return k
 
 

@@ -56,19 +56,18 @@ class PendingStep:
     token_ids: torch.Tensor | None  # [num_sampled] int64 on the device
     results: torch.Tensor | None  # [2, num_sampled] float64 on the host: ids, logprobs
     kind: str  # "decode" (graph replay) or "other"
-    marks: StepMarks
-    done: torch.cuda.Event | None  # recorded after the step's GPU work; None on CPU (already done)
+    marks: StepMarks  # marks.end: recorded after the step's GPU work; None on CPU (all done)
     forward_ms: float
     launch_ms: float
 
     def is_ready(self) -> bool:
         """Whether finish() would return without waiting for the GPU."""
-        return self.done is None or self.done.query()
+        return self.marks.end is None or self.marks.end.query()
 
     def wait(self) -> None:
         """Blocks until the step's GPU work is done (releases the GIL meanwhile)."""
-        if self.done is not None:
-            self.done.synchronize()
+        if self.marks.end is not None:
+            self.marks.end.synchronize()
 
 
 class ModelRunner:
@@ -114,9 +113,8 @@ class ModelRunner:
                                            else ([], None, None, "other"))
         results = copy_to_host(token_ids, logprobs) if seqs else None
         forward_ms = (time.perf_counter() - forward_start) * 1e3
-        self.timer.end_gpu(marks)
-        pending = PendingStep(step.step_id, seqs, token_ids, results, kind, marks,
-                              self._record_done(), forward_ms,
+        self.timer.end_gpu(marks)  # also what finish() waits for
+        pending = PendingStep(step.step_id, seqs, token_ids, results, kind, marks, forward_ms,
                               (time.perf_counter() - start) * 1e3)
         self._pending.append(pending)
         return pending
@@ -221,14 +219,6 @@ class ModelRunner:
         return _Scheduled(cached.seq_id, state, cached.num_scheduled_tokens)
 
     # -- forward and sampling ---------------------------------------------------------------------
-
-    def _record_done(self) -> torch.cuda.Event | None:
-        """An event after everything queued so far (CUDA); None on CPU, where it is all done."""
-        if self.backend.device.type != "cuda":
-            return None
-        done = torch.cuda.Event()
-        done.record()
-        return done
 
     def _run(self, step_id: int, scheduled: list[_Scheduled]
              ) -> tuple[list[_Scheduled], torch.Tensor | None, torch.Tensor | None, str]:

@@ -25,15 +25,7 @@ from tests.executor_svc.helpers import (
     PlanDriver, RunnerLink, ScheduledRun, add_workload, hf_greedy, hf_model, make_runner,
     make_scheduler, random_prompt,
 )
-
-
-def _gpu_ready() -> bool:
-    try:
-        import cupy
-
-        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+from tests.gpu import gpu_ready
 
 
 BLOCK_SIZE = 16
@@ -106,7 +98,7 @@ def hf_generate(hf, prompt: list[int], num_new: int) -> list[int]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama3"])
 def test_tiny_float32_greedy_identical_to_transformers_on_gpu(preset):
     hf = build_hf_model(preset, seed=0, dtype=torch.float32, device="cuda")
@@ -138,7 +130,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 @pytest.mark.parametrize("preset", ["smollm2-135m", "llama3-8b"])
 def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
     """bf16 tolerance, measured rather than guessed: transformers' own bf16 logits against the
@@ -201,7 +193,7 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_sampling_on_gpu_has_no_host_sync_and_matches_cpu():
     logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
     options = [SamplingOptions(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, seed=i % 5)
@@ -221,7 +213,7 @@ def test_sampling_on_gpu_has_no_host_sync_and_matches_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_decode_replay_has_no_host_sync():
     hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
     runner = gpu_runner(hf, "bfloat16", max_model_len=512)
@@ -241,7 +233,7 @@ def test_decode_replay_has_no_host_sync():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_overlapped_decode_launch_has_no_host_sync():
     """Step 3 launched while step 2 is unfinished: its input ids come from step 2's sampled ids
     on the device, and nothing in the launch waits for the GPU."""
@@ -268,7 +260,7 @@ def test_overlapped_decode_launch_has_no_host_sync():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 @pytest.mark.parametrize("graphs", [True, False])
 def test_overlapped_steps_match_one_step_at_a_time_on_gpu(graphs):
     """The real scheduler's plans, two in flight (chunked prefill, decode, swap, finished seqs,
@@ -293,7 +285,7 @@ def test_overlapped_steps_match_one_step_at_a_time_on_gpu(graphs):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_worker_sizes_kv_cache_from_memory_and_pins_swap_space():
     from executor_svc.config import ExecutorConfig
     from executor_svc.step import NewSeq, Step

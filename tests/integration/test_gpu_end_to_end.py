@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.gpu import gpu_ready
 from tests.integration.test_end_to_end import check_preemption
 
 
-def _gpu_ready() -> bool:
-    try:
-        import cupy
-        import torch
-
-        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")]
+              pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")]
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

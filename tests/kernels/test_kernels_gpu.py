@@ -14,18 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference as ref
+from tests.gpu import gpu_ready
 
 
-def _gpu_ready() -> bool:
-    try:
-        import cupy
-
-        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")]
 
 DTYPES = [torch.bfloat16, torch.float16]
 FLOOR = 1e-3

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
+from tests.gpu import gpu_ready
 from tests.kernels.test_kernels_gpu import FLOOR, seed_of
 
 DEVICE = "cuda"
@@ -23,16 +24,7 @@ TOKENS = [1, 7, 64, 300]
 MAX_POS = 8192
 
 
-def _gpu_ready() -> bool:
-    try:
-        import cupy
-
-        return torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs CuPy and a GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")]
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
     p.add_argument("--seed", type=int, default=int(_env("SEED", 0)),
                    help="seed of random weights for preset models")
+    p.add_argument("--fingerprint-cache-dir", default=_env("FINGERPRINT_CACHE_DIR", None),
+                   help="where weight-file digests of the model fingerprint are cached (default "
+                        "$XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve; '' or none: no cache)")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", 50052)))
     p.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate: serve TLS")
@@ -66,9 +69,18 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
         max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
         overlap_steps=a.overlap_steps,
         max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
-        seed=a.seed, host=a.host, port=a.port)
+        seed=a.seed, fingerprint_cache_dir=_fingerprint_cache_dir(a.fingerprint_cache_dir),
+        host=a.host, port=a.port)
     transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=a.auth_token)
     return config, transport, a.log_level
+
+
+def _fingerprint_cache_dir(value: str | None) -> str | None:
+    """The flag's folder; unset: the user's cache folder; "" or "none": None (no cache)."""
+    if value is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "pagedserve")
+    return None if value.strip().lower() in ("", "none") else value
 
 
 def _cuda_available() -> bool:

@@ -3,11 +3,7 @@ Hugging Face folder (safetensors) or a GGUF file (dequantized by transformers). 
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
-import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +61,7 @@ def load_hf_model(source: str, seed: int = 0, dtype: torch.dtype = torch.float32
     """The transformers model for any source kind (tests compare our forward against it)."""
     from transformers import AutoModelForCausalLM
 
-    if source.startswith(_PRESET_PREFIX):
+    if is_preset(source):
         return build_hf_model(source[len(_PRESET_PREFIX):], seed, dtype, device)
     path = Path(source)
     if path.suffix == ".gguf":
@@ -79,17 +75,26 @@ def load_hf_model(source: str, seed: int = 0, dtype: torch.dtype = torch.float32
     return model.to(device).eval()
 
 
+def is_preset(source: str) -> bool:
+    """A named config with random weights ("preset:NAME"), not files."""
+    return source.startswith(_PRESET_PREFIX)
+
+
 def tokenizer_source(source: str) -> str:
-    """Where the scheduler loads the tokenizer from; "" = none (token-id prompts only)."""
-    if source.startswith(_PRESET_PREFIX):
+    """Where the scheduler loads the tokenizer from; "" = none (token-id prompts only), which is
+    also the answer for a folder without tokenizer.json (config and weights are enough to serve)."""
+    if is_preset(source):
         if source[len(_PRESET_PREFIX):] in _TINY_PRESETS:
             return smollm2_gguf_path() or ""
         return ""
-    return str(Path(source).resolve())
+    path = Path(source).resolve()
+    if path.is_dir() and not (path / "tokenizer.json").is_file():
+        return ""
+    return str(path)
 
 
 def model_name(source: str) -> str:
-    if source.startswith(_PRESET_PREFIX):
+    if is_preset(source):
         return source
     path = Path(source)
     return path.stem if path.suffix == ".gguf" else path.resolve().name
@@ -114,27 +119,3 @@ def model_from_hf(hf_model: Any, config: ModelConfig, backend) -> LlamaModel:
     """Our LlamaModel on the same tensors as a transformers model (no copy except fusion)."""
     weights = {k: v.detach() for k, v in hf_model.state_dict().items()}
     return LlamaModel(config, weights, backend)
-
-
-def model_fingerprint(config: ModelConfig, source: str, seed: int = 0,
-                      init_device: str = "cpu", dtype: torch.dtype = torch.float32) -> str:
-    """sha256 of the model config, the identity of the weight source and the tokenizer source
-    (file names and sizes rather than absolute paths, so identical copies on two hosts match).
-    Random preset weights also depend on the seed and on the device type and dtype they are
-    drawn on (see build_hf_model)."""
-    identity = {"config": asdict(config), "source": _source_identity(source)}
-    if source.startswith(_PRESET_PREFIX):
-        identity["seed"] = seed
-        identity["drawn_on"] = [torch.device(init_device).type, str(dtype)]
-    identity["tokenizer"] = _source_identity(tokenizer_source(source)) if tokenizer_source(source) else ""
-    blob = json.dumps(identity, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()
-
-
-def _source_identity(source: str) -> Any:
-    if source.startswith(_PRESET_PREFIX):
-        return source
-    path = Path(source)
-    if path.is_dir():
-        return sorted((f.name, f.stat().st_size) for f in path.iterdir() if f.is_file())
-    return [path.name, os.path.getsize(path)]

@@ -13,7 +13,8 @@ from executor_svc.cache_engine import CacheEngine, bytes_per_block, num_blocks_f
 from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import BATCH_SIZES, DecodeGraphs
 from executor_svc.memory_profile import profile_num_gpu_blocks
-from executor_svc.model_loader import DTYPES, default_model_source, load_model, model_fingerprint
+from executor_svc.fingerprint import model_fingerprint, start_source_identity
+from executor_svc.model_loader import DTYPES, default_model_source, load_model
 from executor_svc.model_runner import ModelRunner, PendingStep
 from executor_svc.step import (
     CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step, StepOutput,
@@ -33,9 +34,7 @@ class Worker:
         source = config.model or default_model_source()
         dtype_name = config.resolved_dtype()
         dtype = DTYPES[dtype_name]
-        self.model, self.model_config, tokenizer, name = load_model(
-            source, dtype, self.backend.device, config.seed, self.backend
-        )
+        self.model, self.model_config, tokenizer, name, fingerprint = self._load(source, dtype)
         mc = self.model_config
         block_bytes = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                       config.block_size, dtype)
@@ -57,7 +56,7 @@ class Worker:
         )
         self.info = ExecutorInfo(
             model_name=name,
-            fingerprint=model_fingerprint(mc, source, config.seed, self.backend.device, dtype),
+            fingerprint=fingerprint,
             dtype=dtype_name,
             block_size=config.block_size,
             num_gpu_blocks=num_gpu_blocks,
@@ -84,6 +83,20 @@ class Worker:
                  self.cache_engine.num_cpu_blocks * block_bytes / 2**30,
                  " pinned" if self.backend.pin_swap_memory else "",
                  "off" if graphs is None else graphs.batch_sizes)
+
+    def _load(self, source: str, dtype: torch.dtype):
+        """(model, config, tokenizer source, name, fingerprint). The weight files are hashed in a
+        background thread while they load (hashlib releases the GIL; the second read of each file
+        comes from the page cache); warns when the model comes without a tokenizer."""
+        identity = start_source_identity(source, self.config.fingerprint_cache_dir)
+        model, model_config, tokenizer, name = load_model(
+            source, dtype, self.backend.device, self.config.seed, self.backend)
+        if not tokenizer:
+            log.warning("model %s has no tokenizer: only token-id prompts will work (text and "
+                        "chat requests are refused)", name)
+        fingerprint = model_fingerprint(model_config, identity.result(), self.config.seed,
+                                        self.backend.device, dtype)
+        return model, model_config, tokenizer, name, fingerprint
 
     def _warm_up(self) -> None:
         """A prefill, then a batched decode (graph replay) launched before the prefill finished

@@ -1,4 +1,5 @@
-"""load_model for presets and local HF folders; dtypes; llama3 preset config."""
+"""load_model for presets and local HF folders; tokenizer sources; dtypes; llama3 preset config."""
+import logging
 import random
 
 import torch
@@ -7,7 +8,9 @@ from executor_svc.attention_metadata import build_attention_metadata
 from executor_svc.backends import get_backend
 from executor_svc.cache_engine import CacheEngine
 from executor_svc.model_config import ModelConfig, preset_hf_config
-from executor_svc.model_loader import load_model, model_fingerprint
+from executor_svc.config import ExecutorConfig
+from executor_svc.fingerprint import model_fingerprint, source_identity
+from executor_svc.model_loader import load_model, tokenizer_source
 from executor_svc.step import SamplingOptions
 from tests.executor_svc.helpers import PlanDriver, hf_model, make_runner, random_prompt
 
@@ -17,11 +20,32 @@ def test_local_hf_folder_loads_the_same_weights(tmp_path):
     hf.save_pretrained(tmp_path)
     model, config, tokenizer, name = load_model(str(tmp_path), "float32")
     preset_model, preset_config, _, _ = load_model("preset:tiny-qwen2", "float32")
-    assert config == preset_config and tokenizer == str(tmp_path.resolve())
+    assert config == preset_config and tokenizer == ""  # save_pretrained writes no tokenizer
     assert name == tmp_path.name
     assert torch.equal(model.layers[1].qkv_proj, preset_model.layers[1].qkv_proj)
     assert torch.equal(model.layers[0].qkv_bias, preset_model.layers[0].qkv_bias)
-    assert model_fingerprint(config, str(tmp_path)) != model_fingerprint(config, "preset:tiny-qwen2")
+    assert (model_fingerprint(config, source_identity(str(tmp_path)))
+            != model_fingerprint(config, source_identity("preset:tiny-qwen2")))
+
+
+def test_folder_without_tokenizer_serves_token_ids_only(tmp_path):
+    """Config + safetensors only: no tokenizer source (the scheduler then refuses text and chat
+    with INVALID_ARGUMENT) rather than a folder the scheduler cannot load a tokenizer from."""
+    hf_model("tiny").save_pretrained(tmp_path)
+    assert tokenizer_source(str(tmp_path)) == ""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert tokenizer_source(str(tmp_path)) == str(tmp_path.resolve())
+
+
+def test_worker_warns_when_the_model_has_no_tokenizer(tmp_path, caplog):
+    from executor_svc.worker import Worker
+
+    hf_model("tiny").save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="executor_svc.worker"):
+        info = Worker(ExecutorConfig(model=str(tmp_path), num_gpu_blocks=4,
+                                     swap_space_gib=0.001)).describe()
+    assert info.tokenizer == ""
+    assert "no tokenizer: only token-id prompts will work" in caplog.text
 
 
 def test_bfloat16_forward_close_to_float32():
@@ -74,11 +98,12 @@ def test_preset_fingerprint_names_where_the_weights_were_drawn():
     from executor_svc.model_config import ModelConfig, preset_hf_config
 
     config = ModelConfig.from_hf_config(preset_hf_config("tiny"))
-    cpu = model_fingerprint(config, "preset:tiny", 0, "cpu", torch.float32)
-    assert cpu == model_fingerprint(config, "preset:tiny", 0, "cpu", torch.float32)
-    assert cpu != model_fingerprint(config, "preset:tiny", 0, "cuda", torch.float32)
-    assert cpu != model_fingerprint(config, "preset:tiny", 0, "cpu", torch.bfloat16)
-    assert cpu != model_fingerprint(config, "preset:tiny", 1, "cpu", torch.float32)
+    tiny = source_identity("preset:tiny")
+    cpu = model_fingerprint(config, tiny, 0, "cpu", torch.float32)
+    assert cpu == model_fingerprint(config, tiny, 0, "cpu", torch.float32)
+    assert cpu != model_fingerprint(config, tiny, 0, "cuda", torch.float32)
+    assert cpu != model_fingerprint(config, tiny, 0, "cpu", torch.bfloat16)
+    assert cpu != model_fingerprint(config, tiny, 1, "cpu", torch.float32)
 
 
 def test_sliding_window_caps_the_context():

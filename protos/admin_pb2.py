@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/admin.proto\x12\rpagedserve.v1\"(\n\x13SetExecutorsRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\"T\n\x14SetExecutorsResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x17\n\x0fmoved_sequences\x18\x03 \x01(\r\"\x12\n\x10GetStatusRequest\"\x93\x02\n\x11GetStatusResponse\x12\x18\n\x10\x65xecutor_address\x18\x01 \x01(\t\x12\x19\n\x11\x65xecutor_attached\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x0f\n\x07swapped\x18\x05 \x01(\r\x12\x17\n\x0fgpu_blocks_used\x18\x06 \x01(\r\x12\x18\n\x10gpu_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0f\x63pu_blocks_used\x18\x08 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\t \x01(\r\x12\r\n\x05steps\x18\n \x01(\x04\x12\x0f\n\x07resyncs\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x32\xb0\x01\n\x05\x41\x64min\x12W\n\x0cSetExecutors\x12\".pagedserve.v1.SetExecutorsRequest\x1a#.pagedserve.v1.SetExecutorsResponse\x12N\n\tGetStatus\x12\x1f.pagedserve.v1.GetStatusRequest\x1a .pagedserve.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/admin.proto\x12\rpagedserve.v1\"(\n\x13SetExecutorsRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\"T\n\x14SetExecutorsResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x17\n\x0fmoved_sequences\x18\x03 \x01(\r\"\x12\n\x10GetStatusRequest\"\xd4\x02\n\x11GetStatusResponse\x12\x18\n\x10\x65xecutor_address\x18\x01 \x01(\t\x12\x19\n\x11\x65xecutor_attached\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x0f\n\x07swapped\x18\x05 \x01(\r\x12\x17\n\x0fgpu_blocks_used\x18\x06 \x01(\r\x12\x18\n\x10gpu_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0f\x63pu_blocks_used\x18\x08 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\t \x01(\r\x12\r\n\x05steps\x18\n \x01(\x04\x12\x0f\n\x07resyncs\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x12\n\nmodel_name\x18\r \x01(\t\x12\x14\n\x0c\x61ttach_error\x18\x0e \x01(\t\x12\x15\n\rloop_failures\x18\x0f \x01(\x04\x32\xb0\x01\n\x05\x41\x64min\x12W\n\x0cSetExecutors\x12\".pagedserve.v1.SetExecutorsRequest\x1a#.pagedserve.v1.SetExecutorsResponse\x12N\n\tGetStatus\x12\x1f.pagedserve.v1.GetStatusRequest\x1a .pagedserve.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=165
   _globals['_GETSTATUSREQUEST']._serialized_end=183
   _globals['_GETSTATUSRESPONSE']._serialized_start=186
-  _globals['_GETSTATUSRESPONSE']._serialized_end=461
-  _globals['_ADMIN']._serialized_start=464
-  _globals['_ADMIN']._serialized_end=640
+  _globals['_GETSTATUSRESPONSE']._serialized_end=526
+  _globals['_ADMIN']._serialized_start=529
+  _globals['_ADMIN']._serialized_end=705
 # @@protoc_insertion_point(module_scope)

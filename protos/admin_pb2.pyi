@@ -27,7 +27,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("executor_address", "executor_attached", "running", "waiting", "swapped", "gpu_blocks_used", "gpu_blocks_total", "cpu_blocks_used", "cpu_blocks_total", "steps", "resyncs", "draining")
+    __slots__ = ("executor_address", "executor_attached", "running", "waiting", "swapped", "gpu_blocks_used", "gpu_blocks_total", "cpu_blocks_used", "cpu_blocks_total", "steps", "resyncs", "draining", "model_name", "attach_error", "loop_failures")
     EXECUTOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,9 @@ class GetStatusResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOOP_FAILURES_FIELD_NUMBER: _ClassVar[int]
     executor_address: str
     executor_attached: bool
     running: int
@@ -52,4 +55,7 @@ class GetStatusResponse(_message.Message):
     steps: int
     resyncs: int
     draining: bool
-    def __init__(self, executor_address: _Optional[str] = ..., executor_attached: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., gpu_blocks_used: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., steps: _Optional[int] = ..., resyncs: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    model_name: str
+    attach_error: str
+    loop_failures: int
+    def __init__(self, executor_address: _Optional[str] = ..., executor_attached: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., gpu_blocks_used: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., steps: _Optional[int] = ..., resyncs: _Optional[int] = ..., draining: _Optional[bool] = ..., model_name: _Optional[str] = ..., attach_error: _Optional[str] = ..., loop_failures: _Optional[int] = ...) -> None: ...

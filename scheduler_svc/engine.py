@@ -11,20 +11,20 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.plan import SeqUpdate, StepPlan
-from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, TokenEvent,
-                                   resolve_prompt, validate_params)
+from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, PreparedRequest,
+                                   RequestLimits, TokenEvent, check_sizes, prepare)
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, Sequence
-from scheduler_svc.stop_strings import StopStringMatcher
 from scheduler_svc.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,46 @@ class ShuttingDown(Exception):
     """The service is draining before it stops; mapped to UNAVAILABLE."""
 
 
+class EngineFailed(Exception):
+    """The step loop failed unexpectedly and ended this request; mapped to INTERNAL."""
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """A snapshot for Admin.GetStatus; zeros while no executor is attached."""
+
+    attached: bool
+    executor_address: str
+    model_name: str
+    attach_error: str
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+    gpu_blocks_used: int = 0
+    gpu_blocks_total: int = 0
+    cpu_blocks_used: int = 0
+    cpu_blocks_total: int = 0
+    steps: int = 0
+    resyncs: int = 0
+    loop_failures: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ModelInfo answers: the attached executor's model and pools."""
+
+    model_name: str
+    fingerprint: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    dtype: str
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -50,17 +90,23 @@ class EngineConfig:
     # Steps sent before the oldest one's result is back: 2 lets the scheduler plan step N+1
     # while the executor runs step N (async scheduling); 1 is lockstep.
     max_steps_in_flight: int = 2
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Threads that tokenize and template prompts off the event loop (the tokenizer releases
+    # the GIL); more would only let large prompts take more cores from the step loop.
+    num_prepare_threads: int = 2
 
 
 class _RequestState:
     """One request's output side: its queue, detokenizer and stop-string matcher."""
 
-    def __init__(self, seq: Sequence, tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, seq: Sequence, tokenizer, prepared: PreparedRequest,
+                 request_id: str) -> None:
         self.seq = seq
-        self.queue: asyncio.Queue[TokenEvent | FinishEvent] = asyncio.Queue()
+        self.request_id = request_id
+        self.queue: asyncio.Queue[TokenEvent | FinishEvent | EngineFailed] = asyncio.Queue()
         self.detokenizer = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
                             if tokenizer is not None else None)
-        self.stopper = StopStringMatcher(stop) if stop else None
+        self.stopper = prepared.stopper
         self.arrival_time = time.monotonic()
         self.last_token_time: float | None = None
         self.finished = False
@@ -81,14 +127,15 @@ class _RequestState:
 
 
 class Engine:
-    """Continuous batching over one executor link, with resync when the executor is lost."""
+    """Continuous batching over one executor link, with resync when the executor is lost and a
+    supervisor that restarts the step loop if it ever fails."""
 
     def __init__(self, config: EngineConfig, client: ExecutorClient,
                  metrics: Metrics | None = None) -> None:
         self.config = config
         self.client = client
         self.metrics = metrics or Metrics()
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | None = None  # None while no executor is attached
         self.tokenizer = None
         self.limits: ModelLimits | None = None
         self._tokenizer_source: str | None = None
@@ -98,20 +145,29 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
+        self._ready = asyncio.Event()  # set while a scheduler (and so a tokenizer) exists
+        self._detached_since: float | None = time.monotonic()
+        self._prepare_pool = ThreadPoolExecutor(config.num_prepare_threads,
+                                                thread_name_prefix="prepare")
         self._draining = False
         self._switch: tuple[ExecutorClient, object, asyncio.Future] | None = None
         self._switch_requested = asyncio.Event()
         self.attached = False
+        self.attach_error = ""  # why no executor is attached, when one is not
         self.on_attached_change = None  # callable(bool): health reporting hooks in here
         self.num_resyncs = 0
         self.num_steps = 0
+        self.num_loop_failures = 0
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Attaches the first executor, then runs the step loop in the background."""
-        await self._attach(await self.client.connect())
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        """Starts the supervised step loop; it attaches an executor first (see wait_ready)."""
+        self._task = asyncio.create_task(self._supervise(), name="engine-loop")
+
+    async def wait_ready(self) -> None:
+        """Returns once an executor is attached and its tokenizer loaded."""
+        await self._ready.wait()
 
     def start_draining(self) -> None:
         """Stops admission: new requests get UNAVAILABLE, running ones go on."""
@@ -138,6 +194,39 @@ class Engine:
                 await asyncio.wait({self._task}, timeout=1.0)
             await asyncio.gather(self._task, return_exceptions=True)
         await self.client.close()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _supervise(self) -> None:
+        """Attaches, then runs the step loop; if the loop ever fails, every stream gets an error,
+        health goes NOT_SERVING, and serving starts again on a fresh executor stream."""
+        backoff = 0.1
+        while True:
+            await self._connect_and_attach()
+            try:
+                await self._run()
+            except Exception as err:  # noqa: BLE001 - a bug must not end serving for good
+                await self._on_loop_failure(err)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _connect_and_attach(self) -> None:
+        """Connects to an executor and attaches it; an attach that fails (e.g. its tokenizer cannot
+        be loaded) is logged at once, shown in status, and retried with backoff."""
+        backoff = 0.1
+        while True:
+            if not self.attach_error:
+                self.attach_error = ("waiting for an executor at "
+                                     f"{', '.join(self.client.addresses)}")
+            description = await self.client.connect()
+            try:
+                await self._attach(description)
+                return
+            except Exception as err:  # noqa: BLE001 - reported, then retried
+                self.attach_error = f"attaching {self.client.connected_address} failed: {err}"
+                log.error("%s; retrying in %.1fs", self.attach_error, backoff)
+                await self.client.close()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
 
     async def _attach(self, description) -> None:
         """Sizes the block pools from Describe's answer (never from a guess) and loads the tokenizer."""
@@ -152,6 +241,9 @@ class Engine:
             self.scheduler = Scheduler(self.config.scheduler, block_manager)
         else:  # the caller has reset the scheduler: nothing is mapped on the old pools
             self.scheduler.block_manager = block_manager
+        self.attach_error = ""
+        self._detached_since = None
+        self._ready.set()
         self._set_attached(True)
 
     def _set_attached(self, attached: bool) -> None:
@@ -159,12 +251,69 @@ class Engine:
         if self.on_attached_change is not None:
             self.on_attached_change(attached)
 
+    async def _on_loop_failure(self, err: Exception) -> None:
+        """Ends every request with EngineFailed and forgets all scheduler state."""
+        self.num_loop_failures += 1
+        self.attach_error = f"the step loop failed: {err!r}; restarting"
+        log.error("the step loop failed; ending %d requests and restarting it",
+                  len(self._requests), exc_info=err)
+        self._set_attached(False)
+        failure = EngineFailed(f"the server's step loop failed ({type(err).__name__}); "
+                               "this request was ended, retry it")
+        for state in list(self._requests.values()):
+            state.finished = True
+            self._forget(state)
+            state.queue.put_nowait(failure)
+        self.scheduler, self._detached_since = None, time.monotonic()
+        self._ready.clear()
+        if self._switch is not None:
+            client, _, done = self._switch
+            self._switch = None
+            self._switch_requested.clear()
+            done.set_exception(EngineFailed("the step loop failed during the switch"))
+            await client.close()
+        await self.client.close()  # the next stream starts the executor from empty state
+
+    # --- what the API reports --------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        """The attached model; raises NoExecutor if none has attached yet."""
+        d = self.client.description
+        if self.limits is None or d is None:
+            raise NoExecutor(f"no executor attached yet{self._why()}")
+        return ModelInfo(d.model_name, d.fingerprint, d.max_model_len, d.vocab_size,
+                         self.limits.eos_token_id, d.dtype, d.block_size, d.num_gpu_blocks,
+                         d.num_cpu_blocks)
+
+    def status(self) -> EngineStatus:
+        d = self.client.description
+        base = dict(attached=self.attached, executor_address=self.client.connected_address or "",
+                    model_name=d.model_name if d is not None else "",
+                    attach_error=self.attach_error, steps=self.num_steps,
+                    resyncs=self.num_resyncs, loop_failures=self.num_loop_failures,
+                    draining=self._draining)
+        if self.scheduler is None:
+            return EngineStatus(**base)
+        scheduler, bm = self.scheduler, self.scheduler.block_manager
+        return EngineStatus(
+            **base, running=scheduler.num_running, waiting=scheduler.num_waiting,
+            swapped=scheduler.num_swapped,
+            gpu_blocks_used=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
+            gpu_blocks_total=bm.num_gpu_blocks,
+            cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,
+            cpu_blocks_total=bm.num_cpu_blocks)
+
+    def _why(self) -> str:
+        return f": {self.attach_error}" if self.attach_error else ""
+
     # --- planned executor replacement -----------------------------------------------------------
 
     async def switch_executor(self, addresses: list[str]) -> tuple[str, str, int]:
         """Moves serving to the first of `addresses` that serves the same model; the unfinished
         sequences are recomputed there. Returns (address, model name, sequences moved)."""
         old = self.client
+        if old.fingerprint is None:
+            raise NoExecutor("no executor has attached yet: nothing to move")
         client = ExecutorClient(addresses, step_timeout_s=old.step_timeout_s,
                                 describe_timeout_s=old.describe_timeout_s,
                                 max_backoff_s=old.max_backoff_s, security=old.security,
@@ -196,31 +345,72 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------------
 
-    def _admit(self, spec: GenerateSpec) -> _RequestState:
-        """Validates and queues one request; raises InvalidArgument, QueueFull, NoExecutor or
-        ShuttingDown."""
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """Token events, then one FinishEvent. Leaving early (cancel, disconnect) aborts the request.
+        Raises InvalidArgument, QueueFull, NoExecutor, ShuttingDown or EngineFailed."""
+        check_sizes(spec, self.config.limits)
+        await self._wait_admissible()
+        prepared = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_pool, prepare, spec, self.tokenizer, self.limits)
+        state = self._admit(spec, prepared)
+        try:
+            while True:
+                event = await state.queue.get()
+                if isinstance(event, EngineFailed):
+                    raise event
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+        finally:
+            if not state.finished:
+                self._abort(state)
+
+    async def _wait_admissible(self) -> None:
+        """Waits, up to what is left of the grace period, for a first (or restarted) executor
+        attachment; raises at once when draining, the queue is full or the grace is over."""
+        self._check_open()
+        if self.scheduler is None:
+            left = self.config.unavailable_grace_s - (time.monotonic() - self._detached_since)
+            if left > 0:
+                try:
+                    await asyncio.wait_for(self._ready.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+            self._check_open()
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting")
+
+    def _check_open(self) -> None:
         if self._draining:
             raise ShuttingDown("the server is shutting down")
         if self.scheduler is None:
-            raise NoExecutor("no executor attached yet")
+            if time.monotonic() - self._detached_since < self.config.unavailable_grace_s:
+                return
+            raise NoExecutor(f"no executor attached for "
+                             f"{time.monotonic() - self._detached_since:.0f}s{self._why()}")
         lost_since = self.client.disconnected_since
         if lost_since is not None and time.monotonic() - lost_since > self.config.unavailable_grace_s:
-            raise NoExecutor("no executor reachable for "
-                             f"{time.monotonic() - lost_since:.0f}s")
-        prompt_ids = resolve_prompt(spec, self.tokenizer, self.limits)
-        validate_params(spec, self.limits)
-        if spec.stopping.stop and self.tokenizer is None:
-            raise InvalidArgument("stop", "this model has no tokenizer; use stop_token_ids")
+            raise NoExecutor(f"no executor reachable for {time.monotonic() - lost_since:.0f}s"
+                             f"{self._why()}")
+
+    def _admit(self, spec: GenerateSpec, prepared: PreparedRequest) -> _RequestState:
+        """Queues one prepared request; raises InvalidArgument, QueueFull, NoExecutor or
+        ShuttingDown (the state may have changed while it was being prepared)."""
+        self._check_open()
+        if self.scheduler is None:
+            raise NoExecutor(f"the executor was detached{self._why()}")
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting")
-        seq = Sequence(next(self._seq_ids), prompt_ids, spec.sampling, spec.stopping,
-                       self.limits.eos_token_id, self.limits.max_model_len)
+        seq = Sequence(next(self._seq_ids), prepared.prompt_token_ids, spec.sampling,
+                       spec.stopping, self.limits.eos_token_id, self.limits.max_model_len)
         self._check_fits(seq)
         self.scheduler.add_seq(seq)  # assigns a seed if none was given: recomputes sample alike
-        state = _RequestState(seq, self.tokenizer, spec.stopping.stop)
+        state = _RequestState(seq, self.tokenizer, prepared, spec.request_id)
         self._requests[seq.seq_id] = state
         self._idle.clear()
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        log.debug("request %s admitted as seq %d: %d prompt tokens", spec.request_id, seq.seq_id,
+                  seq.num_prompt_tokens)
         self._wakeup.set()
         return state
 
@@ -236,25 +426,15 @@ class Engine:
                 what, f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens "
                 f"({seq.max_tokens}) can never fit in the KV cache")
 
-    async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent | FinishEvent]:
-        """Token events, then one FinishEvent. Leaving early (cancel, disconnect) aborts the request."""
-        state = self._admit(spec)
-        try:
-            while True:
-                event = await state.queue.get()
-                yield event
-                if isinstance(event, FinishEvent):
-                    return
-        finally:
-            if not state.finished:
-                self._abort(state)
-
     def _abort(self, state: _RequestState) -> None:
         state.finished = True
         self._forget(state)
-        self.scheduler.abort_seq(state.seq.seq_id)
+        if self.scheduler is not None:
+            self.scheduler.abort_seq(state.seq.seq_id)
+            self.metrics.observe_scheduler(self.scheduler)
         self.metrics.requests_finished.labels("cancelled").inc()
-        self.metrics.observe_scheduler(self.scheduler)
+        log.info("request %s cancelled after %d tokens", state.request_id,
+                 state.seq.num_output_tokens)
         self._wakeup.set()
 
     def _forget(self, state: _RequestState) -> None:
@@ -265,7 +445,8 @@ class Engine:
     def abort_all(self, reason: FinishReason = FinishReason.ABORTED) -> None:
         """Ends every request now (shutdown): each stream gets its FinishEvent."""
         for state in list(self._requests.values()):
-            self.scheduler.abort_seq(state.seq.seq_id)
+            if self.scheduler is not None:
+                self.scheduler.abort_seq(state.seq.seq_id)
             self._finish(state, reason)
         self._wakeup.set()
 
@@ -283,7 +464,7 @@ class Engine:
                     await self._wait_for_work()
                     continue
                 sampled = await self.client.receive(in_flight[0])
-                updates = self.scheduler.update_from_output(in_flight.popleft(), sampled)
+                updates = await self._apply(in_flight.popleft(), sampled)
                 self.num_steps += 1
                 try:
                     await self._fill(in_flight)
@@ -296,6 +477,15 @@ class Engine:
                 in_flight.clear()
                 await self._resync()
 
+    async def _apply(self, plan: StepPlan, sampled: dict[int, int]) -> list[SeqUpdate]:
+        """The step's updates; an executor whose answer does not fit the plan is lost."""
+        try:
+            return self.scheduler.update_from_output(plan, sampled)
+        except ExecutorDisagreement as err:
+            log.error("executor %s disagrees with the plan: %s", self.client.connected_address, err)
+            self.client.disconnected_since = time.monotonic()
+            await self.client.close()
+            raise ExecutorLost(str(err)) from err
     async def _fill(self, in_flight: deque) -> None:
         """Schedules and sends steps until max_steps_in_flight are out or nothing is runnable.
         No new step goes out while a planned executor switch waits. Raises ExecutorLost."""
@@ -322,12 +512,12 @@ class Engine:
         self.metrics.executor_reconnects.inc()
         self._set_attached(False)
         self.scheduler.reset_executor()
-        connect = asyncio.create_task(self.client.connect())
+        connect = asyncio.create_task(self._connect_and_attach())
         switch = asyncio.create_task(self._switch_requested.wait())
         done, _ = await asyncio.wait({connect, switch}, return_when=asyncio.FIRST_COMPLETED)
         if connect in done:
             switch.cancel()
-            await self._attach(connect.result())
+            connect.result()
         else:  # a planned switch arrived while this executor was away: the loop applies it
             connect.cancel()
             await asyncio.gather(connect, return_exceptions=True)
@@ -358,6 +548,10 @@ class Engine:
         state.finished = True
         self._forget(state)
         self.metrics.requests_finished.labels(reason.name.lower()).inc()
-        self.metrics.e2e.observe(time.monotonic() - state.arrival_time)
+        elapsed = time.monotonic() - state.arrival_time
+        self.metrics.e2e.observe(elapsed)
         seq = state.seq
+        log.info("request %s finished (%s): %d prompt + %d generated tokens in %.2fs",
+                 state.request_id, reason.name.lower(), seq.num_prompt_tokens,
+                 seq.num_output_tokens, elapsed)
         state.queue.put_nowait(FinishEvent(reason, seq.num_prompt_tokens, seq.num_output_tokens, tail))

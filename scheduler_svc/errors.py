@@ -11,3 +11,8 @@ class InvalidArgument(Exception):
         self.field = field
         self.message = f"{field}: {message}"
         super().__init__(self.message)
+
+
+class ExecutorDisagreement(Exception):
+    """The executor's answer does not fit the plan it was sent (e.g. it sampled another set of
+    sequences): its state can no longer be trusted. The engine treats it as executor loss."""

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig
 from scheduler_svc.executor_client import LinkSecurity
+from scheduler_svc.request import RequestLimits
 
 log = logging.getLogger("scheduler_svc")
 
@@ -21,6 +24,9 @@ log = logging.getLogger("scheduler_svc")
 class ServiceConfig:
     host: str
     port: int
+    admin_host: str
+    admin_port: int
+    admin_token: str | None
     executor_addresses: tuple[str, ...]
     executor_file: str | None  # re-read on SIGHUP
     engine: EngineConfig
@@ -39,6 +45,18 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p = argparse.ArgumentParser(prog="pagedserve-scheduler", description=__doc__)
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("PORT", 50051)))
+    p.add_argument("--admin-host", default=_env("ADMIN_HOST", "127.0.0.1"),
+                   help="address of the Admin API's own listener (anything but loopback needs "
+                        "--admin-token)")
+    p.add_argument("--admin-port", type=int, default=int(_env("ADMIN_PORT", 50053)))
+    p.add_argument("--admin-token", default=_env("ADMIN_TOKEN", None),
+                   help="bearer token Admin calls must present (authorization: Bearer ...)")
+    p.add_argument("--admin-token-file", default=_env("ADMIN_TOKEN_FILE", None),
+                   help="file holding the admin token (instead of --admin-token)")
+    p.add_argument("--max-prompt-bytes", type=int, default=int(_env("MAX_PROMPT_BYTES", 1 << 20)),
+                   help="UTF-8 bytes of a text prompt, or of all chat messages, before tokenizing")
+    p.add_argument("--max-chat-messages", type=int,
+                   default=int(_env("MAX_CHAT_MESSAGES", 1024)))
     p.add_argument("--executor", default=_env("EXECUTOR", "127.0.0.1:50052"),
                    help="executor address(es), comma separated, tried in order; or @FILE to read "
                         "them from FILE, which SIGHUP re-reads to move serving to new executors")
@@ -66,22 +84,56 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    help="name to check in the executor's certificate (default: its host)")
     p.add_argument("--executor-token", default=_env("EXECUTOR_TOKEN", None),
                    help="shared token presented to the executor")
+    p.add_argument("--executor-token-file", default=_env("EXECUTOR_TOKEN_FILE", None),
+                   help="file holding the executor token (instead of --executor-token)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
+    admin_token = _token(p, a.admin_token, a.admin_token_file, "--admin-token")
+    if admin_token is None and not _is_loopback(a.admin_host):
+        p.error(f"--admin-host {a.admin_host} is not a loopback address: set --admin-token "
+                "(or --admin-token-file) so that only operators can call Admin")
+    executor_token = _token(p, a.executor_token, a.executor_token_file, "--executor-token")
     scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode)
     return ServiceConfig(
-        host=a.host, port=a.port,
+        host=a.host, port=a.port, admin_host=a.admin_host, admin_port=a.admin_port,
+        admin_token=admin_token,
         executor_addresses=read_addresses(a.executor),
         executor_file=a.executor[1:] if a.executor.startswith("@") else None,
         engine=EngineConfig(scheduler=scheduler, max_waiting=a.max_waiting,
                             max_steps_in_flight=a.max_steps_in_flight,
-                            unavailable_grace_s=a.unavailable_grace),
+                            unavailable_grace_s=a.unavailable_grace,
+                            limits=RequestLimits(max_prompt_bytes=a.max_prompt_bytes,
+                                                 max_chat_messages=a.max_chat_messages)),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
         metrics_port=a.metrics_port,
         security=LinkSecurity(tls_ca=a.executor_tls_ca, tls_server_name=a.executor_tls_server_name,
-                              auth_token=a.executor_token),
+                              auth_token=executor_token),
         log_level=a.log_level)
+
+
+def _token(parser, value: str | None, path: str | None, flag: str) -> str | None:
+    """A token given on the command line or in a file (stripped); both or an empty one is an error."""
+    if value and path:
+        parser.error(f"give {flag} or {flag}-file, not both")
+    if path:
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError as err:
+            parser.error(f"{flag}-file: {err}")
+        if not value:
+            parser.error(f"{flag}-file {path} is empty")
+    return value or None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def read_addresses(spec: str) -> tuple[str, ...]:
@@ -106,7 +158,7 @@ async def serve(config: ServiceConfig) -> None:
     from scheduler_svc.engine import Engine
     from scheduler_svc.executor_client import ExecutorClient
     from scheduler_svc.metrics import Metrics
-    from scheduler_svc.server import build_server
+    from scheduler_svc.server import Listeners, build_servers
 
     client = ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s,
                             security=config.security)
@@ -114,12 +166,19 @@ async def serve(config: ServiceConfig) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     engine = Engine(config.engine, client, metrics)
-    server, health, port = build_server(engine, f"{config.host}:{config.port}")
+    limits = config.engine.limits
+    public, admin, health, port, admin_port = build_servers(engine, Listeners(
+        public=f"{config.host}:{config.port}", admin=f"{config.admin_host}:{config.admin_port}",
+        admin_token=config.admin_token, limits=limits,
+        max_message_bytes=limits.max_prompt_bytes + 2 * 1024 * 1024))
     reporter = _HealthReporter(health)
     reporter.set(False)
     engine.on_attached_change = reporter.set
-    await server.start()
-    log.info("scheduler listening on %s:%d; waiting for an executor at %s", config.host, port,
+    await public.start()
+    await admin.start()
+    log.info("scheduler listening on %s:%d (admin on %s:%d%s); waiting for an executor at %s",
+             config.host, port, config.admin_host, admin_port,
+             ", token required" if config.admin_token else "",
              ", ".join(config.executor_addresses))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -133,31 +192,29 @@ async def serve(config: ServiceConfig) -> None:
             reloads.add(task)
             task.add_done_callback(reloads.discard)
         loop.add_signal_handler(signal.SIGHUP, on_hup)
-    starting = asyncio.create_task(engine.start())
-    await asyncio.wait({starting, asyncio.create_task(stop.wait())},
+    await engine.start()
+    ready = asyncio.create_task(engine.wait_ready())
+    await asyncio.wait({ready, asyncio.create_task(stop.wait())},
                        return_when=asyncio.FIRST_COMPLETED)
-    if starting.done():
+    if ready.done():
         log.info("scheduler ready: serving %s", client.description.model_name)
         await stop.wait()
-    await _shutdown(config, engine, server, reporter, starting)
+    await _shutdown(config, engine, (public, admin), reporter)
 
 
-async def _shutdown(config: ServiceConfig, engine, server, reporter, starting) -> None:
+async def _shutdown(config: ServiceConfig, engine, servers, reporter) -> None:
     """Stops admission, lets running requests finish up to --shutdown-timeout, then ends the rest
     with finish reason ABORTED."""
     log.info("shutting down: draining %d requests for up to %.0fs", engine.num_requests,
              config.shutdown_timeout_s)
     reporter.set(False)
     engine.start_draining()
-    if starting.done():
-        try:
-            await asyncio.wait_for(engine.wait_idle(), config.shutdown_timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("ending %d requests still running", engine.num_requests)
-            engine.abort_all()
-    else:
-        starting.cancel()
-    await server.stop(grace=5)
+    try:
+        await asyncio.wait_for(engine.wait_idle(), config.shutdown_timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("ending %d requests still running", engine.num_requests)
+        engine.abort_all()
+    await asyncio.gather(*(server.stop(grace=5) for server in servers))
     await engine.stop()
 
 
@@ -186,7 +243,13 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except RuntimeError as err:  # a listener that cannot bind: say so and exit non-zero
+        if "cannot listen" not in str(err):
+            raise
+        log.error("%s", err)
+        sys.exit(f"pagedserve-scheduler: {err}")
 
 
 if __name__ == "__main__":

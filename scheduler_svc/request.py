@@ -1,7 +1,9 @@
 """What a client asked for, in plain Python (no protobuf), and its validation against the model.
 
-`GenerateSpec` is built by the wire module from the public request; `resolve_prompt` turns it
-into prompt token ids or raises InvalidArgument naming the field.
+`GenerateSpec` is built by the wire module from the public request. `check_sizes` bounds it in
+time proportional to nothing the client controls, before any other work; `prepare` (which can
+take as long as the request is large: tokenizing, chat templating, stop-string set-up, so it runs
+off the event loop) turns it into prompt token ids or raises InvalidArgument naming the field.
 """
 from __future__ import annotations
 
@@ -10,6 +12,21 @@ from dataclasses import dataclass, field
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.stop_strings import StopStringMatcher
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Size limits of one request, checked before any work proportional to the request."""
+
+    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of text, or of all chat roles and contents
+    max_chat_messages: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_bytes < 1 or self.max_chat_messages < 1:
+            raise ValueError(f"request limits must be >= 1: {self}")
 
 
 @dataclass(frozen=True)
@@ -34,6 +51,14 @@ class GenerateSpec:
 
 
 @dataclass(frozen=True)
+class PreparedRequest:
+    """A request ready to queue: its prompt ids and its stop-string matcher (None: no stop strings)."""
+
+    prompt_token_ids: list[int]
+    stopper: StopStringMatcher | None
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token and the text it completed (possibly empty)."""
 
@@ -50,6 +75,48 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # text held back until the end (e.g. a partial stop-string prefix)
+
+
+def check_request_id(request_id: str) -> None:
+    """Request ids are echoed in every response and written to logs: short and printable."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, "
+                              f"got {len(request_id)}")
+    if not request_id.isprintable():
+        raise InvalidArgument("request_id", "must be printable (no control characters)")
+
+
+def check_sizes(spec: GenerateSpec, limits: RequestLimits) -> None:
+    """Rejects a prompt over the byte limits; O(1) per chat message, O(prompt) only in C."""
+    if spec.chat is not None:
+        if len(spec.chat) > limits.max_chat_messages:
+            raise InvalidArgument("prompt.chat.messages", f"at most {limits.max_chat_messages} "
+                                  f"messages, got {len(spec.chat)}")
+        num_bytes = sum(_utf8_len(m["role"], limits) + _utf8_len(m["content"], limits)
+                        for m in spec.chat)
+        field_name = "prompt.chat"
+    else:
+        num_bytes, field_name = _utf8_len(spec.prompt_text or "", limits), "prompt.text"
+    if num_bytes > limits.max_prompt_bytes:
+        raise InvalidArgument(field_name, f"at most {limits.max_prompt_bytes} bytes, got "
+                              f"{num_bytes if num_bytes <= 2 * limits.max_prompt_bytes else 'more'}")
+
+
+def _utf8_len(text: str, limits: RequestLimits) -> int:
+    # a str has at least one byte per character: longer ones are refused without encoding them
+    if len(text) > limits.max_prompt_bytes:
+        return len(text) * 2 + 1
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def prepare(spec: GenerateSpec, tokenizer, limits: ModelLimits) -> PreparedRequest:
+    """Everything about a request whose cost grows with its size; raises InvalidArgument."""
+    validate_params(spec, limits)
+    if spec.stopping.stop and tokenizer is None:
+        raise InvalidArgument("stop", "this model has no tokenizer; use stop_token_ids")
+    prompt_ids = resolve_prompt(spec, tokenizer, limits)
+    stopper = StopStringMatcher(spec.stopping.stop) if spec.stopping.stop else None
+    return PreparedRequest(prompt_ids, stopper)
 
 
 def resolve_prompt(spec: GenerateSpec, tokenizer, limits: ModelLimits) -> list[int]:
@@ -86,15 +153,16 @@ def _tokenize(spec: GenerateSpec, tokenizer, field_name: str) -> list[int]:
 def _check_prompt_ids(ids: list[int], field_name: str, limits: ModelLimits) -> None:
     if not ids:
         raise InvalidArgument(field_name, "must not be empty")
-    bad = [i for i in ids if not 0 <= i < limits.vocab_size]
-    if bad:
-        raise InvalidArgument(
-            field_name, f"ids {bad[:8]} out of vocabulary (vocab_size {limits.vocab_size})")
-    if len(ids) >= limits.max_model_len:
+    if len(ids) >= limits.max_model_len:  # before the scan below, which is O(len)
         raise InvalidArgument(
             field_name,
             f"prompt has {len(ids)} tokens; the model allows at most "
             f"{limits.max_model_len - 1} so that one token can be generated")
+    bad = [i for i in ids if not 0 <= i < limits.vocab_size]
+    if bad:
+        raise InvalidArgument(
+            field_name, f"{len(bad)} ids out of vocabulary (vocab_size {limits.vocab_size}), "
+            f"first {bad[:8]}")
 
 
 def validate_params(spec: GenerateSpec, limits: ModelLimits) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.plan import CachedSeqPlan, NewSeqPlan, SeqUpdate, StepPlan
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -280,14 +280,20 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, sampled: dict[int, int]) -> list[SeqUpdate]:
         """Apply a step's result (steps come back in order): append the sampled tokens, apply the
         token-level stop rules, free finished seqs' pages now. Seqs finished or aborted while the
-        step was in flight are skipped; a plan from before reset_executor() is ignored."""
+        step was in flight are skipped; a plan from before reset_executor() is ignored. Raises
+        ExecutorDisagreement, before changing anything, unless `sampled` covers exactly the
+        plan's sampling seqs."""
         if plan.is_empty or plan.step_id <= self._last_updated_step_id:
             return []
         self._last_updated_step_id = plan.step_id
+        if len(sampled) != len(plan.sampling_seq_ids) or not all(
+                i in sampled for i in plan.sampling_seq_ids):  # fail before mutating anything
+            missing = [i for i in plan.sampling_seq_ids if i not in sampled]
+            extra = [i for i in sampled if i not in set(plan.sampling_seq_ids)]
+            raise ExecutorDisagreement(
+                f"step {plan.step_id}: the executor sampled another set of sequences than "
+                f"planned (missing {missing[:8]}, unexpected {extra[:8]})")
         seqs = [self._seqs[i] for i in plan.sampling_seq_ids if i in self._seqs]
-        missing = [seq.seq_id for seq in seqs if seq.seq_id not in sampled]
-        if missing:  # fail before mutating anything
-            raise ValueError(f"step {plan.step_id}: no sampled token for seqs {missing}")
         updates = []
         for seq in seqs:
             seq.num_pending_tokens -= 1

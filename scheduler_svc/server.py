@@ -1,12 +1,16 @@
-"""The public gRPC service: Generate (server streaming) and ModelInfo, plus health and reflection.
+"""The scheduler's two gRPC listeners. Public: Generate (server streaming) and ModelInfo, health
+and reflection; Admin calls that reach it are refused and logged. Admin: SetExecutors and
+GetStatus, health, and an optional bearer token checked in constant time.
 
 Thin servicers: message in, one engine call, messages out. Domain errors become status codes in
-`_status_for` alone.
+`_status_for` alone; anything else is logged with the request id and answered INTERNAL.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import uuid
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -16,9 +20,10 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from scheduler_svc import wire
-from scheduler_svc.engine import Engine, NoExecutor, QueueFull, ShuttingDown
+from scheduler_svc.engine import (Engine, EngineFailed, NoExecutor, QueueFull,
+                                  ShuttingDown)
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.request import FinishEvent
+from scheduler_svc.request import FinishEvent, RequestLimits
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +32,11 @@ _STATUS = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NoExecutor: grpc.StatusCode.UNAVAILABLE,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    EngineFailed: grpc.StatusCode.INTERNAL,
 }
+# Status details travel in a header: a client's header limit (8 KiB by default) must never turn
+# an error into RESOURCE_EXHAUSTED, whatever the request echoed into it.
+MAX_DETAILS_CHARS = 1024
 
 
 def _status_for(err: Exception) -> grpc.StatusCode | None:
@@ -35,6 +44,11 @@ def _status_for(err: Exception) -> grpc.StatusCode | None:
         if isinstance(err, kind):
             return code
     return None
+
+
+def _details(err: Exception) -> str:
+    text = str(err)
+    return text if len(text) <= MAX_DETAILS_CHARS else text[:MAX_DETAILS_CHARS - 3] + "..."
 
 
 class _Undecodable:
@@ -55,39 +69,42 @@ def _lenient(parse):
 
 
 class GeneratorServicer(generate_pb2_grpc.GeneratorServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, limits: RequestLimits) -> None:
         self.engine = engine
+        self.limits = limits
 
     async def Generate(self, request, context):
         if isinstance(request, _Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.reason}")
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = ""
         try:
-            spec = wire.spec_from_proto(request)
+            spec = wire.spec_from_proto(request, request.request_id or uuid.uuid4().hex,
+                                        self.limits)
+            request_id = spec.request_id
             async for event in self.engine.generate(spec):
                 if isinstance(event, FinishEvent):
                     yield wire.finish_to_proto(event, request_id)
                 else:
                     yield wire.token_to_proto(event, request_id)
-        except Exception as err:  # noqa: BLE001 - mapped or re-raised below
+        except Exception as err:  # noqa: BLE001 - every error gets a status, none leaks a trace
             code = _status_for(err)
             if code is None:
-                raise
-            await context.abort(code, str(err))
+                log.error("request %s failed", request_id or "(invalid id)", exc_info=err)
+                await context.abort(grpc.StatusCode.INTERNAL,
+                                    f"internal error in request {request_id or '(invalid id)'}; "
+                                    "the scheduler's log has the details")
+            await context.abort(code, _details(err))
 
     async def ModelInfo(self, request, context):
-        d = self.engine.client.description
+        try:
+            m = self.engine.model_info()
+        except NoExecutor as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _details(err))
         return generate_pb2.ModelInfoResponse(
-            model_name=d.model_name,
-            fingerprint=d.fingerprint,
-            max_model_len=d.max_model_len,
-            vocab_size=d.vocab_size,
-            eos_token_id=self.engine.limits.eos_token_id or 0,
-            dtype=d.dtype,
-            block_size=d.block_size,
-            num_gpu_blocks=d.num_gpu_blocks,
-            num_cpu_blocks=d.num_cpu_blocks,
-        )
+            model_name=m.model_name, fingerprint=m.fingerprint, max_model_len=m.max_model_len,
+            vocab_size=m.vocab_size, eos_token_id=m.eos_token_id or 0, dtype=m.dtype,
+            block_size=m.block_size, num_gpu_blocks=m.num_gpu_blocks,
+            num_cpu_blocks=m.num_cpu_blocks)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -98,26 +115,47 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         addresses = [a.strip() for a in request.addresses if a.strip()]
         if not addresses:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "addresses: must not be empty")
+        log.warning("Admin.SetExecutors from %s: %s", context.peer(), ", ".join(addresses)[:500])
         try:
             address, model_name, moved = await self.engine.switch_executor(addresses)
-        except InvalidArgument as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except (InvalidArgument, NoExecutor, EngineFailed) as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _details(err))
         return admin_pb2.SetExecutorsResponse(address=address, model_name=model_name,
                                               moved_sequences=moved)
 
     async def GetStatus(self, request, context):
-        engine, scheduler = self.engine, self.engine.scheduler
-        bm = scheduler.block_manager
+        s = self.engine.status()
         return admin_pb2.GetStatusResponse(
-            executor_address=engine.client.connected_address or "",
-            executor_attached=engine.attached,
-            running=scheduler.num_running, waiting=scheduler.num_waiting,
-            swapped=scheduler.num_swapped,
-            gpu_blocks_used=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
-            gpu_blocks_total=bm.num_gpu_blocks,
-            cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,
-            cpu_blocks_total=bm.num_cpu_blocks,
-            steps=engine.num_steps, resyncs=engine.num_resyncs, draining=engine.draining)
+            executor_address=s.executor_address, executor_attached=s.attached,
+            running=s.running, waiting=s.waiting, swapped=s.swapped,
+            gpu_blocks_used=s.gpu_blocks_used, gpu_blocks_total=s.gpu_blocks_total,
+            cpu_blocks_used=s.cpu_blocks_used, cpu_blocks_total=s.cpu_blocks_total,
+            steps=s.steps, resyncs=s.resyncs, draining=s.draining, model_name=s.model_name,
+            attach_error=s.attach_error, loop_failures=s.loop_failures)
+
+
+class _AdminToken(grpc.aio.ServerInterceptor):
+    """Refuses Admin calls without `authorization: Bearer <token>` (compared in constant time)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._prefix = f"/{ADMIN_SERVICE_NAME}/"
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(self._prefix):
+            given = dict(details.invocation_metadata or ()).get("authorization", "")
+            if not hmac.compare_digest(str(given).encode(), self._expected):
+                return _refusal(details.method, grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong admin token")
+        return await continuation(details)
+
+
+def _refusal(method: str, code: grpc.StatusCode, reason: str):
+    """A handler that logs the refused call with its peer and answers `code`."""
+    async def refuse(request, context):
+        log.warning("refused %s from %s: %s", method, context.peer(), reason)
+        await context.abort(code, reason)
+    return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
@@ -139,20 +177,61 @@ def _add_generator(servicer: GeneratorServicer, server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def build_server(engine: Engine, address: str, max_message_bytes: int = 64 * 1024 * 1024):
-    """A grpc.aio server with the Generator, health and reflection services; returns (server, health)."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+def _refuse_admin(server) -> None:
+    """Admin methods on the public listener: PERMISSION_DENIED and a log line, not UNIMPLEMENTED,
+    so a probe is visible and a misdirected operator learns where Admin lives."""
+    methods = admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods
+    handlers = {m.name: _refusal(f"/{ADMIN_SERVICE_NAME}/{m.name}",
+                                 grpc.StatusCode.PERMISSION_DENIED,
+                                 "the Admin API is not served on the public listener")
+                for m in methods}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(ADMIN_SERVICE_NAME, handlers),))
+
+
+@dataclass(frozen=True)
+class Listeners:
+    """Where the scheduler listens: the public API and the Admin API."""
+
+    public: str = "127.0.0.1:50051"
+    admin: str = "127.0.0.1:50053"
+    admin_token: str | None = None
+    limits: RequestLimits = RequestLimits()
+    # gRPC's own cap on a request, above the prompt limit (room for the other fields): a larger
+    # message is refused by the transport before it is parsed.
+    max_message_bytes: int = 4 * 1024 * 1024
+
+
+def _server(listen: str, max_receive: int, interceptors=()):
+    server = grpc.aio.server(interceptors=list(interceptors), options=[
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.max_receive_message_length", max_receive),
+        ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
     ])
-    _add_generator(GeneratorServicer(engine), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, ADMIN_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as err:
+        raise RuntimeError(f"cannot listen on {listen} (in use, or not an address here)") from err
     if port == 0:
-        raise RuntimeError(f"could not bind {address}")
-    return server, health, port
+        raise RuntimeError(f"cannot listen on {listen} (in use, or not an address here)")
+    return server, port
+
+
+def build_servers(engine: Engine, listeners: Listeners):
+    """(public server, admin server, health servicer, public port, admin port). Both listeners
+    share the health servicer; reflection describes only what each one serves."""
+    health = HealthServicer()
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    public, public_port = _server(listeners.public, listeners.max_message_bytes)
+    _add_generator(GeneratorServicer(engine, listeners.limits), public)
+    _refuse_admin(public)
+    health_pb2_grpc.add_HealthServicer_to_server(health, public)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_name, reflection.SERVICE_NAME), public)
+    interceptors = [_AdminToken(listeners.admin_token)] if listeners.admin_token else []
+    admin, admin_port = _server(listeners.admin, 1024 * 1024, interceptors)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), admin)
+    health_pb2_grpc.add_HealthServicer_to_server(health, admin)
+    reflection.enable_server_reflection(
+        (ADMIN_SERVICE_NAME, health_name, reflection.SERVICE_NAME), admin)
+    return public, admin, health, public_port, admin_port

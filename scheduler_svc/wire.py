@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from protos import executor_pb2, generate_pb2
 from scheduler_svc.plan import StepPlan
-from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, TokenEvent,
+                                   check_request_id)
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams
 from scheduler_svc.sequence import FinishReason
 
@@ -40,9 +42,15 @@ class ExecutorDescription:
 
 # --- public API ---------------------------------------------------------------------------------
 
-def spec_from_proto(req: generate_pb2.GenerateRequest) -> GenerateSpec:
-    """The request as a GenerateSpec; range checks happen later, against the model."""
+def spec_from_proto(req: generate_pb2.GenerateRequest, request_id: str,
+                    limits: RequestLimits) -> GenerateSpec:
+    """The request as a GenerateSpec; range checks happen later, against the model. The number of
+    chat messages is checked before they are converted, request_id before anything."""
+    check_request_id(req.request_id)
     which = req.WhichOneof("prompt")
+    if which == "chat" and len(req.chat.messages) > limits.max_chat_messages:
+        raise InvalidArgument("prompt.chat.messages", f"at most {limits.max_chat_messages} "
+                              f"messages, got {len(req.chat.messages)}")
     s, st = req.sampling, req.stopping
     sampling = SamplingParams(
         temperature=s.temperature,
@@ -65,7 +73,7 @@ def spec_from_proto(req: generate_pb2.GenerateRequest) -> GenerateSpec:
         if which == "chat" else None,
         sampling=sampling,
         stopping=stopping,
-        request_id=req.request_id,
+        request_id=request_id,
     )
 
 

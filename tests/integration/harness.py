@@ -47,6 +47,8 @@ class Services:
     scheduler_address: str
     executor_address: str
     metrics_port: int
+    admin_address: str = ""
+    admin_token: str | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
 
@@ -64,15 +66,19 @@ class Services:
                 samples[m.group(1)] = float(m.group(2))
         return samples
 
+    def _admin_metadata(self) -> tuple:
+        return (("authorization", f"Bearer {self.admin_token}"),) if self.admin_token else ()
+
     def status(self) -> admin_pb2.GetStatusResponse:
-        with grpc.insecure_channel(self.scheduler_address) as channel:
-            return admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(),
-                                                               timeout=10)
+        with grpc.insecure_channel(self.admin_address) as channel:
+            return admin_pb2_grpc.AdminStub(channel).GetStatus(
+                admin_pb2.GetStatusRequest(), timeout=10, metadata=self._admin_metadata())
 
     def set_executors(self, *addresses: str) -> admin_pb2.SetExecutorsResponse:
-        with grpc.insecure_channel(self.scheduler_address) as channel:
+        with grpc.insecure_channel(self.admin_address) as channel:
             return admin_pb2_grpc.AdminStub(channel).SetExecutors(
-                admin_pb2.SetExecutorsRequest(addresses=list(addresses)), timeout=120)
+                admin_pb2.SetExecutorsRequest(addresses=list(addresses)), timeout=120,
+                metadata=self._admin_metadata())
 
     def add_executor(self, name: str, args: list[str], port: int | None = None) -> str:
         """Starts another executor process; returns its address (ready once it answers health)."""
@@ -106,25 +112,36 @@ def start_executor(args: list[str], port: int, log_path: str, env: dict | None =
                             env={**os.environ, **(env or {})})
 
 
-def start_services(tmp_path, executor_args: list[str], scheduler_args: list[str] = (),
+def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: list[str] = (),
                    extra_executor_addresses: tuple[str, ...] = (),
-                   executor_file=None) -> Services:
-    """Executor, then scheduler. With `executor_file` the scheduler reads its executor addresses
-    from that file (`--executor @FILE`, re-read on SIGHUP); it is written here first."""
-    ex_port, sch_port, metrics_port = free_port(), free_port(), free_port()
-    services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port)
+                   executor_file=None, admin_token: str | None = None,
+                   wait: bool = True) -> Services:
+    """Executor, then scheduler (its Admin API on a port of its own, with `admin_token` if given).
+    With `executor_file` the scheduler reads its executor addresses from that file
+    (`--executor @FILE`, re-read on SIGHUP); it is written here first. `wait=False` returns as
+    soon as both processes are started; `executor_args=None` starts no executor (the caller
+    starts one at `executor_address` later)."""
+    ex_port, sch_port, metrics_port, admin_port = free_port(), free_port(), free_port(), free_port()
+    services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port,
+                        f"127.0.0.1:{admin_port}", admin_token)
     executors = ",".join((services.executor_address, *extra_executor_addresses))
     if executor_file is not None:
         executor_file.write_text(executors.replace(",", "\n") + "\n")
         executors = f"@{executor_file}"
     services.logs = {"executor": str(tmp_path / "executor.log"),
                      "scheduler": str(tmp_path / "scheduler.log")}
-    services.procs["executor"] = start_executor(executor_args, ex_port, services.logs["executor"])
+    if executor_args is not None:
+        services.procs["executor"] = start_executor(executor_args, ex_port,
+                                                    services.logs["executor"])
     cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
-           str(sch_port), "--executor", executors, "--metrics-port",
-           str(metrics_port), *scheduler_args]
+           str(sch_port), "--admin-port", str(admin_port), "--executor", executors,
+           "--metrics-port", str(metrics_port), *scheduler_args]
+    if admin_token:
+        cmd += ["--admin-token", admin_token]
     services.procs["scheduler"] = subprocess.Popen(
         cmd, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)
+    if not wait:
+        return services
     try:
         wait_serving(services.scheduler_address)
     except Exception:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.sequence import FinishReason, SequenceStatus
 from sched_factories import EOS, Loop, default_token, make_scheduler, make_seq
 
@@ -345,14 +345,25 @@ def test_update_twice_is_ignored():
     assert sched.update_from_output(plan, {1: 5}) == []
 
 
-def test_missing_sample_raises_before_mutating():
+@pytest.mark.parametrize("sampled", [{}, {1: 5, 2: 7}, {2: 7}])  # missing, extra, other
+def test_disagreeing_samples_raise_before_mutating(sampled):
     sched = make_scheduler()
     sched.add_seq(make_seq(1, prompt_len=8))
     plan = sched.schedule()
-    with pytest.raises(ValueError, match="no sampled token"):
-        sched.update_from_output(plan, {})
+    with pytest.raises(ExecutorDisagreement, match="another set of sequences"):
+        sched.update_from_output(plan, sampled)
     seq = sched.get_seq(1)
     assert seq.output_token_ids == [] and seq.num_pending_tokens == 1
+
+
+def test_token_of_a_seq_aborted_in_flight_is_no_disagreement():
+    sched = make_scheduler()
+    sched.add_seq(make_seq(1, prompt_len=8))
+    sched.add_seq(make_seq(2, prompt_len=8))
+    plan = sched.schedule()
+    sched.abort_seq(2)
+    updates = sched.update_from_output(plan, {1: 5, 2: 7})
+    assert [u.seq.seq_id for u in updates] == [1]
 
 
 def test_copy_on_write_goes_into_plan_copy_and_resends_full_table():

@@ -1,0 +1,186 @@
+"""The engine in-process over a fake executor link: an executor that disagrees with the plan is
+lost and recomputed on, a failing step loop ends its streams loudly and serving resumes, and
+requests sent before an executor attaches wait for it within the grace period."""
+import asyncio
+import time
+from collections import deque
+
+import pytest
+
+from sched_factories import FakeExecutor
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import Engine, EngineConfig, EngineFailed, NoExecutor
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.executor_client import ExecutorLost
+from scheduler_svc.request import FinishEvent, GenerateSpec, RequestLimits
+from scheduler_svc.sampling_params import StoppingParams
+from scheduler_svc.wire import ExecutorDescription
+
+BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS = 4, 64, 32
+DESCRIPTION = ExecutorDescription(
+    model_name="fake", fingerprint="f" * 64, dtype="float32", block_size=BLOCK_SIZE,
+    num_gpu_blocks=NUM_GPU_BLOCKS, num_cpu_blocks=NUM_CPU_BLOCKS, max_model_len=256,
+    vocab_size=1000, tokenizer="", backend="cpu", instance_id=1)
+
+
+class FakeClient:
+    """ExecutorClient's interface over a FakeExecutor; `tamper(n, plan, sampled)` may rewrite the
+    n-th result, `attachable` gates connect()."""
+
+    def __init__(self, tamper=None) -> None:
+        self.executor = FakeExecutor(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS)
+        self.tamper = tamper or (lambda n, plan, sampled: sampled)
+        self.attachable = asyncio.Event()
+        self.attachable.set()
+        self.description = None
+        self.addresses = ["fake:1"]
+        self.connected_address = None
+        self.fingerprint = None
+        self.disconnected_since = time.monotonic()
+        self.num_connects = 0
+        self.num_results = 0
+        self._results: deque = deque()
+
+    async def connect(self):
+        await self.attachable.wait()
+        self.executor.reset()  # a new stream starts from empty executor state
+        self._results.clear()
+        self.num_connects += 1
+        self.description, self.connected_address = DESCRIPTION, "fake:1"
+        self.fingerprint, self.disconnected_since = DESCRIPTION.fingerprint, None
+        return DESCRIPTION
+
+    async def send(self, plan) -> None:
+        self._results.append(self.executor.execute(plan))
+
+    async def receive(self, plan) -> dict[int, int]:
+        await asyncio.sleep(0)
+        if not self._results:
+            raise ExecutorLost("closed")
+        self.num_results += 1
+        return self.tamper(self.num_results, plan, self._results.popleft())
+
+    async def close(self) -> None:
+        self._results.clear()
+
+
+def spec(i: int, max_tokens: int = 12) -> GenerateSpec:
+    return GenerateSpec(prompt_token_ids=[10 + (i * 7 + j) % 900 for j in range(5 + i % 7)],
+                        stopping=StoppingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def collect(engine: Engine, s: GenerateSpec) -> list[int] | Exception:
+    try:
+        return [e.token_id async for e in engine.generate(s) if not isinstance(e, FinishEvent)]
+    except Exception as err:  # noqa: BLE001 - the tests look at which
+        return err
+
+
+async def serve(client: FakeClient, specs, config: EngineConfig = EngineConfig(), during=None):
+    """Runs `specs` concurrently on a started engine; `during(engine)` runs alongside."""
+    engine = Engine(config, client)
+    health: list[bool] = []
+    engine.on_attached_change = health.append
+    await engine.start()
+    try:
+        tasks = [asyncio.create_task(collect(engine, s)) for s in specs]
+        if during is not None:
+            await during(engine)
+        return await asyncio.gather(*tasks), engine, health
+    finally:
+        await engine.stop()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+SPECS = [spec(i) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def undisturbed():
+    outputs, _, _ = run(serve(FakeClient(), SPECS))
+    assert all(isinstance(o, list) and len(o) == 12 for o in outputs)
+    return outputs
+
+
+@pytest.mark.parametrize("how", ["missing", "extra"])
+def test_an_executor_that_disagrees_is_resynced_by_recompute(undisturbed, how):
+    def tamper(n, plan, sampled):
+        if n != 5:
+            return sampled
+        if how == "missing":
+            return dict(list(sampled.items())[1:])
+        return {**sampled, 10**6: 7}
+
+    client = FakeClient(tamper)
+    outputs, engine, _ = run(serve(client, SPECS))
+    assert outputs == undisturbed
+    assert engine.num_resyncs == 1 and client.num_connects == 2
+    assert engine.num_loop_failures == 0
+
+
+def test_a_failing_step_loop_ends_its_streams_and_serving_resumes(undisturbed):
+    long_specs = [spec(i, max_tokens=200) for i in range(12)]
+
+    async def during(engine):
+        while engine.num_steps < 3 or engine.num_requests < len(long_specs):
+            await asyncio.sleep(0)
+        schedule = engine.scheduler.schedule
+
+        def broken():
+            engine.scheduler.schedule = schedule
+            raise RuntimeError("a bug")
+        engine.scheduler.schedule = broken
+        while engine.num_loop_failures == 0:
+            await asyncio.sleep(0.01)
+        await engine.wait_ready()
+        after = await asyncio.gather(*(collect(engine, s) for s in SPECS))
+        # served again, from a fresh executor stream (new seq ids: other fake tokens)
+        assert [len(o) for o in after] == [len(o) for o in undisturbed]
+
+    outputs, engine, health = run(serve(FakeClient(), long_specs, during=during))
+    assert all(isinstance(o, EngineFailed) for o in outputs)
+    assert "step loop failed" in str(outputs[0])
+    assert health == [True, False, True]
+    status = engine.status()
+    assert status.loop_failures == 1 and status.attached and status.attach_error == ""
+    assert status.gpu_blocks_used == 0
+
+
+def test_requests_wait_for_the_first_executor_within_the_grace(undisturbed):
+    client = FakeClient()
+    client.attachable.clear()
+
+    async def during(engine):
+        await asyncio.sleep(0.3)
+        assert engine.num_requests == 0 and not engine.attached
+        with pytest.raises(NoExecutor):
+            engine.model_info()
+        client.attachable.set()
+
+    outputs, _, _ = run(serve(client, SPECS, EngineConfig(unavailable_grace_s=30), during))
+    assert outputs == undisturbed
+
+
+def test_without_an_executor_requests_fail_after_the_grace():
+    client = FakeClient()
+    client.attachable.clear()
+    t0 = time.monotonic()
+    outputs, engine, _ = run(serve(client, SPECS[:2], EngineConfig(unavailable_grace_s=0.5)))
+    assert all(isinstance(o, NoExecutor) for o in outputs)
+    assert 0.4 < time.monotonic() - t0 < 5
+    status = engine.status()
+    assert not status.attached and status.running == 0 and status.gpu_blocks_total == 0
+
+
+def test_size_limits_are_checked_before_anything_else():
+    limits = RequestLimits(max_prompt_bytes=100, max_chat_messages=3)
+    config = EngineConfig(limits=limits)
+    too_long = GenerateSpec(prompt_text="é" * 51)  # 102 bytes, 51 characters
+    too_many = GenerateSpec(chat=[{"role": "user", "content": "x"}] * 4)
+    big = GenerateSpec(chat=[{"role": "user", "content": "x" * 60}] * 2)
+    outputs, _, _ = run(serve(FakeClient(), [too_long, too_many, big], config))
+    assert [type(o) for o in outputs] == [InvalidArgument] * 3
+    assert [o.field for o in outputs] == ["prompt.text", "prompt.chat.messages", "prompt.chat"]

@@ -1,12 +1,23 @@
 """Per-request sampling and stopping parameters, with validation that names the bad field.
 
-Plain Python: no torch, no protobuf.
+Plain Python: no torch, no protobuf. Validation is O(size limit) at most, and its messages stay
+short whatever the input: they quote counts and at most a few items, never a whole list.
 """
 
 import math
 from dataclasses import dataclass
 
 from scheduler_svc.errors import InvalidArgument
+
+# Stop strings are delimiters ("\n\n", "</tool_call>", a chat template's end marker). OpenAI allows
+# 4 and TGI 4 by default; 64 leaves room for any template. Matching costs the same per character
+# whatever their number (stop_strings.py), but its set-up and memory grow with the total length:
+# 64 x 1024 characters is ~1 MB and ~40 ms at worst, once per request.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024  # Unicode code points, as len() counts them
+# The scheduler tests every sampled token against them; ~1,000 covers "stop at any of these words".
+MAX_STOP_TOKEN_IDS = 1024
+_NUM_IDS_SHOWN = 8  # in an error message
 
 
 @dataclass(frozen=True)
@@ -57,9 +68,28 @@ class StoppingParams:
             raise InvalidArgument(
                 "min_tokens",
                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if any(not s for s in self.stop):
-            raise InvalidArgument("stop", "stop strings must be non-empty")
+        self._validate_stop()
+        self._validate_stop_token_ids(vocab_size)
+
+    def _validate_stop(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:  # first, so that what follows is O(limit)
+            raise InvalidArgument(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for i, s in enumerate(self.stop):
+            if not s:
+                raise InvalidArgument("stop", "stop strings must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidArgument(
+                    "stop", f"stop strings have at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"stop[{i}] has {len(s)}")
+
+    def _validate_stop_token_ids(self, vocab_size: int) -> None:
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} stop ids, got {len(self.stop_token_ids)}")
         unknown = [t for t in self.stop_token_ids if not (0 <= t < vocab_size)]
         if unknown:
             raise InvalidArgument(
-                "stop_token_ids", f"unknown stop ids {unknown} (vocab_size {vocab_size})")
+                "stop_token_ids", f"{len(unknown)} unknown stop ids (vocab_size {vocab_size}), "
+                f"first {unknown[:_NUM_IDS_SHOWN]}")

@@ -3,7 +3,8 @@
 import pytest
 
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                           MAX_STOP_TOKEN_IDS, SamplingParams, StoppingParams)
 from sched_factories import make_seq
 
 
@@ -50,6 +51,44 @@ def test_unknown_stop_ids_message():
     with pytest.raises(InvalidArgument, match="unknown stop ids"):
         StoppingParams(stop_token_ids=(100,)).validate(vocab_size=100)
     StoppingParams(max_tokens=4, min_tokens=4, stop=("x",), stop_token_ids=(99,)).validate(100)
+
+
+def test_stop_limits_are_inclusive():
+    StoppingParams(stop=("x" * MAX_STOP_STRING_CHARS,) * MAX_STOP_STRINGS,
+                   stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS))).validate(MAX_STOP_TOKEN_IDS)
+
+
+@pytest.mark.parametrize("kwargs, field, message", [
+    ({"stop": ("x",) * (MAX_STOP_STRINGS + 1)}, "stop",
+     f"at most {MAX_STOP_STRINGS} stop strings, got {MAX_STOP_STRINGS + 1}"),
+    ({"stop": ("x", "y" * (MAX_STOP_STRING_CHARS + 1))}, "stop",
+     f"at most {MAX_STOP_STRING_CHARS} characters, stop[1] has {MAX_STOP_STRING_CHARS + 1}"),
+    ({"stop_token_ids": (1,) * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids",
+     f"at most {MAX_STOP_TOKEN_IDS} stop ids, got {MAX_STOP_TOKEN_IDS + 1}"),
+])
+def test_one_over_a_stop_limit_is_refused(kwargs, field, message):
+    with pytest.raises(InvalidArgument) as err:
+        StoppingParams(**kwargs).validate(vocab_size=100)
+    assert err.value.field == field and message in str(err.value)
+
+
+@pytest.mark.parametrize("num_ids", [2000, MAX_STOP_TOKEN_IDS])
+def test_unknown_stop_ids_message_stays_short(num_ids):
+    # ids are uint32 on the wire; the message must fit in any client's header limit
+    ids = tuple(range(2**32 - num_ids, 2**32))
+    with pytest.raises(InvalidArgument) as err:
+        StoppingParams(stop_token_ids=ids).validate(vocab_size=100)
+    assert err.value.field == "stop_token_ids" and len(str(err.value)) < 200
+    if num_ids == MAX_STOP_TOKEN_IDS:
+        assert str(err.value) == (
+            f"stop_token_ids: {num_ids} unknown stop ids (vocab_size 100), first "
+            f"{list(ids[:8])}")
+
+
+def test_stop_string_messages_never_quote_the_strings():
+    with pytest.raises(InvalidArgument) as err:
+        StoppingParams(stop=("z" * 10**6,)).validate(vocab_size=100)
+    assert len(str(err.value)) < 200
 
 
 def test_sequence_tokens_and_effective_max_tokens():

@@ -1,10 +1,16 @@
-"""StopStringMatcher: hand-picked cases and hypothesis properties over random texts, stops and splits."""
+"""StopStringMatcher: hand-picked cases, hypothesis properties over random texts, stops and splits,
+a seeded comparison with a brute-force matcher, and bounds on its memory and time."""
+
+import random
+import time
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.stop_strings import StopStringMatcher
+from scheduler_svc.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from scheduler_svc.stop_strings import StopAutomaton, StopStringMatcher
 
 
 def run(stop: tuple[str, ...], deltas: list[str]) -> tuple[list[str], bool]:
@@ -104,3 +110,124 @@ def test_never_emits_what_may_start_a_stop_string(text, stop, cuts):
         for start in range(len(emitted)):
             tail = seen[start:]
             assert not any(s.startswith(tail) or tail.startswith(s) for s in stop)
+
+
+class BruteForceMatcher:
+    """The specification, quadratic and obvious: rescan everything unemitted at every feed."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop, self.held, self.matched = stop, "", False
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if self.matched:
+            return "", True
+        text = self.held + delta
+        found = [(text.find(s) + len(s), -len(s)) for s in self.stop if s in text]
+        if found:
+            end, minus_length = min(found)  # ends first; then the longest
+            self.held, self.matched = "", True
+            return text[: end + minus_length], True
+        num_held = max((n for s in self.stop for n in range(1, len(s))
+                        if text.endswith(s[:n])), default=0)
+        self.held = text[len(text) - num_held :]
+        return text[: len(text) - num_held], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return "" if self.matched else held
+
+
+def random_case(rng: random.Random) -> tuple[tuple[str, ...], list[str]]:
+    """Stop strings and deltas over a small alphabet, so that they overlap, nest and repeat; some
+    deltas are empty, as the detokenizer's can be."""
+    alphabet = rng.choice(["ab", "abc", "abcd", "a\n😀"])
+    word = lambda n: "".join(rng.choice(alphabet) for _ in range(n))  # noqa: E731
+    stop = tuple(word(rng.randint(1, 8)) for _ in range(rng.choice([1, 2, 4, 12, 40])))
+    deltas = [word(rng.choice([0, 0, 1, 1, 2, 3, 5, 12])) for _ in range(rng.randint(0, 30))]
+    return stop, deltas
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_brute_force_feed_by_feed(seed):
+    rng = random.Random(seed)
+    for _ in range(100):
+        stop, deltas = random_case(rng)
+        matcher, reference = StopStringMatcher(stop), BruteForceMatcher(stop)
+        for delta in deltas + ["more"]:  # feeding after a match must emit nothing
+            assert matcher.feed(delta) == reference.feed(delta), (stop, deltas)
+            assert matcher.matched == reference.matched
+        assert matcher.flush() == reference.flush(), (stop, deltas)
+
+
+def peak_memory_of(work) -> int:
+    """Bytes allocated by `work()` at its peak, as tracemalloc sees them."""
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def feed_all(matcher: StopStringMatcher, deltas) -> tuple[str, bool]:
+    emitted = ""
+    for delta in deltas:
+        piece, matched = matcher.feed(delta)
+        emitted += piece
+        if matched:
+            return emitted, True
+    return emitted + matcher.flush(), False
+
+
+def limit_sized_stops(rng: random.Random) -> tuple[str, ...]:
+    # over two letters, so that prefixes overlap and failure links go deep
+    return tuple("".join(rng.choice("ab") for _ in range(MAX_STOP_STRING_CHARS))
+                 for _ in range(MAX_STOP_STRINGS))
+
+
+def test_memory_is_linear_in_the_total_stop_length():
+    rng = random.Random(0)
+    stop = limit_sized_stops(rng)
+    text = "".join(rng.choice("ab") for _ in range(20_000))
+    deltas = [text[i : i + 7] for i in range(0, len(text), 7)]
+    # ~17 bytes a stop character: ~1.1 MB; a set of every prefix (the old matcher) took ~40 MB
+    assert peak_memory_of(lambda: feed_all(StopStringMatcher(stop), deltas)) < 4 * 2**20
+
+
+def test_a_long_stop_string_costs_linear_time_and_memory():
+    # far past the request limit. 100k characters one at a time, twice nearly completing the stop
+    # string, so that up to 50k characters are held; each "c" releases them all at once. The old
+    # matcher's set of prefixes took 1.3 GB here, and copying the held text at each feed would be
+    # billions of character operations.
+    length = 50_000
+    text = ("a" * (length - 1) + "c") * 2
+    result = []
+    started = time.perf_counter()
+    peak = peak_memory_of(lambda: result.append(
+        feed_all(StopStringMatcher(("a" * (length - 1) + "b",)), text)))
+    assert time.perf_counter() - started < 5.0  # generous: < 1 s even with tracemalloc on
+    assert peak < 4 * 2**20  # ~17 bytes a stop character, and the text itself
+    assert result == [(text, False)]
+
+
+def test_feeding_takes_amortized_constant_work_per_character(monkeypatch):
+    # counts automaton edge look-ups: one per character, plus one per failure link followed,
+    # which never exceeds the characters fed; whatever the number and length of stop strings
+    rng = random.Random(1)
+    stop = limit_sized_stops(rng)
+    text = "".join(rng.choice("ab") for _ in range(100_000))
+    deltas, start = [], 0
+    while start < len(text):
+        deltas.append(text[start : start + rng.choice([0, 1, 3, 8, 40])])
+        start += len(deltas[-1])
+    lookups = 0
+    child = StopAutomaton.child
+
+    def counting_child(self, node, code):
+        nonlocal lookups
+        lookups += 1
+        return child(self, node, code)
+
+    monkeypatch.setattr(StopAutomaton, "child", counting_child)
+    assert feed_all(StopStringMatcher(stop), deltas) == (text, False)
+    assert lookups <= 2 * len(text)

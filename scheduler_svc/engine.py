@@ -231,7 +231,11 @@ class Engine:
     async def _attach(self, description) -> None:
         """Sizes the block pools from Describe's answer (never from a guess) and loads the tokenizer."""
         if description.tokenizer != self._tokenizer_source:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, description.tokenizer)
+            try:
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, description.tokenizer)
+            except Exception as err:  # noqa: BLE001 - any reason a tokenizer will not load
+                raise RuntimeError(f"the tokenizer at {description.tokenizer!r} did not load: "
+                                   f"{type(err).__name__}: {err}") from err
             self._tokenizer_source = description.tokenizer
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.limits = ModelLimits(description.vocab_size, description.max_model_len, eos)

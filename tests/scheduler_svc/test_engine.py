@@ -32,6 +32,8 @@ class FakeClient:
         self.tamper = tamper or (lambda n, plan, sampled: sampled)
         self.attachable = asyncio.Event()
         self.attachable.set()
+        self.results_flow = asyncio.Event()  # cleared: receive() waits
+        self.results_flow.set()
         self.description = None
         self.addresses = ["fake:1"]
         self.connected_address = None
@@ -55,6 +57,7 @@ class FakeClient:
 
     async def receive(self, plan) -> dict[int, int]:
         await asyncio.sleep(0)
+        await self.results_flow.wait()
         if not self._results:
             raise ExecutorLost("closed")
         self.num_results += 1
@@ -122,17 +125,19 @@ def test_an_executor_that_disagrees_is_resynced_by_recompute(undisturbed, how):
 
 
 def test_a_failing_step_loop_ends_its_streams_and_serving_resumes(undisturbed):
-    long_specs = [spec(i, max_tokens=200) for i in range(12)]
+    client = FakeClient()
+    client.results_flow.clear()  # no request can finish before all are admitted
 
     async def during(engine):
-        while engine.num_steps < 3 or engine.num_requests < len(long_specs):
-            await asyncio.sleep(0)
+        while engine.num_requests < len(SPECS):
+            await asyncio.sleep(0.01)
         schedule = engine.scheduler.schedule
 
         def broken():
             engine.scheduler.schedule = schedule
             raise RuntimeError("a bug")
         engine.scheduler.schedule = broken
+        client.results_flow.set()
         while engine.num_loop_failures == 0:
             await asyncio.sleep(0.01)
         await engine.wait_ready()
@@ -140,7 +145,7 @@ def test_a_failing_step_loop_ends_its_streams_and_serving_resumes(undisturbed):
         # served again, from a fresh executor stream (new seq ids: other fake tokens)
         assert [len(o) for o in after] == [len(o) for o in undisturbed]
 
-    outputs, engine, health = run(serve(FakeClient(), long_specs, during=during))
+    outputs, engine, health = run(serve(client, SPECS, during=during))
     assert all(isinstance(o, EngineFailed) for o in outputs)
     assert "step loop failed" in str(outputs[0])
     assert health == [True, False, True]

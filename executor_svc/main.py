@@ -10,7 +10,7 @@ import signal
 import threading
 
 from executor_svc.config import ExecutorConfig
-from executor_svc.transport import TransportConfig
+from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
 
 log = logging.getLogger("executor_svc")
 
@@ -56,7 +56,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     p.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate: serve TLS")
     p.add_argument("--tls-key", default=_env("TLS_KEY", None), help="PEM private key of --tls-cert")
     p.add_argument("--auth-token", default=_env("AUTH_TOKEN", None),
-                   help="shared token the scheduler must present (authorization: Bearer ...)")
+                   help="shared token the scheduler must present (authorization: Bearer ...); "
+                        "it also lets a scheduler take the lease from another (takeover)")
+    p.add_argument("--hello-timeout", type=float, default=float(_env("HELLO_TIMEOUT", 5.0)),
+                   help="seconds an Execute stream may take to present its lease hello")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     backend = a.backend
@@ -71,7 +74,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
         max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
         seed=a.seed, fingerprint_cache_dir=_fingerprint_cache_dir(a.fingerprint_cache_dir),
         host=a.host, port=a.port)
-    transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=a.auth_token)
+    transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=a.auth_token,
+                                hello_timeout_s=a.hello_timeout)
     return config, transport, a.log_level
 
 
@@ -97,10 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     from executor_svc.server import build_server
     from executor_svc.worker import Worker
 
-    worker = Worker(config)
-    info = worker.describe()
-    server, port = build_server(worker, f"{config.host}:{config.port}", transport,
-                                config.overlap_steps)
+    address = f"{config.host}:{config.port}"
+    try:
+        check_can_listen(config.host, config.port)  # before minutes of loading, not after
+        worker = Worker(config)
+        info = worker.describe()
+        server, port = build_server(worker, address, transport, config.overlap_steps)
+    except AddressInUse as err:
+        raise SystemExit(f"pagedserve-executor: {err}") from None
     server.start()
     log.info("executor ready on %s:%d: %s (%s, %s), %d GPU blocks, %d CPU blocks, steps %s",
              config.host, port, info.model_name, info.backend, info.dtype, info.num_gpu_blocks,

@@ -1,8 +1,9 @@
 """The Executor gRPC service: Describe, and the Execute stream (one StepPlan in, one StepResult out).
 
 Thin: converts messages with executor_svc.wire and calls the Worker through a StepPipeline (step
-N+1 is launched before step N is finished when its plan is already there). A new Execute stream
-starts from empty executor-side state and supersedes any older stream still open.
+N+1 is launched before step N is finished when its plan is already there). One scheduler drives
+the worker at a time, under a lease (executor_svc.lease) presented in a stream's first message;
+only a granted stream resets the worker, and a stream that is not granted never touches it.
 """
 from __future__ import annotations
 
@@ -17,50 +18,131 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from executor_svc import wire
+from executor_svc.lease import Hello, Lease, LeaseRefused, WaitingStreams
 from executor_svc.step import PlanMismatch
-from executor_svc.step_pipeline import StepFailed, StepPipeline
-from executor_svc.transport import TokenInterceptor, TransportConfig
+from executor_svc.step_pipeline import PlanReader, StepFailed, StepPipeline
+from executor_svc.transport import AddressInUse, StreamLimits, TokenInterceptor, TransportConfig
 from protos import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Every call holds one of MAX_WORKERS threads while it runs, and a call beyond MAX_WORKERS is
+# refused rather than queued behind them. Streams that are not the lease holder's are capped well
+# below that (MAX_WAITING_STREAMS waiting for their hello, reflection streams), so Describe and a
+# scheduler's hello always find a thread. Health Watch needs no cap: it holds no thread.
+MAX_WORKERS = 32
+MAX_WAITING_STREAMS = 8
+STREAM_LIMITS = {f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": 4}
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A second executor on this port must fail to start, not share the port with this one.
+    ("grpc.so_reuseport", 0),
+    # Ping the scheduler, idle or not: a vanished scheduler's stream ends within ~15 s, which
+    # frees the lease for another scheduler.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Welcome the scheduler's own keepalive pings (every 10 s by default, never under 1 s) in
+    # idle spells; the default policy (one per 5 min) answers them with GOAWAY too_many_pings.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 500),
+]
 
 
 class Superseded(Exception):
-    """A newer Execute stream has opened: the worker's state is no longer this stream's."""
+    """A later lease grant took the worker: its state is no longer this stream's."""
+
+
+class _Evicted(Exception):
+    """A newer stream took this stream's place among the streams waiting for their hello."""
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, worker, overlap_steps: bool = True) -> None:
+    def __init__(self, worker, overlap_steps: bool = True, allow_takeover: bool = False,
+                 hello_timeout_s: float = TransportConfig.hello_timeout_s,
+                 max_waiting_streams: int = MAX_WAITING_STREAMS) -> None:
         self.worker = worker
         self.instance_id = random.getrandbits(63)
         self.executed_steps = 0
         # 2: launch step N+1 before finishing step N; 1: one step at a time.
         self.max_steps_in_flight = 2 if overlap_steps else 1
+        self.hello_timeout_s = hello_timeout_s
+        self.lease = Lease(allow_takeover)
+        self.waiting = WaitingStreams(max_waiting_streams)
         self._lock = threading.Lock()  # one worker call at a time
-        self._stream_generation = 0
 
     def Describe(self, request, context):
         return wire.info_to_proto(self.worker.describe(), self.instance_id)
 
     def Execute(self, request_iterator, context):
-        with self._lock:
-            self._stream_generation += 1
-            generation = self._stream_generation
-            self.worker.reset()
-        log.info("execute stream %d opened", generation)
-        pipeline = StepPipeline(functools.partial(self._launch, generation),
-                                functools.partial(self._finish, generation),
-                                self.max_steps_in_flight)
+        reader = PlanReader(request_iterator)
+        hello = self._read_hello(reader, context)
+        generation = self._grant(hello, reader, context)
         try:
-            for output, executed_steps in pipeline.run(request_iterator):
+            yield executor_pb2.StepResult(step_id=0)  # the lease is this stream's
+            pipeline = StepPipeline(functools.partial(self._launch, generation),
+                                    functools.partial(self._finish, generation),
+                                    self.max_steps_in_flight)
+            for output, executed_steps in pipeline.run(reader):
                 yield wire.output_to_proto(output, executed_steps)
         except StepFailed as failure:
             self._abort(context, generation, failure)
+        except Superseded:
+            context.abort(grpc.StatusCode.ABORTED, "superseded by a newer Execute stream")
+        finally:
+            self.lease.release(generation)
+
+    def _read_hello(self, reader: PlanReader, context) -> Hello:
+        """The stream's first message as a Hello; closes the stream if it is anything else, does
+        not come within hello_timeout_s, or a newer stream evicts this one while it waits."""
+        key = self.waiting.add(lambda: reader.interrupt(_Evicted()))
+        try:
+            first = reader.first(self.hello_timeout_s)
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"no lease hello within {self.hello_timeout_s:g}s")
+        except _Evicted:
+            first = None
+        except Exception:  # noqa: BLE001 - the stream broke (cancelled): nothing to answer
+            context.abort(grpc.StatusCode.CANCELLED, "the stream ended before its hello")
+        finally:
+            evicted = not self.waiting.remove(key)
+        if evicted:  # even if the hello came as it was evicted: its _Evicted is in the inbox
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "too many Execute streams are waiting for their hello")
+        hello = hello_from_proto(first)
+        if hello is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the first message of an Execute stream must be a lease hello: step 0 "
+                          "with only `lease` set (a scheduler_id and an epoch >= 1)")
+        return hello
+
+    def _grant(self, hello: Hello, reader: PlanReader, context) -> int:
+        """Grants the lease and resets the worker for its new holder; closes the stream if the
+        lease is refused or the client has already gone (then the worker is not touched)."""
+        if not context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, "the client left before its hello was read")
+        try:
+            generation = self.lease.grant(hello, context.is_active,
+                                          lambda: reader.interrupt(Superseded()))
+        except LeaseRefused as refused:
+            log.warning("Execute from %s refused (scheduler %s, epoch %d): %s", context.peer(),
+                        hello.scheduler_id, hello.epoch, refused)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(refused))
+        with self._lock:
+            if self.lease.is_current(generation):
+                self.worker.reset()
+        log.info("lease %d granted to scheduler %s (epoch %d%s) at %s", generation,
+                 hello.scheduler_id, hello.epoch, ", takeover" if hello.takeover else "",
+                 context.peer())
+        return generation
 
     def _launch(self, generation: int, plan):
+        if plan.HasField("lease"):
+            raise PlanMismatch(f"step {plan.step_id} carries a lease: only the first message may")
         step = wire.step_from_proto(plan)
         with self._lock:
             self._check_current(generation)
@@ -74,7 +156,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             return output, self.executed_steps
 
     def _check_current(self, generation: int) -> None:
-        if generation != self._stream_generation:
+        if not self.lease.is_current(generation):
             raise Superseded()
 
     def _abort(self, context, generation: int, failure: StepFailed) -> None:
@@ -84,7 +166,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if isinstance(err, Superseded):
             context.abort(grpc.StatusCode.ABORTED, "superseded by a newer Execute stream")
         with self._lock:  # a failed step may leave partial state: drop it all
-            if generation == self._stream_generation:
+            if self.lease.is_current(generation):
                 self.worker.reset()
         if isinstance(err, PlanMismatch):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
@@ -92,18 +174,30 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         context.abort(grpc.StatusCode.INTERNAL, f"step {failure.step_id} failed: {err!r}")
 
 
+def hello_from_proto(plan: executor_pb2.StepPlan | None) -> Hello | None:
+    """The Hello in a stream's first message; None unless it is exactly step 0 with a lease."""
+    if plan is None or not plan.HasField("lease"):
+        return None
+    lease = plan.lease
+    if not lease.scheduler_id or lease.epoch < 1 or plan != executor_pb2.StepPlan(lease=lease):
+        return None
+    return Hello(lease.scheduler_id, lease.epoch, lease.takeover)
+
+
 def build_server(worker, address: str, transport: TransportConfig = TransportConfig(),
                  overlap_steps: bool = True):
-    """A grpc server with the Executor, health and reflection services; returns (server, port)."""
-    interceptors = ([TokenInterceptor(transport.auth_token, SERVICE_NAME)]
-                    if transport.auth_token else [])
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8),
-        interceptors=interceptors,
-        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-    )
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(worker, overlap_steps), server)
+    """A grpc server with the Executor, health and reflection services; returns (server, port).
+    Raises AddressInUse if the address cannot be bound. A takeover of the lease is honoured only
+    with a token, which authenticates it."""
+    interceptors = [StreamLimits(STREAM_LIMITS)]
+    if transport.auth_token:
+        interceptors.append(TokenInterceptor(transport.auth_token, SERVICE_NAME))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
+                         interceptors=interceptors, options=SERVER_OPTIONS,
+                         maximum_concurrent_rpcs=MAX_WORKERS)
+    servicer = ExecutorServicer(worker, overlap_steps, allow_takeover=bool(transport.auth_token),
+                                hello_timeout_s=transport.hello_timeout_s)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -111,9 +205,17 @@ def build_server(worker, address: str, transport: TransportConfig = TransportCon
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
+    return server, _bind(server, address, transport)
+
+
+def _bind(server, address: str, transport: TransportConfig) -> int:
     credentials = transport.server_credentials()
-    port = (server.add_secure_port(address, credentials) if credentials
-            else server.add_insecure_port(address))
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials
+                else server.add_insecure_port(address))
+    except RuntimeError:  # grpc only says "Failed to bind"; its C log has the cause
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind {address}")
-    return server, port
+        raise AddressInUse(f"cannot listen on {address}: the port is in use, or the address is "
+                           "not this host's (grpc's log line above has the cause)")
+    return port

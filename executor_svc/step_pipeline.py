@@ -1,7 +1,8 @@
 """StepPipeline: runs the plans of one Execute stream with up to `max_in_flight` steps launched and
 not finished, so that the host work of step N+1 (reading and checking its plan, building its
 inputs, queueing its GPU work) overlaps the GPU work of step N. Results come out strictly in step
-order. Plain Python: no gRPC, no torch.
+order. PlanReader reads a stream's plans in a thread, so a wait for one can time out or be
+interrupted. Plain Python: no gRPC, no torch.
 """
 from __future__ import annotations
 
@@ -34,16 +35,16 @@ class StepPipeline:
         self._launch, self._finish = launch, finish
         self.max_in_flight = max_in_flight
 
-    def run(self, plans: Iterable) -> Iterator:
+    def run(self, plans: "Iterable | PlanReader") -> Iterator:
         """The results of the plans' steps, in order. A step that fails raises StepFailed, after
-        the results of the steps launched before it; an error reading the plans is raised as is.
+        the results of the steps launched before it; an error reading the plans, or one posted by
+        PlanReader.interrupt, is raised as is.
 
         After launching a step, the next plan is launched before the step is finished if it is
         already queued, or if it arrives while the step still runs; a finished step's result is
         never held back waiting for a plan (the scheduler may be waiting for it to plan)."""
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=_read, args=(iter(plans), inbox), name="plan-reader",
-                         daemon=True).start()
+        reader = plans if isinstance(plans, PlanReader) else PlanReader(plans)
+        inbox = reader.inbox
         watcher = _Watcher(inbox)
         in_flight: deque = deque()
         try:
@@ -90,6 +91,35 @@ class StepPipeline:
             return fn(arg)
         except Exception as err:
             raise StepFailed(arg.step_id, err) from err
+
+
+class PlanReader:
+    """Moves a stream's plans to `inbox` in a background thread as they arrive, then _END or the
+    stream's error. The consumer (StepPipeline.run, or `first`) waits on the inbox alone, so its
+    wait can have a timeout and another thread can end it with `interrupt`."""
+
+    def __init__(self, plans: Iterable) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_read, args=(iter(plans), self.inbox), name="plan-reader",
+                         daemon=True).start()
+
+    def first(self, timeout: float):
+        """The stream's first plan, or None if it ended without one. Raises TimeoutError when
+        none came within `timeout` seconds, the stream's error, or what `interrupt` posted."""
+        try:
+            item = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no plan within {timeout}s") from None
+        if isinstance(item, BaseException):
+            raise item
+        if item is _END:
+            self.inbox.put(_END)  # a later run() sees the end too
+            return None
+        return item
+
+    def interrupt(self, err: BaseException) -> None:
+        """The consumer raises `err` at its next wait for a plan (now, if it is waiting)."""
+        self.inbox.put(err)
 
 
 def _read(plans: Iterator, inbox: queue.SimpleQueue) -> None:

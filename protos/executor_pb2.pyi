@@ -90,8 +90,18 @@ class CachedSeq(_message.Message):
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_id: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class Lease(_message.Message):
+    __slots__ = ("scheduler_id", "epoch", "takeover")
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_FIELD_NUMBER: _ClassVar[int]
+    scheduler_id: str
+    epoch: int
+    takeover: bool
+    def __init__(self, scheduler_id: _Optional[str] = ..., epoch: _Optional[int] = ..., takeover: _Optional[bool] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "swap_out", "swap_in", "copy", "new_seqs", "cached_seqs", "finished_seq_ids", "preempted_seq_ids")
+    __slots__ = ("step_id", "swap_out", "swap_in", "copy", "new_seqs", "cached_seqs", "finished_seq_ids", "preempted_seq_ids", "lease")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +110,7 @@ class StepPlan(_message.Message):
     CACHED_SEQS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
@@ -108,7 +119,8 @@ class StepPlan(_message.Message):
     cached_seqs: _containers.RepeatedCompositeFieldContainer[CachedSeq]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     preempted_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., cached_seqs: _Optional[_Iterable[_Union[CachedSeq, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease: Lease
+    def __init__(self, step_id: _Optional[int] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., cached_seqs: _Optional[_Iterable[_Union[CachedSeq, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprob")

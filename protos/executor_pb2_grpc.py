@@ -56,7 +56,9 @@ class ExecutorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request_iterator, context):
-        """One StepPlan in, one StepResult out, per step, in order.
+        """One StepPlan in, one StepResult out, per step, in order. The first plan is a hello: step 0
+        carrying only `lease`; the executor answers it with an empty StepResult for step 0 once the
+        lease is granted, or ends the stream (FAILED_PRECONDITION: leased by another scheduler).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,14 +1,19 @@
-"""The scheduler's link to one executor: Describe, then one Execute stream of plans and results.
+"""The scheduler's link to one executor: Describe, then one Execute stream of plans and results,
+opened with a lease hello (this scheduler's id and a new epoch) that the executor acknowledges.
 
 Wire module: converts plans and results with `scheduler_svc.wire`. Any failure of the link (broken
 stream, timeout, FAILED_PRECONDITION, a different model) surfaces as ExecutorLost; the engine
-resyncs and calls `connect()` again.
+resyncs and calls `connect()` again. An executor leased by another scheduler is skipped like one
+that does not answer.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -20,12 +25,32 @@ from scheduler_svc.plan import StepPlan
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
+# The executor welcomes pings down to every 0.5 s (executor_svc.server.SERVER_OPTIONS); a floor
+# of twice that keeps clock jitter from ever earning a GOAWAY too_many_pings.
+MIN_KEEPALIVE_S = 1.0
+# Epochs of this process's lease hellos: every connect, of every client, gets a higher one, so a
+# reconnect (or a switch back to the same executor) supersedes this scheduler's older stream.
+_EPOCHS = itertools.count(1)
+
+
+@functools.cache
+def process_scheduler_id() -> str:
+    """This scheduler process's lease identity: random, so two schedulers never share one."""
+    return uuid.uuid4().hex
+
+
+def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
+    if keepalive_s < MIN_KEEPALIVE_S:
+        raise ValueError(f"keepalive_s must be >= {MIN_KEEPALIVE_S}, got {keepalive_s}")
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        # Keep pinging through idle spells (grpc stops after 2 pings without data by default):
+        # a vanished executor is then found before the next step waits step_timeout_s for it.
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 class ExecutorLost(Exception):
@@ -34,14 +59,17 @@ class ExecutorLost(Exception):
 
 @dataclass(frozen=True)
 class LinkSecurity:
-    """TLS (a CA bundle to verify the executor) and a shared token for the executor link."""
+    """TLS (a CA bundle to verify the executor), a shared token for the executor link, and
+    whether to take the executor's lease from another live scheduler (honoured only by an
+    executor with a token)."""
 
     tls_ca: str | None = None  # PEM file; None = plaintext
     tls_server_name: str | None = None  # overrides the name checked against the certificate
     auth_token: str | None = None
+    takeover: bool = False
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        options = list(_CHANNEL_OPTIONS)
+    def channel(self, address: str, options: list[tuple[str, int]]) -> grpc.aio.Channel:
+        options = list(options)
         if self.tls_ca is None:
             return grpc.aio.insecure_channel(address, options=options)
         with open(self.tls_ca, "rb") as f:
@@ -55,13 +83,19 @@ class LinkSecurity:
 
 
 class ExecutorClient:
-    """Connects to the first answering executor among `addresses` whose model matches."""
+    """Connects to the first answering executor among `addresses` whose model matches and that
+    grants this scheduler its lease. `describe_timeout_s` bounds Describe and the lease hello's
+    answer each; `keepalive_s` is the interval of the link's keepalive pings."""
 
     def __init__(self, addresses: list[str], step_timeout_s: float = 60.0,
                  describe_timeout_s: float = 5.0, max_backoff_s: float = 2.0,
-                 security: LinkSecurity = LinkSecurity(), fingerprint: str | None = None) -> None:
+                 security: LinkSecurity = LinkSecurity(), fingerprint: str | None = None,
+                 keepalive_s: float = 10.0, scheduler_id: str | None = None) -> None:
         if not addresses:
             raise ValueError("at least one executor address is needed")
+        self.channel_options = channel_options(keepalive_s)
+        self.keepalive_s = keepalive_s
+        self.scheduler_id = scheduler_id or process_scheduler_id()
         self.addresses = list(addresses)
         self.step_timeout_s = step_timeout_s
         self.describe_timeout_s = describe_timeout_s
@@ -72,6 +106,7 @@ class ExecutorClient:
         self.connected_address: str | None = None
         self._channel: grpc.aio.Channel | None = None
         self._call = None
+        self._last_refusal: str | None = None
         self.disconnected_since: float | None = time.monotonic()
 
     async def connect(self) -> wire.ExecutorDescription:
@@ -94,7 +129,7 @@ class ExecutorClient:
 
     async def _try_address(self, address: str) -> wire.ExecutorDescription | None:
         await self.close()
-        channel = self.security.channel(address)
+        channel = self.security.channel(address, self.channel_options)
         stub = executor_pb2_grpc.ExecutorStub(channel)
         metadata = self.security.metadata()
         try:
@@ -112,14 +147,54 @@ class ExecutorClient:
                       address, description.model_name, description.fingerprint, self.fingerprint)
             await channel.close()
             return None
+        call = await self._open_leased_stream(stub, metadata, address)
+        if call is None:
+            await channel.close()
+            return None
         self.fingerprint = description.fingerprint
-        self._channel, self._call = channel, stub.Execute(metadata=metadata)
+        self._channel, self._call = channel, call
         self.description, self.connected_address = description, address
-        self.disconnected_since = None
+        self.disconnected_since, self._last_refusal = None, None
         log.info("attached executor %s (%s, %s backend, %d GPU / %d CPU blocks)", address,
                  description.model_name, description.backend, description.num_gpu_blocks,
                  description.num_cpu_blocks)
         return description
+
+    async def _open_leased_stream(self, stub, metadata, address: str):
+        """Opens the Execute stream and presents the lease hello; the stream once the executor
+        acknowledged it, None if it refused (leased by another scheduler) or did not answer."""
+        call = stub.Execute(metadata=metadata)
+        lease = executor_pb2.Lease(scheduler_id=self.scheduler_id, epoch=next(_EPOCHS),
+                                   takeover=self.security.takeover)
+        try:
+            await asyncio.wait_for(call.write(executor_pb2.StepPlan(lease=lease)),
+                                   self.describe_timeout_s)
+            ack = await asyncio.wait_for(call.read(), self.describe_timeout_s)
+        except asyncio.TimeoutError:
+            ack = None
+        except grpc.aio.AioRpcError as err:
+            self._log_refusal(address, err)
+            return None
+        except Exception as err:  # noqa: BLE001 - the channel may break in other ways
+            log.debug("executor %s: lease hello failed: %r", address, err)
+            ack = None
+        if ack is None or ack is grpc.aio.EOF or ack.step_id != 0:
+            log.debug("executor %s did not acknowledge the lease hello: %r", address, ack)
+            call.cancel()
+            return None
+        return call
+
+    def _log_refusal(self, address: str, err: grpc.aio.AioRpcError) -> None:
+        """A lease refusal goes to WARNING once while it repeats (connect() retries every few
+        seconds while another scheduler holds the executor); other failures to DEBUG."""
+        message = (f"executor {address} refused this scheduler's stream: {err.code().name}: "
+                   f"{err.details()}")
+        refused = err.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                 grpc.StatusCode.UNAUTHENTICATED)
+        new = refused and message != self._last_refusal
+        if refused:
+            self._last_refusal = message
+        log.log(logging.WARNING if new else logging.DEBUG, "%s", message)
 
     async def send(self, plan: StepPlan) -> None:
         """Writes a plan to the Execute stream; its result is read by `receive`."""

@@ -1,9 +1,12 @@
 """The Execute stream over gRPC in process, with steps overlapped and one at a time: the same
 results for the real scheduler's plans (two in flight), results in step order, and the failure
 rules: a rejected plan answers FAILED_PRECONDITION after the result of the step before it, a
-failing step INTERNAL, both dropping the executor's state; a newer stream aborts an older one."""
+failing step INTERNAL, both dropping the executor's state; the same scheduler's newer stream aborts
+its older one. Every stream opens with a lease hello (tests/executor_svc/test_lease.py has the
+lease rules)."""
 from __future__ import annotations
 
+import itertools
 import queue
 
 import grpc
@@ -16,16 +19,26 @@ from protos import executor_pb2, executor_pb2_grpc
 from tests.executor_svc.helpers import ScheduledRun, add_workload, make_scheduler
 
 TIMEOUT_S = 120
+_EPOCHS = itertools.count(1)
+
+
+def hello(scheduler_id: str = "test-scheduler", epoch: int | None = None, **fields):
+    epoch = next(_EPOCHS) if epoch is None else epoch
+    return executor_pb2.StepPlan(lease=executor_pb2.Lease(scheduler_id=scheduler_id, epoch=epoch,
+                                                          **fields))
 
 
 class GrpcLink:
     """One Execute stream as ScheduledRun's executor: send() writes a plan, receive() reads the
-    next result."""
+    next result. It opens with a hello from one test scheduler (each link a new epoch) and reads
+    the ack."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, first=None) -> None:
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
         stub = executor_pb2_grpc.ExecutorStub(channel)
         self._results = stub.Execute(iter(self._plans.get, None), timeout=TIMEOUT_S)
+        self.send(hello() if first is None else first)
+        assert self.receive().step_id == 0
 
     def send(self, message: executor_pb2.StepPlan) -> None:
         self._plans.put(message)
@@ -148,7 +161,7 @@ def test_failing_step_answers_internal_and_drops_state(served, monkeypatch):
     assert served.worker.runner.seqs == {} and served.worker.runner.num_pending_steps == 0
 
 
-def test_a_newer_stream_aborts_the_older_one(served):
+def test_a_newer_stream_of_the_same_scheduler_aborts_the_older_one(served):
     old = served.stream()
     old.send(plan(1, new=[1]))
     assert old.receive().step_id == 1  # returned although no next plan was sent

@@ -58,6 +58,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     p.add_argument("--auth-token", default=_env("AUTH_TOKEN", None),
                    help="shared token the scheduler must present (authorization: Bearer ...); "
                         "it also lets a scheduler take the lease from another (takeover)")
+    p.add_argument("--auth-token-file", default=_env("AUTH_TOKEN_FILE", None),
+                   help="file holding the shared token (instead of --auth-token)")
     p.add_argument("--hello-timeout", type=float, default=float(_env("HELLO_TIMEOUT", 5.0)),
                    help="seconds an Execute stream may take to present its lease hello")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
@@ -74,7 +76,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
         max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
         seed=a.seed, fingerprint_cache_dir=_fingerprint_cache_dir(a.fingerprint_cache_dir),
         host=a.host, port=a.port)
-    transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key, auth_token=a.auth_token,
+    transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key,
+                                auth_token=_token(p, a.auth_token, a.auth_token_file),
                                 hello_timeout_s=a.hello_timeout)
     return config, transport, a.log_level
 
@@ -85,6 +88,21 @@ def _fingerprint_cache_dir(value: str | None) -> str | None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return os.path.join(base, "pagedserve")
     return None if value.strip().lower() in ("", "none") else value
+
+
+def _token(parser, value: str | None, path: str | None) -> str | None:
+    """The token from --auth-token or from --auth-token-file (stripped); not both, never empty."""
+    if value and path:
+        parser.error("give --auth-token or --auth-token-file, not both")
+    if path:
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError as err:
+            parser.error(f"--auth-token-file: {err}")
+        if not value:
+            parser.error(f"--auth-token-file {path} is empty")
+    return value or None
 
 
 def _cuda_available() -> bool:

@@ -321,7 +321,8 @@ class Engine:
         client = ExecutorClient(addresses, step_timeout_s=old.step_timeout_s,
                                 describe_timeout_s=old.describe_timeout_s,
                                 max_backoff_s=old.max_backoff_s, security=old.security,
-                                fingerprint=old.fingerprint)
+                                fingerprint=old.fingerprint, keepalive_s=old.keepalive_s,
+                                scheduler_id=old.scheduler_id)
         description = await client.connect_once()
         if description is None:
             await client.close()

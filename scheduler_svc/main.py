@@ -34,6 +34,7 @@ class ServiceConfig:
     shutdown_timeout_s: float
     metrics_port: int
     security: LinkSecurity
+    executor_keepalive_s: float
     log_level: str
 
 
@@ -86,6 +87,13 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    help="shared token presented to the executor")
     p.add_argument("--executor-token-file", default=_env("EXECUTOR_TOKEN_FILE", None),
                    help="file holding the executor token (instead of --executor-token)")
+    p.add_argument("--executor-takeover", action="store_true",
+                   default=_env("EXECUTOR_TAKEOVER", "") not in ("", "0", "false"),
+                   help="take the executor's lease even from another live scheduler (honoured "
+                        "only by an executor that requires a token)")
+    p.add_argument("--executor-keepalive", type=float,
+                   default=float(_env("EXECUTOR_KEEPALIVE", 10.0)),
+                   help="seconds between keepalive pings on the executor link (>= 1)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     admin_token = _token(p, a.admin_token, a.admin_token_file, "--admin-token")
@@ -108,7 +116,8 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
         metrics_port=a.metrics_port,
         security=LinkSecurity(tls_ca=a.executor_tls_ca, tls_server_name=a.executor_tls_server_name,
-                              auth_token=executor_token),
+                              auth_token=executor_token, takeover=a.executor_takeover),
+        executor_keepalive_s=a.executor_keepalive,
         log_level=a.log_level)
 
 
@@ -161,7 +170,7 @@ async def serve(config: ServiceConfig) -> None:
     from scheduler_svc.server import Listeners, build_servers
 
     client = ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s,
-                            security=config.security)
+                            security=config.security, keepalive_s=config.executor_keepalive_s)
     metrics = Metrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)

@@ -44,9 +44,27 @@ def test_compose_declares_what_the_deployment_needs(compose):
         assert (ROOT / dockerfile).exists()
 
 
+def test_compose_executors_require_the_shared_secret(compose):
+    """An executor listening beyond loopback must require the secret the scheduler presents, and
+    the scheduler's Admin API must not be published."""
+    services = compose["services"]
+    secret = services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_EXECUTOR_TOKEN_FILE"]
+    for name in ("executor", "executor-cpu"):
+        env = services[name]["environment"]
+        assert env["PAGEDSERVE_EXECUTOR_HOST"] == "0.0.0.0"
+        assert env["PAGEDSERVE_EXECUTOR_AUTH_TOKEN_FILE"] == secret
+        assert "ports" not in services[name]
+    assert "PAGEDSERVE_SCHEDULER_ADMIN_HOST" not in services["scheduler"]["environment"]
+    assert all("50053" not in str(p) for p in services["scheduler"]["ports"])
+    assert secret in services["secret-init"]["command"][-1]
+
+
 def _translate(value: str, ports: dict[str, int], models_dir: str) -> str:
-    """What Docker's DNS, port publishing and volumes do, for one environment value."""
+    """What Docker's DNS, port publishing and volumes do, for one environment value (the secrets
+    volume lies next to the models folder)."""
+    secrets_dir = str(pathlib.Path(models_dir).parent / "secrets")
     value = value.replace("0.0.0.0", "127.0.0.1").replace("/models", models_dir)
+    value = value.replace("/secrets", secrets_dir)
     for host, port in ports.items():
         value = value.replace(f"{host}:50052", f"127.0.0.1:{port}")
     return value
@@ -61,10 +79,24 @@ def _process(service: dict, ports, models_dir, port_var: str, port: int, log):
     return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
+def _make_secret(service: dict, models_dir: str) -> str:
+    """Runs secret-init's script with the secrets volume mapped; returns the secret."""
+    secrets_dir = pathlib.Path(models_dir).parent / "secrets"
+    secrets_dir.mkdir()
+    script = _translate(service["command"][-1], {}, models_dir)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30)  # idempotent
+    path = secrets_dir / "executor-token"
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    return path.read_text()
+
+
 def test_cpu_profile_services_find_each_other(compose, tmp_path):
     models = tmp_path / "models"
     models.mkdir()
     shutil.copy(smollm2_gguf_path(), models / "SmolLM2-135M-Instruct.gguf")
+    secret = _make_secret(compose["services"]["secret-init"], str(models))
+    assert len(secret) >= 32
     ports = {"executor-cpu": free_port(), "executor": free_port()}  # no GPU executor runs here
     sched_port, metrics_port = free_port(), free_port()
     services = compose["services"]
@@ -86,6 +118,13 @@ def test_cpu_profile_services_find_each_other(compose, tmp_path):
         with grpc.insecure_channel(running.scheduler_address) as channel:
             ids, text, final = generate(running.stub(channel), text="Hello", max_tokens=4)
         assert len(ids) == 4 and final.finished
+        with grpc.insecure_channel(running.executor_address) as channel:  # no secret: refused
+            describe = channel.unary_unary("/pagedserve.v1.Executor/Describe",
+                                           request_serializer=lambda b: b,
+                                           response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as refused:
+                describe(b"", timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "attached executor 127.0.0.1:%d" % ports["executor-cpu"] in running.log_of("scheduler")
     finally:
         running.stop()

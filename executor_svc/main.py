@@ -10,7 +10,7 @@ import signal
 import threading
 
 from executor_svc.config import ExecutorConfig
-from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
+from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen, is_loopback
 
 log = logging.getLogger("executor_svc")
 
@@ -64,6 +64,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                    help="seconds an Execute stream may take to present its lease hello")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
+    auth_token = _token(p, a.auth_token, a.auth_token_file)
+    if auth_token is None and not is_loopback(a.host):
+        p.error(f"--host {a.host} is not a loopback address: set --auth-token (or "
+                "--auth-token-file) so that only your scheduler can drive this executor")
     backend = a.backend
     if backend == "auto":
         backend = "cuda" if _cuda_available() else "cpu"
@@ -77,7 +81,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
         seed=a.seed, fingerprint_cache_dir=_fingerprint_cache_dir(a.fingerprint_cache_dir),
         host=a.host, port=a.port)
     transport = TransportConfig(tls_cert=a.tls_cert, tls_key=a.tls_key,
-                                auth_token=_token(p, a.auth_token, a.auth_token_file),
+                                auth_token=auth_token,
                                 hello_timeout_s=a.hello_timeout)
     return config, transport, a.log_level
 

@@ -6,6 +6,7 @@ The token guards the Executor service only; health and reflection stay open for 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import socket
 import threading
 from dataclasses import dataclass
@@ -116,3 +117,13 @@ def check_can_listen(host: str, port: int) -> None:
             except OSError as err:
                 raise AddressInUse(f"cannot listen on {host}:{port}: {err.strerror} (is another "
                                    "executor running there?)") from err
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

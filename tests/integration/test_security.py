@@ -240,3 +240,11 @@ def test_a_model_without_tokenizer_serves_token_ids(tmp_path):
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and "no tokenizer" in details
     finally:
         services.stop()
+
+
+def test_an_executor_beyond_loopback_needs_a_token():
+    done = subprocess.run([sys.executable, "-m", "executor_svc.main", "--host", "0.0.0.0",
+                           "--port", str(free_port()), "--model", "preset:tiny"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "not a loopback address: set --auth-token" in done.stderr

@@ -1,11 +1,22 @@
 """Per-step attention metadata (positions, slots, packed query offsets, block tables), derived on
-the executor from block tables and token counts. Imports torch only.
+the executor from block tables and token counts. Imports torch and numpy only.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class PrefillPart:
+    """The seqs of a mixed step after its leading single-token ones, for the prefill kernel."""
+
+    block_tables: torch.Tensor  # [num_prefill_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q: torch.Tensor  # [num_prefill_seqs + 1] int32, from 0
+    seq_lens: torch.Tensor  # [num_prefill_seqs] int32
 
 
 @dataclass(frozen=True)
@@ -17,6 +28,11 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode_only: bool  # every seq has exactly one query token
+    # A mixed step's first `num_decodes` seqs have one query token each: they take the decode
+    # kernel (a prefill kernel would spend a whole query tile on each), `prefill` the rest.
+    # 0 and None when the step is decode only or starts with a longer seq.
+    num_decodes: int = 0
+    prefill: PrefillPart | None = None
 
 
 def build_attention_metadata(
@@ -29,37 +45,58 @@ def build_attention_metadata(
     """Positions [num_tokens] int64 and the metadata for one packed batch of sequences.
 
     Sequence i computes positions [num_computed_tokens[i], + num_scheduled_tokens[i]); its block
-    table must cover them.
+    table must cover them. A few tensor ops over the whole batch, no per-sequence tensors: a
+    mixed step of 256 decodes and a prefill chunk builds in well under a millisecond.
     """
-    positions = torch.cat([
-        torch.arange(start, start + n, dtype=torch.int64)
-        for start, n in zip(num_computed_tokens, num_scheduled_tokens)
-    ])  # [num_tokens]
-    max_blocks = max(len(t) for t in block_tables)
-    tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)  # [num_seqs, max_blocks]
-    for i, table in enumerate(block_tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
-    seq_index = torch.repeat_interleave(
-        torch.arange(len(block_tables)), torch.tensor(num_scheduled_tokens)
-    )  # [num_tokens]: which seq each token belongs to
+    num_seqs = len(block_tables)
+    query_lens = torch.tensor(num_scheduled_tokens, dtype=torch.int64)  # [num_seqs]
+    seq_lens = torch.tensor(num_computed_tokens, dtype=torch.int64) + query_lens  # [num_seqs]
+    cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    cu_seqlens_q[1:] = torch.cumsum(query_lens, 0)
+    num_tokens = int(cu_seqlens_q[-1])
+    seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)  # [num_tokens]
+    # position of token t of seq i: its seq's first new position + its offset among them
+    positions = (seq_lens - query_lens)[seq_index] + torch.arange(num_tokens) - cu_seqlens_q[seq_index]
+    tables = _padded(block_tables)  # [num_seqs, max_blocks] int64
     block_ids = tables[seq_index, positions // block_size]
     slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
-    query_lens = torch.tensor(num_scheduled_tokens, dtype=torch.int32)
-    cu_seqlens_q = torch.zeros(len(block_tables) + 1, dtype=torch.int32)
-    cu_seqlens_q[1:] = torch.cumsum(query_lens, 0)
-    seq_lens = torch.tensor(
-        [c + n for c, n in zip(num_computed_tokens, num_scheduled_tokens)], dtype=torch.int32
-    )
+    tables_d = to_device(tables.to(torch.int32), device)
+    seq_lens_d = to_device(seq_lens.to(torch.int32), device)
+    num_decodes = _num_leading_ones(num_scheduled_tokens)
+    prefill = None
+    if 0 < num_decodes < num_seqs:
+        rest = cu_seqlens_q[num_decodes:] - cu_seqlens_q[num_decodes]
+        prefill = PrefillPart(tables_d[num_decodes:], to_device(rest.to(torch.int32), device),
+                              seq_lens_d[num_decodes:])
     metadata = AttentionMetadata(
         slot_mapping=to_device(slot_mapping, device),
-        block_tables=to_device(tables.to(torch.int32), device),
-        cu_seqlens_q=to_device(cu_seqlens_q, device),
-        seq_lens=to_device(seq_lens, device),
+        block_tables=tables_d,
+        cu_seqlens_q=to_device(cu_seqlens_q.to(torch.int32), device),
+        seq_lens=seq_lens_d,
         max_seqlen_q=max(num_scheduled_tokens),
         max_seqlen_k=int(seq_lens.max()),
-        is_decode_only=all(n == 1 for n in num_scheduled_tokens),
+        is_decode_only=num_decodes == num_seqs,
+        num_decodes=num_decodes if prefill is not None else 0,
+        prefill=prefill,
     )
     return to_device(positions, device), metadata
+
+
+def _padded(block_tables: list[list[int]]) -> torch.Tensor:
+    """[num_seqs, max_blocks] int64, each row a table padded with 0, from one flat tensor."""
+    lengths = torch.tensor([len(t) for t in block_tables], dtype=torch.int64)
+    tables = torch.zeros(len(block_tables), int(lengths.max()), dtype=torch.int64)
+    # np.fromiter reads the tables' ints 4-5x faster than torch.tensor(list): 0.2 ms for 13k ids
+    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(block_tables), np.int64))
+    tables[torch.arange(tables.shape[1]) < lengths[:, None]] = flat  # row-major, as flat
+    return tables
+
+
+def _num_leading_ones(num_scheduled_tokens: list[int]) -> int:
+    for i, n in enumerate(num_scheduled_tokens):
+        if n != 1:
+            return i
+    return len(num_scheduled_tokens)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -205,6 +205,9 @@ class ModelRunner:
         self.cache_engine.copy(step.copy)
         scheduled = [self._register(new) for new in step.new_seqs]
         scheduled += [self._apply_diff(cached) for cached in step.cached_seqs]
+        # One-token seqs first (a stable sort keeps the plan's order otherwise): the attention
+        # of a mixed step then runs them through the decode kernel in one launch.
+        scheduled.sort(key=lambda s: s.num_scheduled_tokens != 1)
         return [s for s in scheduled if s.num_scheduled_tokens > 0]
 
     def _register(self, new: NewSeq) -> _Scheduled:

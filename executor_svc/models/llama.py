@@ -113,11 +113,23 @@ class LlamaModel:
             out = self.backend.paged_decode_attention(
                 q, k_cache, v_cache, md.block_tables, md.seq_lens, self.scale
             )
+        elif md.prefill is not None:  # mixed: the leading one-token seqs, then the rest
+            out = self._mixed_attention(q, md, k_cache, v_cache)
         else:
             out = self.backend.paged_prefill_attention(
                 q, k_cache, v_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, self.scale
             )  # [T, heads, hd]
         return F.linear(out.reshape(num_tokens, q_size), layer.o_proj)  # [T, hidden]
+
+    def _mixed_attention(self, q, md, k_cache, v_cache) -> torch.Tensor:
+        """q: [T, heads, hd]; its first md.num_decodes rows are one token of their own seq."""
+        d, p = md.num_decodes, md.prefill
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, heads, hd]
+        self.backend.paged_decode_attention(q[:d], k_cache, v_cache, md.block_tables[:d],
+                                            md.seq_lens[:d], self.scale, out=out[:d])
+        self.backend.paged_prefill_attention(q[d:], k_cache, v_cache, p.block_tables,
+                                             p.cu_seqlens_q, p.seq_lens, self.scale, out=out[d:])
+        return out
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate], gate | up

@@ -135,3 +135,48 @@ def test_forward_bit_identical_to_the_unfused_formulas(preset, dtype):
         with torch.inference_mode():
             expect = _unfused_forward(model, ids, positions, md, caches[1])
         assert torch.equal(hidden, expect)
+
+
+def test_mixed_batch_of_decodes_chunks_and_a_one_token_prompt():
+    """Several decodes (the decode kernel), then prefill chunks and a new one-token prompt."""
+    hf, model, cache = _setup("tiny")
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, n) for n in (7, 12, 5, 10, 1)]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2, 40 + i] for i in range(5)]
+    _forward(model, cache, prompts[:4], tables[:4], [0, 0, 0, 0], [6, 11, 5, 4])
+    prompts[2].append(rng.randrange(3, 49152))  # seq 2 decodes; 0 and 1 finish their prompts
+    logits = _forward(model, cache, prompts, tables, [6, 11, 5, 4, 0], [1, 1, 1, 6, 1])
+    for row, seq in enumerate((0, 1, 2)):
+        torch.testing.assert_close(logits[row], _hf_logits(hf, prompts[seq])[-1], atol=ATOL,
+                                   rtol=RTOL)
+    torch.testing.assert_close(logits[3:9], _hf_logits(hf, prompts[3])[4:], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits[9], _hf_logits(hf, prompts[4])[0], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metadata_matches_a_per_token_reference(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    scheduled = sorted((rng.choice([1, 1, 1, rng.randint(1, 9)]) for _ in range(n)),
+                       key=lambda q: q != 1)
+    computed = [rng.randint(0, 30) for _ in range(n)]
+    tables = [rng.sample(range(200), -(-(c + q) // BLOCK_SIZE) + rng.randint(0, 2))
+              for c, q in zip(computed, scheduled)]
+    positions, md = build_attention_metadata(tables, computed, scheduled, BLOCK_SIZE,
+                                             torch.device("cpu"))
+    want_pos = [p for c, q in zip(computed, scheduled) for p in range(c, c + q)]
+    want_slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                  for t, c, q in zip(tables, computed, scheduled) for p in range(c, c + q)]
+    assert positions.tolist() == want_pos and md.slot_mapping.tolist() == want_slots
+    for i, t in enumerate(tables):
+        assert md.block_tables[i, :len(t)].tolist() == t
+    assert md.seq_lens.tolist() == [c + q for c, q in zip(computed, scheduled)]
+    decodes = next((i for i, q in enumerate(scheduled) if q != 1), n)
+    assert md.is_decode_only == (decodes == n)
+    if md.prefill is None:
+        assert md.num_decodes == 0 and (decodes in (0, n))
+    else:
+        assert md.num_decodes == decodes
+        rest = scheduled[decodes:]
+        assert md.prefill.cu_seqlens_q.tolist() == [sum(rest[:i]) for i in range(len(rest) + 1)]
+        assert md.prefill.seq_lens.tolist() == md.seq_lens[decodes:].tolist()

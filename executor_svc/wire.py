@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from protos import executor_pb2
-from executor_svc.step import (CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step,
-                               StepOutput)
+from executor_svc.step import (CachedSeq, ExecutorInfo, NewSeq, PlanMismatch, SamplingOptions,
+                               Step, StepOutput)
 
 
 def _pairs(pairs) -> list[tuple[int, int]]:
@@ -28,14 +28,35 @@ def step_from_proto(plan: executor_pb2.StepPlan) -> Step:
             for s in plan.new_seqs
         ],
         cached_seqs=[
-            CachedSeq(seq_id=s.seq_id, num_scheduled_tokens=s.num_scheduled_tokens,
-                      num_computed_tokens=s.num_computed_tokens,
-                      new_block_ids=list(s.new_block_ids))
-            for s in plan.cached_seqs
+            *(CachedSeq(seq_id=s.seq_id, num_scheduled_tokens=s.num_scheduled_tokens,
+                        num_computed_tokens=s.num_computed_tokens,
+                        new_block_ids=list(s.new_block_ids))
+              for s in plan.cached_seqs),
+            *_cached_columns(plan.cached),
         ],
         finished_seq_ids=list(plan.finished_seq_ids),
         preempted_seq_ids=list(plan.preempted_seq_ids),
     )
+
+
+def _cached_columns(cached: executor_pb2.CachedSeqs) -> list[CachedSeq]:
+    """The columns of CachedSeqs, row by row; PlanMismatch if they do not line up."""
+    num_seqs = len(cached.seq_ids)
+    block_ids = list(cached.new_block_ids)
+    num_new_blocks = list(cached.num_new_blocks)
+    if not (len(cached.num_scheduled_tokens) == len(cached.num_computed_tokens)
+            == len(num_new_blocks) == num_seqs) or sum(num_new_blocks) != len(block_ids):
+        raise PlanMismatch("cached: columns of different lengths, or num_new_blocks does not "
+                           "add up to new_block_ids")
+    seqs, start = [], 0
+    for seq_id, num_scheduled, num_computed, num_blocks in zip(
+            cached.seq_ids, cached.num_scheduled_tokens, cached.num_computed_tokens,
+            num_new_blocks):
+        seqs.append(CachedSeq(seq_id=seq_id, num_scheduled_tokens=num_scheduled,
+                              num_computed_tokens=num_computed,
+                              new_block_ids=block_ids[start:start + num_blocks]))
+        start += num_blocks
+    return seqs
 
 
 def output_to_proto(out: StepOutput, executed_steps: int) -> executor_pb2.StepResult:

@@ -90,6 +90,20 @@ class CachedSeq(_message.Message):
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_id: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class CachedSeqs(_message.Message):
+    __slots__ = ("seq_ids", "num_scheduled_tokens", "num_computed_tokens", "num_new_blocks", "new_block_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Lease(_message.Message):
     __slots__ = ("scheduler_id", "epoch", "takeover")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -101,7 +115,7 @@ class Lease(_message.Message):
     def __init__(self, scheduler_id: _Optional[str] = ..., epoch: _Optional[int] = ..., takeover: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "swap_out", "swap_in", "copy", "new_seqs", "cached_seqs", "finished_seq_ids", "preempted_seq_ids", "lease")
+    __slots__ = ("step_id", "swap_out", "swap_in", "copy", "new_seqs", "cached_seqs", "finished_seq_ids", "preempted_seq_ids", "lease", "cached")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +125,7 @@ class StepPlan(_message.Message):
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
@@ -120,7 +135,8 @@ class StepPlan(_message.Message):
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     preempted_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     lease: Lease
-    def __init__(self, step_id: _Optional[int] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., cached_seqs: _Optional[_Iterable[_Union[CachedSeq, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    cached: CachedSeqs
+    def __init__(self, step_id: _Optional[int] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., cached_seqs: _Optional[_Iterable[_Union[CachedSeq, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., cached: _Optional[_Union[CachedSeqs, _Mapping]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprob")

@@ -2,6 +2,7 @@
 each sequence. The only owner of page tables and of both block pools. Plain Python only."""
 
 from collections import Counter
+from collections.abc import Sequence
 
 from scheduler_svc.block_pool import BlockPool
 
@@ -77,6 +78,30 @@ class BlockManager:
         need = self._num_new_blocks(seq_id, num_total_tokens)
         need += int(self._needs_cow(seq_id, num_total_tokens))
         return self._gpu_pool.can_allocate(need)
+
+    def append_slots(self, seq_id: int, num_total_tokens: int) -> Sequence[int] | None:
+        """allocate_slots for a seq that has a GPU table and needs no copy-on-write, at a
+        fraction of its cost (the scheduler calls it for every decode of every step): the block
+        ids appended, or None, and no change, when a copy is needed or the pool is short.
+        No new block is a shared empty tuple: nothing to allocate on the common path."""
+        table = self._gpu_tables.get(seq_id)
+        if table is None:
+            return None
+        num_slots = self._num_slots.get(seq_id, 0)
+        if num_total_tokens <= num_slots:
+            return ()
+        pool = self._gpu_pool
+        if pool.num_shared and num_slots % self.block_size and pool.ref_count(table[-1]) > 1:
+            return None  # the new tokens land in a shared partial block: copy-on-write
+        num_new_blocks = -(-num_total_tokens // self.block_size) - len(table)
+        new_block_ids: Sequence[int] = ()
+        if num_new_blocks > 0:
+            if not pool.can_allocate(num_new_blocks):
+                return None
+            new_block_ids = pool.allocate_n(num_new_blocks)
+            table.extend(new_block_ids)
+        self._num_slots[seq_id] = num_total_tokens
+        return new_block_ids
 
     def allocate_slots(self, seq_id: int, num_total_tokens: int,
                        copies: list[tuple[int, int]] | None = None) -> list[int] | None:

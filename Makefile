@@ -22,11 +22,12 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 setup: $(BIN)/.installed
 
+# exec: the launcher is make's own child, so make's SIGTERM reaches it; on Ctrl-C or SIGTERM it
+# drains the scheduler, then stops the executor (scripts/serve.py)
 serve: setup
 	@echo "starting executor and scheduler; in another shell: $(BIN)/pagedserve-client 'What is the capital of France?'"
-	@trap 'kill 0' EXIT INT TERM; \
-	$(BIN)/pagedserve-executor $(EXECUTOR_ARGS) & \
-	$(BIN)/pagedserve-scheduler $(SCHEDULER_ARGS)
+	@exec $(BIN)/python scripts/serve.py --executor-args "$(EXECUTOR_ARGS)" \
+		--scheduler-args "$(SCHEDULER_ARGS)"
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

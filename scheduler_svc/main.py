@@ -10,7 +10,9 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
+from typing import NoReturn
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig
@@ -38,46 +40,72 @@ class ServiceConfig:
     log_level: str
 
 
+_PROG = "pagedserve-scheduler"
+_ENV_PREFIX = "PAGEDSERVE_SCHEDULER_"
+
+
 def _env(name: str, default):
-    return os.environ.get(f"PAGEDSERVE_SCHEDULER_{name}", default)
+    return os.environ.get(f"{_ENV_PREFIX}{name}", default)
+
+
+def _env_number(name: str, convert, default):
+    """The environment value of a numeric flag, converted; a bad one ends the program with one
+    line naming the variable and its flag (argparse would only name the flag)."""
+    raw = os.environ.get(f"{_ENV_PREFIX}{name}")
+    if raw is None:
+        return default
+    try:
+        return convert(raw)
+    except ValueError:
+        flag = "--" + name.lower().replace("_", "-")
+        _fail(f"{_ENV_PREFIX}{name}={raw!r} is not a valid {convert.__name__} (it sets {flag}): "
+              f"fix or unset it")
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """One line on stderr, argparse style, then exit."""
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 def parse_config(argv: list[str] | None = None) -> ServiceConfig:
-    p = argparse.ArgumentParser(prog="pagedserve-scheduler", description=__doc__)
+    p = argparse.ArgumentParser(prog=_PROG, description=__doc__)
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("PORT", 50051)))
+    p.add_argument("--port", type=int, default=_env_number("PORT", int, 50051))
     p.add_argument("--admin-host", default=_env("ADMIN_HOST", "127.0.0.1"),
                    help="address of the Admin API's own listener (anything but loopback needs "
                         "--admin-token)")
-    p.add_argument("--admin-port", type=int, default=int(_env("ADMIN_PORT", 50053)))
+    p.add_argument("--admin-port", type=int, default=_env_number("ADMIN_PORT", int, 50053))
     p.add_argument("--admin-token", default=_env("ADMIN_TOKEN", None),
                    help="bearer token Admin calls must present (authorization: Bearer ...)")
     p.add_argument("--admin-token-file", default=_env("ADMIN_TOKEN_FILE", None),
                    help="file holding the admin token (instead of --admin-token)")
-    p.add_argument("--max-prompt-bytes", type=int, default=int(_env("MAX_PROMPT_BYTES", 1 << 20)),
+    p.add_argument("--max-prompt-bytes", type=int,
+                   default=_env_number("MAX_PROMPT_BYTES", int, 1 << 20),
                    help="UTF-8 bytes of a text prompt, or of all chat messages, before tokenizing")
     p.add_argument("--max-chat-messages", type=int,
-                   default=int(_env("MAX_CHAT_MESSAGES", 1024)))
+                   default=_env_number("MAX_CHAT_MESSAGES", int, 1024))
     p.add_argument("--executor", default=_env("EXECUTOR", "127.0.0.1:50052"),
                    help="executor address(es), comma separated, tried in order; or @FILE to read "
                         "them from FILE, which SIGHUP re-reads to move serving to new executors")
     p.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048)))
-    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", 256)))
+                   default=_env_number("MAX_NUM_BATCHED_TOKENS", int, 2048))
+    p.add_argument("--max-num-seqs", type=int, default=_env_number("MAX_NUM_SEQS", int, 256))
     p.add_argument("--preemption-mode", default=_env("PREEMPTION_MODE", "swap"),
                    choices=["swap", "recompute"])
     p.add_argument("--max-steps-in-flight", type=int,
-                   default=int(_env("MAX_STEPS_IN_FLIGHT", 2)), choices=[1, 2],
+                   default=_env_number("MAX_STEPS_IN_FLIGHT", int, 2), choices=[1, 2],
                    help="2: plan step N+1 while the executor runs step N (async scheduling); "
                         "1: lockstep")
-    p.add_argument("--max-waiting", type=int, default=int(_env("MAX_WAITING", 4096)))
-    p.add_argument("--step-timeout", type=float, default=float(_env("STEP_TIMEOUT", 60.0)),
+    p.add_argument("--max-waiting", type=int, default=_env_number("MAX_WAITING", int, 4096))
+    p.add_argument("--step-timeout", type=float, default=_env_number("STEP_TIMEOUT", float, 60.0),
                    help="seconds without a step result before the executor counts as hung")
     p.add_argument("--unavailable-grace", type=float,
-                   default=float(_env("UNAVAILABLE_GRACE", 30.0)),
+                   default=_env_number("UNAVAILABLE_GRACE", float, 30.0),
                    help="seconds without any executor before Generate answers UNAVAILABLE")
-    p.add_argument("--shutdown-timeout", type=float, default=float(_env("SHUTDOWN_TIMEOUT", 30.0)))
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)),
+    p.add_argument("--shutdown-timeout", type=float,
+                   default=_env_number("SHUTDOWN_TIMEOUT", float, 30.0))
+    p.add_argument("--metrics-port", type=int, default=_env_number("METRICS_PORT", int, 0),
                    help="port of the Prometheus /metrics endpoint (0: off)")
     p.add_argument("--executor-tls-ca", default=_env("EXECUTOR_TLS_CA", None),
                    help="PEM CA bundle: talk TLS to the executor and verify it")
@@ -92,7 +120,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    help="take the executor's lease even from another live scheduler (honoured "
                         "only by an executor that requires a token)")
     p.add_argument("--executor-keepalive", type=float,
-                   default=float(_env("EXECUTOR_KEEPALIVE", 10.0)),
+                   default=_env_number("EXECUTOR_KEEPALIVE", float, 10.0),
                    help="seconds between keepalive pings on the executor link (>= 1)")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
@@ -106,7 +134,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     return ServiceConfig(
         host=a.host, port=a.port, admin_host=a.admin_host, admin_port=a.admin_port,
         admin_token=admin_token,
-        executor_addresses=read_addresses(a.executor),
+        executor_addresses=_executor_addresses(a.executor),
         executor_file=a.executor[1:] if a.executor.startswith("@") else None,
         engine=EngineConfig(scheduler=scheduler, max_waiting=a.max_waiting,
                             max_steps_in_flight=a.max_steps_in_flight,
@@ -143,6 +171,13 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _executor_addresses(spec: str) -> tuple[str, ...]:
+    try:
+        return read_addresses(spec)
+    except OSError as err:
+        _fail(f"--executor {spec}: {err.strerror or err}: give host:port[,host:port...] or @FILE")
 
 
 def read_addresses(spec: str) -> tuple[str, ...]:
@@ -254,11 +289,13 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(config))
-    except RuntimeError as err:  # a listener that cannot bind: say so and exit non-zero
-        if "cannot listen" not in str(err):
-            raise
-        log.error("%s", err)
-        sys.exit(f"pagedserve-scheduler: {err}")
+    except Exception as err:  # noqa: BLE001 - a start failure: one line, traceback on debug
+        if str(config.log_level).upper() == "DEBUG":
+            traceback.print_exception(err)
+        if "cannot listen" in str(err):  # a listener that cannot bind
+            _fail(str(err), code=1)
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        _fail(f"{type(err).__name__}: {first_line} (--log-level debug shows the traceback)", 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,88 @@
+"""`make serve`'s launcher (scripts/serve.py) as a real process: Ctrl-C and SIGTERM drain the
+scheduler before the executor stops, and an executor that fails at start ends it with its error."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos import generate_pb2, generate_pb2_grpc
+from tests.integration.harness import free_port, wait_serving
+
+pytestmark = pytest.mark.slow
+
+LAUNCHER = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
+MAX_TOKENS = 400
+
+
+def start_launcher(tmp_path, executor_args: str) -> tuple[subprocess.Popen, str, Path]:
+    """(launcher process, scheduler address, log file with everything the three printed)."""
+    ex_port, sch_port, admin_port = free_port(), free_port(), free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, str(LAUNCHER),
+           "--executor-args", f"--port {ex_port} --backend cpu --fingerprint-cache-dir none "
+                              f"{executor_args}",
+           "--scheduler-args", f"--port {sch_port} --admin-port {admin_port} "
+                               f"--executor 127.0.0.1:{ex_port} --shutdown-timeout 60"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return proc, f"127.0.0.1:{sch_port}", log
+
+
+def stream_tokens(address: str, first_token: threading.Event, out: dict) -> None:
+    """One Generate call of MAX_TOKENS tokens; sets `first_token` when the first arrives."""
+    req = generate_pb2.GenerateRequest()
+    req.token_ids.ids.extend(range(1, 17))
+    req.stopping.max_tokens = MAX_TOKENS
+    req.stopping.ignore_eos = True
+    out["ids"] = []
+    with grpc.insecure_channel(address) as channel:
+        for msg in generate_pb2_grpc.GeneratorStub(channel).Generate(req, timeout=120):
+            if msg.finished:
+                out["final"] = msg
+            else:
+                out["ids"].append(msg.token_id)
+                first_token.set()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_signal_drains_then_stops_executor(tmp_path, sig):
+    proc, address, log = start_launcher(tmp_path, "--model preset:tiny")
+    try:
+        wait_serving(address)
+        first_token, out = threading.Event(), {}
+        reader = threading.Thread(target=stream_tokens, args=(address, first_token, out))
+        reader.start()
+        assert first_token.wait(60)
+        proc.send_signal(sig)
+        reader.join(120)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert out["final"].finish_reason == generate_pb2.FINISH_REASON_LENGTH, text[-3000:]
+    assert len(out["ids"]) == MAX_TOKENS
+    draining = text.index("shutting down: draining 1 requests")
+    scheduler_exit = text.index("scheduler exited (status 0); stopping the executor")
+    executor_exit = text.index("executor exited (status 0)")
+    assert draining < scheduler_exit < executor_exit
+    assert "Traceback" not in text
+
+
+def test_executor_start_error_ends_launcher(tmp_path):
+    proc, _, log = start_launcher(tmp_path, f"--model {tmp_path / 'missing.gguf'}")
+    try:
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 2, text
+    assert "pagedserve-executor: error: --model" in text and "no such file or folder" in text
+    assert "the executor exited while starting (status 2)" in text
+    assert "Traceback" not in text

@@ -1,0 +1,100 @@
+"""Start errors of both services are one line (what is wrong, which flag, what to do) and exit 2;
+the traceback shows only at --log-level debug. Runs the mains in-process (no model loads)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from executor_svc import main as executor_main
+from scheduler_svc import main as scheduler_main
+from tests.integration.harness import free_port
+
+
+def executor_error(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        executor_main.main(["--backend", "cpu", "--port", str(free_port()), *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pagedserve-executor: error: ")
+    return lines[0]
+
+
+def test_missing_path(capsys, tmp_path):
+    line = executor_error(capsys, "--model", str(tmp_path / "nope"))
+    assert "--model" in line and "no such file or folder" in line and "preset:NAME" in line
+
+
+def test_missing_gguf_names_no_download_url(capsys, tmp_path):
+    line = executor_error(capsys, "--model", str(tmp_path / "model.gguf"))
+    assert "--model" in line and "no such file or folder" in line
+    assert "huggingface.co" not in line
+
+
+def test_not_a_gguf_file(capsys, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file")
+    line = executor_error(capsys, "--model", str(fake))
+    assert "--model" in line and "not a GGUF file" in line
+
+
+def test_folder_without_config(capsys, tmp_path):
+    line = executor_error(capsys, "--model", str(tmp_path))
+    assert "--model" in line and "config.json" in line and "model_type" not in line
+
+
+def test_unknown_preset(capsys):
+    line = executor_error(capsys, "--model", "preset:nope")
+    assert "--model preset:nope" in line and "known: " in line and "tiny" in line
+
+
+def test_bad_executor_env_value(capsys, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_EXECUTOR_BLOCK_SIZE", "sixteen")
+    line = executor_error(capsys)
+    assert "PAGEDSERVE_EXECUTOR_BLOCK_SIZE='sixteen'" in line and "--block-size" in line
+
+
+def test_debug_log_level_shows_traceback(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        executor_main.main(["--backend", "cpu", "--port", str(free_port()), "--log-level",
+                            "DEBUG", "--model", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith(
+        "pagedserve-executor: error: --model")
+
+
+@pytest.mark.parametrize("variable,value,flag", [
+    ("PAGEDSERVE_SCHEDULER_PORT", "http", "--port"),
+    ("PAGEDSERVE_SCHEDULER_SHUTDOWN_TIMEOUT", "30s", "--shutdown-timeout"),
+])
+def test_bad_scheduler_env_value(capsys, monkeypatch, variable, value, flag):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_info:
+        scheduler_main.parse_config([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"pagedserve-scheduler: error: {variable}={value!r} is not a valid "
+                   f"{'int' if flag == '--port' else 'float'} (it sets {flag}): fix or unset it")
+
+
+def test_scheduler_missing_executor_file(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        scheduler_main.parse_config(["--executor", f"@{tmp_path / 'executors'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagedserve-scheduler: error: --executor @") and "\n" not in err
+
+
+def test_whole_process_prints_one_line(tmp_path):
+    """As a user sees it: no log lines, no traceback, just the error."""
+    done = subprocess.run([sys.executable, "-m", "executor_svc.main", "--port", str(free_port()),
+                           "--model", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"pagedserve-executor: error: --model {tmp_path / 'nope'}: no such file or folder; give "
+        "preset:NAME, a local Hugging Face folder (config.json + safetensors) or a .gguf file"]

@@ -7,7 +7,11 @@ that module does `import torch` at its top (it also reads tensors). So we read t
 ourselves (`read_gguf_metadata` below, a metadata-only parser of the GGUF v2/v3 header), arrange it
 the way `get_gguf_tokenizer` does, and hand it to transformers' torch-free
 `convert_gguf_tokenizer`, which builds the same `tokenizers.Tokenizer` transformers would build.
-A test holds the result to transformers' own GGUF path (ids, decode, specials, chat template).
+A test holds the result to transformers' own GGUF path (ids, decode, specials, chat template), and
+another holds the tokenizer built under the lowest transformers the pin admits (5.17, whose converter
+lives in `integrations/ggml`) to the one built under the current version. 5.17 itself imports torch
+when one is installed (its `tokenization_utils_tokenizers` imports `modeling_gguf_pytorch_utils`);
+nothing here does, and the scheduler's image has none.
 Folders load through `PreTrainedTokenizerFast` (their `tokenizer.json`), not `AutoTokenizer`:
 importing `AutoTokenizer` imports `configuration_utils` -> `modeling_rope_utils` -> torch.
 Measured on SmolLM2-135M-Instruct.Q4_1.gguf (CPU): 0.25-0.5 s to load (transformers' own GGUF path:
@@ -19,16 +23,32 @@ import os
 import struct
 from typing import Any
 
+import transformers
+from packaging.version import Version
 from transformers import PreTrainedTokenizerFast
 
+
 def _gguf_tokenizer_api():
-    """transformers' GGUF tokenizer converter: `integrations/gguf/` since 5.2x, `ggml` before."""
-    try:
+    """transformers' GGUF tokenizer mapping and converter: `integrations/gguf/` from 5.18; in 5.17,
+    `integrations/ggml`, whose converters are keyed by model type, not by `general.architecture`.
+    Chosen by version, not by trying: 5.17's `integrations/gguf/__init__` imports torch."""
+    if Version(transformers.__version__) >= Version("5.18"):
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
             GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
-    except ImportError:
-        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-    return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+        return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    def convert_by_model_type(architecture: str, tokenizer_dict: dict):
+        return convert_gguf_tokenizer(_GGML_MODEL_TYPES.get(architecture, architecture), tokenizer_dict)
+
+    return GGUF_TOKENIZER_MAPPING, convert_by_model_type
+
+
+# `general.architecture` -> model type, where 5.17's `load_gguf_checkpoint` renames it
+_GGML_MODEL_TYPES = {
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text", "minimax-m2": "minimax_m2",
+}
 
 
 # special token name -> the GGUF key (under `tokenizer.ggml.`) holding its id; as in transformers
@@ -89,8 +109,13 @@ def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     metadata = read_gguf_metadata(path, prefixes=("general.architecture", "tokenizer."))
     architecture, tokenizer_dict, tokenizer_config = _gguf_tokenizer_fields(metadata)
     _, convert_gguf_tokenizer = _gguf_tokenizer_api()
-    backend, extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra_kwargs)
+    # The converter's extra kwargs are dropped: from 5.18 there are none. 5.17's name unk/bos/eos
+    # (passing them too raised "multiple values for keyword argument 'unk_token'"), and wrongly:
+    # bos and eos both from `bos_token_id`; `tokenizer_config` has them from the file's own ids.
+    # The rest are llama-3 flags a fast tokenizer ignores (`clean_up_tokenization_spaces=True`,
+    # which 5.17 skips with a warning for BPE; `legacy`; `add_prefix_space=None`).
+    backend, _extra_kwargs = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config)
 
 
 def _gguf_tokenizer_fields(metadata: dict[str, Any]) -> tuple[str, dict, dict]:

@@ -1,0 +1,26 @@
+"""Runs pip for tests that install something (an older transformers, the scheduler's image); skips
+the test when no package index answers. Imports nothing of the project."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+# pip's own words when it could not reach an index or found nothing there
+_OFFLINE_SIGNS = ("from versions: none", "NewConnectionError", "Failed to establish a new connection",
+                  "Temporary failure in name resolution", "Network is unreachable", "ProxyError",
+                  "ConnectTimeoutError", "ReadTimeoutError")
+
+
+def pip_install(python: str, args: list[str], timeout: float = 600) -> None:
+    """`python -m pip install ARGS`: skips the test where no package index answers, fails it for
+    any other pip error."""
+    cmd = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+           "--retries", "1", "--timeout", "30", *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if result.returncode == 0:
+        return
+    if any(sign in result.stderr for sign in _OFFLINE_SIGNS):
+        pytest.skip(f"no package index reachable for `pip install {' '.join(args)}`: "
+                    + result.stderr.strip().splitlines()[-1])
+    raise AssertionError(f"`pip install {' '.join(args)}` failed:\n{result.stderr[-3000:]}")

@@ -10,8 +10,13 @@ COPY protos protos
 COPY scheduler_svc scheduler_svc
 COPY executor_svc executor_svc
 COPY kernels kernels
+# One torch pin: the Makefile's TORCH_VERSION, which the CPU tests run (a test holds the two equal).
+# The GPU measurements so far (the RESULTS commits) ran torch 2.11.0 on CUDA 13; this image has not been
+# built or run with 2.13.0 on the GPU. To reproduce those runs: --build-arg TORCH_VERSION=2.11.0.
+# Either way the torch wheel must be a CUDA 13 build, matching this base image and cupy-cuda13x.
+ARG TORCH_VERSION=2.13.0
 # torch first, explicitly; then the project with its executor and GPU extras.
-RUN pip install --no-cache-dir torch==2.11.0 \
+RUN pip install --no-cache-dir torch==${TORCH_VERSION} \
  && pip install --no-cache-dir '.[executor,gpu]'
 EXPOSE 50052
 CMD ["pagedserve-executor"]

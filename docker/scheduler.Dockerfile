@@ -1,4 +1,5 @@
-# The scheduler service: CPU only, no torch.
+# The scheduler service: CPU only, no torch. tests/integration/test_scheduler_install.py installs
+# the project as the COPY and `pip install` lines below do, and serves a chat prompt from it.
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./

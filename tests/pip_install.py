@@ -12,12 +12,12 @@ _OFFLINE_SIGNS = ("from versions: none", "NewConnectionError", "Failed to establ
                   "ConnectTimeoutError", "ReadTimeoutError")
 
 
-def pip_install(python: str, args: list[str], timeout: float = 600) -> None:
-    """`python -m pip install ARGS`: skips the test where no package index answers, fails it for
-    any other pip error."""
+def pip_install(python: str, args: list[str], cwd=None, timeout: float = 600) -> None:
+    """`python -m pip install ARGS` (in `cwd`): skips the test where no package index answers,
+    fails it for any other pip error."""
     cmd = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
            "--retries", "1", "--timeout", "30", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if result.returncode == 0:
         return
     if any(sign in result.stderr for sign in _OFFLINE_SIGNS):

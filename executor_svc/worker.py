@@ -75,10 +75,10 @@ class Worker:
         self.runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs)
         if self.backend.name == "cuda":
             self._warm_up()
-        log.info("worker ready: %s, %s, attention %s, %d GPU blocks (%.1f GiB), %d CPU blocks "
-                 "(%.1f GiB%s), decode graphs %s", name, dtype_name,
+        log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %.1f GiB), %d CPU swap "
+                 "pages (%.1f GiB%s), decode graphs %s", name, dtype_name,
                  getattr(self.backend, "attention_impl", lambda *a: "torch")(dtype, mc.head_dim),
-                 num_gpu_blocks, num_gpu_blocks * block_bytes / 2**30,
+                 num_gpu_blocks, self.backend.name, num_gpu_blocks * block_bytes / 2**30,
                  self.cache_engine.num_cpu_blocks,
                  self.cache_engine.num_cpu_blocks * block_bytes / 2**30,
                  " pinned" if self.backend.pin_swap_memory else "",

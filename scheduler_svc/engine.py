@@ -19,7 +19,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
-from scheduler_svc.metrics import Metrics
+from scheduler_svc.metrics import Metrics, StatsLog
 from scheduler_svc.plan import SeqUpdate, StepPlan
 from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, PreparedRequest,
                                    RequestLimits, TokenEvent, check_sizes, prepare)
@@ -94,6 +94,8 @@ class EngineConfig:
     # Threads that tokenize and template prompts off the event loop (the tokenizer releases
     # the GIL); more would only let large prompts take more cores from the step loop.
     num_prepare_threads: int = 2
+    # Seconds between stats lines (logged only for an interval in which a step ran); 0: none.
+    log_stats_interval_s: float = 10.0
 
 
 class _RequestState:
@@ -158,12 +160,17 @@ class Engine:
         self.num_resyncs = 0
         self.num_steps = 0
         self.num_loop_failures = 0
+        self.stats = StatsLog(time.monotonic())
+        self._stats_task: asyncio.Task | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Starts the supervised step loop; it attaches an executor first (see wait_ready)."""
         self._task = asyncio.create_task(self._supervise(), name="engine-loop")
+        if self.config.log_stats_interval_s > 0:
+            self._stats_task = asyncio.create_task(
+                self._log_stats_every(self.config.log_stats_interval_s), name="engine-stats")
 
     async def wait_ready(self) -> None:
         """Returns once an executor is attached and its tokenizer loaded."""
@@ -186,6 +193,9 @@ class Engine:
         return len(self._requests)
 
     async def stop(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            await asyncio.gather(self._stats_task, return_exceptions=True)
         if self._task is not None:
             # Cancel until it takes: asyncio.wait_for (Python < 3.12) can swallow a cancellation
             # that lands as the awaited stream read completes, and the loop would run on.
@@ -306,6 +316,19 @@ class Engine:
             gpu_blocks_total=bm.num_gpu_blocks,
             cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,
             cpu_blocks_total=bm.num_cpu_blocks)
+
+    async def _log_stats_every(self, interval_s: float) -> None:
+        """The periodic stats line, for every interval in which a step ran. A failure to make it
+        is logged and the next interval tried: the stats line must never end serving."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                line = self.stats.line(time.monotonic(), self.status())
+            except Exception:  # noqa: BLE001 - logged loudly, never fatal
+                log.exception("the stats line failed")
+                continue
+            if line is not None:
+                log.info("%s", line)
 
     def _why(self) -> str:
         return f": {self.attach_error}" if self.attach_error else ""
@@ -438,7 +461,7 @@ class Engine:
             self.scheduler.abort_seq(state.seq.seq_id)
             self.metrics.observe_scheduler(self.scheduler)
         self.metrics.requests_finished.labels("cancelled").inc()
-        log.info("request %s cancelled after %d tokens", state.request_id,
+        log.debug("request %s cancelled after %d tokens", state.request_id,
                  state.seq.num_output_tokens)
         self._wakeup.set()
 
@@ -469,8 +492,10 @@ class Engine:
                     await self._wait_for_work()
                     continue
                 sampled = await self.client.receive(in_flight[0])
-                updates = await self._apply(in_flight.popleft(), sampled)
+                plan = in_flight.popleft()
+                updates = await self._apply(plan, sampled)
                 self.num_steps += 1
+                self.stats.on_step(plan.num_scheduled_tokens, len(updates))
                 try:
                     await self._fill(in_flight)
                 finally:
@@ -556,7 +581,7 @@ class Engine:
         elapsed = time.monotonic() - state.arrival_time
         self.metrics.e2e.observe(elapsed)
         seq = state.seq
-        log.info("request %s finished (%s): %d prompt + %d generated tokens in %.2fs",
+        log.debug("request %s finished (%s): %d prompt + %d generated tokens in %.2fs",
                  state.request_id, reason.name.lower(), seq.num_prompt_tokens,
                  seq.num_output_tokens, elapsed)
         state.queue.put_nowait(FinishEvent(reason, seq.num_prompt_tokens, seq.num_output_tokens, tail))

@@ -122,7 +122,12 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p.add_argument("--executor-keepalive", type=float,
                    default=_env_number("EXECUTOR_KEEPALIVE", float, 10.0),
                    help="seconds between keepalive pings on the executor link (>= 1)")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
+                   help="DEBUG adds a line per request admitted, finished or cancelled")
+    p.add_argument("--log-stats-interval", type=float,
+                   default=float(_env("LOG_STATS_INTERVAL", 10.0)),
+                   help="seconds between stats lines (sequences, KV pages, tokens/s), logged "
+                        "only for an interval in which a step ran (0: off)")
     a = p.parse_args(argv)
     admin_token = _token(p, a.admin_token, a.admin_token_file, "--admin-token")
     if admin_token is None and not _is_loopback(a.admin_host):
@@ -139,6 +144,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         engine=EngineConfig(scheduler=scheduler, max_waiting=a.max_waiting,
                             max_steps_in_flight=a.max_steps_in_flight,
                             unavailable_grace_s=a.unavailable_grace,
+                            log_stats_interval_s=a.log_stats_interval,
                             limits=RequestLimits(max_prompt_bytes=a.max_prompt_bytes,
                                                  max_chat_messages=a.max_chat_messages)),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,

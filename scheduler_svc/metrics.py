@@ -1,4 +1,5 @@
-"""Prometheus metrics of the scheduler service, refreshed from the engine once per step.
+"""Prometheus metrics of the scheduler service, refreshed from the engine once per step, and the
+periodic stats line of its log.
 
 Each Metrics instance owns its own registry, so tests can run several engines in one process.
 """
@@ -19,10 +20,14 @@ class Metrics:
         self.gpu_blocks_total = Gauge("pagedserve_gpu_blocks_total", "GPU KV pages", registry=r)
         self.cpu_blocks_used = Gauge("pagedserve_cpu_blocks_used", "CPU swap pages in use", registry=r)
         self.cpu_blocks_total = Gauge("pagedserve_cpu_blocks_total", "CPU swap pages", registry=r)
-        self.preemptions = Gauge("pagedserve_preemptions", "preemptions so far, by mode",
-                                 ["mode"], registry=r)
-        self.blocks_swapped = Gauge("pagedserve_blocks_swapped", "pages swapped so far, by direction",
-                                    ["direction"], registry=r)
+        # Counters, exported as *_total; the scheduler keeps running counts that observe_scheduler
+        # turns into increments (a fresh scheduler, after a step-loop restart, counts from zero).
+        self.preemptions = Counter("pagedserve_preemptions", "preemptions, by mode", ["mode"],
+                                   registry=r)
+        self.blocks_swapped = Counter("pagedserve_blocks_swapped", "pages swapped, by direction",
+                                      ["direction"], registry=r)
+        self._observed = None  # the scheduler whose counts _counted holds
+        self._counted: dict[object, int] = {}  # labelled counter -> the count it has seen
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("pagedserve_generated_tokens", "tokens generated", registry=r)
         self.requests_finished = Counter("pagedserve_requests_finished", "requests finished, by reason",
@@ -51,7 +56,53 @@ class Metrics:
         self.gpu_blocks_used.set(bm.num_gpu_blocks - bm.num_free_gpu_blocks)
         self.cpu_blocks_total.set(bm.num_cpu_blocks)
         self.cpu_blocks_used.set(bm.num_cpu_blocks - bm.num_free_cpu_blocks)
-        self.preemptions.labels("swap").set(scheduler.num_preemptions_swap)
-        self.preemptions.labels("recompute").set(scheduler.num_preemptions_recompute)
-        self.blocks_swapped.labels("out").set(scheduler.num_blocks_swapped_out)
-        self.blocks_swapped.labels("in").set(scheduler.num_blocks_swapped_in)
+        if scheduler is not self._observed:
+            self._observed, self._counted = scheduler, {}
+        self._advance(self.preemptions, "swap", scheduler.num_preemptions_swap)
+        self._advance(self.preemptions, "recompute", scheduler.num_preemptions_recompute)
+        self._advance(self.blocks_swapped, "out", scheduler.num_blocks_swapped_out)
+        self._advance(self.blocks_swapped, "in", scheduler.num_blocks_swapped_in)
+
+    def _advance(self, counter: Counter, label: str, count: int) -> None:
+        """Adds what the scheduler's running `count` gained since it was last observed."""
+        child = counter.labels(label)
+        seen = self._counted.get(child, 0)
+        if count > seen:
+            child.inc(count - seen)
+        self._counted[child] = count
+
+
+class StatsLog:
+    """The periodic stats line (as vLLM's): sequences running, waiting and swapped, KV pages in
+    use, and prompt and generation throughput since the previous line. Prompt tokens are the
+    scheduled tokens that sampled nothing (prefill chunks, recomputes); generation tokens are the
+    sampled ones. No line for an interval in which no step ran."""
+
+    def __init__(self, now: float) -> None:
+        self._since = now
+        self._num_steps = self._num_prompt_tokens = self._num_generated_tokens = 0
+
+    def on_step(self, num_scheduled_tokens: int, num_sampled: int) -> None:
+        self._num_steps += 1
+        self._num_prompt_tokens += num_scheduled_tokens - num_sampled
+        self._num_generated_tokens += num_sampled
+
+    def line(self, now: float, status) -> str | None:
+        """The line for the interval that ends `now` (the next one starts), or None if no step
+        ran in it. `status` is the engine's snapshot (running, waiting, swapped, *_blocks_*)."""
+        elapsed, self._since = max(now - self._since, 1e-9), now
+        steps, prompt, generated = (self._num_steps, self._num_prompt_tokens,
+                                    self._num_generated_tokens)
+        self._num_steps = self._num_prompt_tokens = self._num_generated_tokens = 0
+        if not steps:
+            return None
+        return (f"stats: {status.running} running, {status.waiting} waiting, {status.swapped} "
+                f"swapped; KV pages {_share(status.gpu_blocks_used, status.gpu_blocks_total)}, "
+                f"swap pages {_share(status.cpu_blocks_used, status.cpu_blocks_total)}; "
+                f"prompt {prompt / elapsed:.1f} tokens/s, generation {generated / elapsed:.1f} "
+                f"tokens/s; {steps} steps in {elapsed:.1f}s")
+
+
+def _share(used: int, total: int) -> str:
+    percent = 100.0 * used / total if total else 0.0
+    return f"{used}/{total} ({percent:.1f}%)"

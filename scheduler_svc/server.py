@@ -16,9 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
-
-from protos import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
+from protos import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, reflection
 from scheduler_svc import wire
 from scheduler_svc.engine import (Engine, EngineFailed, NoExecutor, QueueFull,
                                   ShuttingDown)
@@ -219,19 +217,17 @@ def _server(listen: str, max_receive: int, interceptors=()):
 
 def build_servers(engine: Engine, listeners: Listeners):
     """(public server, admin server, health servicer, public port, admin port). Both listeners
-    share the health servicer; reflection describes only what each one serves."""
+    share the health servicer; reflection (v1 and v1alpha) describes only what each one serves."""
     health = HealthServicer()
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     public, public_port = _server(listeners.public, listeners.max_message_bytes)
     _add_generator(GeneratorServicer(engine, listeners.limits), public)
     _refuse_admin(public)
     health_pb2_grpc.add_HealthServicer_to_server(health, public)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_name, reflection.SERVICE_NAME), public)
+    reflection.enable((SERVICE_NAME, health_name), public)
     interceptors = [_AdminToken(listeners.admin_token)] if listeners.admin_token else []
     admin, admin_port = _server(listeners.admin, 1024 * 1024, interceptors)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), admin)
     health_pb2_grpc.add_HealthServicer_to_server(health, admin)
-    reflection.enable_server_reflection(
-        (ADMIN_SERVICE_NAME, health_name, reflection.SERVICE_NAME), admin)
+    reflection.enable((ADMIN_SERVICE_NAME, health_name), admin)
     return public, admin, health, public_port, admin_port

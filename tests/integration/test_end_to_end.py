@@ -146,10 +146,10 @@ def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
         for prompt, (ids, _, _) in zip(prompts, results):
             assert ids == hf_greedy(TINY, prompt, 40, device=device)
         m = services.metrics()
-        assert m[f'pagedserve_preemptions{{mode="{mode}"}}'] > 0, m
+        assert m[f'pagedserve_preemptions_total{{mode="{mode}"}}'] > 0, m
         if mode == "swap":
-            assert m['pagedserve_blocks_swapped{direction="out"}'] > 0
-            assert m['pagedserve_blocks_swapped{direction="in"}'] > 0
+            assert m['pagedserve_blocks_swapped_total{direction="out"}'] > 0
+            assert m['pagedserve_blocks_swapped_total{direction="in"}'] > 0
         assert_pools_whole(services)
         return services.log_of("executor")
     finally:

@@ -22,7 +22,7 @@ TOKEN = "admin-secret-for-tests"
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
     s = start_services(tmp_path_factory.mktemp("security"), ["--model", "preset:tiny"],
-                       admin_token=TOKEN)
+                       ["--log-level", "DEBUG"], admin_token=TOKEN)
     yield s
     s.stop()
 
@@ -141,7 +141,8 @@ def test_request_ids_are_logged(services):
         replies = list(stub.Generate(req, timeout=60))
     assert {r.request_id for r in replies} == {"req-logged-1"}
     log = services.log_of("scheduler")
-    assert "request req-logged-1 finished (length): 3 prompt + 3 generated tokens" in log
+    assert "DEBUG scheduler_svc.engine: request req-logged-1 finished (length): 3 prompt + 3 " \
+        "generated tokens" in log
 
 
 def test_not_ready_is_unavailable_with_a_reason(tmp_path):

@@ -1,0 +1,69 @@
+"""What the scheduler tells its operator: the periodic stats line (only for intervals in which a
+step ran), a debug line per request with its id, and preemptions and swapped pages as counters
+that survive a fresh scheduler."""
+import asyncio
+import dataclasses
+import logging
+from types import SimpleNamespace
+
+from scheduler_svc.engine import EngineConfig, EngineStatus
+from scheduler_svc.metrics import Metrics, StatsLog
+from test_engine import SPECS, FakeClient, run, serve
+
+STATUS = EngineStatus(attached=True, executor_address="fake:1", model_name="fake", attach_error="",
+                      running=3, waiting=2, swapped=1, gpu_blocks_used=16, gpu_blocks_total=64,
+                      cpu_blocks_used=0, cpu_blocks_total=32)
+
+
+def test_the_stats_line_reports_the_interval_and_is_silent_when_nothing_ran():
+    stats = StatsLog(now=100.0)
+    assert stats.line(110.0, STATUS) is None
+    stats.on_step(num_scheduled_tokens=40, num_sampled=2)  # 38 prompt tokens, 2 sampled
+    stats.on_step(num_scheduled_tokens=2, num_sampled=2)  # decodes only
+    line = stats.line(112.0, STATUS)
+    assert line == ("stats: 3 running, 2 waiting, 1 swapped; KV pages 16/64 (25.0%), swap pages "
+                    "0/32 (0.0%); prompt 19.0 tokens/s, generation 2.0 tokens/s; 2 steps in 2.0s")
+    assert stats.line(113.0, STATUS) is None  # counts start again with each line
+
+
+def test_the_engine_logs_stats_while_serving_and_each_request_at_debug(caplog):
+    specs = [dataclasses.replace(s, request_id=f"req-{i}") for i, s in enumerate(SPECS)]
+
+    async def until_a_stats_line(engine):
+        while not any(r.getMessage().startswith("stats: ") for r in caplog.records):
+            await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.DEBUG, logger="scheduler_svc.engine"):
+        run(serve(FakeClient(), specs, EngineConfig(log_stats_interval_s=0.05),
+                  during=until_a_stats_line))
+    stats = next(r for r in caplog.records if r.getMessage().startswith("stats: "))
+    assert stats.levelno == logging.INFO and "tokens/s" in stats.getMessage()
+    finished = [r for r in caplog.records if " finished (length): " in r.getMessage()]
+    assert {r.getMessage().split()[1] for r in finished} == {s.request_id for s in specs}
+    assert {r.levelno for r in finished} == {logging.DEBUG}
+
+
+def fake_scheduler(swap=0, recompute=0, out=0, into=0):
+    return SimpleNamespace(
+        num_running=0, num_waiting=0, num_swapped=0, num_preemptions_swap=swap,
+        num_preemptions_recompute=recompute, num_blocks_swapped_out=out,
+        num_blocks_swapped_in=into,
+        block_manager=SimpleNamespace(num_gpu_blocks=8, num_free_gpu_blocks=8, num_cpu_blocks=4,
+                                      num_free_cpu_blocks=4))
+
+
+def test_preemptions_and_swapped_pages_are_counters_across_schedulers():
+    metrics = Metrics()
+    first = fake_scheduler()
+    metrics.observe_scheduler(first)
+    first.num_preemptions_swap, first.num_blocks_swapped_out = 2, 6
+    metrics.observe_scheduler(first)
+    metrics.observe_scheduler(first)  # nothing new
+    metrics.observe_scheduler(fake_scheduler(swap=1, recompute=1, out=3, into=3))  # restarted
+    value = metrics.registry.get_sample_value
+    assert value("pagedserve_preemptions_total", {"mode": "swap"}) == 3
+    assert value("pagedserve_preemptions_total", {"mode": "recompute"}) == 1
+    assert value("pagedserve_blocks_swapped_total", {"direction": "out"}) == 9
+    assert value("pagedserve_blocks_swapped_total", {"direction": "in"}) == 3
+    kinds = {m.name: m.type for m in metrics.registry.collect()}
+    assert kinds["pagedserve_preemptions"] == kinds["pagedserve_blocks_swapped"] == "counter"

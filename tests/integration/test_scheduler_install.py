@@ -17,7 +17,7 @@ import pytest
 from executor_svc.model_loader import smollm2_gguf_path
 from protos import generate_pb2
 from tests.integration.harness import Services, free_port, start_executor, wait_serving
-from tests.pip_install import pip_install
+from tests.scheduler_svc.pip_install import pip_install
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "scheduler.Dockerfile"

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from sched_factories import smollm2_gguf_path
-from tests.pip_install import pip_install
+from pip_install import pip_install
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOWEST = re.search(r'"transformers>=([0-9.]+)', (REPO_ROOT / "pyproject.toml").read_text()).group(1)

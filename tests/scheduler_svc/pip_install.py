@@ -1,5 +1,5 @@
-"""Runs pip for tests that install something (an older transformers, the scheduler's image); skips
-the test when no package index answers. Imports nothing of the project."""
+"""Runs pip for tests that install something (an older transformers, the scheduler as its image
+does); skips the test when no package index answers. Imports nothing of the project."""
 from __future__ import annotations
 
 import subprocess
@@ -20,7 +20,7 @@ def pip_install(python: str, args: list[str], cwd=None, timeout: float = 600) ->
     result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if result.returncode == 0:
         return
-    if any(sign in result.stderr for sign in _OFFLINE_SIGNS):
-        pytest.skip(f"no package index reachable for `pip install {' '.join(args)}`: "
-                    + result.stderr.strip().splitlines()[-1])
+    offline = [line.strip() for line in result.stderr.splitlines() if any(s in line for s in _OFFLINE_SIGNS)]
+    if offline:
+        pytest.skip(f"no package index reachable for `pip install {' '.join(args)}`: {offline[-1]}")
     raise AssertionError(f"`pip install {' '.join(args)}` failed:\n{result.stderr[-3000:]}")

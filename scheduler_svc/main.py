@@ -125,7 +125,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG adds a line per request admitted, finished or cancelled")
     p.add_argument("--log-stats-interval", type=float,
-                   default=float(_env("LOG_STATS_INTERVAL", 10.0)),
+                   default=_env_number("LOG_STATS_INTERVAL", float, 10.0),
                    help="seconds between stats lines (sequences, KV pages, tokens/s), logged "
                         "only for an interval in which a step ran (0: off)")
     a = p.parse_args(argv)

@@ -8,7 +8,7 @@ SCHEDULER_ARGS ?=
 EXECUTOR_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-gpu protos bench-kernels bench-serving clean
+.PHONY: setup serve test test-fast test-gpu protos bench-kernels bench-serving clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ serve: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Everything but the tests that start real processes (marked slow) and the GPU tests: ~1 minute.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)

@@ -341,11 +341,7 @@ class Engine:
         old = self.client
         if old.fingerprint is None:
             raise NoExecutor("no executor has attached yet: nothing to move")
-        client = ExecutorClient(addresses, step_timeout_s=old.step_timeout_s,
-                                describe_timeout_s=old.describe_timeout_s,
-                                max_backoff_s=old.max_backoff_s, security=old.security,
-                                fingerprint=old.fingerprint, keepalive_s=old.keepalive_s,
-                                scheduler_id=old.scheduler_id)
+        client = old.with_addresses(addresses)
         description = await client.connect_once()
         if description is None:
             await client.close()
@@ -512,10 +508,9 @@ class Engine:
         try:
             return self.scheduler.update_from_output(plan, sampled)
         except ExecutorDisagreement as err:
-            log.error("executor %s disagrees with the plan: %s", self.client.connected_address, err)
-            self.client.disconnected_since = time.monotonic()
+            lost = self.client.lost(f"its result disagrees with the plan: {err}")
             await self.client.close()
-            raise ExecutorLost(str(err)) from err
+            raise lost from err
     async def _fill(self, in_flight: deque) -> None:
         """Schedules and sends steps until max_steps_in_flight are out or nothing is runnable.
         No new step goes out while a planned executor switch waits. Raises ExecutorLost."""

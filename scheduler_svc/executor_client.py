@@ -208,9 +208,9 @@ class ExecutorClient:
             raise ExecutorLost("no executor attached")
         result = await self._guard(plan, self._call.read())
         if result is grpc.aio.EOF:
-            raise self._lost("executor closed the stream")
+            raise self.lost("executor closed the stream")
         if result.step_id != plan.step_id:
-            raise self._lost(f"result for step {result.step_id}, expected {plan.step_id}")
+            raise self.lost(f"result for step {result.step_id}, expected {plan.step_id}")
         return wire.sampled_from_proto(result)
 
     async def _guard(self, plan: StepPlan, operation):
@@ -218,13 +218,23 @@ class ExecutorClient:
         try:
             return await asyncio.wait_for(operation, self.step_timeout_s)
         except asyncio.TimeoutError:
-            raise self._lost(f"no result for step {plan.step_id} within {self.step_timeout_s}s")
+            raise self.lost(f"no result for step {plan.step_id} within {self.step_timeout_s}s")
         except grpc.aio.AioRpcError as err:
-            raise self._lost(f"stream failed: {err.code().name}: {err.details()}")
+            raise self.lost(f"stream failed: {err.code().name}: {err.details()}")
         except Exception as err:  # the channel may break in ways grpc reports differently
-            raise self._lost(f"stream failed: {err!r}")
+            raise self.lost(f"stream failed: {err!r}")
 
-    def _lost(self, reason: str) -> ExecutorLost:
+    def with_addresses(self, addresses: list[str]) -> "ExecutorClient":
+        """A client for other executors with this one's settings, lease identity and pinned
+        fingerprint (a planned switch)."""
+        return ExecutorClient(addresses, step_timeout_s=self.step_timeout_s,
+                              describe_timeout_s=self.describe_timeout_s,
+                              max_backoff_s=self.max_backoff_s, security=self.security,
+                              fingerprint=self.fingerprint, keepalive_s=self.keepalive_s,
+                              scheduler_id=self.scheduler_id)
+
+    def lost(self, reason: str) -> ExecutorLost:
+        """Marks the stream lost (since now) and returns the error to raise."""
         log.warning("executor %s lost: %s", self.connected_address, reason)
         self.disconnected_since = time.monotonic()
         self._call = None

@@ -140,15 +140,19 @@ def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: li
         cmd += ["--admin-token", admin_token]
     services.procs["scheduler"] = subprocess.Popen(
         cmd, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)
-    if not wait:
-        return services
+    if wait:
+        wait_started(services)
+    return services
+
+
+def wait_started(services: Services) -> None:
+    """Blocks until the scheduler serves; if it never does, stops both and raises with their logs."""
     try:
         wait_serving(services.scheduler_address)
     except Exception:
         services.stop()
         raise RuntimeError("services did not start:\n" + services.log_of("executor")[-3000:]
                            + "\n" + services.log_of("scheduler")[-3000:])
-    return services
 
 
 def generate(stub, prompt_ids: list[int] | None = None, text: str | None = None,

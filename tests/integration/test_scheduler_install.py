@@ -16,7 +16,7 @@ import pytest
 
 from executor_svc.model_loader import smollm2_gguf_path
 from protos import generate_pb2
-from tests.integration.harness import Services, free_port, start_executor, wait_serving
+from tests.integration.harness import Services, free_port, start_executor, wait_started
 from tests.scheduler_svc.pip_install import pip_install
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,10 +115,5 @@ def _start(venv: Path, tmp_path: Path) -> Services:
            "--metrics-port", str(metrics_port)]
     services.procs["scheduler"] = subprocess.Popen(
         cmd, cwd=tmp_path, env=env, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)
-    try:
-        wait_serving(services.scheduler_address)
-    except Exception:
-        services.stop()
-        raise RuntimeError("services did not start:\n" + services.log_of("executor")[-3000:]
-                           + "\n" + services.log_of("scheduler")[-3000:])
+    wait_started(services)
     return services

@@ -98,3 +98,39 @@ def test_whole_process_prints_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"pagedserve-executor: error: --model {tmp_path / 'nope'}: no such file or folder; give "
         "preset:NAME, a local Hugging Face folder (config.json + safetensors) or a .gguf file"]
+
+
+@pytest.mark.parametrize("flag", ["--admin-token-file", "--executor-token-file"])
+@pytest.mark.parametrize("case", ["missing", "empty", "both"])
+def test_scheduler_token_files_are_checked(capsys, tmp_path, flag, case):
+    path = tmp_path / "token"
+    if case != "missing":
+        path.write_text("" if case == "empty" else "secret\n")
+    args = [flag, str(path)] + ([flag[:-5], "other"] if case == "both" else [])
+    with pytest.raises(SystemExit) as exit_info:
+        scheduler_main.parse_config(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and flag[:-5] in err
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "both"])
+def test_executor_token_file_is_checked(capsys, tmp_path, case):
+    path = tmp_path / "token"
+    if case != "missing":
+        path.write_text("  \n" if case == "empty" else "secret\n")
+    args = ["--auth-token-file", str(path)] + (["--auth-token", "other"] if case == "both" else [])
+    with pytest.raises(SystemExit) as exit_info:
+        executor_main.parse_config(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--auth-token" in err
+
+
+def test_token_files_are_read_stripped(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(" secret \n")
+    _, transport, _ = executor_main.parse_config(["--auth-token-file", str(path)])
+    config = scheduler_main.parse_config(["--executor-token-file", str(path),
+                                          "--admin-token-file", str(path)])
+    assert transport.auth_token == config.security.auth_token == config.admin_token == "secret"

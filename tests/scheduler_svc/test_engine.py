@@ -63,6 +63,10 @@ class FakeClient:
         self.num_results += 1
         return self.tamper(self.num_results, plan, self._results.popleft())
 
+    def lost(self, reason: str) -> ExecutorLost:
+        self.disconnected_since = time.monotonic()
+        return ExecutorLost(reason)
+
     async def close(self) -> None:
         self._results.clear()
 

@@ -92,6 +92,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                    help="seconds an Execute stream may take to present its lease hello")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
+    if not a.hello_timeout > 0:
+        p.error(f"--hello-timeout must be > 0 seconds, got {a.hello_timeout}")
     auth_token = _token(p, a.auth_token, a.auth_token_file)
     if auth_token is None and not is_loopback(a.host):
         p.error(f"--host {a.host} is not a loopback address: set --auth-token (or "

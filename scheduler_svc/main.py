@@ -129,6 +129,8 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    help="seconds between stats lines (sequences, KV pages, tokens/s), logged "
                         "only for an interval in which a step ran (0: off)")
     a = p.parse_args(argv)
+    if not a.executor_keepalive >= 1:
+        p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
     admin_token = _token(p, a.admin_token, a.admin_token_file, "--admin-token")
     if admin_token is None and not _is_loopback(a.admin_host):
         p.error(f"--admin-host {a.admin_host} is not a loopback address: set --admin-token "

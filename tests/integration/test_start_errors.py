@@ -134,3 +134,15 @@ def test_token_files_are_read_stripped(tmp_path):
     config = scheduler_main.parse_config(["--executor-token-file", str(path),
                                           "--admin-token-file", str(path)])
     assert transport.auth_token == config.security.auth_token == config.admin_token == "secret"
+
+
+def test_out_of_range_link_timings_are_refused(capsys):
+    for main, args, flag in ((executor_main.parse_config, ["--hello-timeout", "-1"], "--hello-timeout"),
+                             (executor_main.parse_config, ["--hello-timeout", "0"], "--hello-timeout"),
+                             (scheduler_main.parse_config, ["--executor-keepalive", "0.1"],
+                              "--executor-keepalive")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and "Traceback" not in err

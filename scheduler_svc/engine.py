@@ -24,6 +24,7 @@ from scheduler_svc.plan import SeqUpdate, StepPlan
 from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, PreparedRequest,
                                    RequestLimits, TokenEvent, check_sizes, prepare)
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler_stats import SchedulerStats
 from scheduler_svc.sequence import FinishReason, Sequence
 from scheduler_svc.tokenizer import load_tokenizer
 
@@ -54,13 +55,7 @@ class EngineStatus:
     executor_address: str
     model_name: str
     attach_error: str
-    running: int = 0
-    waiting: int = 0
-    swapped: int = 0
-    gpu_blocks_used: int = 0
-    gpu_blocks_total: int = 0
-    cpu_blocks_used: int = 0
-    cpu_blocks_total: int = 0
+    scheduler: SchedulerStats = SchedulerStats()
     steps: int = 0
     resyncs: int = 0
     loop_failures: int = 0
@@ -249,12 +244,12 @@ class Engine:
             self._tokenizer_source = description.tokenizer
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.limits = ModelLimits(description.vocab_size, description.max_model_len, eos)
-        block_manager = BlockManager(description.block_size, description.num_gpu_blocks,
-                                     description.num_cpu_blocks)
+        pools = description.block_size, description.num_gpu_blocks, description.num_cpu_blocks
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.config.scheduler, block_manager)
-        else:  # the caller has reset the scheduler: nothing is mapped on the old pools
-            self.scheduler.block_manager = block_manager
+            self.scheduler = Scheduler(self.config.scheduler, BlockManager(*pools))
+            self.metrics.on_new_scheduler()
+        else:
+            self.scheduler.reset_for_executor(*pools)
         self.attach_error = ""
         self._detached_since = None
         self._ready.set()
@@ -308,14 +303,7 @@ class Engine:
                     draining=self._draining)
         if self.scheduler is None:
             return EngineStatus(**base)
-        scheduler, bm = self.scheduler, self.scheduler.block_manager
-        return EngineStatus(
-            **base, running=scheduler.num_running, waiting=scheduler.num_waiting,
-            swapped=scheduler.num_swapped,
-            gpu_blocks_used=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
-            gpu_blocks_total=bm.num_gpu_blocks,
-            cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,
-            cpu_blocks_total=bm.num_cpu_blocks)
+        return EngineStatus(**base, scheduler=self.scheduler.stats())
 
     async def _log_stats_every(self, interval_s: float) -> None:
         """The periodic stats line, for every interval in which a step ran. A failure to make it
@@ -323,7 +311,7 @@ class Engine:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                line = self.stats.line(time.monotonic(), self.status())
+                line = self.stats.line(time.monotonic(), self.status().scheduler)
             except Exception:  # noqa: BLE001 - logged loudly, never fatal
                 log.exception("the stats line failed")
                 continue
@@ -360,8 +348,7 @@ class Engine:
         self._switch_requested.clear()
         old, self.client = self.client, client
         moved = self.scheduler.num_running + self.scheduler.num_swapped
-        self.scheduler.reset_executor()
-        await self._attach(description)
+        await self._attach(description)  # resets the scheduler for the new executor
         await old.close()
         log.info("serving moved to executor %s; %d sequences recomputed there",
                  client.connected_address, moved)
@@ -455,7 +442,7 @@ class Engine:
         self._forget(state)
         if self.scheduler is not None:
             self.scheduler.abort_seq(state.seq.seq_id)
-            self.metrics.observe_scheduler(self.scheduler)
+            self.metrics.observe_scheduler(self.scheduler.stats())
         self.metrics.requests_finished.labels("cancelled").inc()
         log.debug("request %s cancelled after %d tokens", state.request_id,
                  state.seq.num_output_tokens)
@@ -498,7 +485,7 @@ class Engine:
                     for update in updates:
                         self._emit(update)
                     self.metrics.steps.inc()
-                    self.metrics.observe_scheduler(self.scheduler)
+                    self.metrics.observe_scheduler(self.scheduler.stats())
             except ExecutorLost:
                 in_flight.clear()
                 await self._resync()
@@ -527,7 +514,7 @@ class Engine:
         if self._switch is not None:
             await self._apply_switch()
             return
-        self.metrics.observe_scheduler(self.scheduler)
+        self.metrics.observe_scheduler(self.scheduler.stats())
         self._wakeup.clear()
         await self._wakeup.wait()
 

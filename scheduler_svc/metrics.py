@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from scheduler_svc.scheduler_stats import SchedulerStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -21,12 +23,12 @@ class Metrics:
         self.cpu_blocks_used = Gauge("pagedserve_cpu_blocks_used", "CPU swap pages in use", registry=r)
         self.cpu_blocks_total = Gauge("pagedserve_cpu_blocks_total", "CPU swap pages", registry=r)
         # Counters, exported as *_total; the scheduler keeps running counts that observe_scheduler
-        # turns into increments (a fresh scheduler, after a step-loop restart, counts from zero).
+        # turns into increments (a fresh scheduler, after a step-loop restart, counts from zero:
+        # the engine says so with on_new_scheduler).
         self.preemptions = Counter("pagedserve_preemptions", "preemptions, by mode", ["mode"],
                                    registry=r)
         self.blocks_swapped = Counter("pagedserve_blocks_swapped", "pages swapped, by direction",
                                       ["direction"], registry=r)
-        self._observed = None  # the scheduler whose counts _counted holds
         self._counted: dict[object, int] = {}  # labelled counter -> the count it has seen
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("pagedserve_generated_tokens", "tokens generated", registry=r)
@@ -46,22 +48,23 @@ class Metrics:
         """Starts the /metrics HTTP endpoint in a daemon thread."""
         start_http_server(port, addr=host, registry=self.registry)
 
-    def observe_scheduler(self, scheduler) -> None:
-        """Copies the scheduler's gauges and counters; called once per step."""
-        bm = scheduler.block_manager
-        self.requests_running.set(scheduler.num_running)
-        self.requests_waiting.set(scheduler.num_waiting)
-        self.requests_swapped.set(scheduler.num_swapped)
-        self.gpu_blocks_total.set(bm.num_gpu_blocks)
-        self.gpu_blocks_used.set(bm.num_gpu_blocks - bm.num_free_gpu_blocks)
-        self.cpu_blocks_total.set(bm.num_cpu_blocks)
-        self.cpu_blocks_used.set(bm.num_cpu_blocks - bm.num_free_cpu_blocks)
-        if scheduler is not self._observed:
-            self._observed, self._counted = scheduler, {}
-        self._advance(self.preemptions, "swap", scheduler.num_preemptions_swap)
-        self._advance(self.preemptions, "recompute", scheduler.num_preemptions_recompute)
-        self._advance(self.blocks_swapped, "out", scheduler.num_blocks_swapped_out)
-        self._advance(self.blocks_swapped, "in", scheduler.num_blocks_swapped_in)
+    def observe_scheduler(self, stats: SchedulerStats) -> None:
+        """Copies the scheduler's gauges and counters (Scheduler.stats()); called once per step."""
+        self.requests_running.set(stats.running)
+        self.requests_waiting.set(stats.waiting)
+        self.requests_swapped.set(stats.swapped)
+        self.gpu_blocks_total.set(stats.gpu_blocks_total)
+        self.gpu_blocks_used.set(stats.gpu_blocks_used)
+        self.cpu_blocks_total.set(stats.cpu_blocks_total)
+        self.cpu_blocks_used.set(stats.cpu_blocks_used)
+        self._advance(self.preemptions, "swap", stats.num_preemptions_swap)
+        self._advance(self.preemptions, "recompute", stats.num_preemptions_recompute)
+        self._advance(self.blocks_swapped, "out", stats.num_blocks_swapped_out)
+        self._advance(self.blocks_swapped, "in", stats.num_blocks_swapped_in)
+
+    def on_new_scheduler(self) -> None:
+        """The engine made a fresh scheduler: its running counts start again from zero."""
+        self._counted = {}
 
     def _advance(self, counter: Counter, label: str, count: int) -> None:
         """Adds what the scheduler's running `count` gained since it was last observed."""
@@ -87,18 +90,19 @@ class StatsLog:
         self._num_prompt_tokens += num_scheduled_tokens - num_sampled
         self._num_generated_tokens += num_sampled
 
-    def line(self, now: float, status) -> str | None:
+    def line(self, now: float, scheduler: SchedulerStats) -> str | None:
         """The line for the interval that ends `now` (the next one starts), or None if no step
-        ran in it. `status` is the engine's snapshot (running, waiting, swapped, *_blocks_*)."""
+        ran in it; `scheduler` is the scheduler's snapshot."""
         elapsed, self._since = max(now - self._since, 1e-9), now
         steps, prompt, generated = (self._num_steps, self._num_prompt_tokens,
                                     self._num_generated_tokens)
         self._num_steps = self._num_prompt_tokens = self._num_generated_tokens = 0
         if not steps:
             return None
-        return (f"stats: {status.running} running, {status.waiting} waiting, {status.swapped} "
-                f"swapped; KV pages {_share(status.gpu_blocks_used, status.gpu_blocks_total)}, "
-                f"swap pages {_share(status.cpu_blocks_used, status.cpu_blocks_total)}; "
+        q = scheduler
+        return (f"stats: {q.running} running, {q.waiting} waiting, {q.swapped} swapped; "
+                f"KV pages {_share(q.gpu_blocks_used, q.gpu_blocks_total)}, "
+                f"swap pages {_share(q.cpu_blocks_used, q.cpu_blocks_total)}; "
                 f"prompt {prompt / elapsed:.1f} tokens/s, generation {generated / elapsed:.1f} "
                 f"tokens/s; {steps} steps in {elapsed:.1f}s")
 

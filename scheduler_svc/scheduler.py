@@ -11,6 +11,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.plan import NewSeqPlan, SeqUpdate, StepPlan
+from scheduler_svc.scheduler_stats import SchedulerStats
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -416,3 +417,26 @@ class Scheduler:
         self._executor_seq_ids.clear()
         self._pending_finished_ids = []
         self._last_updated_step_id = self._step_id
+
+    # ---- owner API: what the engine asks instead of reaching into the block manager ----------
+
+    def reset_for_executor(self, block_size: int, num_gpu_blocks: int,
+                           num_cpu_blocks: int) -> None:
+        """Another executor (or a restarted one) is attached: as reset_executor(), on new block
+        pools of the sizes its Describe answered."""
+        self.reset_executor()
+        self.block_manager = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks)
+
+    def stats(self) -> SchedulerStats:
+        """Queues, pool usage and running counts, for status, metrics and the stats line."""
+        bm = self.block_manager
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting), swapped=len(self.swapped),
+            gpu_blocks_used=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
+            gpu_blocks_total=bm.num_gpu_blocks,
+            cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,
+            cpu_blocks_total=bm.num_cpu_blocks,
+            num_preemptions_swap=self.num_preemptions_swap,
+            num_preemptions_recompute=self.num_preemptions_recompute,
+            num_blocks_swapped_out=self.num_blocks_swapped_out,
+            num_blocks_swapped_in=self.num_blocks_swapped_in)

@@ -123,11 +123,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def GetStatus(self, request, context):
         s = self.engine.status()
+        q = s.scheduler
         return admin_pb2.GetStatusResponse(
             executor_address=s.executor_address, executor_attached=s.attached,
-            running=s.running, waiting=s.waiting, swapped=s.swapped,
-            gpu_blocks_used=s.gpu_blocks_used, gpu_blocks_total=s.gpu_blocks_total,
-            cpu_blocks_used=s.cpu_blocks_used, cpu_blocks_total=s.cpu_blocks_total,
+            running=q.running, waiting=q.waiting, swapped=q.swapped,
+            gpu_blocks_used=q.gpu_blocks_used, gpu_blocks_total=q.gpu_blocks_total,
+            cpu_blocks_used=q.cpu_blocks_used, cpu_blocks_total=q.cpu_blocks_total,
             steps=s.steps, resyncs=s.resyncs, draining=s.draining, model_name=s.model_name,
             attach_error=s.attach_error, loop_failures=s.loop_failures)
 

@@ -155,7 +155,7 @@ def test_a_failing_step_loop_ends_its_streams_and_serving_resumes(undisturbed):
     assert health == [True, False, True]
     status = engine.status()
     assert status.loop_failures == 1 and status.attached and status.attach_error == ""
-    assert status.gpu_blocks_used == 0
+    assert status.scheduler.gpu_blocks_used == 0
 
 
 def test_requests_wait_for_the_first_executor_within_the_grace(undisturbed):
@@ -181,7 +181,8 @@ def test_without_an_executor_requests_fail_after_the_grace():
     assert all(isinstance(o, NoExecutor) for o in outputs)
     assert 0.4 < time.monotonic() - t0 < 5
     status = engine.status()
-    assert not status.attached and status.running == 0 and status.gpu_blocks_total == 0
+    assert not status.attached and status.scheduler.running == 0
+    assert status.scheduler.gpu_blocks_total == 0
 
 
 def test_size_limits_are_checked_before_anything_else():

@@ -4,15 +4,14 @@ that survive a fresh scheduler."""
 import asyncio
 import dataclasses
 import logging
-from types import SimpleNamespace
 
-from scheduler_svc.engine import EngineConfig, EngineStatus
+from scheduler_svc.engine import EngineConfig
 from scheduler_svc.metrics import Metrics, StatsLog
+from scheduler_svc.scheduler_stats import SchedulerStats
 from test_engine import SPECS, FakeClient, run, serve
 
-STATUS = EngineStatus(attached=True, executor_address="fake:1", model_name="fake", attach_error="",
-                      running=3, waiting=2, swapped=1, gpu_blocks_used=16, gpu_blocks_total=64,
-                      cpu_blocks_used=0, cpu_blocks_total=32)
+STATUS = SchedulerStats(running=3, waiting=2, swapped=1, gpu_blocks_used=16, gpu_blocks_total=64,
+                        cpu_blocks_used=0, cpu_blocks_total=32)
 
 
 def test_the_stats_line_reports_the_interval_and_is_silent_when_nothing_ran():
@@ -43,23 +42,20 @@ def test_the_engine_logs_stats_while_serving_and_each_request_at_debug(caplog):
     assert {r.levelno for r in finished} == {logging.DEBUG}
 
 
-def fake_scheduler(swap=0, recompute=0, out=0, into=0):
-    return SimpleNamespace(
-        num_running=0, num_waiting=0, num_swapped=0, num_preemptions_swap=swap,
-        num_preemptions_recompute=recompute, num_blocks_swapped_out=out,
-        num_blocks_swapped_in=into,
-        block_manager=SimpleNamespace(num_gpu_blocks=8, num_free_gpu_blocks=8, num_cpu_blocks=4,
-                                      num_free_cpu_blocks=4))
+def stats(swap=0, recompute=0, out=0, into=0):
+    return SchedulerStats(gpu_blocks_total=8, cpu_blocks_total=4, num_preemptions_swap=swap,
+                          num_preemptions_recompute=recompute, num_blocks_swapped_out=out,
+                          num_blocks_swapped_in=into)
 
 
 def test_preemptions_and_swapped_pages_are_counters_across_schedulers():
     metrics = Metrics()
-    first = fake_scheduler()
-    metrics.observe_scheduler(first)
-    first.num_preemptions_swap, first.num_blocks_swapped_out = 2, 6
-    metrics.observe_scheduler(first)
-    metrics.observe_scheduler(first)  # nothing new
-    metrics.observe_scheduler(fake_scheduler(swap=1, recompute=1, out=3, into=3))  # restarted
+    metrics.on_new_scheduler()
+    metrics.observe_scheduler(stats())
+    metrics.observe_scheduler(stats(swap=2, out=6))
+    metrics.observe_scheduler(stats(swap=2, out=6))  # nothing new
+    metrics.on_new_scheduler()  # a fresh scheduler counts from zero again
+    metrics.observe_scheduler(stats(swap=1, recompute=1, out=3, into=3))
     value = metrics.registry.get_sample_value
     assert value("pagedserve_preemptions_total", {"mode": "swap"}) == 3
     assert value("pagedserve_preemptions_total", {"mode": "recompute"}) == 1

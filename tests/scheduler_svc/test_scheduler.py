@@ -8,7 +8,8 @@ from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.plan import SeqUpdate
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, SequenceStatus
-from sched_factories import EOS, Loop, PipelinedLoop, default_token, make_scheduler, make_seq
+from sched_factories import (EOS, FakeExecutor, Loop, PipelinedLoop, default_token, make_scheduler,
+                             make_seq)
 
 
 def expected_output(seq_id: int, prompt_len: int, max_tokens: int) -> list[int]:
@@ -336,6 +337,29 @@ def test_reset_executor_then_everything_finishes_identically():
     plan, _ = loop.step()
     assert not plan.cached_seqs and not plan.finished_seq_ids and not plan.preempted_seq_ids
     assert all(s.num_computed_tokens == 0 for s in plan.new_seqs)
+    loop.run_until_done()
+    assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(5)}
+    assert_all_block_free(sched)
+
+
+def test_reset_for_executor_moves_every_seq_onto_new_pools_and_stats_say_so():
+    sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=40)
+    loop = Loop(sched)
+    for seq in pressure_seqs(n=5):
+        sched.add_seq(seq)
+    while not sched.swapped:
+        loop.step()
+    before = sched.stats()
+    assert before.running + before.swapped + before.waiting == 5 and before.swapped > 0
+    assert before.gpu_blocks_used == 10 - sched.block_manager.num_free_gpu_blocks > 0
+    assert before.num_preemptions_swap == before.swapped and before.num_blocks_swapped_out > 0
+    sched.reset_for_executor(block_size=4, num_gpu_blocks=20, num_cpu_blocks=8)
+    loop.executor = FakeExecutor(4, 20, 8)
+    after = sched.stats()
+    assert (after.running, after.swapped, after.waiting) == (0, 0, 5)
+    assert (after.gpu_blocks_used, after.gpu_blocks_total) == (0, 20)
+    assert (after.cpu_blocks_used, after.cpu_blocks_total) == (0, 8)
+    assert after.num_preemptions_swap == before.num_preemptions_swap  # counts run on
     loop.run_until_done()
     assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(5)}
     assert_all_block_free(sched)

@@ -1,4 +1,4 @@
-"""The executor's lease: which scheduler's Execute stream owns the worker, and how many streams may
+"""The executor's lease: which scheduler's Execute stream owns the runner, and how many streams may
 wait for their hello. Plain Python (no gRPC, no torch): the servicer maps LeaseRefused to a status.
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ class _Holder:
 
 
 class Lease:
-    """One scheduler at a time. `grant` gives the worker to a hello when no live stream holds it,
+    """One scheduler at a time. `grant` gives the runner to a hello when no live stream holds it,
     when the holder's own scheduler reconnects (a higher epoch), or on an explicit takeover if
     takeovers are allowed (the executor authenticates its callers); it refuses everything else.
-    Each grant has a new generation: the worker's state belongs to the current one only."""
+    Each grant has a new generation: the runner's state belongs to the current one only."""
 
     def __init__(self, allow_takeover: bool, clock: Callable[[], float] = time.time) -> None:
         self.allow_takeover = allow_takeover

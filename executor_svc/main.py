@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _start(config: ExecutorConfig, transport: TransportConfig):
-    """(started server, its port, the worker's Describe info): checks, loads, binds."""
+    """(started server, its port, the runner's Describe info): checks, loads, binds."""
     from executor_svc.model_loader import check_model_source
     from executor_svc.server import build_server
     from executor_svc.worker import Worker
@@ -175,12 +175,11 @@ def _start(config: ExecutorConfig, transport: TransportConfig):
     check_can_listen(config.host, config.port)  # before minutes of loading, not after
     if config.model:
         check_model_source(config.model)  # before torch and transformers get to it
-    worker = Worker(config)
-    info = worker.describe()
-    server, port = build_server(worker, f"{config.host}:{config.port}", transport,
+    runner = Worker(config).runner
+    server, port = build_server(runner, f"{config.host}:{config.port}", transport,
                                 config.overlap_steps)
     server.start()
-    return server, port, info
+    return server, port, runner.info
 
 
 def _start_failed(err: Exception, config: ExecutorConfig, log_level: str) -> NoReturn:

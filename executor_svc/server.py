@@ -1,9 +1,10 @@
 """The Executor gRPC service: Describe, and the Execute stream (one StepPlan in, one StepResult out).
 
-Thin: converts messages with executor_svc.wire and calls the Worker through a StepPipeline (step
-N+1 is launched before step N is finished when its plan is already there). One scheduler drives
-the worker at a time, under a lease (executor_svc.lease) presented in a stream's first message;
-only a granted stream resets the worker, and a stream that is not granted never touches it.
+Thin: converts messages with executor_svc.wire and drives the ModelRunner through a StepPipeline
+(step N+1 is launched before step N is finished when its plan is already there). One scheduler
+drives the runner at a time, under a lease (executor_svc.lease) presented in a stream's first
+message; only a granted stream resets the runner, and a stream that is not granted never touches
+it.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ SERVER_OPTIONS = [
 
 
 class Superseded(Exception):
-    """A later lease grant took the worker: its state is no longer this stream's."""
+    """A later lease grant took the runner: its state is no longer this stream's."""
 
 
 class _Evicted(Exception):
@@ -60,10 +61,10 @@ class _Evicted(Exception):
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, worker, overlap_steps: bool = True, allow_takeover: bool = False,
+    def __init__(self, runner, overlap_steps: bool = True, allow_takeover: bool = False,
                  hello_timeout_s: float = TransportConfig.hello_timeout_s,
                  max_waiting_streams: int = MAX_WAITING_STREAMS) -> None:
-        self.worker = worker
+        self.runner = runner  # a ModelRunner: info, reset(), launch(step), finish(pending)
         self.instance_id = random.getrandbits(63)
         self.executed_steps = 0
         # 2: launch step N+1 before finishing step N; 1: one step at a time.
@@ -71,10 +72,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.hello_timeout_s = hello_timeout_s
         self.lease = Lease(allow_takeover)
         self.waiting = WaitingStreams(max_waiting_streams)
-        self._lock = threading.Lock()  # one worker call at a time
+        self._lock = threading.Lock()  # one runner call at a time
 
     def Describe(self, request, context):
-        return wire.info_to_proto(self.worker.describe(), self.instance_id)
+        return wire.info_to_proto(self.runner.info, self.instance_id)
 
     def Execute(self, request_iterator, context):
         reader = PlanReader(request_iterator)
@@ -120,8 +121,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return hello
 
     def _grant(self, hello: Hello, reader: PlanReader, context) -> int:
-        """Grants the lease and resets the worker for its new holder; closes the stream if the
-        lease is refused or the client has already gone (then the worker is not touched)."""
+        """Grants the lease and resets the runner for its new holder; closes the stream if the
+        lease is refused or the client has already gone (then the runner is not touched)."""
         if not context.is_active():
             context.abort(grpc.StatusCode.CANCELLED, "the client left before its hello was read")
         try:
@@ -133,7 +134,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(refused))
         with self._lock:
             if self.lease.is_current(generation):
-                self.worker.reset()
+                self.runner.reset()
         log.info("lease %d granted to scheduler %s (epoch %d%s) at %s", generation,
                  hello.scheduler_id, hello.epoch, ", takeover" if hello.takeover else "",
                  context.peer())
@@ -145,12 +146,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         step = wire.step_from_proto(plan)
         with self._lock:
             self._check_current(generation)
-            return self.worker.launch(step)
+            return self.runner.launch(step)
 
     def _finish(self, generation: int, pending):
         with self._lock:
             self._check_current(generation)
-            output = self.worker.finish(pending)
+            output = self.runner.finish(pending)
             self.executed_steps += 1
             return output, self.executed_steps
 
@@ -159,14 +160,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             raise Superseded()
 
     def _abort(self, context, generation: int, failure: StepFailed) -> None:
-        """Maps a failed step to a status; the worker's state is dropped unless a newer stream
+        """Maps a failed step to a status; the runner's state is dropped unless a newer stream
         owns it now."""
         err = failure.cause
         if isinstance(err, Superseded):
             context.abort(grpc.StatusCode.ABORTED, "superseded by a newer Execute stream")
         with self._lock:  # a failed step may leave partial state: drop it all
             if self.lease.is_current(generation):
-                self.worker.reset()
+                self.runner.reset()
         if isinstance(err, PlanMismatch):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         log.error("step %d failed", failure.step_id, exc_info=err)
@@ -183,7 +184,7 @@ def hello_from_proto(plan: executor_pb2.StepPlan | None) -> Hello | None:
     return Hello(lease.scheduler_id, lease.epoch, lease.takeover)
 
 
-def build_server(worker, address: str, transport: TransportConfig = TransportConfig(),
+def build_server(runner, address: str, transport: TransportConfig = TransportConfig(),
                  overlap_steps: bool = True):
     """A grpc server with the Executor, health and reflection services; returns (server, port).
     Raises AddressInUse if the address cannot be bound. A takeover of the lease is honoured only
@@ -194,7 +195,7 @@ def build_server(worker, address: str, transport: TransportConfig = TransportCon
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
                          interceptors=interceptors, options=SERVER_OPTIONS,
                          maximum_concurrent_rpcs=MAX_WORKERS)
-    servicer = ExecutorServicer(worker, overlap_steps, allow_takeover=bool(transport.auth_token),
+    servicer = ExecutorServicer(runner, overlap_steps, allow_takeover=bool(transport.auth_token),
                                 hello_timeout_s=transport.hello_timeout_s)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

@@ -1,6 +1,6 @@
-"""Worker: builds backend, model, cache engine and model runner from an ExecutorConfig; the gRPC
-servicer's one domain object. On cuda it also sizes the KV cache from a memory profile, captures
-the decode graphs and warms every path before the server reports ready. No gRPC or protobuf here.
+"""Worker: builds backend, model, cache engine and model runner from an ExecutorConfig. On cuda it
+also sizes the KV cache from a memory profile, captures the decode graphs and warms every path
+before the server reports ready. The gRPC servicer drives `worker.runner`. No gRPC or protobuf here.
 """
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ from executor_svc.cuda_graphs import BATCH_SIZES, DecodeGraphs
 from executor_svc.memory_profile import profile_num_gpu_blocks
 from executor_svc.fingerprint import model_fingerprint, start_source_identity
 from executor_svc.model_loader import DTYPES, default_model_source, load_model
-from executor_svc.model_runner import ModelRunner, PendingStep
-from executor_svc.step import (
-    CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step, StepOutput,
-)
+from executor_svc.model_runner import ModelRunner
+from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +26,9 @@ _MAX_MODEL_LEN_CAP = 4096
 
 
 class Worker:
+    """Builds and owns one ModelRunner (`runner`) and what went into it: `info` (what Describe
+    answers), `cache_engine`, and on cuda `memory_profile`."""
+
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
         self.backend = get_backend(config.backend)
@@ -115,18 +116,3 @@ class Worker:
         self.runner.finish(decode)
         self.runner.reset()
         torch.cuda.synchronize(self.backend.device)
-
-    def describe(self) -> ExecutorInfo:
-        return self.info
-
-    def execute(self, step: Step) -> StepOutput:
-        return self.runner.execute(step)
-
-    def launch(self, step: Step) -> PendingStep:
-        return self.runner.launch(step)
-
-    def finish(self, pending: PendingStep) -> StepOutput:
-        return self.runner.finish(pending)
-
-    def reset(self) -> None:
-        self.runner.reset()

@@ -296,14 +296,14 @@ def test_worker_sizes_kv_cache_from_memory_and_pins_swap_space():
     utilization = (total - free + 6 * 2**30) / total  # about 6 GiB beyond what is in use now
     worker = Worker(ExecutorConfig(model="preset:smollm2-135m", backend="cuda",
                                    gpu_memory_utilization=utilization, swap_space_gib=0.25))
-    info, profile = worker.describe(), worker.memory_profile
+    info, profile = worker.info, worker.memory_profile
     assert info.backend == "cuda" and info.dtype == "bfloat16"
     assert info.num_gpu_blocks == profile.num_gpu_blocks > 1000
     assert info.num_cpu_blocks == int(0.25 * 2**30) // worker.cache_engine.bytes_per_block()
     assert worker.cache_engine.cpu_k.is_pinned() and worker.cache_engine.cpu_v.is_pinned()
     kv_bytes = info.num_gpu_blocks * worker.cache_engine.bytes_per_block()
     assert kv_bytes <= total * utilization - profile.used_after_weights
-    out = worker.execute(Step(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 3)]))
+    out = worker.runner.execute(Step(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 3)]))
     assert [s.seq_id for s in out.sampled] == [1] and out.step_ms > 0
     del worker
     torch.cuda.empty_cache()

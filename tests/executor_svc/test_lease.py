@@ -1,7 +1,7 @@
 """The executor's lease: the rules (one scheduler at a time, its own reconnect supersedes, takeover
 only with a token), the bounded wait for a stream's hello, and the Executor service over gRPC in
-process on a fake worker: garbage, silent, refused, evicted and already-gone streams never touch
-the worker or the lease holder, and open streams of other kinds leave Describe a thread."""
+process on a fake runner: garbage, silent, refused, evicted and already-gone streams never touch
+the runner or the lease holder, and open streams of other kinds leave Describe a thread."""
 from __future__ import annotations
 
 import queue
@@ -126,15 +126,12 @@ class _Done:
         pass
 
 
-class FakeWorker:
+class FakeRunner:
     """Counts resets; each step samples token 7 for its new seqs."""
 
     def __init__(self) -> None:
         self.resets = 0
         self.info = ExecutorInfo("fake", "fp", "float32", 4, 16, 0, 64, 100, "", "cpu")
-
-    def describe(self) -> ExecutorInfo:
-        return self.info
 
     def reset(self) -> None:
         self.resets += 1
@@ -189,8 +186,8 @@ class Call:
 
 class Served:
     def __init__(self, **transport) -> None:
-        self.worker = FakeWorker()
-        self.server, self.port = build_server(self.worker, "127.0.0.1:0",
+        self.runner = FakeRunner()
+        self.server, self.port = build_server(self.runner, "127.0.0.1:0",
                                               TransportConfig(**transport))
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -212,7 +209,7 @@ def served():
     served.stop()
 
 
-def test_rogue_streams_never_touch_the_worker_or_the_holder(served):
+def test_rogue_streams_never_touch_the_runner_or_the_holder(served):
     holder = served.attach()
     holder.send(plan(1))
     assert holder.receive().step_id == 1
@@ -231,7 +228,7 @@ def test_rogue_streams_never_touch_the_worker_or_the_holder(served):
     assert "stale hello" in stale.status().details()
     holder.send(plan(2))
     assert [t.seq_id for t in holder.receive().sampled] == [2]
-    assert served.worker.resets == 1  # the holder's own grant, nothing else
+    assert served.runner.resets == 1  # the holder's own grant, nothing else
     holder.close()
     served.attach("stranger").close()  # free once the holder's stream ended
 
@@ -260,12 +257,12 @@ class GoneContext:
         return "ipv4:127.0.0.1:1"
 
 
-def test_a_hello_from_a_client_already_gone_never_resets_the_worker():
-    worker = FakeWorker()
-    servicer = ExecutorServicer(worker)
+def test_a_hello_from_a_client_already_gone_never_resets_the_runner():
+    runner = FakeRunner()
+    servicer = ExecutorServicer(runner)
     with pytest.raises(_Aborted):
         next(servicer.Execute(iter([hello()]), GoneContext()))
-    assert worker.resets == 0 and servicer.lease.holder is None
+    assert runner.resets == 0 and servicer.lease.holder is None
 
 
 def test_streams_waiting_for_a_hello_are_bounded_and_never_keep_a_scheduler_out():
@@ -317,7 +314,7 @@ def test_open_reflection_and_watch_streams_leave_describe_and_execute_free(serve
 def test_a_second_server_on_a_busy_port_fails_to_bind(served):
     port = served.port
     with pytest.raises(AddressInUse, match=f"cannot listen on 127.0.0.1:{port}"):
-        build_server(FakeWorker(), f"127.0.0.1:{port}")
+        build_server(FakeRunner(), f"127.0.0.1:{port}")
     with pytest.raises(AddressInUse, match=f"cannot listen on 127.0.0.1:{port}"):
         check_can_listen("127.0.0.1", port)
 
@@ -333,6 +330,6 @@ def test_takeover_supersedes_the_holder_only_with_a_token():
         assert holder.status().code() == grpc.StatusCode.ABORTED
         taker.send(plan(1))
         assert taker.receive().step_id == 1
-        assert served.worker.resets == 2
+        assert served.runner.resets == 2
     finally:
         served.stop()

@@ -43,7 +43,7 @@ def test_worker_warns_when_the_model_has_no_tokenizer(tmp_path, caplog):
     hf_model("tiny").save_pretrained(tmp_path)
     with caplog.at_level(logging.WARNING, logger="executor_svc.worker"):
         info = Worker(ExecutorConfig(model=str(tmp_path), num_gpu_blocks=4,
-                                     swap_space_gib=0.001)).describe()
+                                     swap_space_gib=0.001)).info
     assert info.tokenizer == ""
     assert "no tokenizer: only token-id prompts will work" in caplog.text
 

@@ -52,17 +52,17 @@ class GrpcLink:
 
 class Served:
     def __init__(self, overlap: bool) -> None:
-        self.worker = Worker(ExecutorConfig(model="preset:tiny", block_size=4, num_gpu_blocks=12,
-                                            swap_space_gib=0.0005))
+        self.runner = Worker(ExecutorConfig(model="preset:tiny", block_size=4, num_gpu_blocks=12,
+                                            swap_space_gib=0.0005)).runner
         self.launched_with_pending = 0  # launches while an earlier step was unfinished
-        launch = self.worker.launch
+        launch = self.runner.launch
 
         def counting_launch(step):
-            self.launched_with_pending += self.worker.runner.num_pending_steps > 0
+            self.launched_with_pending += self.runner.num_pending_steps > 0
             return launch(step)
 
-        self.worker.launch = counting_launch
-        self.server, port = build_server(self.worker, "127.0.0.1:0", overlap_steps=overlap)
+        self.runner.launch = counting_launch
+        self.server, port = build_server(self.runner, "127.0.0.1:0", overlap_steps=overlap)
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
 
@@ -99,7 +99,7 @@ def test_overlap_on_and_off_give_the_same_results():
     for overlap in (True, False):
         served = Served(overlap)
         try:
-            sched = make_scheduler(served.worker.info, max_num_batched_tokens=16, max_num_seqs=6)
+            sched = make_scheduler(served.runner.info, max_num_batched_tokens=16, max_num_seqs=6)
             add_workload(sched, seed=4)
             link = served.stream()
             run = ScheduledRun(sched, link).run()
@@ -136,11 +136,11 @@ def test_rejected_plan_after_the_result_of_the_step_before_it(served):
         link.receive()
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "cached seq 99" in err.value.details()
-    assert served.worker.runner.seqs == {} and served.worker.runner.num_pending_steps == 0
+    assert served.runner.seqs == {} and served.runner.num_pending_steps == 0
 
 
 def test_failing_step_answers_internal_and_drops_state(served, monkeypatch):
-    model = served.worker.runner.model
+    model = served.runner.model
     calls = []
 
     def forward(*args, **kwargs):
@@ -158,7 +158,7 @@ def test_failing_step_answers_internal_and_drops_state(served, monkeypatch):
         link.receive()
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "step 2 failed" in err.value.details() and "forward broke" in err.value.details()
-    assert served.worker.runner.seqs == {} and served.worker.runner.num_pending_steps == 0
+    assert served.runner.seqs == {} and served.runner.num_pending_steps == 0
 
 
 def test_a_newer_stream_of_the_same_scheduler_aborts_the_older_one(served):

@@ -1,4 +1,4 @@
-"""StepPipeline on a fake worker whose "GPU" finishes a step only when told or when waited for:
+"""StepPipeline on a fake runner whose "GPU" finishes a step only when told or when waited for:
 step N+1 is launched before step N is finished when its plan is there, at most two steps are
 unfinished, results come in step order, a finished step is never held back for a plan, and a
 failing step comes after the results of the steps launched before it."""
@@ -36,7 +36,7 @@ class FakePending:
         assert self.done.wait(TIMEOUT_S), f"step {self.step_id} never completed"
 
 
-class FakeWorker:
+class FakeRunner:
     """Records launch/finish calls. `slow`: a step's GPU work ends only when finish() waits for it
     (the GPU is always still busy when the next plan is checked) or when complete() is called;
     else it is done at launch, as on the CPU backend."""
@@ -68,8 +68,8 @@ class FakeWorker:
         return pending.step_id
 
 
-def pipeline(worker: FakeWorker, max_in_flight: int = 2) -> StepPipeline:
-    return StepPipeline(worker.launch, worker.finish, max_in_flight)
+def pipeline(runner: FakeRunner, max_in_flight: int = 2) -> StepPipeline:
+    return StepPipeline(runner.launch, runner.finish, max_in_flight)
 
 
 class Plans:
@@ -94,22 +94,22 @@ def next_within_timeout(results, pool: ThreadPoolExecutor):
 
 
 def test_next_step_launched_before_the_previous_finishes_results_in_order():
-    worker = FakeWorker(slow=True)
-    results = list(pipeline(worker).run([Plan(i) for i in range(1, 6)]))
+    runner = FakeRunner(slow=True)
+    results = list(pipeline(runner).run([Plan(i) for i in range(1, 6)]))
     assert results == [1, 2, 3, 4, 5]
-    assert worker.calls == ["L1", "L2", "F1", "L3", "F2", "L4", "F3", "L5", "F4", "F5"]
-    assert worker.max_unfinished == 2
+    assert runner.calls == ["L1", "L2", "F1", "L3", "F2", "L4", "F3", "L5", "F4", "F5"]
+    assert runner.max_unfinished == 2
 
 
 def test_one_in_flight_is_one_step_at_a_time():
-    worker = FakeWorker(slow=True)
-    assert list(pipeline(worker, max_in_flight=1).run([Plan(i) for i in range(1, 4)])) == [1, 2, 3]
-    assert worker.calls == ["L1", "F1", "L2", "F2", "L3", "F3"]
+    runner = FakeRunner(slow=True)
+    assert list(pipeline(runner, max_in_flight=1).run([Plan(i) for i in range(1, 4)])) == [1, 2, 3]
+    assert runner.calls == ["L1", "F1", "L2", "F2", "L3", "F3"]
 
 
 def test_a_done_step_is_returned_without_waiting_for_the_next_plan():
-    worker, plans = FakeWorker(slow=False), Plans()
-    results = pipeline(worker).run(plans)
+    runner, plans = FakeRunner(slow=False), Plans()
+    results = pipeline(runner).run(plans)
     with ThreadPoolExecutor(1) as pool:
         plans.send(1)
         assert next_within_timeout(results, pool) == 1  # plan 2 is not sent yet
@@ -121,38 +121,38 @@ def test_a_done_step_is_returned_without_waiting_for_the_next_plan():
 
 
 def test_a_step_that_completes_later_is_returned_without_waiting_for_the_next_plan():
-    worker, plans = FakeWorker(slow=True), Plans()
-    results = pipeline(worker).run(plans)
+    runner, plans = FakeRunner(slow=True), Plans()
+    results = pipeline(runner).run(plans)
     with ThreadPoolExecutor(1) as pool:
         plans.send(1)
         result = pool.submit(next, results)
-        pending = worker.launched.get(timeout=TIMEOUT_S)
+        pending = runner.launched.get(timeout=TIMEOUT_S)
         assert not result.done()  # step 1 still runs
         pending.done.set()  # the GPU finishes step 1 while no plan is queued
         assert result.result(timeout=TIMEOUT_S) == 1
         plans.send(2)
         result = pool.submit(next, results)
-        worker.launched.get(timeout=TIMEOUT_S)
+        runner.launched.get(timeout=TIMEOUT_S)
         plans.send(3)  # arrives while step 2 runs: launched before step 2 is finished
         assert result.result(timeout=TIMEOUT_S) == 2
         plans.close()
         assert next_within_timeout(results, pool) == 3
-    assert worker.calls == ["L1", "F1", "L2", "L3", "F2", "F3"]
+    assert runner.calls == ["L1", "F1", "L2", "L3", "F2", "F3"]
 
 
 def test_a_rejected_plan_comes_after_the_result_of_the_step_before_it():
-    worker = FakeWorker(slow=True, fail_launch=3)
-    results = pipeline(worker).run([Plan(i) for i in range(1, 6)])
+    runner = FakeRunner(slow=True, fail_launch=3)
+    results = pipeline(runner).run([Plan(i) for i in range(1, 6)])
     assert [next(results), next(results)] == [1, 2]
     with pytest.raises(StepFailed) as failed:
         next(results)
     assert failed.value.step_id == 3 and isinstance(failed.value.cause, PlanMismatch)
-    assert worker.calls == ["L1", "L2", "F1", "F2"]  # step 2 was unfinished when 3 was refused
+    assert runner.calls == ["L1", "L2", "F1", "F2"]  # step 2 was unfinished when 3 was refused
 
 
 def test_a_failed_finish_ends_the_results_at_that_step():
-    worker = FakeWorker(slow=True, fail_finish=2)
-    results = pipeline(worker).run([Plan(i) for i in range(1, 6)])
+    runner = FakeRunner(slow=True, fail_finish=2)
+    results = pipeline(runner).run([Plan(i) for i in range(1, 6)])
     assert next(results) == 1
     with pytest.raises(StepFailed) as failed:
         next(results)
@@ -165,4 +165,4 @@ def test_a_broken_plan_stream_is_raised_as_is():
         raise ConnectionResetError("stream broke")
 
     with pytest.raises(ConnectionResetError):
-        list(pipeline(FakeWorker(slow=False)).run(plans()))
+        list(pipeline(FakeRunner(slow=False)).run(plans()))

@@ -1,4 +1,4 @@
-"""Worker from an ExecutorConfig: describe() and a step round trip on a preset."""
+"""Worker from an ExecutorConfig: its info and a step round trip through its runner, on a preset."""
 import pytest
 import torch
 
@@ -10,23 +10,24 @@ from executor_svc.worker import Worker
 
 def test_worker_describe_and_execute():
     worker = Worker(ExecutorConfig(model="preset:tiny", num_gpu_blocks=32, swap_space_gib=0.01))
-    info = worker.describe()
+    info, runner = worker.info, worker.runner
+    assert runner.info is info
     assert (info.backend, info.dtype, info.block_size, info.num_gpu_blocks) == ("cpu", "float32", 16, 32)
     assert info.num_cpu_blocks == int(0.01 * 2**30) // worker.cache_engine.bytes_per_block()
     assert info.vocab_size == 49152 and info.max_model_len == 2048 and len(info.fingerprint) == 64
-    out = worker.execute(Step(1, new_seqs=[NewSeq(3, [1, 2, 3], [7], 0, 3, SamplingOptions())]))
+    out = runner.execute(Step(1, new_seqs=[NewSeq(3, [1, 2, 3], [7], 0, 3, SamplingOptions())]))
     assert [s.seq_id for s in out.sampled] == [3] and out.step_ms >= out.forward_ms
-    out = worker.execute(Step(2, cached_seqs=[CachedSeq(3, 1, 3, [])]))
+    out = runner.execute(Step(2, cached_seqs=[CachedSeq(3, 1, 3, [])]))
     assert [s.seq_id for s in out.sampled] == [3]
-    worker.reset()
-    assert worker.runner.seqs == {}
+    runner.reset()
+    assert runner.seqs == {}
 
 
 def test_fingerprint_depends_on_seed_and_preset():
     a = Worker(ExecutorConfig(model="preset:tiny", num_gpu_blocks=4, swap_space_gib=0.001))
     b = Worker(ExecutorConfig(model="preset:tiny", num_gpu_blocks=8, swap_space_gib=0.001, seed=1))
     c = Worker(ExecutorConfig(model="preset:tiny-qwen2", num_gpu_blocks=4, swap_space_gib=0.001))
-    assert len({a.describe().fingerprint, b.describe().fingerprint, c.describe().fingerprint}) == 3
+    assert len({a.info.fingerprint, b.info.fingerprint, c.info.fingerprint}) == 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine builds the backend")

@@ -1,6 +1,6 @@
 """The scheduler's host cost per step on the CPU (issue 10): `schedule()`, the plan's encoding
 (`wire.plan_to_proto` + `SerializeToString`, what the client sends), the executor's reply parsed
-(`StepResult.FromString` + `wire.sampled_from_proto`) and `update_from_output`, at N running
+(`StepResult.FromString` + `wire.result_from_proto`) and `update_from_output`, at N running
 sequences. Plain Python: no GPU, no gRPC server, no network.
 
     python -m benchmarks.bench_scheduler --num-seqs 256 512 1024 --steps 200 --json out.json
@@ -14,7 +14,7 @@ step k's result is applied, then step k+2 is planned and encoded. Cases:
   churn   1 sequence finishes and 1 new one is admitted each step.
 With 8192 tokens a step and N <= 1,024, an admitted prompt (<= 1,024 tokens) is prefilled in one
 chunk. The pool holds ~250 measured steps at N = 1,024 before anything is preempted (the count is
-printed). Prompts, tokens and logprobs come from random.Random(seed); every run is the same.
+printed). Prompts and tokens come from random.Random(seed); every run is the same.
 Request arrivals (add_seq) and the fake executor are not timed.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ STEPS_IN_FLIGHT = 2
 
 class FakeExecutor:
     """Answers a plan with the StepResult bytes the real executor would send: one sampled token
-    and logprob per sampling sequence; `finish` of them (not already doomed) get EOS."""
+    per sampling sequence; `finish` of them (not already doomed) get EOS."""
 
     def __init__(self, rng: random.Random, finish: int) -> None:
         self.rng = rng
@@ -69,10 +69,9 @@ class FakeExecutor:
         eos = set(self.rng.sample(alive, min(self.finish, len(alive))))
         self.doomed |= eos
         sampled = [executor_pb2.SampledToken(
-            seq_id=i, token_id=EOS if i in eos else self.rng.randrange(1, VOCAB),
-            logprob=-self.rng.random() * 4) for i in ids]
+            seq_id=i, token_id=EOS if i in eos else self.rng.randrange(1, VOCAB)) for i in ids]
         result = executor_pb2.StepResult(step_id=plan.step_id, sampled=sampled, forward_ms=9.5,
-                                         step_ms=10.2, executed_steps=plan.step_id)
+                                         step_ms=10.2)
         return result.SerializeToString()
 
 
@@ -131,9 +130,9 @@ class Bench:
         (request arrivals, not timed), then plans and encodes the next step."""
         plan, data = self.in_flight.popleft()
         t0 = time.perf_counter_ns()
-        sampled = wire.sampled_from_proto(executor_pb2.StepResult.FromString(data))
+        result = wire.result_from_proto(executor_pb2.StepResult.FromString(data))
         t1 = time.perf_counter_ns()
-        updates = self.sched.update_from_output(plan, sampled)
+        updates = self.sched.update_from_output(plan, result.sampled)
         t2 = time.perf_counter_ns()
         for update in updates:
             if update.finish_reason is not None:

@@ -66,7 +66,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                  max_waiting_streams: int = MAX_WAITING_STREAMS) -> None:
         self.runner = runner  # a ModelRunner: info, reset(), launch(step), finish(pending)
         self.instance_id = random.getrandbits(63)
-        self.executed_steps = 0
         # 2: launch step N+1 before finishing step N; 1: one step at a time.
         self.max_steps_in_flight = 2 if overlap_steps else 1
         self.hello_timeout_s = hello_timeout_s
@@ -86,8 +85,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             pipeline = StepPipeline(functools.partial(self._launch, generation),
                                     functools.partial(self._finish, generation),
                                     self.max_steps_in_flight)
-            for output, executed_steps in pipeline.run(reader):
-                yield wire.output_to_proto(output, executed_steps)
+            for output in pipeline.run(reader):
+                yield wire.output_to_proto(output)
         except StepFailed as failure:
             self._abort(context, generation, failure)
         except Superseded:
@@ -151,9 +150,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def _finish(self, generation: int, pending):
         with self._lock:
             self._check_current(generation)
-            output = self.runner.finish(pending)
-            self.executed_steps += 1
-            return output, self.executed_steps
+            return self.runner.finish(pending)
 
     def _check_current(self, generation: int) -> None:
         if not self.lease.is_current(generation):

@@ -53,7 +53,7 @@ class Step:
 class SampledToken:
     seq_id: int
     token_id: int
-    logprob: float
+    logprob: float  # of the sampled token; not sent until a request can ask for it
 
 
 @dataclass(frozen=True)
@@ -81,4 +81,3 @@ class ExecutorInfo:
     vocab_size: int
     tokenizer: str
     backend: str
-    features: tuple[str, ...] = ()

@@ -59,14 +59,13 @@ def _cached_columns(cached: executor_pb2.CachedSeqs) -> list[CachedSeq]:
     return seqs
 
 
-def output_to_proto(out: StepOutput, executed_steps: int) -> executor_pb2.StepResult:
+def output_to_proto(out: StepOutput) -> executor_pb2.StepResult:
     return executor_pb2.StepResult(
         step_id=out.step_id,
-        sampled=[executor_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+        sampled=[executor_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id)
                  for t in out.sampled],
         forward_ms=out.forward_ms,
         step_ms=out.step_ms,
-        executed_steps=executed_steps,
     )
 
 
@@ -83,5 +82,4 @@ def info_to_proto(info: ExecutorInfo, instance_id: int) -> executor_pb2.Describe
         tokenizer=info.tokenizer,
         backend=info.backend,
         instance_id=instance_id,
-        features=list(info.features),
     )

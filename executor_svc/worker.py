@@ -20,7 +20,6 @@ from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, 
 
 log = logging.getLogger(__name__)
 
-FEATURES = ("swap", "copy", "chunked_prefill", "seeded_sampling", "logprobs")
 _CPU_DEFAULT_GPU_BLOCKS = 1024
 _MAX_MODEL_LEN_CAP = 4096
 
@@ -66,7 +65,6 @@ class Worker:
             vocab_size=mc.vocab_size,
             tokenizer=tokenizer,
             backend=self.backend.name,
-            features=FEATURES,
         )
         graphs = None
         if self.backend.name == "cuda" and not config.enforce_eager:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\rpagedserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x84\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x11\n\ttokenizer\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\x04\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x03(\t\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"s\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\"\xad\x01\n\x06NewSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x62lock_table\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x30\n\x08sampling\x18\x06 \x01(\x0b\x32\x1e.pagedserve.v1.SamplingOptions\"m\n\tCachedSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\"\x87\x01\n\nCachedSeqs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\">\n\x05Lease\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08takeover\x18\x03 \x01(\x08\"\xf7\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x08swap_out\x18\x02 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12)\n\x07swap_in\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12&\n\x04\x63opy\x18\x04 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12\'\n\x08new_seqs\x18\x05 \x03(\x0b\x32\x15.pagedserve.v1.NewSeq\x12-\n\x0b\x63\x61\x63hed_seqs\x18\x06 \x03(\x0b\x32\x18.pagedserve.v1.CachedSeq\x12\x18\n\x10\x66inished_seq_ids\x18\x07 \x03(\x04\x12\x19\n\x11preempted_seq_ids\x18\x08 \x03(\x04\x12#\n\x05lease\x18\t \x01(\x0b\x32\x14.pagedserve.v1.Lease\x12)\n\x06\x63\x61\x63hed\x18\n \x01(\x0b\x32\x19.pagedserve.v1.CachedSeqs\"A\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x88\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x07sampled\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x0f\n\x07step_ms\x18\x04 \x01(\x01\x12\x16\n\x0e\x65xecuted_steps\x18\x05 \x01(\x04\x32\x9a\x01\n\x08\x45xecutor\x12K\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1f.pagedserve.v1.DescribeResponse\x12\x41\n\x07\x45xecute\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\rpagedserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x82\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x11\n\ttokenizer\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\x04J\x04\x08\x0c\x10\rR\x08\x66\x65\x61tures\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"q\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04J\x04\x08\x06\x10\x07R\x08has_seed\"\xad\x01\n\x06NewSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x62lock_table\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x30\n\x08sampling\x18\x06 \x01(\x0b\x32\x1e.pagedserve.v1.SamplingOptions\"m\n\tCachedSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\"\x87\x01\n\nCachedSeqs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\">\n\x05Lease\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08takeover\x18\x03 \x01(\x08\"\xf7\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x08swap_out\x18\x02 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12)\n\x07swap_in\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12&\n\x04\x63opy\x18\x04 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12\'\n\x08new_seqs\x18\x05 \x03(\x0b\x32\x15.pagedserve.v1.NewSeq\x12-\n\x0b\x63\x61\x63hed_seqs\x18\x06 \x03(\x0b\x32\x18.pagedserve.v1.CachedSeq\x12\x18\n\x10\x66inished_seq_ids\x18\x07 \x03(\x04\x12\x19\n\x11preempted_seq_ids\x18\x08 \x03(\x04\x12#\n\x05lease\x18\t \x01(\x0b\x32\x14.pagedserve.v1.Lease\x12)\n\x06\x63\x61\x63hed\x18\n \x01(\x0b\x32\x19.pagedserve.v1.CachedSeqs\"?\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\rJ\x04\x08\x03\x10\x04R\x07logprob\"\x86\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x07sampled\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x0f\n\x07step_ms\x18\x04 \x01(\x01J\x04\x08\x05\x10\x06R\x0e\x65xecuted_steps2\x9a\x01\n\x08\x45xecutor\x12K\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1f.pagedserve.v1.DescribeResponse\x12\x41\n\x07\x45xecute\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=40
   _globals['_DESCRIBEREQUEST']._serialized_end=57
   _globals['_DESCRIBERESPONSE']._serialized_start=60
-  _globals['_DESCRIBERESPONSE']._serialized_end=320
-  _globals['_BLOCKPAIR']._serialized_start=322
-  _globals['_BLOCKPAIR']._serialized_end=359
-  _globals['_SAMPLINGOPTIONS']._serialized_start=361
-  _globals['_SAMPLINGOPTIONS']._serialized_end=476
-  _globals['_NEWSEQ']._serialized_start=479
-  _globals['_NEWSEQ']._serialized_end=652
-  _globals['_CACHEDSEQ']._serialized_start=654
-  _globals['_CACHEDSEQ']._serialized_end=763
-  _globals['_CACHEDSEQS']._serialized_start=766
-  _globals['_CACHEDSEQS']._serialized_end=901
-  _globals['_LEASE']._serialized_start=903
-  _globals['_LEASE']._serialized_end=965
-  _globals['_STEPPLAN']._serialized_start=968
-  _globals['_STEPPLAN']._serialized_end=1343
-  _globals['_SAMPLEDTOKEN']._serialized_start=1345
-  _globals['_SAMPLEDTOKEN']._serialized_end=1410
-  _globals['_STEPRESULT']._serialized_start=1413
-  _globals['_STEPRESULT']._serialized_end=1549
-  _globals['_EXECUTOR']._serialized_start=1552
-  _globals['_EXECUTOR']._serialized_end=1706
+  _globals['_DESCRIBERESPONSE']._serialized_end=318
+  _globals['_BLOCKPAIR']._serialized_start=320
+  _globals['_BLOCKPAIR']._serialized_end=357
+  _globals['_SAMPLINGOPTIONS']._serialized_start=359
+  _globals['_SAMPLINGOPTIONS']._serialized_end=472
+  _globals['_NEWSEQ']._serialized_start=475
+  _globals['_NEWSEQ']._serialized_end=648
+  _globals['_CACHEDSEQ']._serialized_start=650
+  _globals['_CACHEDSEQ']._serialized_end=759
+  _globals['_CACHEDSEQS']._serialized_start=762
+  _globals['_CACHEDSEQS']._serialized_end=897
+  _globals['_LEASE']._serialized_start=899
+  _globals['_LEASE']._serialized_end=961
+  _globals['_STEPPLAN']._serialized_start=964
+  _globals['_STEPPLAN']._serialized_end=1339
+  _globals['_SAMPLEDTOKEN']._serialized_start=1341
+  _globals['_SAMPLEDTOKEN']._serialized_end=1404
+  _globals['_STEPRESULT']._serialized_start=1407
+  _globals['_STEPRESULT']._serialized_end=1541
+  _globals['_EXECUTOR']._serialized_start=1544
+  _globals['_EXECUTOR']._serialized_end=1698
 # @@protoc_insertion_point(module_scope)

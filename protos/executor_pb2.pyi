@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "fingerprint", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "tokenizer", "backend", "instance_id", "features")
+    __slots__ = ("model_name", "fingerprint", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "tokenizer", "backend", "instance_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -23,7 +23,6 @@ class DescribeResponse(_message.Message):
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     fingerprint: str
     dtype: str
@@ -35,8 +34,7 @@ class DescribeResponse(_message.Message):
     tokenizer: str
     backend: str
     instance_id: int
-    features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., backend: _Optional[str] = ..., instance_id: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., backend: _Optional[str] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class BlockPair(_message.Message):
     __slots__ = ("src", "dst")
@@ -47,20 +45,18 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "has_seed")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     min_p: float
     seed: int
-    has_seed: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class NewSeq(_message.Message):
     __slots__ = ("seq_id", "token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens", "sampling")
@@ -139,25 +135,21 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., copy: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSeq, _Mapping]]] = ..., cached_seqs: _Optional[_Iterable[_Union[CachedSeq, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., cached: _Optional[_Union[CachedSeqs, _Mapping]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob")
+    __slots__ = ("seq_id", "token_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
-    logprob: float
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "forward_ms", "step_ms", "executed_steps")
+    __slots__ = ("step_id", "sampled", "forward_ms", "step_ms")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
-    EXECUTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_ms: float
     step_ms: float
-    executed_steps: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., step_ms: _Optional[float] = ..., executed_steps: _Optional[int] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., step_ms: _Optional[float] = ...) -> None: ...

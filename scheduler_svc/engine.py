@@ -20,7 +20,7 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
 from scheduler_svc.metrics import Metrics, StatsLog
-from scheduler_svc.plan import SeqUpdate, StepPlan
+from scheduler_svc.plan import SeqUpdate, StepPlan, StepResult
 from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, PreparedRequest,
                                    RequestLimits, TokenEvent, check_sizes, prepare)
 from scheduler_svc.scheduler import Scheduler
@@ -474,11 +474,10 @@ class Engine:
                 if not in_flight:
                     await self._wait_for_work()
                     continue
-                sampled = await self.client.receive(in_flight[0])
+                result = await self.client.receive(in_flight[0])
                 plan = in_flight.popleft()
-                updates = await self._apply(plan, sampled)
-                self.num_steps += 1
-                self.stats.on_step(plan.num_scheduled_tokens, len(updates))
+                updates = await self._apply(plan, result.sampled)
+                self._account(plan, result, len(updates))
                 try:
                     await self._fill(in_flight)
                 finally:
@@ -498,6 +497,16 @@ class Engine:
             lost = self.client.lost(f"its result disagrees with the plan: {err}")
             await self.client.close()
             raise lost from err
+
+    def _account(self, plan: StepPlan, result: StepResult, num_sampled: int) -> None:
+        """Counts a step for the stats line, and the executor's times for it in the metrics."""
+        num_tokens = plan.num_scheduled_tokens
+        self.num_steps += 1
+        self.stats.on_step(num_tokens, num_sampled)
+        if num_tokens:  # a plan of copies and drops only runs no forward pass
+            kind = "decode" if num_tokens == plan.num_scheduled_seqs else "prefill"
+            self.metrics.observe_executor_step(kind, result.forward_ms, result.step_ms)
+
     async def _fill(self, in_flight: deque) -> None:
         """Schedules and sends steps until max_steps_in_flight are out or nothing is runnable.
         No new step goes out while a planned executor switch waits. Raises ExecutorLost."""

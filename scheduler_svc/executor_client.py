@@ -20,7 +20,7 @@ import grpc
 
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler_svc import wire
-from scheduler_svc.plan import StepPlan
+from scheduler_svc.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -151,14 +151,23 @@ class ExecutorClient:
         if call is None:
             await channel.close()
             return None
+        self._log_attached(address, description)
         self.fingerprint = description.fingerprint
         self._channel, self._call = channel, call
         self.description, self.connected_address = description, address
         self.disconnected_since, self._last_refusal = None, None
+        return description
+
+    def _log_attached(self, address: str, description: wire.ExecutorDescription) -> None:
+        """The attach line; before it, when the address attached last answers another instance
+        id, a warning that the executor restarted (rather than only the link breaking)."""
+        previous = self.description if address == self.connected_address else None
+        if previous is not None and previous.instance_id != description.instance_id:
+            log.warning("executor %s restarted (instance %016x, was %016x): it lost the state of "
+                        "every sequence", address, description.instance_id, previous.instance_id)
         log.info("attached executor %s (%s, %s backend, %d GPU / %d CPU blocks)", address,
                  description.model_name, description.backend, description.num_gpu_blocks,
                  description.num_cpu_blocks)
-        return description
 
     async def _open_leased_stream(self, stub, metadata, address: str):
         """Opens the Execute stream and presents the lease hello; the stream once the executor
@@ -202,8 +211,8 @@ class ExecutorClient:
             raise ExecutorLost("no executor attached")
         await self._guard(plan, self._call.write(wire.plan_to_proto(plan)))
 
-    async def receive(self, plan: StepPlan) -> dict[int, int]:
-        """The result of `plan`, already sent: {seq_id: sampled token id}."""
+    async def receive(self, plan: StepPlan) -> StepResult:
+        """The result of `plan`, already sent."""
         if self._call is None:
             raise ExecutorLost("no executor attached")
         result = await self._guard(plan, self._call.read())
@@ -211,7 +220,7 @@ class ExecutorClient:
             raise self.lost("executor closed the stream")
         if result.step_id != plan.step_id:
             raise self.lost(f"result for step {result.step_id}, expected {plan.step_id}")
-        return wire.sampled_from_proto(result)
+        return wire.result_from_proto(result)
 
     async def _guard(self, plan: StepPlan, operation):
         """Awaits a stream operation; every way it can fail becomes ExecutorLost."""

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from scheduler_svc.scheduler_stats import SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class Metrics:
@@ -43,6 +44,15 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagedserve_request_latency_seconds", "request latency, end to end",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # What each step's result says the executor spent on it, by kind: "decode" when every
+        # scheduled sequence computes one token (CUDA graph replays on a GPU), else "prefill".
+        self.executor_step = Histogram(
+            "pagedserve_executor_step_seconds", "executor host time per step, launch and finish "
+            "(GPU wait included), by kind", ["kind"], buckets=_STEP_BUCKETS, registry=r)
+        self.executor_forward = Histogram(
+            "pagedserve_executor_forward_seconds", "executor host time building and queueing a "
+            "step's forward pass and sampling, by kind", ["kind"], buckets=_STEP_BUCKETS,
+            registry=r)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Starts the /metrics HTTP endpoint in a daemon thread."""
@@ -61,6 +71,10 @@ class Metrics:
         self._advance(self.preemptions, "recompute", stats.num_preemptions_recompute)
         self._advance(self.blocks_swapped, "out", stats.num_blocks_swapped_out)
         self._advance(self.blocks_swapped, "in", stats.num_blocks_swapped_in)
+
+    def observe_executor_step(self, kind: str, forward_ms: float, step_ms: float) -> None:
+        self.executor_forward.labels(kind).observe(forward_ms / 1e3)
+        self.executor_step.labels(kind).observe(step_ms / 1e3)
 
     def on_new_scheduler(self) -> None:
         """The engine made a fresh scheduler: its running counts start again from zero."""

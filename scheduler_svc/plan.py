@@ -124,3 +124,13 @@ class SeqUpdate:
     seq: Sequence
     token_id: int
     finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The executor's answer to one plan: the token each sampling seq got, and the executor's
+    host time for the step (building and queueing its forward pass; the whole step)."""
+
+    sampled: dict[int, int]  # seq_id -> token id
+    forward_ms: float = 0.0
+    step_ms: float = 0.0

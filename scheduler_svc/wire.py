@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos import executor_pb2, generate_pb2
-from scheduler_svc.plan import CachedSeqs, StepPlan
+from scheduler_svc.plan import CachedSeqs, StepPlan, StepResult
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, TokenEvent,
                                    check_request_id)
@@ -113,7 +113,6 @@ def plan_to_proto(plan: StepPlan) -> executor_pb2.StepPlan:
                 top_k=s.sampling.top_k,
                 min_p=s.sampling.min_p,
                 seed=s.seed,
-                has_seed=True,
             ),
         )
         for s in plan.new_seqs
@@ -143,8 +142,9 @@ def _fill_cached_seqs(cached: CachedSeqs, out: executor_pb2.CachedSeqs) -> None:
     out.new_block_ids.extend(cached.new_block_ids)
 
 
-def sampled_from_proto(result: executor_pb2.StepResult) -> dict[int, int]:
-    return {t.seq_id: t.token_id for t in result.sampled}
+def result_from_proto(result: executor_pb2.StepResult) -> StepResult:
+    return StepResult({t.seq_id: t.token_id for t in result.sampled}, result.forward_ms,
+                      result.step_ms)
 
 
 def description_from_proto(d: executor_pb2.DescribeResponse) -> ExecutorDescription:

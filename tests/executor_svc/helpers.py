@@ -125,7 +125,8 @@ class RunnerLink:
 class ScheduledRun:
     """The real Scheduler planning with two steps in flight, as its engine does (step N+2 is
     planned once step N's result is applied), against `link` (send(StepPlan message),
-    receive() -> a result with step_id and sampled seq_id/token_id/logprob).
+    receive() -> a result with step_id and sampled seq_id/token_id, and logprob in process: the
+    wire carries none, so a gRPC link's results record None).
 
     Sent plans are numbered 1, 2, ... here: the scheduler also spends a step id on a plan with
     nothing in it, which is never sent, and the executor refuses the gap that leaves."""
@@ -145,7 +146,7 @@ class ScheduledRun:
                 return self
             (plan, step_id), out = self._in_flight.popleft(), self.link.receive()
             assert out.step_id == step_id
-            sampled = [(t.seq_id, t.token_id, t.logprob) for t in out.sampled]
+            sampled = [(t.seq_id, t.token_id, getattr(t, "logprob", None)) for t in out.sampled]
             self.results.append((out.step_id, sampled))
             for update in self.sched.update_from_output(plan, {s: t for s, t, _ in sampled}):
                 self.outputs.setdefault(update.seq.seq_id, []).append(update.token_id)

@@ -123,8 +123,7 @@ def test_results_come_in_step_order_with_plans_sent_ahead(served):
     link.close()
     assert [r.step_id for r in results] == [1, 2, 3, 4, 5]
     assert all([t.seq_id for t in r.sampled] == [1, 2] for r in results)
-    steps = [r.executed_steps for r in results]
-    assert steps == list(range(steps[0], steps[0] + 5))
+    assert all(r.step_ms >= r.forward_ms > 0 for r in results)
 
 
 def test_rejected_plan_after_the_result_of_the_step_before_it(served):

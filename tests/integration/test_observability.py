@@ -56,6 +56,16 @@ def test_preemptions_and_swapped_pages_are_counters(services):
     assert "# TYPE pagedserve_blocks_swapped_total counter" in text
 
 
+def test_the_executors_step_times_are_histograms_by_kind(services):
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        generate(services.stub(channel), [5, 6, 7], max_tokens=4)  # a prefill, then decodes
+    samples = services.metrics()
+    for kind in ("prefill", "decode"):
+        for name in ("step", "forward"):
+            assert samples[f'pagedserve_executor_{name}_seconds_count{{kind="{kind}"}}'] >= 1
+            assert samples[f'pagedserve_executor_{name}_seconds_sum{{kind="{kind}"}}'] > 0
+
+
 def test_the_executor_names_its_kv_pages_by_device(services):
     line = wait_for_line(services, "executor", "executor ready on")
     assert "KV pages (cpu)" in line and "GPU" not in line

@@ -78,6 +78,7 @@ def test_executor_sigkill_midway_then_replaced(tmp_path):
         services.add_executor("executor2", ["--model", TINY], port=port)
         load.check_against_reference()
         assert services.status().resyncs >= 1
+        assert f"executor {services.executor_address} restarted" in services.log_of("scheduler")
         assert_pools_whole(services)
     finally:
         services.stop()

@@ -12,6 +12,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine, EngineConfig, EngineFailed, NoExecutor
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.executor_client import ExecutorLost
+from scheduler_svc.plan import StepResult
 from scheduler_svc.request import FinishEvent, GenerateSpec, RequestLimits
 from scheduler_svc.sampling_params import StoppingParams
 from scheduler_svc.wire import ExecutorDescription
@@ -55,13 +56,14 @@ class FakeClient:
     async def send(self, plan) -> None:
         self._results.append(self.executor.execute(plan))
 
-    async def receive(self, plan) -> dict[int, int]:
+    async def receive(self, plan) -> StepResult:
         await asyncio.sleep(0)
         await self.results_flow.wait()
         if not self._results:
             raise ExecutorLost("closed")
         self.num_results += 1
-        return self.tamper(self.num_results, plan, self._results.popleft())
+        sampled = self.tamper(self.num_results, plan, self._results.popleft())
+        return StepResult(sampled, forward_ms=2.0, step_ms=3.0)
 
     def lost(self, reason: str) -> ExecutorLost:
         self.disconnected_since = time.monotonic()

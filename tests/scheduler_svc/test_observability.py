@@ -5,6 +5,8 @@ import asyncio
 import dataclasses
 import logging
 
+import pytest
+
 from scheduler_svc.engine import EngineConfig
 from scheduler_svc.metrics import Metrics, StatsLog
 from scheduler_svc.scheduler_stats import SchedulerStats
@@ -63,3 +65,19 @@ def test_preemptions_and_swapped_pages_are_counters_across_schedulers():
     assert value("pagedserve_blocks_swapped_total", {"direction": "in"}) == 3
     kinds = {m.name: m.type for m in metrics.registry.collect()}
     assert kinds["pagedserve_preemptions"] == kinds["pagedserve_blocks_swapped"] == "counter"
+
+
+def test_the_executors_step_times_are_histograms_by_step_kind():
+    """FakeClient answers every step with forward_ms=2 and step_ms=3; 12 prompts of 5-11 tokens
+    and 12 tokens each make prefill steps first, then steps of decodes only."""
+    _, engine, _ = run(serve(FakeClient(), SPECS))
+    value = engine.metrics.registry.get_sample_value
+    steps = {kind: value("pagedserve_executor_step_seconds_count", {"kind": kind})
+             for kind in ("prefill", "decode")}
+    assert steps["prefill"] >= 1 and steps["decode"] >= 11
+    assert steps["prefill"] + steps["decode"] <= engine.num_steps  # drop-only plans not counted
+    for kind, count in steps.items():
+        assert value("pagedserve_executor_step_seconds_sum", {"kind": kind}) == \
+            pytest.approx(0.003 * count)
+        assert value("pagedserve_executor_forward_seconds_sum", {"kind": kind}) == \
+            pytest.approx(0.002 * count)

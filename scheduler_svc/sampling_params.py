@@ -30,10 +30,6 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def validate(self) -> None:
         """Raise InvalidArgument naming the first out-of-range field."""
         if not math.isfinite(self.temperature) or self.temperature < 0:

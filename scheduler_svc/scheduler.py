@@ -348,7 +348,7 @@ class Scheduler:
             token_id = sampled[seq_id]
             seq.num_pending_tokens -= 1
             token_ids = seq.token_ids
-            token_ids.append(token_id)  # seq.append_token, inlined: ~5% of a step at 1,024 seqs
+            token_ids.append(token_id)  # not through a Sequence method: ~5% of a step at 1,024 seqs
             reason = None
             num_tokens = len(token_ids)
             if (token_id in seq.stop_token_set or num_tokens >= seq.length_limit

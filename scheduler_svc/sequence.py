@@ -81,11 +81,6 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        """A copy of the generated tail of token_ids (one list kept per seq, not two)."""
-        return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
@@ -98,16 +93,9 @@ class Sequence:
         return min(self.stopping.max_tokens, room)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
-    @property
     def sort_key(self) -> tuple[float, int]:
         """Age order used by the scheduler: oldest first, ties broken by seq_id."""
         return (self.arrival_time, self.seq_id)
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, status={self.status.name}, "

@@ -88,9 +88,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, token_ids: list[int], skip_special_tokens: bool = False) -> list[str]:
-        return self.hf_tokenizer.convert_ids_to_tokens(list(token_ids), skip_special_tokens=skip_special_tokens)
-
 
 def load_tokenizer(source: str) -> Tokenizer | None:
     """The tokenizer in `source`: a local HF folder, a `.gguf` file, or "" for none (token-id prompts only)."""

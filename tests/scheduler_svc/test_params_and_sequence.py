@@ -28,9 +28,8 @@ def test_top_p_message_is_exact():
         SamplingParams(top_p=1.5).validate()
 
 
-def test_valid_sampling_params_and_greedy():
+def test_valid_sampling_params():
     SamplingParams(temperature=0.7, top_p=1.0, top_k=-1, min_p=1.0, seed=3).validate()
-    assert SamplingParams().is_greedy and not SamplingParams(temperature=0.5).is_greedy
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -96,8 +95,8 @@ def test_sequence_tokens_and_effective_max_tokens():
     assert seq.num_prompt_tokens == 5 and seq.max_tokens == 3
     assert make_seq(2, prompt_len=5, max_tokens=None, max_model_len=8).max_tokens == 3
     assert make_seq(3, prompt_len=5, max_tokens=2, max_model_len=8).max_tokens == 2
-    seq.append_token(42)
-    assert seq.num_tokens == 6 and seq.output_token_ids == [42] and seq.token_ids[-1] == 42
+    seq.token_ids.append(42)
+    assert seq.num_tokens == 6 and seq.num_output_tokens == 1 and seq.token_ids[-1] == 42
     assert seq.prompt_token_ids == seq.token_ids[:5]
 
 

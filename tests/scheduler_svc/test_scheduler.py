@@ -381,7 +381,7 @@ def test_disagreeing_samples_raise_before_mutating(sampled):
     with pytest.raises(ExecutorDisagreement, match="another set of sequences"):
         sched.update_from_output(plan, sampled)
     seq = sched.get_seq(1)
-    assert seq.output_token_ids == [] and seq.num_pending_tokens == 1
+    assert seq.num_output_tokens == 0 and seq.num_pending_tokens == 1
 
 
 def test_token_of_a_seq_aborted_in_flight_is_no_disagreement():
@@ -426,7 +426,7 @@ def _append_tokens_checking_each(self, seq_ids, sampled):
         if seq is None:
             continue
         seq.num_pending_tokens -= 1
-        seq.append_token(token_id)
+        seq.token_ids.append(token_id)
         reason = self._check_stop(seq, token_id)
         if reason is not None:
             self._queue_of(seq).remove(seq)

@@ -70,7 +70,7 @@ def test_folder_load_leaves_torch_out(tokenizer, tmp_path):
 def test_properties(tokenizer):
     assert tokenizer.vocab_size == 49152
     assert tokenizer.eos_token_id == 2
-    assert tokenizer.convert_ids_to_tokens([tokenizer.eos_token_id]) == ["<|im_end|>"]
+    assert tokenizer.hf_tokenizer.convert_ids_to_tokens([tokenizer.eos_token_id]) == ["<|im_end|>"]
     assert {0, 1, 2} <= tokenizer.all_special_ids
 
 
@@ -94,7 +94,7 @@ def test_chat_template_ends_with_generation_prompt(tokenizer):
     assert text.startswith("<|im_start|>system\n")
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
-    assert tokenizer.convert_ids_to_tokens(ids[-4:-3]) == ["<|im_start|>"]
+    assert tokenizer.hf_tokenizer.convert_ids_to_tokens(ids[-4:-3]) == ["<|im_start|>"]
     assert ids[-3:] == tokenizer.encode("assistant\n")
 
 

@@ -1,6 +1,11 @@
 # The scheduler service: CPU only, no torch. tests/integration/test_scheduler_install.py installs
 # the project as the COPY and `pip install` lines below do, and serves a chat prompt from it.
-FROM python:3.11-slim
+# BASE_IMAGE: any Debian-like image with python3 (3.10+) and its venv module; where no registry is
+# reachable, scripts/docker_local_images.sh makes one with debootstrap.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos protos

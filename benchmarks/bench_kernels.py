@@ -309,6 +309,37 @@ def bench_fusions(num_tokens, copy_bw, layers=32, hidden=4096, inter=14336, head
     return res
 
 
+# Llama-3-8B's matrix products per layer, (name, out features, in features), and the token
+# counts steps actually have: decode batches, W2's mixed steps (~256 + ~1,100), full 8k/16k steps.
+MATMUL_SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                 ("down", 4096, 14336))
+MATMUL_TOKENS = (64, 128, 256, 257, 384, 512, 1024, 1333, 1344, 2048, 2400, 4096, 8192, 16384)
+
+
+def bench_matmul(tokens=MATMUL_TOKENS, shapes=MATMUL_SHAPES) -> dict:
+    """cuBLAS (F.linear, bf16) TFLOP/s per layer shape at each token count, and the layer's four
+    products together; against an 8192^3 matmul in the same run."""
+    out = {"peak_tflops": _square_matmul_tflops()}
+    for n in tokens:
+        x = {k: torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _, _, k in shapes}
+        total_ms, total_flops, row = 0.0, 0, {}
+        for name, m, k in shapes:
+            w = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ms = median_ms(lambda i: torch.nn.functional.linear(x[k], w), iters=20)
+            row[name] = round(2 * n * m * k / ms / 1e9, 1)
+            total_ms, total_flops = total_ms + ms, total_flops + 2 * n * m * k
+        row["layer_ms"] = round(total_ms, 4)
+        row["layer_tflops"] = round(total_flops / total_ms / 1e9, 1)
+        out[n] = row
+    return out
+
+
+def _square_matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return round(2 * n ** 3 / median_ms(lambda i: a @ b, iters=10) / 1e9, 1)
+
+
 def compile_times() -> dict:
     """warmup() in fresh processes: cold (empty CUPY_CACHE_DIR), then cached."""
     code = "import json; from kernels import _compile; print(json.dumps(_compile.warmup()))"
@@ -331,7 +362,7 @@ def main() -> None:
                         help="also time the elementwise ops of a Llama-3-8B layer (kernels.ops) "
                              "against their torch twins")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: prefill decode swap compile fusions")
+                        help="subset of: prefill decode swap compile fusions matmul")
     args = parser.parse_args()
     only = set(args.only or ["prefill", "decode", "swap", "compile"])
     if args.fusions:
@@ -408,6 +439,18 @@ def main() -> None:
                              f"{fused:.1f} us", f"{r['bytes'] / fused / 1e3:.0f} GB/s, floor "
                              f"{r['floor_us']:.1f} us", f"torch twins {r[f'torch_{mode}_us']:.1f} us",
                              f"{r[f'ratio_{mode}']:.2f}x"))
+    if "matmul" in only:
+        r = bench_matmul()
+        results["matmul"] = r
+        for n, row in r.items():
+            if n == "peak_tflops":
+                continue
+            print(f"matmul {n} tokens", json.dumps(row), flush=True)
+            rows.append((f"Llama-3-8B layer matmuls, {n} tokens", f"{row['layer_ms'] * 1e3:.0f} us",
+                         f"{row['layer_tflops']:.0f} TFLOP/s",
+                         " ".join(f"{k} {row[k]:.0f}" for k, _, _ in MATMUL_SHAPES),
+                         f"{row['layer_tflops'] / r['peak_tflops']:.2f} of 8192^3 "
+                         f"({r['peak_tflops']:.0f})"))
     if "compile" in only and not args.skip_compile:
         r = compile_times()
         results["compile"] = r

@@ -1,8 +1,11 @@
 """Where one decode step of the W1 model goes: a CUDA-graph replay of the executor's forward
 (embedding to float32 logits) for a batch of sequences mid-generation, timed with and without the
 fused elementwise kernels, and the kernels of one eager step grouped by kind (torch profiler).
+With --mixed N, also a mixed step as the executor runs it eagerly (the decodes plus one N-token
+prompt chunk): its host launch time, GPU time and kernels by kind.
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py --out decode_profile.json
+    PYTHONPATH=. python3 benchmarks/profile_decode.py --batch 256 --mixed 1077 --skip-decode
 
 Floor printed beside it: weights + this batch's K/V read once at the copy bandwidth measured in the
 same run. GPU only.
@@ -13,6 +16,7 @@ import argparse
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,7 +32,7 @@ from bench_kernels import copy_bandwidth, median_ms  # noqa: E402  (this script'
 
 BLOCK_SIZE = 16
 KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("attention", ("decode_",)),
+    ("attention", ("decode_", "prefill_")),
     ("cache write", ("reshape_and_cache",)),
     ("fused elementwise", ("rms_norm", "rotary", "silu_and_mul")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "splitk", "sm90")),
@@ -81,7 +85,55 @@ class DecodeStep:
         return median_ms(lambda i: self.graph.replay(), iters=iters)
 
 
-def eager_breakdown(step: DecodeStep) -> dict:
+class MixedStep:
+    """A mixed step as the runner builds it: `context_lens` one-token seqs first, then one new
+    prompt of `prefill` tokens, metadata from build_attention_metadata; run eagerly."""
+
+    def __init__(self, model, kv_caches, context_lens: list[int], prefill: int) -> None:
+        from executor_svc.attention_metadata import build_attention_metadata
+
+        self.model, self.kv_caches = model, kv_caches
+        lens = context_lens + [prefill]
+        pages = [-(-length // BLOCK_SIZE) for length in lens]
+        perm = torch.randperm(sum(pages)).tolist()  # pages in shuffled order
+        tables, used = [], 0
+        for count in pages:
+            tables.append(perm[used:used + count])
+            used += count
+        self.build = lambda: build_attention_metadata(
+            tables, [n - 1 for n in context_lens] + [0], [1] * len(context_lens) + [prefill],
+            BLOCK_SIZE, torch.device("cuda"))
+        self.positions, self.md = self.build()
+        self.input_ids = torch.randint(1, model.config.vocab_size, (len(context_lens) + prefill,),
+                                       device="cuda")
+        ends = torch.arange(len(context_lens) + 1, device="cuda")
+        ends[-1] = len(context_lens) + prefill - 1
+        self.sample_rows = ends  # [num_seqs]: the rows the runner computes logits for
+
+    def forward(self) -> torch.Tensor:
+        self.positions, self.md = self.build()  # timed too: the runner builds it every step
+        hidden = self.model.forward(self.input_ids, self.positions, self.md, self.kv_caches)
+        return self.model.compute_logits(hidden[self.sample_rows])
+
+    def timed(self, iters: int = 10) -> dict:
+        """Host launch and GPU time of one eager step (median over iters, GPU idle at start)."""
+        host, gpu = [], []
+        with torch.inference_mode():
+            for _ in range(iters + 2):
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record()
+                self.forward()
+                end.record()
+                host.append((time.perf_counter() - t0) * 1e3)
+                torch.cuda.synchronize()
+                gpu.append(start.elapsed_time(end))
+        host, gpu = sorted(host[2:]), sorted(gpu[2:])
+        return {"host_launch_ms": host[len(host) // 2], "gpu_ms": gpu[len(gpu) // 2]}
+
+
+def eager_breakdown(step) -> dict:
     """GPU time of one eager step by kernel kind (ms) and its kernel count."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -108,6 +160,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="*", default=[64, 256])
     p.add_argument("--context", type=int, nargs=2, default=[64, 1536],
                    help="context lengths drawn uniformly in this range")
+    p.add_argument("--mixed", type=int, nargs="*", default=[],
+                   help="also profile mixed steps: each batch's decodes plus one prompt chunk of "
+                        "this many tokens (the executor's eager path)")
+    p.add_argument("--skip-decode", action="store_true", help="only the mixed steps")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     backend = CudaBackend()
@@ -116,6 +172,7 @@ def main() -> None:
     rng = random.Random(0)
     lens_of = {batch: [rng.randint(*args.context) for _ in range(batch)] for batch in args.batch}
     num_blocks = max(sum(-(-n // BLOCK_SIZE) for n in lens) for lens in lens_of.values())
+    num_blocks += -(-max(args.mixed, default=0) // BLOCK_SIZE)
     engine = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                          num_blocks, 0, torch.bfloat16, backend)
     copy_bw = copy_bandwidth()
@@ -129,6 +186,12 @@ def main() -> None:
         lens = lens_of[batch]
         floor_ms = (weight_bytes + sum(lens) * kv_token_bytes) / copy_bw * 1e3
         entry = {"context_tokens": sum(lens), "floor_ms": floor_ms}
+        for prefill in args.mixed:
+            rows.append(profile_mixed(model, engine, lens, prefill, weight_bytes, copy_bw,
+                                      entry))
+        if args.skip_decode:
+            results["batches"][batch] = entry
+            continue
         step = DecodeStep(model, engine.kv_caches, lens, width)
         for fused in (True, False):
             backend.fused_ops = fused
@@ -152,6 +215,40 @@ def main() -> None:
         print("| " + " | ".join(row) + " |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def profile_mixed(model, engine, lens, prefill, weight_bytes, copy_bw, entry) -> tuple:
+    """Times and profiles one mixed step; returns its table row. Floor: the matrix products of
+    every token at the matmul rate measured here, plus the decodes' K/V read once."""
+    step = MixedStep(model, engine.kv_caches, lens, prefill)
+    timing = {**step.timed(), **eager_breakdown(step)}
+    num_tokens = len(lens) + prefill
+    flops = 2 * num_tokens * (weight_bytes / 2 - model.lm_head.numel()) \
+        + 2 * (len(lens) + 1) * model.lm_head.numel()
+    rate = matmul_rate()
+    floor_ms = flops / rate * 1e3 + sum(lens) * _kv_token_bytes(model) / copy_bw * 1e3
+    timing.update(floor_ms=floor_ms, matmul_tflops=rate / 1e12)
+    entry[f"mixed {prefill}"] = timing
+    print(f"mixed step: {len(lens)} decodes + {prefill} prompt tokens: host launch "
+          f"{timing['host_launch_ms']:.2f} ms, GPU {timing['gpu_ms']:.2f} ms (floor {floor_ms:.2f} "
+          f"at {rate / 1e12:.0f} TFLOP/s); kernels {timing['kernels']}: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(timing["ms_by_kind"].items())), flush=True)
+    return (f"mixed: {len(lens)} decodes + {prefill} prompt tokens, eager",
+            f"{timing['gpu_ms']:.2f} ms (host {timing['host_launch_ms']:.2f})",
+            f"{floor_ms:.2f} ms", f"{100 * floor_ms / timing['gpu_ms']:.0f}%",
+            str(timing["kernels"]))
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 FLOP/s of an n x n x n matmul on this GPU (median of 10)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n ** 3 / (median_ms(lambda i: a @ b, iters=10) / 1e3)
+
+
+def _kv_token_bytes(model) -> int:
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
 
 
 def _weights(model) -> list[torch.Tensor]:

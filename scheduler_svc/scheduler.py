@@ -29,8 +29,10 @@ def _age(seq: Sequence) -> tuple[float, int]:
 class Scheduler:
     """Owns the queues (waiting FCFS, running and swapped oldest first) and builds StepPlans.
 
-    Call `schedule()`, execute the plan, then `update_from_output(plan, sampled)`; one step in
-    flight at a time. Pages are reclaimed in the same call that finishes or aborts a sequence.
+    Call `schedule()`, send the plan, and apply its result with `update_from_output(plan,
+    sampled)`. Later plans may be scheduled before that result is back (the engine keeps up to
+    max_steps_in_flight out; a token still to be sampled counts as pending); results are applied
+    in step order. Pages are reclaimed in the same call that finishes or aborts a sequence.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,

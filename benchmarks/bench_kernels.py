@@ -1,12 +1,16 @@
 """BENCHMARK.md's kernel workloads on one GPU, in one command; prints a table (and --json).
 
   PYTHONPATH=. python3 benchmarks/bench_kernels.py [--json out.json] [--skip-compile] [--fusions]
+  PYTHONPATH=. python3 benchmarks/bench_kernels.py --only prefill decode --vllm-fa3 /tmp/vllm_site
 
 Ratios are measured in the same run: prefill vs torch SDPA's flash backend on contiguous KV,
 decode and copy_blocks vs a measured device-to-device copy, swap_blocks vs one large pinned copy
 and vs a loop of cudaMemcpyAsync per page and layer; with --fusions, the elementwise ops of a
-Llama-3-8B layer (kernels.ops) vs their torch twins. Medians of CUDA-event timings after warm-up,
-with inputs rotated between iterations.
+Llama-3-8B layer (kernels.ops) vs their torch twins; with --vllm-fa3 SITE, prefill and paged decode
+also side by side with vLLM's FlashAttention-3 (`vllm.vllm_flash_attn` from SITE, as
+../shared/bench/vllm/install_on_gpu.sh leaves it) on the same shapes, timed the same way in a child
+process that alone has SITE on its path. Medians of CUDA-event timings after warm-up, with inputs
+rotated between iterations.
 """
 from __future__ import annotations
 
@@ -340,6 +344,78 @@ def _square_matmul_tflops(n: int = 8192) -> float:
     return round(2 * n ** 3 / median_ms(lambda i: a @ b, iters=10) / 1e9, 1)
 
 
+# (name, head_dim, new query tokens per sequence, context, sequences) of the prefill cases, and
+# (sequences, context) of the decode cases: the same shapes for ours and FA3.
+PREFILL_CASES = (("prefill hd128 8x4096", 128, 4096, 4096, 8), ("prefill hd64 8x4096", 64, 4096, 4096, 8),
+                 ("prefill chunk 512 on 3584", 128, 512, 4096, 8))
+DECODE_CASES = ((64, 4096), (256, 1024))
+
+
+def fa3_worker(path: Path, heads=32, kv_heads=8, block_size=16) -> None:
+    """In the child process: vLLM's FA3 on PREFILL_CASES and DECODE_CASES, paged (its layout:
+    [blocks, block_size, kv_heads, head_dim]), shuffled pages, inputs rotated as for ours."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    def inputs(num_seqs, ctx, q_len, head_dim, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        pages = ctx // block_size
+        shape = (num_seqs * pages, block_size, kv_heads, head_dim)
+        k = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+        tables = [torch.randperm(num_seqs * pages, generator=g, device="cuda").to(torch.int32)
+                  .view(num_seqs, pages) for _ in range(2)]
+        qs = [torch.randn(num_seqs * q_len, heads, head_dim, generator=g, device="cuda",
+                          dtype=torch.bfloat16) for _ in range(2)]
+        cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
+        used = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+        return lambda i: flash_attn_varlen_func(
+            qs[i % 2], k, v, max_seqlen_q=q_len, cu_seqlens_q=cu, max_seqlen_k=ctx,
+            seqused_k=used, causal=True, block_table=tables[i % 2], fa_version=3)
+
+    out = {}
+    for name, head_dim, q_len, ctx, num_seqs in PREFILL_CASES:
+        out[name] = {"ms": median_ms(inputs(num_seqs, ctx, q_len, head_dim, 0))}
+    for num_seqs, ctx in DECODE_CASES:
+        fn = inputs(num_seqs, ctx, 1, 128, 2)
+        blocks = [median_ms(fn, iters=40, warmup=10 if b == 0 else 2) for b in range(7)]
+        out[f"decode {num_seqs}x{ctx}"] = {"ms": statistics.median(blocks), "block_ms_min": min(blocks),
+                                           "block_ms_max": max(blocks)}
+    path.write_text(json.dumps(out))
+
+
+def run_fa3(site: str) -> dict:
+    """FA3's times from a child process with `site` first on its path (its packages are newer
+    than this image's and must not reach this process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fa3.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, str(ROOT)]),
+               "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        subprocess.run([sys.executable, __file__, "--fa3-worker", str(path)], env=env, check=True)
+        return json.loads(path.read_text())
+
+
+def fa3_rows(results: dict, fa3: dict, copy_bw: float) -> list[tuple]:
+    rows = []
+    for name, theirs in fa3.items():
+        ours = results.get(name)
+        if ours is None:
+            continue
+        if name.startswith("prefill"):
+            rate = ours["tflops"] * ours["ms"] / theirs["ms"]
+            theirs["tflops"] = rate
+            rows.append((f"{name} vs vLLM FA3", f"{ours['ms']:.3f} ms ({ours['tflops']:.0f} TFLOP/s)",
+                         f"FA3 {theirs['ms']:.3f} ms ({rate:.0f} TFLOP/s)", "",
+                         f"{theirs['ms'] / ours['ms']:.2f}x FA3"))
+        else:
+            bw = ours["GBps"] * ours["ms"] / theirs["ms"]
+            theirs["frac_copy_bw"] = bw * 1e9 / copy_bw
+            rows.append((f"{name} vs vLLM FA3", f"{ours['ms'] * 1e3:.0f} us",
+                         f"FA3 {theirs['ms'] * 1e3:.0f} us ({100 * theirs['frac_copy_bw']:.0f}% of copy bw)",
+                         f"FA3 blocks {theirs['block_ms_min'] * 1e3:.0f}-{theirs['block_ms_max'] * 1e3:.0f} us",
+                         f"{theirs['ms'] / ours['ms']:.2f}x FA3"))
+    return rows
+
+
 def compile_times() -> dict:
     """warmup() in fresh processes: cold (empty CUPY_CACHE_DIR), then cached."""
     code = "import json; from kernels import _compile; print(json.dumps(_compile.warmup()))"
@@ -361,9 +437,15 @@ def main() -> None:
     parser.add_argument("--fusions", action="store_true",
                         help="also time the elementwise ops of a Llama-3-8B layer (kernels.ops) "
                              "against their torch twins")
+    parser.add_argument("--vllm-fa3", metavar="SITE", default=None,
+                        help="also time vLLM's FlashAttention-3 from this site-packages folder "
+                             "(e.g. /tmp/vllm_site) on the prefill and decode shapes")
+    parser.add_argument("--fa3-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", default=None,
                         help="subset of: prefill decode swap compile fusions matmul")
     args = parser.parse_args()
+    if args.fa3_worker:
+        return fa3_worker(args.fa3_worker)
     only = set(args.only or ["prefill", "decode", "swap", "compile"])
     if args.fusions:
         only.add("fusions")
@@ -377,8 +459,7 @@ def main() -> None:
     print(f"D2D copy bandwidth (read+write): {results['copy_bw_GBps']:.0f} GB/s", flush=True)
     rows = []
     if "prefill" in only:
-        cases = [("prefill hd128 8x4096", 128, 4096, None), ("prefill hd64 8x4096", 64, 4096, None),
-                 ("prefill chunk 512 on 3584", 128, 512, None)]
+        cases = [(name, hd, q_len, None) for name, hd, q_len, _, _ in PREFILL_CASES]
         if args.variants:  # candidate kernels compiled beside the defaults
             cases += [("prefill hd128 8x4096 [mma.sync v3]", 128, 4096, "prefill_bf16_hd128"),
                       ("prefill hd64 8x4096 [mma.sync v3]", 64, 4096, "prefill_bf16_hd64"),
@@ -397,7 +478,7 @@ def main() -> None:
             rows.append((name, f"{r['ms']:.3f} ms", f"{r['tflops']:.0f} TFLOP/s",
                          f"SDPA flash {r['sdpa_tflops']:.0f} TFLOP/s", f"{r['ratio']:.2f}x"))
     if "decode" in only:
-        for seqs, ctx in ((64, 4096), (256, 1024), (64, 4096), (256, 1024)):  # twice: the spread
+        for seqs, ctx in DECODE_CASES * 2:  # twice: the spread
             name = f"decode {seqs}x{ctx}" + (" (again)" if f"decode {seqs}x{ctx}" in results else "")
             r = bench_decode(seqs, ctx, copy_bw)
             results[name] = r
@@ -451,6 +532,10 @@ def main() -> None:
                          " ".join(f"{k} {row[k]:.0f}" for k, _, _ in MATMUL_SHAPES),
                          f"{row['layer_tflops'] / r['peak_tflops']:.2f} of 8192^3 "
                          f"({r['peak_tflops']:.0f})"))
+    if args.vllm_fa3 and only & {"prefill", "decode"}:
+        fa3 = run_fa3(args.vllm_fa3)
+        results["vllm_fa3"] = fa3
+        rows += fa3_rows(results, fa3, copy_bw)
     if "compile" in only and not args.skip_compile:
         r = compile_times()
         results["compile"] = r

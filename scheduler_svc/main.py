@@ -35,6 +35,9 @@ class ServiceConfig:
     step_timeout_s: float
     shutdown_timeout_s: float
     metrics_port: int
+    http_port: int  # the OpenAI API; 0: off
+    api_key: str | None
+    served_model_names: tuple[str, ...]
     security: LinkSecurity
     executor_keepalive_s: float
     log_level: str
@@ -107,6 +110,17 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    default=_env_number("SHUTDOWN_TIMEOUT", float, 30.0))
     p.add_argument("--metrics-port", type=int, default=_env_number("METRICS_PORT", int, 0),
                    help="port of the Prometheus /metrics endpoint (0: off)")
+    p.add_argument("--http-port", type=int, default=_env_number("HTTP_PORT", int, 8000),
+                   help="port of the OpenAI-compatible HTTP API, on --host (0: off)")
+    p.add_argument("--api-key", default=_env("API_KEY", None),
+                   help="key the HTTP API's /v1 routes require (authorization: Bearer ...)")
+    p.add_argument("--api-key-file", default=_env("API_KEY_FILE", None),
+                   help="file holding the API key (instead of --api-key)")
+    p.add_argument("--served-model-name", nargs="+",
+                   default=_env("SERVED_MODEL_NAME", "").split(",") if _env("SERVED_MODEL_NAME", "")
+                   else None,
+                   help="model name(s) the HTTP API answers to, the first reported (default: "
+                        "the executor's model name, from its model path)")
     p.add_argument("--executor-tls-ca", default=_env("EXECUTOR_TLS_CA", None),
                    help="PEM CA bundle: talk TLS to the executor and verify it")
     p.add_argument("--executor-tls-server-name", default=_env("EXECUTOR_TLS_SERVER_NAME", None),
@@ -136,6 +150,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         p.error(f"--admin-host {a.admin_host} is not a loopback address: set --admin-token "
                 "(or --admin-token-file) so that only operators can call Admin")
     executor_token = _token(p, a.executor_token, a.executor_token_file, "--executor-token")
+    api_key = _token(p, a.api_key, a.api_key_file, "--api-key")
     scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode)
     return ServiceConfig(
@@ -150,7 +165,8 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                             limits=RequestLimits(max_prompt_bytes=a.max_prompt_bytes,
                                                  max_chat_messages=a.max_chat_messages)),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
-        metrics_port=a.metrics_port,
+        metrics_port=a.metrics_port, http_port=a.http_port, api_key=api_key,
+        served_model_names=tuple(n.strip() for n in a.served_model_name or () if n.strip()),
         security=LinkSecurity(tls_ca=a.executor_tls_ca, tls_server_name=a.executor_tls_server_name,
                               auth_token=executor_token, takeover=a.executor_takeover),
         executor_keepalive_s=a.executor_keepalive,
@@ -210,27 +226,35 @@ async def serve(config: ServiceConfig) -> None:
     from scheduler_svc.engine import Engine
     from scheduler_svc.executor_client import ExecutorClient
     from scheduler_svc.metrics import Metrics
+    from scheduler_svc.openai_server import OpenAIConfig, OpenAIServer
     from scheduler_svc.server import Listeners, build_servers
+    from scheduler_svc.vllm_metrics import VllmCollector
 
     client = ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s,
                             security=config.security, keepalive_s=config.executor_keepalive_s)
     metrics = Metrics()
-    if config.metrics_port:
-        metrics.serve(config.metrics_port, config.host)
     engine = Engine(config.engine, client, metrics)
     limits = config.engine.limits
+    max_message_bytes = limits.max_prompt_bytes + 2 * 1024 * 1024
+    http = OpenAIServer(engine, OpenAIConfig(config.api_key, config.served_model_names,
+                                             max_message_bytes), metrics.registry)
+    metrics.registry.register(VllmCollector(metrics, http.model_name))
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, config.host)
     public, admin, health, port, admin_port = build_servers(engine, Listeners(
         public=f"{config.host}:{config.port}", admin=f"{config.admin_host}:{config.admin_port}",
-        admin_token=config.admin_token, limits=limits,
-        max_message_bytes=limits.max_prompt_bytes + 2 * 1024 * 1024))
+        admin_token=config.admin_token, limits=limits, max_message_bytes=max_message_bytes))
     reporter = _HealthReporter(health)
     reporter.set(False)
     engine.on_attached_change = reporter.set
     await public.start()
     await admin.start()
-    log.info("scheduler listening on %s:%d (admin on %s:%d%s); waiting for an executor at %s",
+    http_port = await http.start(config.host, config.http_port) if config.http_port else 0
+    log.info("scheduler listening on %s:%d (admin on %s:%d%s%s); waiting for an executor at %s",
              config.host, port, config.admin_host, admin_port,
              ", token required" if config.admin_token else "",
+             f"; OpenAI API on http://{config.host}:{http_port}/v1"
+             f"{', API key required' if config.api_key else ''}" if http_port else "",
              ", ".join(config.executor_addresses))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -251,10 +275,10 @@ async def serve(config: ServiceConfig) -> None:
     if ready.done():
         log.info("scheduler ready: serving %s", client.description.model_name)
         await stop.wait()
-    await _shutdown(config, engine, (public, admin), reporter)
+    await _shutdown(config, engine, (public, admin), http, reporter)
 
 
-async def _shutdown(config: ServiceConfig, engine, servers, reporter) -> None:
+async def _shutdown(config: ServiceConfig, engine, servers, http, reporter) -> None:
     """Stops admission, lets running requests finish up to --shutdown-timeout, then ends the rest
     with finish reason ABORTED."""
     log.info("shutting down: draining %d requests for up to %.0fs", engine.num_requests,
@@ -266,7 +290,7 @@ async def _shutdown(config: ServiceConfig, engine, servers, reporter) -> None:
     except asyncio.TimeoutError:
         log.warning("ending %d requests still running", engine.num_requests)
         engine.abort_all()
-    await asyncio.gather(*(server.stop(grace=5) for server in servers))
+    await asyncio.gather(http.stop(), *(server.stop(grace=5) for server in servers))
     await engine.stop()
 
 

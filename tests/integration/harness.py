@@ -49,8 +49,13 @@ class Services:
     metrics_port: int
     admin_address: str = ""
     admin_token: str | None = None
+    http_port: int = 0  # the OpenAI HTTP API (0: off)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def stub(self, channel: grpc.Channel) -> generate_pb2_grpc.GeneratorStub:
         return generate_pb2_grpc.GeneratorStub(channel)
@@ -123,7 +128,7 @@ def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: li
     starts one at `executor_address` later)."""
     ex_port, sch_port, metrics_port, admin_port = free_port(), free_port(), free_port(), free_port()
     services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port,
-                        f"127.0.0.1:{admin_port}", admin_token)
+                        f"127.0.0.1:{admin_port}", admin_token, http_port=free_port())
     executors = ",".join((services.executor_address, *extra_executor_addresses))
     if executor_file is not None:
         executor_file.write_text(executors.replace(",", "\n") + "\n")
@@ -135,7 +140,8 @@ def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: li
                                                     services.logs["executor"])
     cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
            str(sch_port), "--admin-port", str(admin_port), "--executor", executors,
-           "--metrics-port", str(metrics_port), *scheduler_args]
+           "--metrics-port", str(metrics_port), "--http-port", str(services.http_port),
+           *scheduler_args]
     if admin_token:
         cmd += ["--admin-token", admin_token]
     services.procs["scheduler"] = subprocess.Popen(

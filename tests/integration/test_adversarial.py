@@ -159,7 +159,7 @@ def second_scheduler(services, tmp_path) -> subprocess.Popen:
     log = open(tmp_path / "second-scheduler.log", "w")
     return subprocess.Popen(
         [sys.executable, "-m", "scheduler_svc.main", "--port", str(free_port()), "--admin-port",
-         str(free_port()), "--executor", services.executor_address],
+         str(free_port()), "--http-port", "0", "--executor", services.executor_address],
         stdout=log, stderr=subprocess.STDOUT)
 
 

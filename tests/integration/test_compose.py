@@ -106,6 +106,7 @@ def test_cpu_profile_services_find_each_other(compose, tmp_path):
                                          "PAGEDSERVE_EXECUTOR_PORT", ports["executor-cpu"],
                                          running.logs["executor"])
     services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_METRICS_PORT"] = metrics_port
+    services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_HTTP_PORT"] = free_port()
     running.procs["scheduler"] = _process(services["scheduler"], ports, str(models),
                                           "PAGEDSERVE_SCHEDULER_PORT", sched_port,
                                           running.logs["scheduler"])

@@ -69,8 +69,8 @@ class SecondScheduler:
     def __init__(self, executor_address: str) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
-               self.address.rsplit(":", 1)[1], "--admin-port", str(free_port()), "--executor",
-               executor_address]
+               self.address.rsplit(":", 1)[1], "--admin-port", str(free_port()), "--http-port",
+               "0", "--executor", executor_address]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         self._lines: queue.SimpleQueue = queue.SimpleQueue()

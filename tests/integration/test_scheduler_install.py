@@ -115,7 +115,7 @@ def _start(venv: Path, tmp_path: Path) -> Services:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     cmd = [str(venv / "bin" / "pagedserve-scheduler"), "--host", "127.0.0.1", "--port", str(sch_port),
            "--admin-port", str(admin_port), "--executor", services.executor_address,
-           "--metrics-port", str(metrics_port)]
+           "--metrics-port", str(metrics_port), "--http-port", "0"]
     services.procs["scheduler"] = subprocess.Popen(
         cmd, cwd=tmp_path, env=env, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)
     wait_started(services)

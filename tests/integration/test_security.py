@@ -64,7 +64,7 @@ def test_admin_with_its_token_works(services):
 
 
 def run_scheduler(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "scheduler_svc.main", *args],
+    return subprocess.run([sys.executable, "-m", "scheduler_svc.main", "--http-port", "0", *args],
                           capture_output=True, text=True, timeout=60)
 
 

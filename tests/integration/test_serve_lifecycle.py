@@ -27,7 +27,7 @@ def start_launcher(tmp_path, executor_args: str) -> tuple[subprocess.Popen, str,
     cmd = [sys.executable, str(LAUNCHER),
            "--executor-args", f"--port {ex_port} --backend cpu --fingerprint-cache-dir none "
                               f"{executor_args}",
-           "--scheduler-args", f"--port {sch_port} --admin-port {admin_port} "
+           "--scheduler-args", f"--port {sch_port} --admin-port {admin_port} --http-port 0 "
                                f"--executor 127.0.0.1:{ex_port} --shutdown-timeout 60"]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     return proc, f"127.0.0.1:{sch_port}", log

@@ -1,0 +1,393 @@
+"""The OpenAI-compatible HTTP API (`--http-port`): chat and text completions (streamed as
+server-sent events or not), models, health and metrics, on Starlette served by uvicorn on the
+scheduler's event loop, over the same Engine as Generate: one admission path, one set of limits.
+
+Domain errors become OpenAI error bodies in `_error_response` alone. A client that goes away
+cancels its request. No gRPC, no torch.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from scheduler_svc import openai_protocol as protocol
+from scheduler_svc.engine import Engine, EngineFailed, NoExecutor, QueueFull, ShuttingDown
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.fanout import Fanout
+from scheduler_svc.request import check_request_id
+
+log = logging.getLogger(__name__)
+
+# (status, OpenAI error type) per domain error
+_STATUS = {
+    InvalidArgument: (400, "invalid_request_error"),
+    QueueFull: (429, "rate_limit_error"),
+    NoExecutor: (503, "service_unavailable_error"),
+    ShuttingDown: (503, "service_unavailable_error"),
+    EngineFailed: (500, "server_error"),
+}
+# A body this large is parsed off the event loop (parsing time grows with it).
+_PARSE_IN_THREAD_BYTES = 64 * 1024
+# The status nginx logs for a client that closed its connection; nobody receives it.
+_CLIENT_GONE = 499
+
+
+@dataclass(frozen=True)
+class OpenAIConfig:
+    api_key: str | None = None
+    # --served-model-name: the first is reported; empty: the attached executor's model name
+    served_model_names: tuple[str, ...] = ()
+    max_body_bytes: int = 3 * 1024 * 1024
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (status, message, type_,
+                                                                       param, code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}}, self.status)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the response was ready."""
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """What differs between /v1/chat/completions and /v1/completions."""
+
+    body: type[BaseModel]
+    specs: object  # callable(request body, request id) -> list[GenerateSpec]
+    format: type
+
+
+_CHAT = _Endpoint(protocol.ChatCompletionRequest, protocol.chat_specs, protocol.ChatFormat)
+_COMPLETIONS = _Endpoint(protocol.CompletionRequest, protocol.completion_specs,
+                         protocol.CompletionFormat)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: the scheduler's main owns SIGINT and
+    SIGTERM (it drains first, then stops every listener)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class OpenAIServer:
+    """The Starlette app and its uvicorn server; `start` binds, `stop` drains and closes."""
+
+    def __init__(self, engine: Engine, config: OpenAIConfig, registry) -> None:
+        self.engine = engine
+        self.config = config
+        self.registry = registry
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self._v1(self._chat), methods=["POST"]),
+            Route("/v1/completions", self._v1(self._completions), methods=["POST"]),
+            Route("/v1/models", self._v1(self._models), methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+        ], exception_handlers={HTTPException: _http_exception})
+        self._server: _Server | None = None
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens on host:port (0: any free port); returns the port. Raises RuntimeError
+        "cannot listen on ..." as the gRPC listeners do."""
+        try:
+            self._socket = socket.create_server((host.strip("[]"), port), family=_family(host))
+        except OSError as err:
+            raise RuntimeError(f"cannot listen on {host}:{port} (in use, or not an address "
+                               f"here): {err.strerror or err}") from err
+        # lifespan off and no log config: the scheduler owns logging; no access log (requests
+        # are logged by the engine at DEBUG)
+        self._server = _Server(uvicorn.Config(self.app, lifespan="off", log_config=None,
+                                              access_log=False, timeout_graceful_shutdown=5))
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]),
+                                         name="http-server")
+        self._task.add_done_callback(self._on_server_end)
+        return self._socket.getsockname()[1]
+
+    def _on_server_end(self, task: asyncio.Task) -> None:
+        """The HTTP server must end only when asked to: anything else is logged loudly."""
+        if task.cancelled() or self._server.should_exit and task.exception() is None:
+            return
+        log.error("the HTTP API stopped serving unexpectedly", exc_info=task.exception())
+
+    async def stop(self) -> None:
+        """Stops listening, lets running responses end (up to 5 s), then closes."""
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        await self._task
+
+    # --- routes ---------------------------------------------------------------------------------
+
+    def _v1(self, handler):
+        """The API key check and the error mapping of every /v1 route."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                return await handler(request)
+            except Exception as err:  # noqa: BLE001 - every error gets a status, none a trace
+                return self._error_response(err, request)
+        return endpoint
+
+    def _authorize(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key (authorization: Bearer ...)",
+                           code="invalid_api_key")
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, _CHAT)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, _COMPLETIONS)
+
+    async def _models(self, request: Request) -> Response:
+        names = self._model_names()
+        if names is None:
+            raise NoExecutor("no executor attached yet: the model is not known")
+        max_model_len = self._max_model_len()
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+             "root": name, "max_model_len": max_model_len} for name in names]})
+
+    async def _health(self, request: Request) -> Response:
+        """200 while an executor is attached and the server is not draining, else 503."""
+        if self.engine.attached and not self.engine.draining:
+            return Response(status_code=200)
+        return ApiError(503, "not serving: " + ("draining" if self.engine.draining
+                                                 else "no executor attached"),
+                        "service_unavailable_error").response()
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # --- generation -----------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
+        request_id = _request_id(request)
+        body = await self._parse(request, endpoint.body)
+        request.state.body = body  # for naming parameters in errors
+        names = self._model_names()
+        if names is not None:
+            _check_model(body.model, names)
+        fanout = Fanout(self.engine, endpoint.specs(body, request_id))
+        try:
+            await _unless_disconnected(request, fanout.started())
+            if names is None:  # no executor had attached: its model is known now
+                names = self._model_names()
+                _check_model(body.model, names)
+        except BaseException:
+            await fanout.close()
+            raise
+        if body.user:
+            log.debug("request %s from user %r", request_id, body.user[:64])
+        reply = protocol.Reply.new(endpoint.format.id_prefix, request_id, body.model or names[0])
+        if body.stream:
+            return StreamingResponse(_events(fanout, endpoint.format, reply, body),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(fanout.close))
+        try:
+            choices = await _unless_disconnected(request, _collect(fanout, body))
+        finally:
+            await fanout.close()
+        return JSONResponse(endpoint.format.response(reply, choices, body.n))
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        body = await _read_body(request, self.config.max_body_bytes)
+        try:
+            if len(body) > _PARSE_IN_THREAD_BYTES:
+                return await asyncio.to_thread(model.model_validate_json, body)
+            return model.model_validate_json(body)
+        except ValidationError as err:
+            raise _invalid(err) from None
+
+    def _model_names(self) -> tuple[str, ...] | None:
+        """--served-model-name, else the attached executor's model name (which it derives from
+        its model path, as vLLM does); None while neither is known."""
+        if self.config.served_model_names:
+            return self.config.served_model_names
+        try:
+            return (self.engine.model_info().model_name,)
+        except NoExecutor:
+            return None
+
+    def model_name(self) -> str:
+        """The reported model name; "" while none is known."""
+        names = self._model_names()
+        return names[0] if names else ""
+
+    def _max_model_len(self) -> int | None:
+        try:
+            return self.engine.model_info().max_model_len
+        except NoExecutor:
+            return None
+
+    def _error_response(self, err: Exception, request: Request) -> Response:
+        if isinstance(err, _ClientGone):
+            log.debug("%s %s: the client went away; its request was cancelled",
+                      request.method, request.url.path)
+            return Response(status_code=_CLIENT_GONE)
+        if isinstance(err, ApiError):
+            return err.response()
+        for kind, (status, type_) in _STATUS.items():
+            if isinstance(err, kind):
+                return _domain_error(err, status, type_, getattr(request.state, "body", None))
+        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+        return ApiError(500, "internal error; the scheduler's log has the details",
+                        "server_error").response()
+
+
+def _domain_error(err: Exception, status: int, type_: str, body) -> Response:
+    if not isinstance(err, InvalidArgument):
+        return ApiError(status, str(err), type_).response()
+    param = protocol.param_name(err.field, body) if body is not None else err.field
+    reason = err.message.removeprefix(f"{err.field}: ")
+    return ApiError(status, f"{param}: {reason}", type_, param).response()
+
+
+def _check_model(model: str | None, names: tuple[str, ...]) -> None:
+    if model is not None and model not in names:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in names)}", param="model",
+                       code="model_not_found")
+
+
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id if it is a valid request id, else a fresh one."""
+    given = request.headers.get("x-request-id")
+    if given:
+        try:
+            check_request_id(given)
+            return given
+        except InvalidArgument:
+            pass
+    return uuid.uuid4().hex
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes before any more is read."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body has {length} bytes; at most {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _invalid(err: ValidationError) -> ApiError:
+    """A pydantic error as a 400 naming the parameter (`messages[0].role`)."""
+    first = err.errors()[0]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+    param = param.lstrip(".") or None
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {first['msg']}")
+    return ApiError(400, f"{param}: {first['msg']}", param=param)
+
+
+async def _unless_disconnected(request: Request, work):
+    """Awaits `work`, cancelling it and raising _ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise _ClientGone()
+    finally:
+        for pending in (task, watch):
+            pending.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(fanout: Fanout, body) -> list[protocol.Choice]:
+    choices = [protocol.Choice() for _ in range(fanout.num_choices)]
+    async for index, event in fanout.events():
+        protocol.apply(choices[index], event)
+    return choices
+
+
+def _sse(data) -> str:
+    """One server-sent event: a single `data:` line (JSON never holds a raw newline)."""
+    if not isinstance(data, str):
+        data = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def _events(fanout: Fanout, fmt, reply: protocol.Reply, body):
+    """The stream: each choice's opening chunk, a chunk per token (as vLLM: its text may be
+    empty, e.g. half a character) and one with its finish reason, the usage chunk if asked for, then [DONE]. An error after the first chunk is sent
+    as an error event. On disconnect Starlette cancels this generator; the response's
+    background task closes the fanout, aborting the requests."""
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    choices = [protocol.Choice() for _ in range(fanout.num_choices)]
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        for index in range(len(choices)):
+            opening = fmt.opening(reply, index)
+            if opening is not None:
+                yield _sse({**opening, **usage_field})
+        async for index, event in fanout.events():  # a chunk per token, its text maybe empty
+            text = protocol.apply(choices[index], event)
+            chunk = fmt.chunk(reply, index, text, choices[index].finish_reason)
+            yield _sse({**chunk, **usage_field})
+        if include_usage:
+            yield _sse(fmt.usage_chunk(reply, choices, body.n))
+    except Exception as err:  # noqa: BLE001 - the status line is sent: an error event instead
+        status, type_ = next((v for k, v in _STATUS.items() if isinstance(err, k)),
+                             (500, "server_error"))
+        if status == 500 and not isinstance(err, EngineFailed):
+            log.error("stream %s failed", reply.id, exc_info=err)
+        yield _sse({"error": {"message": str(err), "type": type_, "param": None, "code": status}})
+    yield _sse("[DONE]")
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    """Starlette's 404 and 405 in OpenAI's error shape."""
+    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -1,0 +1,141 @@
+"""The OpenAI request bodies mapped to GenerateSpecs: every parameter the engine has, n samples
+with reproducible distinct seeds, the prompt forms, and controls the engine lacks refused by
+name unless neutral."""
+import pytest
+from pydantic import ValidationError
+
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest,
+                                           apply, chat_specs, completion_specs, param_name,
+                                           usage)
+from scheduler_svc.request import FinishEvent, TokenEvent
+from scheduler_svc.sequence import FinishReason
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": USER, **fields})
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "Hi", **fields})
+
+
+def test_chat_maps_every_engine_parameter():
+    [spec] = chat_specs(chat(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=7,
+                             max_tokens=9, min_tokens=2, stop="END", stop_token_ids=[5, 6],
+                             ignore_eos=True, user="u1"), "r")
+    assert spec.chat == USER and spec.request_id == "r-0"
+    s, st = spec.sampling, spec.stopping
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 0.9, 40, 0.05, 7)
+    assert (st.max_tokens, st.min_tokens, st.stop, st.stop_token_ids, st.ignore_eos) == \
+        (9, 2, ("END",), (5, 6), True)
+
+
+def test_defaults_are_openais():
+    [spec] = chat_specs(chat(), "r")
+    s, st = spec.sampling, spec.stopping
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (1.0, 1.0, -1, 0.0, None)
+    assert (st.max_tokens, st.stop, st.ignore_eos) == (None, (), False)
+    assert chat_specs(chat(top_k=0), "r")[0].sampling.top_k == -1  # vLLM: 0 is off too
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    [spec] = chat_specs(chat(max_tokens=5, max_completion_tokens=7), "r")
+    assert spec.stopping.max_tokens == 7
+
+
+def test_n_samples_get_distinct_reproducible_seeds():
+    specs = chat_specs(chat(n=3, seed=2**64 - 2), "r")
+    assert [s.sampling.seed for s in specs] == [2**64 - 2, 2**64 - 1, 0]
+    assert [s.request_id for s in specs] == ["r-0", "r-1", "r-2"]
+    assert [s.sampling.seed for s in chat_specs(chat(n=2), "r")] == [None, None]
+    assert chat_specs(chat(seed=-1), "r")[0].sampling.seed == 2**64 - 1  # int64 seeds too
+
+
+def test_completion_prompt_forms_and_choice_order():
+    assert completion_specs(completion(prompt="a b"), "r")[0].prompt_text == "a b"
+    assert completion_specs(completion(prompt=[1, 2, 3]), "r")[0].prompt_token_ids == [1, 2, 3]
+    specs = completion_specs(completion(prompt=[[1, 2], [3]], n=2), "r")
+    assert [s.prompt_token_ids for s in specs] == [[1, 2], [1, 2], [3], [3]]
+    assert [s.request_id for s in specs] == ["r-0", "r-1", "r-2", "r-3"]
+    texts = completion_specs(completion(prompt=["x", "y"]), "r")
+    assert [s.prompt_text for s in texts] == ["x", "y"]
+    with pytest.raises(InvalidArgument, match="prompt: must not be empty"):
+        completion_specs(completion(prompt=[]), "r")
+    with pytest.raises(InvalidArgument) as info:
+        completion_specs(completion(prompt=["x"] * 3, n=128), "r")
+    assert info.value.field == "prompt"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2),
+    ("logit_bias", {"50256": -100}), ("logprobs", True), ("top_logprobs", 2)])
+def test_controls_of_part_2_are_refused_by_name(field, value):
+    with pytest.raises(InvalidArgument, match="not supported yet") as info:
+        chat_specs(chat(**{field: value}), "r")
+    assert info.value.field == field
+
+
+def test_neutral_values_of_missing_controls_are_accepted():
+    chat_specs(chat(presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0,
+                    logit_bias={}, logprobs=False, top_logprobs=0), "r")
+    chat_specs(chat(presence_penalty=None, logit_bias=None, logprobs=None), "r")
+    completion_specs(completion(logprobs=None, presence_penalty=0), "r")
+    with pytest.raises(InvalidArgument, match="logprobs"):  # 0 asks for the sampled token's
+        completion_specs(completion(logprobs=0), "r")
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content")])
+def test_chat_features_not_served_are_refused(fields, param):
+    with pytest.raises(InvalidArgument) as info:
+        chat_specs(chat(**fields), "r")
+    assert info.value.field == param
+
+
+def test_chat_text_parts_are_joined_and_text_format_accepted():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    [spec] = chat_specs(chat(messages=[{"role": "user", "content": parts}],
+                             response_format={"type": "text"}, tool_choice="none"), "r")
+    assert spec.chat == [{"role": "user", "content": "a\nb"}]
+
+
+@pytest.mark.parametrize("fields", [{"echo": True}, {"suffix": "x"}, {"best_of": 3}])
+def test_completion_features_not_served_are_refused(fields):
+    with pytest.raises(InvalidArgument) as info:
+        completion_specs(completion(**fields), "r")
+    assert info.value.field == next(iter(fields))
+
+
+def test_bad_types_and_ranges_fail_validation():
+    for fields in ({"n": 0}, {"n": 129}, {"seed": 2**64}, {"temperature": "hot"}):
+        with pytest.raises(ValidationError):
+            chat(**fields)
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({})  # messages are required
+
+
+def test_engine_fields_are_named_as_the_api_names_them():
+    body = chat(max_completion_tokens=3)
+    assert param_name("prompt.chat", body) == "messages"
+    assert param_name("prompt.chat.messages[2].role", body) == "messages[2].role"
+    assert param_name("max_tokens", body) == "max_completion_tokens"
+    assert param_name("max_tokens", chat(max_tokens=3)) == "max_tokens"
+    assert param_name("prompt.token_ids", completion()) == "prompt"
+    assert param_name("top_p", completion()) == "top_p"
+
+
+def test_usage_counts_each_prompt_once_and_every_sample():
+    choices = [Choice() for _ in range(4)]  # 2 prompts x n=2
+    for i, (prompt, generated) in enumerate([(5, 3), (5, 4), (7, 1), (7, 2)]):
+        apply(choices[i], TokenEvent(1, "a", 0))
+        apply(choices[i], FinishEvent(FinishReason.EOS, prompt, generated, "b"))
+    assert usage(choices, n=2) == {"prompt_tokens": 12, "completion_tokens": 10,
+                                   "total_tokens": 22}
+    assert choices[0].text == "ab" and choices[0].finish_reason == "stop"

@@ -36,7 +36,7 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(
-    block_tables: list[list[int]],
+    block_tables: list[list[int]] | np.ndarray,
     num_computed_tokens: list[int],
     num_scheduled_tokens: list[int],
     block_size: int,
@@ -45,7 +45,8 @@ def build_attention_metadata(
     """Positions [num_tokens] int64 and the metadata for one packed batch of sequences.
 
     Sequence i computes positions [num_computed_tokens[i], + num_scheduled_tokens[i]); its block
-    table must cover them. A few tensor ops over the whole batch, no per-sequence tensors: a
+    table must cover them. block_tables: one list per seq, or an int array [num_seqs, width]
+    whose row i starts with seq i's table (later columns are never read). A few tensor ops over the whole batch, no per-sequence tensors: a
     mixed step of 256 decodes and a prefill chunk builds in well under a millisecond.
     """
     num_seqs = len(block_tables)
@@ -57,7 +58,8 @@ def build_attention_metadata(
     seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)  # [num_tokens]
     # position of token t of seq i: its seq's first new position + its offset among them
     positions = (seq_lens - query_lens)[seq_index] + torch.arange(num_tokens) - cu_seqlens_q[seq_index]
-    tables = _padded(block_tables)  # [num_seqs, max_blocks] int64
+    tables = (torch.from_numpy(block_tables.astype(np.int64)) if isinstance(block_tables, np.ndarray)
+              else _padded(block_tables))  # [num_seqs, max_blocks] int64
     block_ids = tables[seq_index, positions // block_size]
     slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
     tables_d = to_device(tables.to(torch.int32), device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from executor_svc.attention_metadata import AttentionMetadata
@@ -16,10 +17,11 @@ from executor_svc.device_tokens import DeviceTokens
 
 log = logging.getLogger(__name__)
 
-# Steps of 16 to 128, then 32, then 64 (padding wastes at most ~1/8 of a large batch); up to 512
-# sequences, the most a scheduler here is run with (W3).
+# Steps of 16 to 128, then 32, then 64 (padding wastes at most ~1/8 of a large batch); up to
+# 1,024 sequences, vLLM's max_num_seqs on this class of GPU. Every size writes its logits into
+# one shared buffer, so the ladder's length costs capture time (~30 ms a size), not memory.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
-               448, 512)
+               448, 512, 576, 640, 704, 768, 832, 896, 960, 1024)
 # Pinned host buffers used in turn: a step is packed while the previous one may still be queued
 # (launched, not finished), so its buffer may not have been copied out yet.
 _NUM_HOST_BUFFERS = 2
@@ -58,7 +60,11 @@ class DecodeGraphs:
         self._turn = 0
         self._staging = torch.zeros_like(self._host[0], device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # bs -> [bs, vocab] float32, graph output
+        # The graphs' output, outside their pool and shared by all sizes: replays are ordered on
+        # one stream, and a step's sampling reads its logits before the next replay writes.
+        self._logits_out = torch.empty(n, model.config.vocab_size, dtype=torch.float32,
+                                       device=device)  # [n, vocab]
+        self.logits: dict[int, torch.Tensor] = {}  # bs -> [bs, vocab] float32 view of it
         self._keepalive: list[torch.Tensor] = []
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -70,7 +76,7 @@ class DecodeGraphs:
         )
         hidden = self.model.forward(self.input_ids[:bs], self.positions[:bs], metadata,
                                     self.kv_caches)
-        return self.model.compute_logits(hidden)  # [bs, vocab] float32
+        return self.model.compute_logits(hidden, out=self._logits_out[:bs])  # [bs, vocab]
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -98,16 +104,16 @@ class DecodeGraphs:
     def padded_size(self, num_seqs: int) -> int:
         return next(bs for bs in self.batch_sizes if bs >= num_seqs)
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int],
-            block_tables: list[list[int]], device_tokens: DeviceTokens | None = None
+    def run(self, input_ids: list[int], positions: np.ndarray, slots: np.ndarray,
+            block_tables: np.ndarray, device_tokens: DeviceTokens | None = None
             ) -> torch.Tensor:
-        """One decode step of len(input_ids) sequences (seq_len = position + 1); rows named by
-        `device_tokens` take their input id from the device instead. Returns the graph's logits
-        view [num_seqs, vocab], valid until the next replay (later work on the stream may read
-        it)."""
+        """One decode step of len(input_ids) sequences (seq_len = position + 1); block_tables
+        [num_seqs, width] int, row i starting with seq i's table; rows named by `device_tokens`
+        take their input id from the device instead. Returns the graph's logits view
+        [num_seqs, vocab], valid until the next replay (later work on the stream may read it)."""
         num_seqs = len(input_ids)
         bs = self.padded_size(num_seqs)
-        width = max(len(t) for t in block_tables)
+        width = block_tables.shape[1]
         n, k = self.max_batch_size, self._take_host_buffer()
         h = self._host_np[k]
         h[0:num_seqs], h[num_seqs:bs] = input_ids, 0
@@ -119,10 +125,8 @@ class DecodeGraphs:
         m = len(device_tokens.src_rows) if device_tokens is not None else 0
         if m:
             h[4 * n:4 * n + m], h[5 * n:5 * n + m] = device_tokens.src_rows, device_tokens.dst_rows
-        tables = h[_ROWS * n:_ROWS * n + num_seqs * width].reshape(num_seqs, width)
-        for row, table in zip(tables, block_tables):
-            row[:len(table)] = table  # columns past a table's end are never read
         used = _ROWS * n + num_seqs * width
+        h[_ROWS * n:used] = block_tables.reshape(-1)  # columns past a table's end are never read
         self._staging[:used].copy_(self._host[k][:used], non_blocking=True)
         if self._copied[k] is not None:
             self._copied[k].record()

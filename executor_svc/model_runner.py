@@ -12,9 +12,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from executor_svc.attention_metadata import build_attention_metadata, to_device
+from executor_svc.block_tables import BlockTables
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.device_tokens import DeviceTokens
 from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, from_host
@@ -27,7 +29,7 @@ from executor_svc.step import (
 @dataclass
 class SeqState:
     token_ids: list[int]  # prompt + generated tokens known on the host
-    block_table: list[int]
+    row: int  # of the runner's BlockTables, which holds this seq's block table
     num_computed_tokens: int
     sampling: SamplingOptions
     # (step id, row) of each token sampled by a step launched but not finished, oldest first:
@@ -81,6 +83,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
         self.timer = StepTimer(backend.device)
         self.seqs: dict[int, SeqState] = {}
+        self.tables = BlockTables(-(-info.max_model_len // info.block_size))
         self.last_step_id: int | None = None
         self._pending: deque[PendingStep] = deque()  # launched, not finished, in step order
 
@@ -88,6 +91,7 @@ class ModelRunner:
         """Forget every sequence, every unfinished step and the step counter (a new Execute
         stream). GPU work already queued still runs; later steps queue behind it."""
         self.seqs.clear()
+        self.tables.clear()
         self.last_step_id = None
         self._pending.clear()
         self.timer.reset()
@@ -175,7 +179,8 @@ class ModelRunner:
         # The held table was checked when it arrived: only the appended ids are new.
         self._check_counts(cached.seq_id, state.num_tokens, state.num_computed_tokens,
                            cached.num_scheduled_tokens,
-                           len(state.block_table) + len(cached.new_block_ids), cached.new_block_ids)
+                           self.tables.num_blocks(state.row) + len(cached.new_block_ids),
+                           cached.new_block_ids)
 
     def _check_counts(self, seq_id: int, num_tokens: int, num_computed: int, num_scheduled: int,
                       num_blocks: int, unchecked_blocks: list[int]) -> None:
@@ -191,6 +196,9 @@ class ModelRunner:
             raise PlanMismatch(f"seq {seq_id}: block id out of range [0, {self.info.num_gpu_blocks})")
         if num_blocks * self.info.block_size < end:
             raise PlanMismatch(f"seq {seq_id}: {num_blocks} blocks cannot hold {end} tokens")
+        if num_blocks > self.tables.width:
+            raise PlanMismatch(f"seq {seq_id}: {num_blocks} blocks, more than max_model_len needs "
+                               f"({self.tables.width})")
 
     # -- state updates --------------------------------------------------------------------------
 
@@ -199,7 +207,9 @@ class ModelRunner:
         compute tokens this step."""
         self.last_step_id = step.step_id
         for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
-            self.seqs.pop(seq_id, None)
+            state = self.seqs.pop(seq_id, None)
+            if state is not None:
+                self.tables.free(state.row)
         self.cache_engine.swap_out(step.swap_out)
         self.cache_engine.swap_in(step.swap_in)
         self.cache_engine.copy(step.copy)
@@ -211,14 +221,15 @@ class ModelRunner:
         return [s for s in scheduled if s.num_scheduled_tokens > 0]
 
     def _register(self, new: NewSeq) -> _Scheduled:
-        state = SeqState(list(new.token_ids), list(new.block_table), new.num_computed_tokens,
-                         new.sampling)
+        state = SeqState(list(new.token_ids), self.tables.add(new.block_table),
+                         new.num_computed_tokens, new.sampling)
         self.seqs[new.seq_id] = state
         return _Scheduled(new.seq_id, state, new.num_scheduled_tokens)
 
     def _apply_diff(self, cached: CachedSeq) -> _Scheduled:
         state = self.seqs[cached.seq_id]
-        state.block_table.extend(cached.new_block_ids)
+        if cached.new_block_ids:
+            self.tables.append(state.row, cached.new_block_ids)
         return _Scheduled(cached.seq_id, state, cached.num_scheduled_tokens)
 
     # -- forward and sampling ---------------------------------------------------------------------
@@ -236,11 +247,13 @@ class ModelRunner:
                                        [s.state.num_tokens for s in seqs],
                                        self.info.vocab_size, self.backend.device)
         graphs = self.decode_graphs
+        rows = np.fromiter((s.state.row for s in scheduled), np.int64, len(scheduled))
+        tables = self.tables.gather(rows)  # [num_seqs, longest table]
         if (graphs is not None and all(s.num_scheduled_tokens == 1 for s in scheduled)
-                and graphs.can_run(len(scheduled), max(len(s.state.block_table) for s in scheduled))):
-            logits, kind = self._decode_replay(scheduled, to_sample), "decode"
+                and graphs.can_run(len(scheduled), tables.shape[1])):
+            logits, kind = self._decode_replay(scheduled, tables, to_sample), "decode"
         else:
-            logits, kind = self._forward_eager(scheduled, to_sample), "other"
+            logits, kind = self._forward_eager(scheduled, tables, to_sample), "other"
         for s in scheduled:
             s.state.num_computed_tokens += s.num_scheduled_tokens
         if not seqs:
@@ -268,14 +281,15 @@ class ModelRunner:
                 ids.append(0)
         return ids, DeviceTokens.collect(sources, rows)
 
-    def _forward_eager(self, scheduled: list[_Scheduled], to_sample: list[int]) -> torch.Tensor:
+    def _forward_eager(self, scheduled: list[_Scheduled], tables: np.ndarray,
+                       to_sample: list[int]) -> torch.Tensor:
         device = self.backend.device
         ids, device_tokens = self._input_ids(scheduled)
         input_ids = to_device(torch.tensor(ids, dtype=torch.int64), device)  # [num_tokens]
         if device_tokens is not None:
             device_tokens.scatter_into(input_ids)
         positions, metadata = build_attention_metadata(
-            [s.state.block_table for s in scheduled],
+            tables,
             [s.state.num_computed_tokens for s in scheduled],
             [s.num_scheduled_tokens for s in scheduled],
             self.info.block_size, device,
@@ -287,16 +301,16 @@ class ModelRunner:
         last_rows = to_device(torch.tensor([ends[i] - 1 for i in to_sample]), device)
         return self.model.compute_logits(hidden[last_rows])  # [num_sampled, vocab]
 
-    def _decode_replay(self, scheduled: list[_Scheduled], to_sample: list[int]) -> torch.Tensor:
+    def _decode_replay(self, scheduled: list[_Scheduled], tables: np.ndarray,
+                       to_sample: list[int]) -> torch.Tensor:
         block_size = self.info.block_size
         ids, device_tokens = self._input_ids(scheduled)
-        positions = [s.state.num_computed_tokens for s in scheduled]
-        tables = [s.state.block_table for s in scheduled]
-        logits = self.decode_graphs.run(
-            ids, positions,
-            [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)],
-            tables, device_tokens,
-        )  # [num_seqs, vocab]
+        positions = np.fromiter((s.state.num_computed_tokens for s in scheduled), np.int64,
+                                len(scheduled))  # [num_seqs]
+        slots = (tables[np.arange(len(scheduled)), positions // block_size].astype(np.int64)
+                 * block_size + positions % block_size)  # [num_seqs]
+        logits = self.decode_graphs.run(ids, positions, slots, tables,
+                                        device_tokens)  # [num_seqs, vocab]
         if len(to_sample) == len(scheduled):
             return logits
         return logits[to_device(torch.tensor(to_sample), self.backend.device)]

@@ -93,9 +93,11 @@ class LlamaModel:
         return x
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] (only the rows to sample) -> logits [n, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [n, hidden] (only the rows to sample) -> logits [n, vocab] float32, into `out`
+        when given (its cast from the model's dtype is the copy that .float() would make)."""
+        logits = F.linear(hidden, self.lm_head)  # [n, vocab], the model's dtype
+        return logits.float() if out is None else out.copy_(logits)
 
     def _attention(self, x, layer, positions, md, k_cache, v_cache) -> torch.Tensor:
         cfg = self.config

@@ -2,6 +2,8 @@
 bit for bit against the forward it had before RMSNorm, RoPE and SiLU-and-mul became backend ops."""
 import random
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,6 +173,14 @@ def test_metadata_matches_a_per_token_reference(seed):
     for i, t in enumerate(tables):
         assert md.block_tables[i, :len(t)].tolist() == t
     assert md.seq_lens.tolist() == [c + q for c, q in zip(computed, scheduled)]
+    # The runner's form: rows of one array, stale ids past each table's end.
+    width = max(map(len, tables)) + 3
+    padded = np.array([t + [rng.randrange(200) for _ in range(width - len(t))] for t in tables],
+                      dtype=np.int32)  # [n, width]
+    positions2, md2 = build_attention_metadata(padded, computed, scheduled, BLOCK_SIZE,
+                                               torch.device("cpu"))
+    assert positions2.tolist() == want_pos and md2.slot_mapping.tolist() == want_slots
+    assert md2.seq_lens.tolist() == md.seq_lens.tolist()
     decodes = next((i for i, q in enumerate(scheduled) if q != 1), n)
     assert md.is_decode_only == (decodes == n)
     if md.prefill is None:

@@ -18,8 +18,9 @@ def driver():
 
 
 def _snapshot(runner):
+    tables = {seq_id: runner.tables.table(state.row) for seq_id, state in runner.seqs.items()}
     return (copy.deepcopy(runner.seqs), runner.last_step_id, runner.cache_engine.gpu_k.clone(),
-            runner.cache_engine.cpu_k.clone())
+            runner.cache_engine.cpu_k.clone(), tables)
 
 
 def _assert_rejected(driver, step):
@@ -28,7 +29,7 @@ def _assert_rejected(driver, step):
     with pytest.raises(PlanMismatch):
         runner.execute(step)
     after = _snapshot(runner)
-    assert after[0] == before[0] and after[1] == before[1]
+    assert after[0] == before[0] and after[1] == before[1] and after[4] == before[4]
     assert torch.equal(after[2].nan_to_num(), before[2].nan_to_num())
     assert torch.equal(after[3].nan_to_num(), before[3].nan_to_num())
 
@@ -70,6 +71,10 @@ def test_bad_new_seqs(driver):
     ]
     for new in cases:
         _assert_rejected(driver, Step(2, new_seqs=[new]))
+    # more blocks than max_model_len (512 tokens, 4 per block) can need
+    _assert_rejected(driver, Step(2, new_seqs=[NewSeq(2, [5, 6], table * 65, 0, 2)]))
+    _assert_rejected(driver, Step(2, cached_seqs=[
+        CachedSeq(1, 1, driver.computed[1], [driver.free[0]] * 128)]))
     dup = NewSeq(2, [5, 6], table, 0, 2, SamplingOptions())
     _assert_rejected(driver, Step(2, new_seqs=[dup, dup]))
 

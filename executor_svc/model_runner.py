@@ -1,4 +1,4 @@
-"""ModelRunner: executes one Step (copies, then one packed forward, then sampling) and keeps a
+"""ModelRunner: executes one StepPlan (copies, then one packed forward, then sampling) and keeps a
 per-sequence cache rebuilt only from what plans say. A step is launched (GPU work queued, sampled
 ids left on the device) and finished later (ids copied to the host), so step N+1 can be launched
 before step N is finished; its input ids then come from step N's sampled ids on the device.
@@ -22,7 +22,8 @@ from executor_svc.device_tokens import DeviceTokens
 from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, from_host
 from executor_svc.step_timing import StepMarks, StepTimer
 from executor_svc.step import (
-    CachedSeq, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions, Step, StepOutput,
+    CachedSeq, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions, StepPlan,
+    StepResult,
 )
 
 
@@ -100,11 +101,11 @@ class ModelRunner:
     def num_pending_steps(self) -> int:
         return len(self._pending)
 
-    def execute(self, step: Step) -> StepOutput:
+    def execute(self, step: StepPlan) -> StepResult:
         """Launch and finish one step (no other step may be unfinished)."""
         return self.finish(self.launch(step))
 
-    def launch(self, step: Step) -> PendingStep:
+    def launch(self, step: StepPlan) -> PendingStep:
         """Checks the plan, applies it and queues the step's copies, forward and sampling on the
         device, and the copy of its sampled ids to the host; waits for none of it. Raises
         PlanMismatch (changing nothing) if the plan contradicts the state."""
@@ -123,7 +124,7 @@ class ModelRunner:
         self._pending.append(pending)
         return pending
 
-    def finish(self, pending: PendingStep) -> StepOutput:
+    def finish(self, pending: PendingStep) -> StepResult:
         """Waits for the oldest unfinished step, appends its sampled ids to the host token
         lists and returns its output. Steps finish in launch order."""
         if not self._pending or self._pending[0] is not pending:
@@ -139,11 +140,11 @@ class ModelRunner:
         self.timer.finish(pending.marks, pending.kind, step_ms, pending.launch_ms)
         sampled = [SampledToken(s.seq_id, t, lp)
                    for s, t, lp in zip(pending.seqs, token_ids, logprobs)]
-        return StepOutput(pending.step_id, sampled, pending.forward_ms, step_ms)
+        return StepResult(pending.step_id, sampled, pending.forward_ms, step_ms)
 
     # -- validation: everything is checked before any state or cache changes ------------------
 
-    def _validate(self, step: Step) -> None:
+    def _validate(self, step: StepPlan) -> None:
         if self.last_step_id is not None and step.step_id != self.last_step_id + 1:
             raise PlanMismatch(f"step {step.step_id} after step {self.last_step_id}: gap or repeat")
         gpu, cpu = self.info.num_gpu_blocks, self.info.num_cpu_blocks
@@ -202,7 +203,7 @@ class ModelRunner:
 
     # -- state updates --------------------------------------------------------------------------
 
-    def _apply(self, step: Step) -> list[_Scheduled]:
+    def _apply(self, step: StepPlan) -> list[_Scheduled]:
         """Drops, then copies queued on the device, then the seqs' diffs; returns the seqs that
         compute tokens this step."""
         self.last_step_id = step.step_id

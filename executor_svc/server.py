@@ -85,8 +85,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             pipeline = StepPipeline(functools.partial(self._launch, generation),
                                     functools.partial(self._finish, generation),
                                     self.max_steps_in_flight)
-            for output in pipeline.run(reader):
-                yield wire.output_to_proto(output)
+            for result in pipeline.run(reader):
+                yield wire.result_to_proto(result)
         except StepFailed as failure:
             self._abort(context, generation, failure)
         except Superseded:
@@ -142,7 +142,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def _launch(self, generation: int, plan):
         if plan.HasField("lease"):
             raise PlanMismatch(f"step {plan.step_id} carries a lease: only the first message may")
-        step = wire.step_from_proto(plan)
+        step = wire.plan_from_proto(plan)
         with self._lock:
             self._check_current(generation)
             return self.runner.launch(step)

@@ -38,7 +38,9 @@ class CachedSeq:
 
 
 @dataclass(frozen=True)
-class Step:
+class StepPlan:
+    """One step as the scheduler planned it (StepPlan on the wire and in scheduler_svc.plan)."""
+
     step_id: int
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
@@ -57,7 +59,9 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
-class StepOutput:
+class StepResult:
+    """What one step sampled (StepResult on the wire and in scheduler_svc.plan)."""
+
     step_id: int
     sampled: list[SampledToken]
     forward_ms: float

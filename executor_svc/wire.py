@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from protos import executor_pb2
 from executor_svc.step import (CachedSeq, ExecutorInfo, NewSeq, PlanMismatch, SamplingOptions,
-                               Step, StepOutput)
+                               StepPlan, StepResult)
 
 
 def _pairs(pairs) -> list[tuple[int, int]]:
@@ -15,8 +15,8 @@ def _sampling(s: executor_pb2.SamplingOptions) -> SamplingOptions:
                            min_p=s.min_p, seed=s.seed)
 
 
-def step_from_proto(plan: executor_pb2.StepPlan) -> Step:
-    return Step(
+def plan_from_proto(plan: executor_pb2.StepPlan) -> StepPlan:
+    return StepPlan(
         step_id=plan.step_id,
         swap_out=_pairs(plan.swap_out),
         swap_in=_pairs(plan.swap_in),
@@ -59,13 +59,13 @@ def _cached_columns(cached: executor_pb2.CachedSeqs) -> list[CachedSeq]:
     return seqs
 
 
-def output_to_proto(out: StepOutput) -> executor_pb2.StepResult:
+def result_to_proto(result: StepResult) -> executor_pb2.StepResult:
     return executor_pb2.StepResult(
-        step_id=out.step_id,
+        step_id=result.step_id,
         sampled=[executor_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id)
-                 for t in out.sampled],
-        forward_ms=out.forward_ms,
-        step_ms=out.step_ms,
+                 for t in result.sampled],
+        forward_ms=result.forward_ms,
+        step_ms=result.step_ms,
     )
 
 

@@ -16,7 +16,7 @@ from executor_svc.memory_profile import profile_num_gpu_blocks
 from executor_svc.fingerprint import model_fingerprint, start_source_identity
 from executor_svc.model_loader import DTYPES, default_model_source, load_model
 from executor_svc.model_runner import ModelRunner
-from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step
+from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,9 @@ class Worker:
         greedy, seeded = SamplingOptions(), SamplingOptions(temperature=0.8, top_p=0.9, seed=1)
         new = [NewSeq(i, prompt, list(range(blocks)), 0, len(prompt), opt)
                for i, opt in enumerate((greedy, seeded))]
-        prefill = self.runner.launch(Step(1, new_seqs=new))
+        prefill = self.runner.launch(StepPlan(1, new_seqs=new))
         decode = self.runner.launch(
-            Step(2, cached_seqs=[CachedSeq(i, 1, len(prompt)) for i in range(2)]))
+            StepPlan(2, cached_seqs=[CachedSeq(i, 1, len(prompt)) for i in range(2)]))
         self.runner.finish(prefill)
         self.runner.finish(decode)
         self.runner.reset()

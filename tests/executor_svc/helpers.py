@@ -16,7 +16,7 @@ from executor_svc.cache_engine import CacheEngine
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
-from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, Step
+from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, StepPlan
 from scheduler_svc import wire as scheduler_wire
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
@@ -55,7 +55,7 @@ def random_prompt(rng: random.Random, length: int, vocab: int = 49152) -> list[i
 
 
 class PlanDriver:
-    """Plays the scheduler: tracks tokens, block tables and counters; builds Steps."""
+    """Plays the scheduler: tracks tokens, block tables and counters; builds StepPlans."""
 
     def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
         self.runner = runner
@@ -92,7 +92,7 @@ class PlanDriver:
     def run(self, **fields) -> dict[int, int]:
         """Execute one step; append and return the sampled tokens {seq_id: token_id}."""
         self.step_id += 1
-        out = self.runner.execute(Step(self.step_id, **fields))
+        out = self.runner.execute(StepPlan(self.step_id, **fields))
         sampled = {s.seq_id: s.token_id for s in out.sampled}
         for seq_id, token_id in sampled.items():
             self.tokens[seq_id].append(token_id)
@@ -107,10 +107,10 @@ class RunnerLink:
     def __init__(self, runner: ModelRunner, overlap: bool) -> None:
         self.runner, self.overlap = runner, overlap
         self.launched_with_pending = 0  # launches while an earlier step was unfinished
-        self._handles: deque = deque()  # PendingStep (overlap) or StepOutput
+        self._handles: deque = deque()  # PendingStep (overlap) or StepResult
 
     def send(self, message) -> None:
-        step = executor_wire.step_from_proto(message)
+        step = executor_wire.plan_from_proto(message)
         if self.overlap:
             self.launched_with_pending += self.runner.num_pending_steps > 0
             self._handles.append(self.runner.launch(step))

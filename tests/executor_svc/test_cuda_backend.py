@@ -20,7 +20,7 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
 from executor_svc.sampler import Sampler, SamplingTensors
-from executor_svc.step import CachedSeq, ExecutorInfo, SamplingOptions, Step
+from executor_svc.step import CachedSeq, ExecutorInfo, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import (
     PlanDriver, RunnerLink, ScheduledRun, add_workload, hf_greedy, hf_model, make_runner,
     make_scheduler, random_prompt,
@@ -241,15 +241,16 @@ def test_overlapped_decode_launch_has_no_host_sync():
     runner = gpu_runner(hf, "bfloat16", max_model_len=512)
     driver = PlanDriver(runner)
     prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
-    prefill = runner.launch(Step(1, new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()]))
-    first = runner.launch(Step(2, cached_seqs=[CachedSeq(s, 1, len(p))
-                                               for s, p in prompts.items()]))
+    prefill = runner.launch(
+        StepPlan(1, new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()]))
+    first = runner.launch(StepPlan(2, cached_seqs=[CachedSeq(s, 1, len(p))
+                                                   for s, p in prompts.items()]))
     runner.finish(prefill)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        second = runner.launch(Step(3, cached_seqs=[CachedSeq(s, 1, len(p) + 1)
-                                                    for s, p in prompts.items()]))
+        second = runner.launch(StepPlan(3, cached_seqs=[CachedSeq(s, 1, len(p) + 1)
+                                                        for s, p in prompts.items()]))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert second.kind == "decode"
@@ -288,7 +289,7 @@ def test_overlapped_steps_match_one_step_at_a_time_on_gpu(graphs):
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_worker_sizes_kv_cache_from_memory_and_pins_swap_space():
     from executor_svc.config import ExecutorConfig
-    from executor_svc.step import NewSeq, Step
+    from executor_svc.step import NewSeq, StepPlan
     from executor_svc.worker import Worker
 
     torch.cuda.empty_cache()
@@ -303,7 +304,7 @@ def test_worker_sizes_kv_cache_from_memory_and_pins_swap_space():
     assert worker.cache_engine.cpu_k.is_pinned() and worker.cache_engine.cpu_v.is_pinned()
     kv_bytes = info.num_gpu_blocks * worker.cache_engine.bytes_per_block()
     assert kv_bytes <= total * utilization - profile.used_after_weights
-    out = worker.runner.execute(Step(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 3)]))
+    out = worker.runner.execute(StepPlan(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 3)]))
     assert [s.seq_id for s in out.sampled] == [1] and out.step_ms > 0
     del worker
     torch.cuda.empty_cache()

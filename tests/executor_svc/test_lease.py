@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from executor_svc.lease import Hello, Lease, LeaseRefused, WaitingStreams
 from executor_svc.server import MAX_WAITING_STREAMS, ExecutorServicer, build_server, hello_from_proto
-from executor_svc.step import ExecutorInfo, SampledToken, StepOutput
+from executor_svc.step import ExecutorInfo, SampledToken, StepResult
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
 from protos import executor_pb2, executor_pb2_grpc
 
@@ -139,9 +139,9 @@ class FakeRunner:
     def launch(self, step) -> _Done:
         return _Done(step.step_id, step)
 
-    def finish(self, pending: _Done) -> StepOutput:
+    def finish(self, pending: _Done) -> StepResult:
         sampled = [SampledToken(s.seq_id, 7, 0.0) for s in pending.step.new_seqs]
-        return StepOutput(pending.step_id, sampled, 0.0, 0.0)
+        return StepResult(pending.step_id, sampled, 0.0, 0.0)
 
 
 def hello(scheduler_id="holder", epoch=1, takeover=False) -> executor_pb2.StepPlan:

@@ -1,4 +1,4 @@
-"""ModelRunner driven by hand-made Steps: greedy output token-identical to transformers'
+"""ModelRunner driven by hand-made StepPlans: greedy output token-identical to transformers'
 generate, through batching, chunked prefill, swap out/in and copy-on-write forks."""
 import random
 

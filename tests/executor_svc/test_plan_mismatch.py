@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from executor_svc.step import CachedSeq, NewSeq, PlanMismatch, SamplingOptions, Step
+from executor_svc.step import CachedSeq, NewSeq, PlanMismatch, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import PlanDriver, hf_model, make_runner, random_prompt
 
 
@@ -40,25 +40,26 @@ def _decode_ok(driver):
 
 
 def test_unknown_cached_seq(driver):
-    _assert_rejected(driver, Step(2, cached_seqs=[CachedSeq(99, 1, 0, [])]))
+    _assert_rejected(driver, StepPlan(2, cached_seqs=[CachedSeq(99, 1, 0, [])]))
 
 
 def test_counter_mismatch(driver):
-    _assert_rejected(driver, Step(2, cached_seqs=[CachedSeq(1, 1, driver.computed[1] - 1, [])]))
+    _assert_rejected(driver,
+                     StepPlan(2, cached_seqs=[CachedSeq(1, 1, driver.computed[1] - 1, [])]))
 
 
 @pytest.mark.parametrize("step_id", [1, 3, 10])
 def test_step_gap_or_repeat(driver, step_id):
-    _assert_rejected(driver, Step(step_id, cached_seqs=[_decode_ok(driver)]))
+    _assert_rejected(driver, StepPlan(step_id, cached_seqs=[_decode_ok(driver)]))
 
 
 def test_out_of_range_blocks(driver):
     new = NewSeq(2, [5, 6, 7], [16], 0, 3, SamplingOptions())
-    _assert_rejected(driver, Step(2, new_seqs=[new], cached_seqs=[_decode_ok(driver)]))
-    _assert_rejected(driver, Step(2, swap_out=[(0, 4)], cached_seqs=[_decode_ok(driver)]))
-    _assert_rejected(driver, Step(2, swap_in=[(0, 16)]))
-    _assert_rejected(driver, Step(2, copy=[(-1, 3)]))
-    _assert_rejected(driver, Step(2, cached_seqs=[CachedSeq(1, 1, driver.computed[1], [99])]))
+    _assert_rejected(driver, StepPlan(2, new_seqs=[new], cached_seqs=[_decode_ok(driver)]))
+    _assert_rejected(driver, StepPlan(2, swap_out=[(0, 4)], cached_seqs=[_decode_ok(driver)]))
+    _assert_rejected(driver, StepPlan(2, swap_in=[(0, 16)]))
+    _assert_rejected(driver, StepPlan(2, copy=[(-1, 3)]))
+    _assert_rejected(driver, StepPlan(2, cached_seqs=[CachedSeq(1, 1, driver.computed[1], [99])]))
 
 
 def test_bad_new_seqs(driver):
@@ -70,20 +71,20 @@ def test_bad_new_seqs(driver):
         NewSeq(2, [5, 10**6], table, 0, 2, SamplingOptions()),  # token out of vocabulary
     ]
     for new in cases:
-        _assert_rejected(driver, Step(2, new_seqs=[new]))
+        _assert_rejected(driver, StepPlan(2, new_seqs=[new]))
     # more blocks than max_model_len (512 tokens, 4 per block) can need
-    _assert_rejected(driver, Step(2, new_seqs=[NewSeq(2, [5, 6], table * 65, 0, 2)]))
-    _assert_rejected(driver, Step(2, cached_seqs=[
+    _assert_rejected(driver, StepPlan(2, new_seqs=[NewSeq(2, [5, 6], table * 65, 0, 2)]))
+    _assert_rejected(driver, StepPlan(2, cached_seqs=[
         CachedSeq(1, 1, driver.computed[1], [driver.free[0]] * 128)]))
     dup = NewSeq(2, [5, 6], table, 0, 2, SamplingOptions())
-    _assert_rejected(driver, Step(2, new_seqs=[dup, dup]))
+    _assert_rejected(driver, StepPlan(2, new_seqs=[dup, dup]))
 
 
 def test_state_intact_after_rejection_and_plan_continues(driver):
     # A valid swap in the same plan must not have been applied when a later part is rejected.
     runner = driver.runner
     runner.cache_engine.cpu_k.zero_()
-    bad = Step(2, swap_out=[(driver.tables[1][0], 0)], cached_seqs=[CachedSeq(1, 1, 0, [])])
+    bad = StepPlan(2, swap_out=[(driver.tables[1][0], 0)], cached_seqs=[CachedSeq(1, 1, 0, [])])
     _assert_rejected(driver, bad)
     assert runner.cache_engine.cpu_k.abs().sum() == 0
     sampled = driver.run(cached_seqs=[driver.cached_seq(1)])
@@ -93,4 +94,4 @@ def test_state_intact_after_rejection_and_plan_continues(driver):
 def test_finished_and_preempted_drop_state(driver):
     driver.run(finished_seq_ids=[1])
     assert driver.runner.seqs == {}
-    _assert_rejected(driver, Step(driver.step_id + 1, cached_seqs=[CachedSeq(1, 1, 7, [])]))
+    _assert_rejected(driver, StepPlan(driver.step_id + 1, cached_seqs=[CachedSeq(1, 1, 7, [])]))

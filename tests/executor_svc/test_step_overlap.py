@@ -7,7 +7,7 @@ import random
 import pytest
 
 from executor_svc.cuda_graphs import DecodeGraphs
-from executor_svc.step import CachedSeq, PlanMismatch, Step
+from executor_svc.step import CachedSeq, PlanMismatch, StepPlan
 from tests.executor_svc.helpers import (
     PlanDriver, RunnerLink, ScheduledRun, add_workload, hf_greedy, hf_model, make_runner,
     make_scheduler, random_prompt,
@@ -67,11 +67,11 @@ def test_validation_counts_the_unfinished_token():
     runner = make_runner(hf)
     driver = PlanDriver(runner)
     prompt = random_prompt(random.Random(1), 7)  # 2 blocks of 4: room for one more token
-    prefill = runner.launch(Step(1, new_seqs=[driver.new_seq(1, prompt)]))
+    prefill = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(1, prompt)]))
     assert runner.seqs[1].num_tokens == 8 and len(runner.seqs[1].token_ids) == 7
     with pytest.raises(PlanMismatch, match="exceeds its 8 tokens"):
-        runner.launch(Step(2, cached_seqs=[CachedSeq(1, 2, 7, [])]))
-    decode = runner.launch(Step(2, cached_seqs=[CachedSeq(1, 1, 7, [])]))
+        runner.launch(StepPlan(2, cached_seqs=[CachedSeq(1, 2, 7, [])]))
+    decode = runner.launch(StepPlan(2, cached_seqs=[CachedSeq(1, 1, 7, [])]))
     with pytest.raises(RuntimeError, match="not the oldest"):
         runner.finish(decode)
     first, second = runner.finish(prefill), runner.finish(decode)
@@ -85,9 +85,9 @@ def test_a_seq_dropped_while_its_token_is_unfinished_still_gets_it():
     runner = make_runner(hf_model("tiny"))
     driver = PlanDriver(runner)
     rng = random.Random(2)
-    first = runner.launch(Step(1, new_seqs=[driver.new_seq(s, random_prompt(rng, 5))
-                                            for s in (1, 2)]))
-    second = runner.launch(Step(2, finished_seq_ids=[1], cached_seqs=[CachedSeq(2, 1, 5, [])]))
+    first = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(s, random_prompt(rng, 5))
+                                               for s in (1, 2)]))
+    second = runner.launch(StepPlan(2, finished_seq_ids=[1], cached_seqs=[CachedSeq(2, 1, 5, [])]))
     assert set(runner.seqs) == {2}
     assert [t.seq_id for t in runner.finish(first).sampled] == [1, 2]
     assert [t.seq_id for t in runner.finish(second).sampled] == [2]
@@ -97,10 +97,10 @@ def test_a_seq_dropped_while_its_token_is_unfinished_still_gets_it():
 def test_reset_forgets_unfinished_steps():
     runner = make_runner(hf_model("tiny"))
     driver = PlanDriver(runner)
-    pending = runner.launch(Step(1, new_seqs=[driver.new_seq(1, [5, 6, 7])]))
+    pending = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(1, [5, 6, 7])]))
     runner.reset()
     assert runner.num_pending_steps == 0 and runner.seqs == {}
     with pytest.raises(RuntimeError):
         runner.finish(pending)
-    out = runner.execute(Step(40, new_seqs=[driver.new_seq(2, [5, 6, 7])]))
+    out = runner.execute(StepPlan(40, new_seqs=[driver.new_seq(2, [5, 6, 7])]))
     assert [t.seq_id for t in out.sampled] == [2]

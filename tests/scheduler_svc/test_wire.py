@@ -22,7 +22,7 @@ def sample_plan() -> StepPlan:
 def test_plan_round_trip_through_the_executor_wire():
     plan = sample_plan()
     data = wire.plan_to_proto(plan).SerializeToString()
-    step = executor_wire.step_from_proto(executor_pb2.StepPlan.FromString(data))
+    step = executor_wire.plan_from_proto(executor_pb2.StepPlan.FromString(data))
     assert step.cached_seqs == [CachedSeq(s.seq_id, s.num_scheduled_tokens, s.num_computed_tokens,
                                           s.new_block_ids) for s in plan.cached_seqs]
     assert [s.seq_id for s in step.new_seqs] == [7] and step.new_seqs[0].sampling.seed == 11
@@ -51,4 +51,4 @@ def test_misaligned_columns_are_a_plan_mismatch(field, values):
                                                       CachedSeqPlan(2, 1, 47, [9])]))
     getattr(msg.cached, field)[:] = values
     with pytest.raises(PlanMismatch):
-        executor_wire.step_from_proto(msg)
+        executor_wire.plan_from_proto(msg)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import _compile, attention, cache, ops, reference  # noqa: E402
+from kernels import _compile, attention, cache_ops, ops, reference  # noqa: E402
 
 GIB = 1 << 30
 
@@ -217,8 +217,8 @@ def bench_swap_and_copy(copy_bw, layers=32, kv_heads=8, block_size=16, head_dim=
     page_bytes = kv_heads * block_size * head_dim * 2
     moved = pairs * layers * 2 * page_bytes
     res = {"bytes": moved}
-    res["d2h_ms"] = median_ms(lambda i: cache.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, out_maps[i % 2]), iters=5)
-    res["h2d_ms"] = median_ms(lambda i: cache.swap_blocks(cpu_k, cpu_v, gpu_k, gpu_v, in_maps[i % 2]), iters=5)
+    res["d2h_ms"] = median_ms(lambda i: cache_ops.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, out_maps[i % 2]), iters=5)
+    res["h2d_ms"] = median_ms(lambda i: cache_ops.swap_blocks(cpu_k, cpu_v, gpu_k, gpu_v, in_maps[i % 2]), iters=5)
     half = moved // 4  # bf16 elements in half of the moved bytes (K's share, then V's)
     flat_gpu, flat_gpu2 = gpu_k.view(-1)[:half], gpu_v.view(-1)[:half]
     flat_cpu = torch.empty(half, dtype=torch.bfloat16, pin_memory=True)
@@ -257,7 +257,7 @@ def bench_swap_and_copy(copy_bw, layers=32, kv_heads=8, block_size=16, head_dim=
 
     cow = [torch.stack([perm[(4 + 2 * r) * pairs:(5 + 2 * r) * pairs],
                         perm[(5 + 2 * r) * pairs:(6 + 2 * r) * pairs]], 1) for r in range(2)]
-    res["copy_blocks_ms"] = median_ms(lambda i: cache.copy_blocks(gpu_k, gpu_v, cow[i % 2]), iters=20)
+    res["copy_blocks_ms"] = median_ms(lambda i: cache_ops.copy_blocks(gpu_k, gpu_v, cow[i % 2]), iters=20)
     res["copy_blocks_frac"] = 2 * moved / (res["copy_blocks_ms"] * 1e-3) / copy_bw
     for k in ("d2h", "h2d", "big_d2h", "big_h2d", "loop_d2h", "loop_h2d"):
         res[k + "_GBps"] = moved / (res[k + "_ms"] * 1e-3) / 1e9

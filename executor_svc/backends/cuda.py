@@ -1,4 +1,4 @@
-"""CUDA backend: the ops are the CuPy kernels of `kernels.attention` / `kernels.cache` /
+"""CUDA backend: the ops are the CuPy kernels of `kernels.attention` / `kernels.cache_ops` /
 `kernels.ops`, launched on torch's current stream. Imports cupy and the launchers lazily (in
 __init__), so this module imports on a machine without CUDA; constructing the backend there fails
 loudly.
@@ -38,13 +38,13 @@ class CudaBackend:
             import cupy  # noqa: F401  (the kernels need it; fail here, not mid-request)
         except ImportError as err:
             raise RuntimeError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from err
-        from kernels import _compile, attention, cache, ops
+        from kernels import _compile, attention, cache_ops, ops
 
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
-        self._attention, self._cache, self._ops = attention, cache, ops
+        self._attention, self._cache_ops, self._ops = attention, cache_ops, ops
         self.fused_ops = fused_ops
         # Compile and load every kernel now: a compile error stops the executor before it serves.
         self.compile_seconds = _compile.warmup(self.device)
@@ -67,7 +67,7 @@ class CudaBackend:
     # -- attention and the KV cache ---------------------------------------------------------------
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._cache.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        self._cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                 scale, out=None) -> torch.Tensor:
@@ -85,10 +85,10 @@ class CudaBackend:
         return torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
 
     def swap_blocks(self, src_k, src_v, dst_k, dst_v, block_mapping) -> None:
-        self._cache.swap_blocks(src_k, src_v, dst_k, dst_v, block_mapping)
+        self._cache_ops.swap_blocks(src_k, src_v, dst_k, dst_v, block_mapping)
 
     def copy_blocks(self, k_cache, v_cache, block_mapping) -> None:
-        self._cache.copy_blocks(k_cache, v_cache, block_mapping)
+        self._cache_ops.copy_blocks(k_cache, v_cache, block_mapping)
 
     # -- elementwise ops of the forward -----------------------------------------------------------
 

@@ -25,10 +25,10 @@ FLOOR = 1e-3
 
 @pytest.fixture(scope="module")
 def kern():
-    from kernels import _compile, attention, cache
+    from kernels import _compile, attention, cache_ops
 
     _compile.warmup()
-    return attention, cache
+    return attention, cache_ops
 
 
 def paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen, spare=5, width_extra=1):
@@ -253,7 +253,7 @@ def test_decode_zero_length_rows_are_zero(kern):
 @pytest.mark.parametrize("head_dim,kv_heads,block_size", [(128, 8, 16), (64, 1, 32), (128, 2, 32)])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_reshape_and_cache_bit_exact(kern, dtype, head_dim, kv_heads, block_size, slot_dtype):
-    _, cache = kern
+    _, cache_ops = kern
     gen = torch.Generator(device="cuda").manual_seed(head_dim * kv_heads + block_size)
     num_blocks, num_tokens = 64, 300
     k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen, device="cuda").to(dtype)
@@ -264,7 +264,7 @@ def test_reshape_and_cache_bit_exact(kern, dtype, head_dim, kv_heads, block_size
     key, value = fused[:, kv_heads : 2 * kv_heads], fused[:, 2 * kv_heads :]
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     ref.reshape_and_cache(key, value, expect_k, expect_v, slots)
-    cache.reshape_and_cache(key, value, k_cache, v_cache, slots.to(slot_dtype))
+    cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slots.to(slot_dtype))
     assert torch.equal(k_cache.view(torch.int16), expect_k.view(torch.int16))
     assert torch.equal(v_cache.view(torch.int16), expect_v.view(torch.int16))
 
@@ -281,7 +281,7 @@ def _pages(layers, blocks, kv_heads, block_size, head_dim, device, gen, pin=Fals
 @pytest.mark.parametrize("direction", ["gpu_to_cpu", "cpu_to_gpu", "gpu_to_gpu"])
 @pytest.mark.parametrize("mapping_on", ["cuda", "cpu"])
 def test_swap_blocks_bit_exact(kern, direction, mapping_on):
-    _, cache = kern
+    _, cache_ops = kern
     gen = torch.Generator(device="cuda").manual_seed(len(direction) + len(mapping_on))
     src_dev, dst_dev = {"gpu_to_cpu": ("cuda", "cpu"), "cpu_to_gpu": ("cpu", "cuda"),
                         "gpu_to_gpu": ("cuda", "cuda")}[direction]
@@ -293,36 +293,36 @@ def test_swap_blocks_bit_exact(kern, direction, mapping_on):
     mapping = torch.stack([src_ids, dst_ids], 1).to(torch.int64).to(mapping_on)
     expect_k, expect_v = dst_k.clone(), dst_v.clone()
     ref.swap_blocks(src_k, src_v, expect_k, expect_v, mapping)
-    cache.swap_blocks(src_k, src_v, dst_k, dst_v, mapping)
+    cache_ops.swap_blocks(src_k, src_v, dst_k, dst_v, mapping)
     torch.cuda.synchronize()
     assert torch.equal(dst_k.view(torch.int16), expect_k.view(torch.int16))
     assert torch.equal(dst_v.view(torch.int16), expect_v.view(torch.int16))
 
 
 def test_copy_blocks_bit_exact(kern):
-    _, cache = kern
+    _, cache_ops = kern
     gen = torch.Generator(device="cuda").manual_seed(5)
     k_cache, v_cache = _pages(3, 200, 8, 16, 128, "cuda", gen)
     ids = torch.randperm(200, generator=gen, device="cuda")
     mapping = torch.stack([ids[:60], ids[60:120]], 1).to(torch.int64)
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     ref.copy_blocks(expect_k, expect_v, mapping)
-    cache.copy_blocks(k_cache, v_cache, mapping)
+    cache_ops.copy_blocks(k_cache, v_cache, mapping)
     assert torch.equal(k_cache.view(torch.int16), expect_k.view(torch.int16))
     assert torch.equal(v_cache.view(torch.int16), expect_v.view(torch.int16))
 
 
 def test_unpinned_cpu_pages_are_refused(kern):
-    _, cache = kern
+    _, cache_ops = kern
     gpu = torch.zeros(1, 4, 1, 16, 8, dtype=torch.bfloat16, device="cuda")
     cpu = torch.zeros(1, 4, 1, 16, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="pinned"):
-        cache.swap_blocks(gpu, gpu, cpu, cpu, torch.tensor([[0, 1]]))
+        cache_ops.swap_blocks(gpu, gpu, cpu, cpu, torch.tensor([[0, 1]]))
 
 
 def test_cuda_graph_capture_decode_and_cache_write(kern):
     """Capture cache write + split decode (+ combine) once; replay on new inputs written in place."""
-    attention, cache = kern
+    attention, cache_ops = kern
     gen = torch.Generator(device="cuda").manual_seed(13)
     heads, kv_heads, head_dim, block_size = 16, 4, 128, 16
     seq_lens = [3000, 17, 1200, 1]
@@ -342,7 +342,7 @@ def test_cuda_graph_capture_decode_and_cache_write(kern):
     slots = last_slots(seq_lens)
 
     def step():
-        cache.reshape_and_cache(key, value, k_cache, v_cache, slots)
+        cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slots)
         attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)
 
     for t in (q, key, value):

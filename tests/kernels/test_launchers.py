@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import _compile, attention, cache, ops
+from kernels import _compile, attention, cache_ops, ops
 
 
 def test_importing_launchers_does_not_import_cupy():
-    code = ("import sys, kernels, kernels.attention, kernels.cache, kernels.ops, kernels._compile; "
-            "assert 'cupy' not in sys.modules")
+    code = ("import sys, kernels, kernels.attention, kernels.cache_ops, kernels.ops, "
+            "kernels._compile; assert 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
@@ -32,9 +32,9 @@ def test_prefill_rejects_cpu_and_bad_dtypes():
 def test_swap_requires_a_gpu_side_and_pinned_pages():
     t = torch.zeros(1, 4, 1, 16, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
-        cache.swap_blocks(t, t, t, t, torch.tensor([[0, 1]]))
+        cache_ops.swap_blocks(t, t, t, t, torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match=r"\[n, 2\]"):
-        cache.swap_blocks(t, t, t, t, torch.tensor([0, 1]))
+        cache_ops.swap_blocks(t, t, t, t, torch.tensor([0, 1]))
 
 
 @pytest.mark.parametrize("num_seqs,max_blocks,block_size", [(64, 256, 16), (256, 64, 16), (1, 1024, 16),

@@ -2,7 +2,8 @@
 start for a ladder of batch sizes; a batch is padded up to the nearest size. Inputs are packed on
 the host into a pinned buffer, copied once, and spread into the graphs' static buffers; input ids
 still on the device (sampled by an unfinished step) are gathered there. Imports torch only; the
-attention kernels are reached through the model's backend.
+attention kernels are reached through the model's backend (a capture asks kernels.attention for
+the scratch tensors it must keep).
 """
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ class DecodeGraphs:
         for bs in self.batch_sizes:
             self._forward(bs)
         torch.cuda.synchronize()
-        self._keepalive = _kernel_workspaces()
+        from kernels import attention  # here, not at import: only a capture needs its scratch
+
+        self._keepalive = attention.workspaces()
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):
             graph = torch.cuda.CUDAGraph()
@@ -152,13 +155,3 @@ class DecodeGraphs:
         if event is not None:
             event.synchronize()  # returns at once when the copy is long done
         return k
-
-
-def _kernel_workspaces() -> list[torch.Tensor]:
-    """The attention launchers' scratch tensors the graphs were captured with, kept referenced so
-    that a later (eager) regrowth of a workspace can never free memory a graph still uses."""
-    try:
-        from kernels import attention
-    except ImportError:
-        return []
-    return list(getattr(attention, "_workspaces", {}).values())

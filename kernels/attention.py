@@ -63,6 +63,13 @@ def _workspace(name: str, device: torch.device, numel: int, dtype: torch.dtype) 
     return buf
 
 
+def workspaces() -> list[torch.Tensor]:
+    """The launchers' scratch tensors as they are now, every device. A CUDA graph captured with
+    them must keep them referenced: a later eager launch may grow (replace) one, and the memory
+    of the old one must not be freed while a graph still uses it."""
+    return list(_workspaces.values())
+
+
 def _sm_count(device: torch.device) -> int:
     if device.index not in _num_sms:
         _num_sms[device.index] = torch.cuda.get_device_properties(device).multi_processor_count

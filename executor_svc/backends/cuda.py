@@ -38,7 +38,7 @@ class CudaBackend:
             import cupy  # noqa: F401  (the kernels need it; fail here, not mid-request)
         except ImportError as err:
             raise RuntimeError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from err
-        from kernels import _compile, attention, cache_ops, ops
+        from kernels import arch_used, attention, cache_ops, ops, warmup
 
         self.device = torch.device(device)
         if self.device.index is None:
@@ -47,9 +47,9 @@ class CudaBackend:
         self._attention, self._cache_ops, self._ops = attention, cache_ops, ops
         self.fused_ops = fused_ops
         # Compile and load every kernel now: a compile error stops the executor before it serves.
-        self.compile_seconds = _compile.warmup(self.device)
+        self.compile_seconds = warmup(self.device)
         log.info("CuPy kernels ready in %.2fs (%s)", self.compile_seconds["total"],
-                 _compile.arch_used(self.device))
+                 arch_used(self.device))
 
     @staticmethod
     def kernels_cover(dtype: torch.dtype, head_dim: int) -> bool:

@@ -37,6 +37,17 @@ def test_swap_requires_a_gpu_side_and_pinned_pages():
         cache_ops.swap_blocks(t, t, t, t, torch.tensor([0, 1]))
 
 
+def test_workspaces_are_the_current_scratch_tensors(monkeypatch):
+    monkeypatch.setattr(attention, "_workspaces", {})
+    cpu = torch.device("cpu")
+    small = attention._workspace("decode_partials", cpu, 8, torch.float32)
+    assert [id(t) for t in attention.workspaces()] == [id(small)]
+    kept = attention.workspaces()  # what a graph captured with `small` holds
+    grown = attention._workspace("decode_partials", cpu, 64, torch.float32)
+    assert grown is not small and [id(t) for t in attention.workspaces()] == [id(grown)]
+    assert kept[0] is small
+
+
 @pytest.mark.parametrize("num_seqs,max_blocks,block_size", [(64, 256, 16), (256, 64, 16), (1, 1024, 16),
                                                            (3, 2000, 32), (8, 1, 16)])
 def test_decode_split_plan_covers_every_page(num_seqs, max_blocks, block_size):

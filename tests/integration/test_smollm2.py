@@ -44,3 +44,17 @@ def test_client_cli_answers_paris(smollm2):
          "--address", smollm2.scheduler_address, "--max-tokens", "48"],
         capture_output=True, text=True, timeout=300, check=True)
     assert "Paris" in out.stdout, out.stdout + out.stderr
+
+
+def test_openai_chat_completions_answers_paris(smollm2):
+    """The default model through the OpenAI API and the real SDK (greedy, as the CLI)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{smollm2.http_url}/v1", api_key="unused", max_retries=0,
+                    timeout=300)
+    [model] = client.models.list().data
+    reply = client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=48, temperature=0)
+    assert "Paris" in reply.choices[0].message.content, reply
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens > 0

@@ -96,6 +96,10 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p.add_argument("--max-num-seqs", type=int, default=_env_number("MAX_NUM_SEQS", int, 256))
     p.add_argument("--preemption-mode", default=_env("PREEMPTION_MODE", "swap"),
                    choices=["swap", "recompute"])
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   default=_env("NO_PREFIX_CACHING", "") not in ("", "0", "false"),
+                   help="turn off automatic prefix caching (on by default: a request reuses "
+                        "the cached KV pages of the longest prompt prefix already computed)")
     p.add_argument("--max-steps-in-flight", type=int,
                    default=_env_number("MAX_STEPS_IN_FLIGHT", int, 2), choices=[1, 2],
                    help="2: plan step N+1 while the executor runs step N (async scheduling); "
@@ -117,8 +121,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p.add_argument("--api-key-file", default=_env("API_KEY_FILE", None),
                    help="file holding the API key (instead of --api-key)")
     p.add_argument("--served-model-name", nargs="+",
-                   default=_env("SERVED_MODEL_NAME", "").split(",") if _env("SERVED_MODEL_NAME", "")
-                   else None,
+                   default=_env("SERVED_MODEL_NAME", "").split(","),  # comma separated there
                    help="model name(s) the HTTP API answers to, the first reported (default: "
                         "the executor's model name, from its model path)")
     p.add_argument("--executor-tls-ca", default=_env("EXECUTOR_TLS_CA", None),
@@ -152,7 +155,8 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     executor_token = _token(p, a.executor_token, a.executor_token_file, "--executor-token")
     api_key = _token(p, a.api_key, a.api_key_file, "--api-key")
     scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode)
+                                max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode,
+                                enable_prefix_caching=not a.no_prefix_caching)
     return ServiceConfig(
         host=a.host, port=a.port, admin_host=a.admin_host, admin_port=a.admin_port,
         admin_token=admin_token,
@@ -166,7 +170,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                                                  max_chat_messages=a.max_chat_messages)),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
         metrics_port=a.metrics_port, http_port=a.http_port, api_key=api_key,
-        served_model_names=tuple(n.strip() for n in a.served_model_name or () if n.strip()),
+        served_model_names=tuple(n.strip() for n in a.served_model_name if n.strip()),
         security=LinkSecurity(tls_ca=a.executor_tls_ca, tls_server_name=a.executor_tls_server_name,
                               auth_token=executor_token, takeover=a.executor_takeover),
         executor_keepalive_s=a.executor_keepalive,

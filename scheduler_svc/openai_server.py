@@ -2,8 +2,9 @@
 server-sent events or not), models, health and metrics, on Starlette served by uvicorn on the
 scheduler's event loop, over the same Engine as Generate: one admission path, one set of limits.
 
-Domain errors become OpenAI error bodies in `_error_response` alone. A client that goes away
-cancels its request. No gRPC, no torch.
+Domain errors become OpenAI error bodies in `_error_response` (with the parameter renamed as the
+API calls it by `_bad_parameter`), or, once a stream has started, an error event. A client that
+goes away cancels its request. No gRPC, no torch.
 """
 from __future__ import annotations
 
@@ -200,7 +201,27 @@ class OpenAIServer:
     async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
         request_id = _request_id(request)
         body = await self._parse(request, endpoint.body)
-        request.state.body = body  # for naming parameters in errors
+        try:
+            fanout, model = await self._start(request, endpoint, body, request_id)
+        except InvalidArgument as err:
+            raise _bad_parameter(err, body) from None
+        if body.user:
+            log.debug("request %s from user %r", request_id, body.user[:64])
+        reply = protocol.Reply.new(endpoint.format.id_prefix, request_id, model)
+        if body.stream:
+            return StreamingResponse(_events(fanout, endpoint.format, reply, body),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(fanout.close))
+        try:
+            choices = await _unless_disconnected(request, _collect(fanout))
+        finally:
+            await fanout.close()
+        return JSONResponse(endpoint.format.response(reply, choices, body.n))
+
+    async def _start(self, request: Request, endpoint: _Endpoint, body,
+                     request_id: str) -> tuple[Fanout, str]:
+        """Admits the engine requests of `body` and waits for their first tokens, so that a
+        refusal is still a status code; returns them and the model name to report."""
         names = self._model_names()
         if names is not None:
             _check_model(body.model, names)
@@ -208,23 +229,12 @@ class OpenAIServer:
         try:
             await _unless_disconnected(request, fanout.started())
             if names is None:  # no executor had attached: its model is known now
-                names = self._model_names()
+                names = self._model_names() or ()
                 _check_model(body.model, names)
         except BaseException:
             await fanout.close()
             raise
-        if body.user:
-            log.debug("request %s from user %r", request_id, body.user[:64])
-        reply = protocol.Reply.new(endpoint.format.id_prefix, request_id, body.model or names[0])
-        if body.stream:
-            return StreamingResponse(_events(fanout, endpoint.format, reply, body),
-                                     media_type="text/event-stream",
-                                     background=BackgroundTask(fanout.close))
-        try:
-            choices = await _unless_disconnected(request, _collect(fanout, body))
-        finally:
-            await fanout.close()
-        return JSONResponse(endpoint.format.response(reply, choices, body.n))
+        return fanout, body.model or (names[0] if names else "")
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
         body = await _read_body(request, self.config.max_body_bytes)
@@ -265,22 +275,22 @@ class OpenAIServer:
             return err.response()
         for kind, (status, type_) in _STATUS.items():
             if isinstance(err, kind):
-                return _domain_error(err, status, type_, getattr(request.state, "body", None))
+                return ApiError(status, str(err), type_,
+                                getattr(err, "field", None)).response()
         log.error("%s %s failed", request.method, request.url.path, exc_info=err)
         return ApiError(500, "internal error; the scheduler's log has the details",
                         "server_error").response()
 
 
-def _domain_error(err: Exception, status: int, type_: str, body) -> Response:
-    if not isinstance(err, InvalidArgument):
-        return ApiError(status, str(err), type_).response()
-    param = protocol.param_name(err.field, body) if body is not None else err.field
+def _bad_parameter(err: InvalidArgument, body) -> ApiError:
+    """The engine's InvalidArgument as a 400 naming the parameter as the API calls it."""
+    param = protocol.param_name(err.field, body)
     reason = err.message.removeprefix(f"{err.field}: ")
-    return ApiError(status, f"{param}: {reason}", type_, param).response()
+    return ApiError(400, f"{param}: {reason}", param=param)
 
 
 def _check_model(model: str | None, names: tuple[str, ...]) -> None:
-    if model is not None and model not in names:
+    if model is not None and names and model not in names:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                        f"{', '.join(repr(n) for n in names)}", param="model",
                        code="model_not_found")
@@ -342,7 +352,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(fanout: Fanout, body) -> list[protocol.Choice]:
+async def _collect(fanout: Fanout) -> list[protocol.Choice]:
     choices = [protocol.Choice() for _ in range(fanout.num_choices)]
     async for index, event in fanout.events():
         protocol.apply(choices[index], event)

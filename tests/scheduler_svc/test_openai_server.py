@@ -212,3 +212,19 @@ def test_stream_events_are_framed_and_end_with_done():
         assert all(c["usage"] is None for c in chunks[:-1])
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     run(test)
+
+
+def test_http_flags(tmp_path, capsys):
+    from scheduler_svc.main import parse_config
+
+    config = parse_config([])
+    assert (config.http_port, config.api_key, config.served_model_names) == (8000, None, ())
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    config = parse_config(["--http-port", "0", "--api-key-file", str(key_file),
+                           "--served-model-name", "a", "b"])
+    assert (config.http_port, config.api_key, config.served_model_names) == (0, "s3cret",
+                                                                             ("a", "b"))
+    with pytest.raises(SystemExit):
+        parse_config(["--api-key", "k", "--api-key-file", str(key_file)])
+    assert "give --api-key or --api-key-file, not both" in capsys.readouterr().err

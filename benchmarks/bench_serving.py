@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.integration.harness import start_services  # noqa: E402  (reused, not copied)
+from scripts.local_services import start_services  # noqa: E402
 
 WORKLOADS = {  # name: (requests, prompt range, output range)
     "W1": (256, (64, 1024), (32, 512)),

@@ -1,0 +1,161 @@
+"""Starts the executor and the scheduler as real processes on localhost, each on a free port, for
+the integration tests and benchmarks/bench_serving.py. Readiness is awaited through the health
+Watch stream, never by sleeping. Imports neither service: it only runs them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
+
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float = START_TIMEOUT_S, service: str = "") -> None:
+    """Blocks until the health service at `address` reports SERVING (streams status changes)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
+                            wait_for_ready=True)
+        for reply in stream:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                stream.cancel()
+                return
+    raise TimeoutError(f"{address} never reported SERVING")
+
+
+@dataclass
+class Services:
+    """A running executor + scheduler pair; `stop()` ends both."""
+
+    scheduler_address: str
+    executor_address: str
+    metrics_port: int
+    admin_address: str = ""
+    admin_token: str | None = None
+    http_port: int = 0  # the OpenAI HTTP API (0: off)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def stub(self, channel: grpc.Channel) -> generate_pb2_grpc.GeneratorStub:
+        return generate_pb2_grpc.GeneratorStub(channel)
+
+    def metrics(self) -> dict[str, float]:
+        """The scheduler's Prometheus samples, as {'name{labels}': value}."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        samples = {}
+        for line in text.splitlines():
+            m = re.match(r"^(pagedserve_[^ ]+) ([0-9.e+-]+)$", line)
+            if m:
+                samples[m.group(1)] = float(m.group(2))
+        return samples
+
+    def _admin_metadata(self) -> tuple:
+        return (("authorization", f"Bearer {self.admin_token}"),) if self.admin_token else ()
+
+    def status(self) -> admin_pb2.GetStatusResponse:
+        with grpc.insecure_channel(self.admin_address) as channel:
+            return admin_pb2_grpc.AdminStub(channel).GetStatus(
+                admin_pb2.GetStatusRequest(), timeout=10, metadata=self._admin_metadata())
+
+    def set_executors(self, *addresses: str) -> admin_pb2.SetExecutorsResponse:
+        with grpc.insecure_channel(self.admin_address) as channel:
+            return admin_pb2_grpc.AdminStub(channel).SetExecutors(
+                admin_pb2.SetExecutorsRequest(addresses=list(addresses)), timeout=120,
+                metadata=self._admin_metadata())
+
+    def add_executor(self, name: str, args: list[str], port: int | None = None) -> str:
+        """Starts another executor process; returns its address (ready once it answers health)."""
+        port = port or free_port()
+        self.logs[name] = self.logs["executor"].replace("executor.log", f"{name}.log")
+        self.procs[name] = start_executor(args, port, self.logs[name])
+        address = f"127.0.0.1:{port}"
+        wait_serving(address)
+        return address
+
+    def log_of(self, name: str) -> str:
+        with open(self.logs[name], errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_executor(args: list[str], port: int, log_path: str, env: dict | None = None):
+    cmd = [sys.executable, "-m", "executor_svc.main", "--host", "127.0.0.1", "--port", str(port),
+           *args]
+    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+
+
+def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: list[str] = (),
+                   extra_executor_addresses: tuple[str, ...] = (),
+                   executor_file=None, admin_token: str | None = None,
+                   wait: bool = True) -> Services:
+    """Executor, then scheduler (its Admin API on a port of its own, with `admin_token` if given).
+    With `executor_file` the scheduler reads its executor addresses from that file
+    (`--executor @FILE`, re-read on SIGHUP); it is written here first. `wait=False` returns as
+    soon as both processes are started; `executor_args=None` starts no executor (the caller
+    starts one at `executor_address` later)."""
+    ex_port, sch_port, metrics_port, admin_port = free_port(), free_port(), free_port(), free_port()
+    services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port,
+                        f"127.0.0.1:{admin_port}", admin_token, http_port=free_port())
+    executors = ",".join((services.executor_address, *extra_executor_addresses))
+    if executor_file is not None:
+        executor_file.write_text(executors.replace(",", "\n") + "\n")
+        executors = f"@{executor_file}"
+    services.logs = {"executor": str(tmp_path / "executor.log"),
+                     "scheduler": str(tmp_path / "scheduler.log")}
+    if executor_args is not None:
+        services.procs["executor"] = start_executor(executor_args, ex_port,
+                                                    services.logs["executor"])
+    cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
+           str(sch_port), "--admin-port", str(admin_port), "--executor", executors,
+           "--metrics-port", str(metrics_port), "--http-port", str(services.http_port),
+           *scheduler_args]
+    if admin_token:
+        cmd += ["--admin-token", admin_token]
+    services.procs["scheduler"] = subprocess.Popen(
+        cmd, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)
+    if wait:
+        wait_started(services)
+    return services
+
+
+def wait_started(services: Services) -> None:
+    """Blocks until the scheduler serves; if it never does, stops both and raises with their logs."""
+    try:
+        wait_serving(services.scheduler_address)
+    except Exception:
+        services.stop()
+        raise RuntimeError("services did not start:\n" + services.log_of("executor")[-3000:]
+                           + "\n" + services.log_of("scheduler")[-3000:])

@@ -1,10 +1,20 @@
 """The page tables: which physical GPU (or CPU, when swapped) block holds each logical page of
-each sequence. The only owner of page tables and of both block pools. Plain Python only."""
+each sequence, and the prefix cache of full pages. The only owner of page tables and of both block
+pools. Plain Python only."""
 
+import hashlib
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 
 from scheduler_svc.block_pool import BlockPool
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The hash of a full page: SHA-256 over its predecessor's hash and its token ids, so that
+    equal hashes mean equal prefixes (a cryptographic hash: one tenant cannot forge another's
+    page). The first page's parent is the salt (the model fingerprint)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -12,14 +22,27 @@ class BlockManager:
 
     Blocks may be shared between sequences after `fork` (ref counted); a write into a shared
     last block triggers copy-on-write in `allocate_slots`.
+
+    Prefix caching (vLLM v1's scheme), when enabled: a full GPU page whose KV is written is
+    recorded under hash_block(parent hash, its tokens) by `cache_full_blocks`; a new sequence
+    starts its table with the pages of its longest cached prefix (`find_cached_prefix`, then
+    `allocate_slots(..., cached_block_ids=...)`). A page keeps its hash while unreferenced, in
+    the free queue, until it is allocated again (LRU eviction). Only full pages are shared this
+    way, so a shared page is never written and needs no copy. Swapping a seq out copies every
+    page of its table to the CPU and drops its references: a page another seq shares stays on
+    the GPU, held by that seq, and a cached page keeps its hash in the free queue.
     """
 
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, *,
+                 enable_prefix_caching: bool = False, cache_salt: str = "") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cache_salt = cache_salt
+        self._salt = hashlib.sha256(cache_salt.encode()).digest()
         self.reset()
 
     def reset(self) -> None:
@@ -30,6 +53,10 @@ class BlockManager:
         self._cpu_tables: dict[int, list[int]] = {}
         # Tokens the table was last asked to cover: tells whether the last block is partial.
         self._num_slots: dict[int, int] = {}
+        # Prefix caching: each seq's chain of full-page hashes (from its tokens), and how many
+        # blocks at the start of its GPU table cache_full_blocks has seen.
+        self._hashes: dict[int, list[bytes]] = {}
+        self._num_cached_blocks: dict[int, int] = {}
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -49,6 +76,11 @@ class BlockManager:
     def gpu_usage(self) -> float:
         """Fraction of GPU blocks in use, in [0, 1]."""
         return self._gpu_pool.num_used / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+
+    @property
+    def num_cached_gpu_blocks(self) -> int:
+        """GPU pages held in the prefix cache, referenced or free."""
+        return self._gpu_pool.num_cached
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -104,15 +136,21 @@ class BlockManager:
         return new_block_ids
 
     def allocate_slots(self, seq_id: int, num_total_tokens: int,
-                       copies: list[tuple[int, int]] | None = None) -> list[int] | None:
+                       copies: list[tuple[int, int]] | None = None,
+                       cached_block_ids: Sequence[int] = ()) -> list[int] | None:
         """Grow the GPU table of `seq_id` so it covers `num_total_tokens` tokens.
 
         Returns the block ids appended to the table, or None (and no change) when the GPU pool
         is short. If the new tokens land in a shared last block, that block is replaced by a
         private copy and the (src, dst) pair is appended to `copies` (the plan's copy list);
-        passing copies=None asserts that no copy-on-write can happen.
+        passing copies=None asserts that no copy-on-write can happen. `cached_block_ids` (from
+        find_cached_prefix, for a seq without a table) start the table: they hold its first
+        pages' KV already.
         """
-        if not self.can_allocate_slots(seq_id, num_total_tokens):
+        if cached_block_ids:
+            if not self._take_cached_prefix(seq_id, cached_block_ids, num_total_tokens):
+                return None
+        elif not self.can_allocate_slots(seq_id, num_total_tokens):
             return None
         if seq_id in self._cpu_tables:
             raise RuntimeError(f"seq {seq_id} is swapped out; swap it in first")
@@ -125,6 +163,66 @@ class BlockManager:
         table.extend(new_block_ids)
         self._num_slots[seq_id] = max(self._num_slots.get(seq_id, 0), num_total_tokens)
         return new_block_ids
+
+    def _take_cached_prefix(self, seq_id: int, block_ids: Sequence[int],
+                            num_total_tokens: int) -> bool:
+        """Start seq_id's table with cached blocks if they and the rest of num_total_tokens fit
+        (a cached block in the free queue counts against the free blocks); else no change."""
+        if seq_id in self._gpu_tables or seq_id in self._cpu_tables:
+            raise RuntimeError(f"seq {seq_id} already has blocks; a cached prefix starts a table")
+        pool = self._gpu_pool
+        num_free_hits = sum(1 for block_id in block_ids if pool.ref_count(block_id) == 0)
+        num_new = max(0, self.num_blocks_needed(num_total_tokens) - len(block_ids))
+        if not pool.can_allocate(num_new + num_free_hits):
+            return False
+        for block_id in block_ids:
+            pool.touch(block_id)
+        self._gpu_tables[seq_id] = list(block_ids)
+        self._num_slots[seq_id] = len(block_ids) * self.block_size
+        self._num_cached_blocks[seq_id] = len(block_ids)
+        return True
+
+    # ---- prefix caching ----------------------------------------------------------------------
+
+    def _hash_chain(self, seq_id: int, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
+        """seq_id's full-page hashes, extended to at least num_blocks (tokens only grow)."""
+        chain = self._hashes.setdefault(seq_id, [])
+        size = self.block_size
+        while len(chain) < num_blocks:
+            i = len(chain)
+            chain.append(hash_block(chain[-1] if chain else self._salt,
+                                    token_ids[i * size:(i + 1) * size]))
+        return chain
+
+    def find_cached_prefix(self, seq_id: int, token_ids: Sequence[int]) -> list[int]:
+        """The GPU blocks of the longest cached prefix of full pages of token_ids, at most
+        len(token_ids) - 1 tokens (at least one token is computed, to sample from). Takes
+        nothing: pass them to allocate_slots."""
+        if not self.enable_prefix_caching:
+            return []
+        chain = self._hash_chain(seq_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        block_ids = []
+        for block_hash in chain[:(len(token_ids) - 1) // self.block_size]:
+            block_id = self._gpu_pool.lookup(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Record the full pages among seq_id's first num_tokens tokens (their KV written by
+        steps already sent, their token ids known) in the prefix cache."""
+        table = self._gpu_tables.get(seq_id)
+        if not self.enable_prefix_caching or table is None:
+            return
+        start = self._num_cached_blocks.get(seq_id, 0)
+        end = min(num_tokens // self.block_size, len(table))
+        if end <= start:
+            return
+        chain = self._hash_chain(seq_id, token_ids, end)
+        for i in range(start, end):
+            self._gpu_pool.cache(table[i], chain[i])
+        self._num_cached_blocks[seq_id] = end
 
     def _copy_on_write(self, table: list[int]) -> tuple[int, int]:
         src = table[-1]
@@ -142,6 +240,7 @@ class BlockManager:
             self._gpu_pool.incref(block_id)
         self._gpu_tables[child_seq_id] = list(table)
         self._num_slots[child_seq_id] = self._num_slots.get(parent_seq_id, 0)
+        self._num_cached_blocks[child_seq_id] = self._num_cached_blocks.get(parent_seq_id, 0)
 
     # ---- swapping ----------------------------------------------------------------------------
 
@@ -153,8 +252,9 @@ class BlockManager:
         if not self.can_swap_out(seq_id):
             raise RuntimeError(f"swap_out: not enough CPU blocks for seq {seq_id}")
         gpu_table = self._gpu_tables.pop(seq_id, [])
+        self._num_cached_blocks.pop(seq_id, None)  # its pages come back in other blocks
         cpu_table = self._cpu_pool.allocate_n(len(gpu_table))
-        for block_id in gpu_table:
+        for block_id in reversed(gpu_table):
             self._gpu_pool.free(block_id)
         self._cpu_tables[seq_id] = cpu_table
         return list(zip(gpu_table, cpu_table))
@@ -174,12 +274,15 @@ class BlockManager:
         return list(zip(cpu_table, gpu_table))
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence's references on both devices (no-op if it has none)."""
-        for block_id in self._gpu_tables.pop(seq_id, ()):
+        """Drop the sequence's references on both devices (no-op if it has none). Last page
+        first: the free queue evicts from its head, and a prefix outlives its continuations."""
+        for block_id in reversed(self._gpu_tables.pop(seq_id, ())):
             self._gpu_pool.free(block_id)
         for block_id in self._cpu_tables.pop(seq_id, ()):
             self._cpu_pool.free(block_id)
         self._num_slots.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+        self._num_cached_blocks.pop(seq_id, None)
 
     # ---- checks ------------------------------------------------------------------------------
 
@@ -195,3 +298,5 @@ class BlockManager:
         for seq_id, table in self._gpu_tables.items():
             need = self.num_blocks_needed(self._num_slots.get(seq_id, 0))
             assert len(table) >= need, f"seq {seq_id}: table of {len(table)} blocks, needs {need}"
+        for seq_id, num_cached in self._num_cached_blocks.items():
+            assert num_cached <= len(self._gpu_tables.get(seq_id, ())), f"seq {seq_id}: cached"

@@ -11,12 +11,14 @@ PREEMPTION_MODES = ("swap", "recompute")
 @dataclass(frozen=True)
 class SchedulerConfig:
     """`preemption_mode="swap"` swaps while the CPU pool has room, else recomputes;
-    `"recompute"` always recomputes."""
+    `"recompute"` always recomputes. `enable_prefix_caching`: a new sequence starts from the
+    cached full pages of its longest cached prefix (the block manager's prefix cache)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     preemption_mode: str = "swap"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

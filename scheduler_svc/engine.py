@@ -246,10 +246,13 @@ class Engine:
         self.limits = ModelLimits(description.vocab_size, description.max_model_len, eos)
         pools = description.block_size, description.num_gpu_blocks, description.num_cpu_blocks
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.config.scheduler, BlockManager(*pools))
+            block_manager = BlockManager(
+                *pools, enable_prefix_caching=self.config.scheduler.enable_prefix_caching,
+                cache_salt=description.fingerprint)
+            self.scheduler = Scheduler(self.config.scheduler, block_manager)
             self.metrics.on_new_scheduler()
         else:
-            self.scheduler.reset_for_executor(*pools)
+            self.scheduler.reset_for_executor(*pools, cache_salt=description.fingerprint)
         self.attach_error = ""
         self._detached_since = None
         self._ready.set()

@@ -31,6 +31,18 @@ class Metrics:
         self.blocks_swapped = Counter("pagedserve_blocks_swapped", "pages swapped, by direction",
                                       ["direction"], registry=r)
         self._counted: dict[object, int] = {}  # labelled counter -> the count it has seen
+        # Prefix caching (vLLM's prefix_cache_queries/hits): tokens of the sequences admitted
+        # from scratch, and how many of them were found cached; pages in the cache; copies.
+        self.prefix_cache_queries = Counter(
+            "pagedserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            "pagedserve_prefix_cache_hits", "prompt tokens found in the prefix cache", registry=r)
+        self.gpu_blocks_cached = Gauge("pagedserve_gpu_blocks_cached",
+                                       "GPU KV pages in the prefix cache (in use or free)",
+                                       registry=r)
+        self.blocks_copied = Counter("pagedserve_blocks_copied",
+                                     "GPU pages copied (copy-on-write)", registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("pagedserve_generated_tokens", "tokens generated", registry=r)
         self.requests_finished = Counter("pagedserve_requests_finished", "requests finished, by reason",
@@ -71,6 +83,10 @@ class Metrics:
         self._advance(self.preemptions, "recompute", stats.num_preemptions_recompute)
         self._advance(self.blocks_swapped, "out", stats.num_blocks_swapped_out)
         self._advance(self.blocks_swapped, "in", stats.num_blocks_swapped_in)
+        self.gpu_blocks_cached.set(stats.gpu_blocks_cached)
+        self._advance(self.prefix_cache_queries, None, stats.num_prefix_cache_queries)
+        self._advance(self.prefix_cache_hits, None, stats.num_prefix_cache_hits)
+        self._advance(self.blocks_copied, None, stats.num_blocks_copied)
 
     def observe_executor_step(self, kind: str, forward_ms: float, step_ms: float) -> None:
         self.executor_forward.labels(kind).observe(forward_ms / 1e3)
@@ -80,9 +96,10 @@ class Metrics:
         """The engine made a fresh scheduler: its running counts start again from zero."""
         self._counted = {}
 
-    def _advance(self, counter: Counter, label: str, count: int) -> None:
-        """Adds what the scheduler's running `count` gained since it was last observed."""
-        child = counter.labels(label)
+    def _advance(self, counter: Counter, label: str | None, count: int) -> None:
+        """Adds what the scheduler's running `count` gained since it was last observed (label
+        None: an unlabelled counter)."""
+        child = counter if label is None else counter.labels(label)
         seen = self._counted.get(child, 0)
         if count > seen:
             child.inc(count - seen)
@@ -118,7 +135,15 @@ class StatsLog:
                 f"KV pages {_share(q.gpu_blocks_used, q.gpu_blocks_total)}, "
                 f"swap pages {_share(q.cpu_blocks_used, q.cpu_blocks_total)}; "
                 f"prompt {prompt / elapsed:.1f} tokens/s, generation {generated / elapsed:.1f} "
-                f"tokens/s; {steps} steps in {elapsed:.1f}s")
+                f"tokens/s; {steps} steps in {elapsed:.1f}s{_prefix_cache(q)}")
+
+
+def _prefix_cache(q: SchedulerStats) -> str:
+    """The prefix cache's hit rate since the scheduler started, once it was asked anything."""
+    if not q.num_prefix_cache_queries:
+        return ""
+    rate = 100.0 * q.num_prefix_cache_hits / q.num_prefix_cache_queries
+    return f"; prefix cache hit rate {rate:.1f}%, {q.gpu_blocks_cached} pages cached"
 
 
 def _share(used: int, total: int) -> str:

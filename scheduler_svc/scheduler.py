@@ -53,6 +53,13 @@ class Scheduler:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self.peak_gpu_blocks_used = 0
+        # Prefix caching: tokens of the seqs admitted from scratch, and those found cached.
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
+        self.num_blocks_copied = 0
+        # Seqs with pages that may have become full since they were last offered to the cache;
+        # offered at the next schedule(), when the steps that write their KV have been sent.
+        self._seqs_to_cache: set[int] = set()
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -116,6 +123,8 @@ class Scheduler:
         self._step_id += 1
         plan = StepPlan(step_id=self._step_id, finished_seq_ids=self._pending_finished_ids)
         self._pending_finished_ids = []
+        if self._seqs_to_cache:
+            self._cache_full_blocks()
         budget = _Budget(self.config.max_num_batched_tokens)
         self._schedule_running(plan, budget)
         # After a preemption, bringing seqs in would thrash; after a swap-out, a swap-in could
@@ -124,11 +133,35 @@ class Scheduler:
             self._schedule_swapped(plan, budget)
         if not plan.preempted_seq_ids and not self.swapped:
             self._schedule_waiting(plan, budget)
+        self.num_blocks_copied += len(plan.copy)
         self.peak_gpu_blocks_used = max(self.peak_gpu_blocks_used,
                                         self.block_manager.num_used_gpu_blocks)
         if plan.is_empty:  # never sent: the next plan takes its id, so the executor sees no gap
             self._step_id -= 1
         return plan
+
+    def _cache_full_blocks(self) -> None:
+        """Offer the full pages of the seqs marked since the last step to the prefix cache: the
+        pages of their first min(num_computed_tokens, num_tokens) tokens, whose KV the plans
+        already sent write before any later plan runs, and whose token ids are known. A seq
+        stays marked while a full page of known tokens still waits for its KV."""
+        bm, still, page = self.block_manager, set(), self.block_manager.block_size
+        for seq_id in self._seqs_to_cache:
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            num_written = min(seq.num_computed_tokens, seq.num_tokens)
+            bm.cache_full_blocks(seq_id, seq.token_ids, num_written)
+            if seq.num_tokens // page > num_written // page:
+                still.add(seq_id)
+        self._seqs_to_cache = still
+
+    def _offer_to_cache(self, seq: Sequence) -> None:
+        """Before seq's pages are released: its full pages written by plans already made (and
+        so sent before any later plan), which the next schedule() would not see any more."""
+        if seq.seq_id in self._seqs_to_cache:
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids,
+                                                 min(seq.num_computed_tokens, seq.num_tokens))
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> None:
         """Oldest first; a seq short of pages preempts the newest running seqs (maybe itself)."""
@@ -223,15 +256,21 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
         """Admit FCFS (recompute-preempted seqs sit at the front) while pages fit."""
+        bm = self.block_manager
         while self.waiting and budget.tokens > 0 and self._has_seq_room():
             seq = self.waiting[0]
+            cached_block_ids = (bm.find_cached_prefix(seq.seq_id, seq.token_ids)
+                                if not seq.num_pending_tokens else [])
+            seq.num_computed_tokens = len(cached_block_ids) * bm.block_size
             num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0:
-                return
-            new_block_ids = self.block_manager.allocate_slots(
-                seq.seq_id, seq.num_computed_tokens + num_new, plan.copy)
+            new_block_ids = (bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
+                                               plan.copy, cached_block_ids)
+                             if num_new else None)
             if new_block_ids is None:
+                seq.num_computed_tokens = 0  # waiting seqs own no pages
                 return
+            self.num_prefix_cache_queries += seq.num_tokens
+            self.num_prefix_cache_hits += seq.num_computed_tokens
             self.waiting.popleft()
             self._set_running(seq)
             self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
@@ -278,6 +317,8 @@ class Scheduler:
                 sampling=seq.sampling, seed=seq.seed))
             self._executor_seq_ids.add(seq.seq_id)
         self._advance(seq, num_new, plan)
+        if self.block_manager.enable_prefix_caching:
+            self._seqs_to_cache.add(seq.seq_id)
 
     @staticmethod
     def _advance(seq: Sequence, num_new: int, plan: StepPlan) -> None:
@@ -294,6 +335,7 @@ class Scheduler:
         """Take seq off the GPU: swap while the CPU pool has room (mode "swap"), else recompute."""
         self.running.remove(seq)
         seq.num_preemptions += 1
+        self._offer_to_cache(seq)
         if seq.seq_id in self._executor_seq_ids:
             self._executor_seq_ids.discard(seq.seq_id)
             plan.preempted_seq_ids.append(seq.seq_id)
@@ -343,6 +385,9 @@ class Scheduler:
         EOS or a length limit reached) goes through _check_stop: the pre-check is a few
         compares, and nearly every token of a step of 1,024 seqs stops nothing."""
         seqs, cap, updates = self._seqs, self._pool_len_cap(), []
+        # A token that completes a page marks its seq for the prefix cache (0: caching is off).
+        page = self.block_manager.block_size if self.block_manager.enable_prefix_caching else 0
+        to_cache = self._seqs_to_cache
         for seq_id in seq_ids:
             seq = seqs.get(seq_id)
             if seq is None:  # finished or aborted while the step was in flight
@@ -353,6 +398,8 @@ class Scheduler:
             token_ids.append(token_id)  # not through a Sequence method: ~5% of a step at 1,024 seqs
             reason = None
             num_tokens = len(token_ids)
+            if page and not num_tokens % page:
+                to_cache.add(seq_id)
             if (token_id in seq.stop_token_set or num_tokens >= seq.length_limit
                     or num_tokens >= cap):
                 reason = self._check_stop(seq, token_id)
@@ -396,6 +443,7 @@ class Scheduler:
         """Mark finished (already off its queue), free its pages, tell the executor next step."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._offer_to_cache(seq)
         self.block_manager.free(seq.seq_id)
         del self._seqs[seq.seq_id]
         if seq.seq_id in self._executor_seq_ids:
@@ -418,16 +466,20 @@ class Scheduler:
         self.running, self.swapped = [], []
         self._executor_seq_ids.clear()
         self._pending_finished_ids = []
+        self._seqs_to_cache = set()  # the new executor's cache is empty: so is the prefix cache
         self._last_updated_step_id = self._step_id
 
     # ---- owner API: what the engine asks instead of reaching into the block manager ----------
 
     def reset_for_executor(self, block_size: int, num_gpu_blocks: int,
-                           num_cpu_blocks: int) -> None:
+                           num_cpu_blocks: int, cache_salt: str = "") -> None:
         """Another executor (or a restarted one) is attached: as reset_executor(), on new block
-        pools of the sizes its Describe answered."""
+        pools of the sizes its Describe answered (an empty prefix cache, salted with its model
+        fingerprint)."""
         self.reset_executor()
-        self.block_manager = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks)
+        self.block_manager = BlockManager(
+            block_size, num_gpu_blocks, num_cpu_blocks,
+            enable_prefix_caching=self.config.enable_prefix_caching, cache_salt=cache_salt)
 
     def stats(self) -> SchedulerStats:
         """Queues, pool usage and running counts, for status, metrics and the stats line."""
@@ -441,4 +493,8 @@ class Scheduler:
             num_preemptions_swap=self.num_preemptions_swap,
             num_preemptions_recompute=self.num_preemptions_recompute,
             num_blocks_swapped_out=self.num_blocks_swapped_out,
-            num_blocks_swapped_in=self.num_blocks_swapped_in)
+            num_blocks_swapped_in=self.num_blocks_swapped_in,
+            gpu_blocks_cached=bm.num_cached_gpu_blocks,
+            num_prefix_cache_queries=self.num_prefix_cache_queries,
+            num_prefix_cache_hits=self.num_prefix_cache_hits,
+            num_blocks_copied=self.num_blocks_copied)

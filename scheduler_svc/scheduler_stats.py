@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class SchedulerStats:
     """A snapshot taken by `Scheduler.stats()`; all zeros (the default) while no scheduler exists.
-    The four counts run from the scheduler's creation: a fresh scheduler starts them at zero."""
+    The running counts run from the scheduler's creation: a fresh scheduler starts them at zero."""
 
     running: int = 0
     waiting: int = 0
@@ -21,3 +21,7 @@ class SchedulerStats:
     num_preemptions_recompute: int = 0
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
+    gpu_blocks_cached: int = 0  # pages in the prefix cache, referenced or free
+    num_prefix_cache_queries: int = 0  # tokens of seqs admitted from scratch
+    num_prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
+    num_blocks_copied: int = 0  # GPU pages copied on write

@@ -45,13 +45,27 @@ def make_seq(seq_id: int, prompt_len: int = 8, max_tokens: int | None = 4, *,
 
 def make_scheduler(block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blocks: int = 64,
                    seed: int = 0, **config_kw) -> Scheduler:
-    bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks)
-    return Scheduler(SchedulerConfig(**config_kw), bm, rng=random.Random(seed))
+    """Prefix caching as SchedulerConfig's default unless enable_prefix_caching is given."""
+    config = SchedulerConfig(**config_kw)
+    bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks,
+                      enable_prefix_caching=config.enable_prefix_caching, cache_salt="test")
+    return Scheduler(config, bm, rng=random.Random(seed))
 
 
 def default_token(seq_id: int, position: int) -> int:
     """Deterministic per (seq, position), like a seeded sampler; never EOS."""
     return 100 + (seq_id * 7919 + position * 31) % 97
+
+
+def kv_of(tokens: list[int], end: int) -> list[int]:
+    """The "KV" of positions 0..end-1: a stand-in that depends on the token and every token
+    before it, as real KV does, so that a page reused by another seq (prefix caching) checks
+    out exactly when its whole prefix is the same."""
+    kv, h = [], 0
+    for token in tokens[:end]:
+        h = hash((h, token))
+        kv.append(h)
+    return kv
 
 
 class FakeExecutor:
@@ -112,9 +126,8 @@ class FakeExecutor:
         end = start + num_scheduled
         assert 0 < num_scheduled and end <= len(tokens), "scheduled past known tokens"
         assert len(table) * self.block_size >= end, "block table too short"
-        for pos in range(end):
+        for pos, want in enumerate(kv_of(tokens, end)):
             block, offset = table[pos // self.block_size], pos % self.block_size
-            want = (seq_id, pos, tokens[pos])
             if pos < start:
                 assert self.gpu[block][offset] == want, f"seq {seq_id} pos {pos}: KV lost"
             else:

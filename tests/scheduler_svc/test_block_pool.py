@@ -46,3 +46,17 @@ def test_invariants_detect_mismatch():
     pool.check_invariants({block: 1}, "gpu")
     with pytest.raises(AssertionError, match="ref count"):
         pool.check_invariants({}, "gpu")
+
+
+def test_a_cached_free_block_keeps_its_hash_until_allocated_from_the_head():
+    pool = BlockPool(3)
+    a, b = pool.allocate_n(2)
+    assert pool.cache(a, b"ha") and pool.cache(b, b"hb")
+    c = pool.allocate()
+    assert not pool.cache(a, b"other") and not pool.cache(c, b"ha")  # no doubles
+    pool.free(c), pool.free(a), pool.free(b)  # free queue: c, a, b
+    assert pool.lookup(b"ha") == a and pool.num_cached == 2
+    pool.touch(b)  # a hit takes b out of the middle of the queue
+    assert pool.ref_count(b) == 1 and pool.num_free == 2 and pool.allocate() == c
+    assert pool.allocate() == a and pool.lookup(b"ha") is None  # evicted at the head
+    assert pool.num_evicted == 1 and pool.lookup(b"hb") == b

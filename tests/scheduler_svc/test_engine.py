@@ -196,3 +196,17 @@ def test_size_limits_are_checked_before_anything_else():
     outputs, _, _ = run(serve(FakeClient(), [too_long, too_many, big], config))
     assert [type(o) for o in outputs] == [InvalidArgument] * 3
     assert [o.field for o in outputs] == ["prompt.text", "prompt.chat.messages", "prompt.chat"]
+
+
+def test_prefix_caching_is_on_unless_the_flag_or_its_variable_turns_it_off(monkeypatch):
+    from scheduler_svc.main import parse_config
+    assert parse_config([]).engine.scheduler.enable_prefix_caching
+    assert not parse_config(["--no-prefix-caching"]).engine.scheduler.enable_prefix_caching
+    monkeypatch.setenv("PAGEDSERVE_SCHEDULER_NO_PREFIX_CACHING", "1")
+    assert not parse_config([]).engine.scheduler.enable_prefix_caching
+
+
+def test_the_engine_salts_the_prefix_cache_with_the_executor_fingerprint():
+    _, engine, _ = run(serve(FakeClient(), SPECS[:1]))
+    bm = engine.scheduler.block_manager
+    assert bm.enable_prefix_caching and bm.cache_salt == DESCRIPTION.fingerprint

@@ -81,3 +81,20 @@ def test_the_executors_step_times_are_histograms_by_step_kind():
             pytest.approx(0.003 * count)
         assert value("pagedserve_executor_forward_seconds_sum", {"kind": kind}) == \
             pytest.approx(0.002 * count)
+
+
+def test_prefix_cache_counters_gauge_and_stats_line():
+    metrics = Metrics()
+    metrics.on_new_scheduler()
+    q = SchedulerStats(gpu_blocks_total=8, gpu_blocks_cached=3, num_prefix_cache_queries=40,
+                       num_prefix_cache_hits=10, num_blocks_copied=2)
+    metrics.observe_scheduler(q)
+    metrics.observe_scheduler(q)  # nothing new
+    value = metrics.registry.get_sample_value
+    assert value("pagedserve_prefix_cache_queries_total") == 40
+    assert value("pagedserve_prefix_cache_hits_total") == 10
+    assert value("pagedserve_gpu_blocks_cached") == 3
+    assert value("pagedserve_blocks_copied_total") == 2
+    log = StatsLog(now=0.0)
+    log.on_step(num_scheduled_tokens=4, num_sampled=4)
+    assert log.line(1.0, q).endswith("; prefix cache hit rate 25.0%, 3 pages cached")

@@ -470,3 +470,131 @@ def test_fast_paths_plan_and_stop_as_the_general_rule(loop_cls, seed, monkeypatc
     assert fast.plans == general.plans
     assert fast.outputs == general.outputs and fast.finished == general.finished
     assert sum(len(p.cached_seqs) for p in fast.plans) > 50
+
+
+# ---- prefix caching ------------------------------------------------------------------------
+
+def _seq_with_prompt(seq_id, prompt, max_tokens=3):
+    from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+    from scheduler_svc.sequence import Sequence
+    return Sequence(seq_id, prompt, SamplingParams(), StoppingParams(max_tokens=max_tokens),
+                    eos_token_id=EOS, max_model_len=4096, arrival_time=float(seq_id))
+
+
+SYSTEM = [300 + i for i in range(10)]  # two full pages of 4 and a partial one
+
+
+@pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
+def test_a_later_request_with_the_same_prefix_starts_after_the_cached_pages(loop_class):
+    sched = make_scheduler(block_size=4)
+    loop = loop_class(sched)
+    sched.add_seq(_seq_with_prompt(1, SYSTEM + [1, 2]))
+    loop.run_until_done()
+    first_table = loop.plans[0].new_seqs[0].block_table
+    sched.add_seq(_seq_with_prompt(2, SYSTEM + [5, 6, 7]))
+    plan, _ = loop.step()
+    (new,) = plan.new_seqs
+    assert new.num_computed_tokens == 8 and new.num_scheduled_tokens == 13 - 8
+    assert new.block_table[:2] == first_table[:2] and new.block_table[2] != first_table[2]
+    loop.run_until_done()
+    assert loop.outputs[2] == expected_output(2, 13, 3)  # the FakeExecutor checked the KV
+    stats = sched.stats()
+    assert (stats.num_prefix_cache_queries, stats.num_prefix_cache_hits) == (12 + 13, 8)
+    assert stats.gpu_blocks_cached >= 3  # seq 1's three full pages (prompt + outputs)
+    assert_all_block_free(sched)
+
+
+def test_pages_are_offered_to_the_cache_only_once_a_sent_step_writes_them():
+    sched = make_scheduler(block_size=4)
+    sched.add_seq(_seq_with_prompt(1, SYSTEM + [1, 2]))
+    sched.add_seq(_seq_with_prompt(2, SYSTEM + [3, 4]))
+    plan = sched.schedule()  # both in one step: the second cannot use pages the first writes
+    assert [s.num_computed_tokens for s in plan.new_seqs] == [0, 0]
+    assert sched.block_manager.num_cached_gpu_blocks == 0
+    sched.update_from_output(plan, {1: 100, 2: 100})
+    sched.add_seq(_seq_with_prompt(3, SYSTEM + [5]))
+    plan = sched.schedule()
+    (new,) = plan.new_seqs
+    assert new.num_computed_tokens == 8
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token():
+    sched = make_scheduler(block_size=4)
+    loop = Loop(sched)
+    sched.add_seq(_seq_with_prompt(1, SYSTEM[:8], max_tokens=1))
+    loop.run_until_done()
+    sched.add_seq(_seq_with_prompt(2, SYSTEM[:8], max_tokens=2))
+    plan, _ = loop.step()
+    (new,) = plan.new_seqs
+    assert (new.num_computed_tokens, new.num_scheduled_tokens) == (4, 4)  # a page, not 7 tokens
+    loop.run_until_done()
+    assert loop.outputs[2] == expected_output(2, 8, 2)
+
+
+def test_multi_turn_conversation_hits_the_previous_turns_pages():
+    sched = make_scheduler(block_size=4)
+    loop = Loop(sched)
+    prompt, num_computed_before = list(SYSTEM), 0
+    for turn in range(1, 5):
+        sched.add_seq(_seq_with_prompt(turn, prompt, max_tokens=6))
+        plan, _ = loop.step()
+        (new,) = plan.new_seqs
+        # Every full page the previous turn computed (all its tokens but the last sampled one).
+        assert new.num_computed_tokens == num_computed_before // 4 * 4
+        loop.run_until_done()
+        num_computed_before = len(prompt) + 6 - 1
+        prompt = prompt + loop.outputs[turn] + [400 + turn, 401 + turn]
+    assert sched.stats().num_prefix_cache_hits > 0
+    assert_all_block_free(sched)
+
+
+def test_executor_reset_drops_the_prefix_cache():
+    sched = make_scheduler(block_size=4)
+    loop = Loop(sched)
+    sched.add_seq(_seq_with_prompt(1, SYSTEM))
+    loop.run_until_done()
+    assert sched.block_manager.num_cached_gpu_blocks > 0
+    loop.reset_executor()
+    assert sched.block_manager.num_cached_gpu_blocks == 0
+    sched.reset_for_executor(4, 64, 64, cache_salt="another")
+    assert sched.block_manager.enable_prefix_caching
+    sched.add_seq(_seq_with_prompt(2, SYSTEM + [1]))
+    loop.executor = FakeExecutor(4, 64, 64)
+    plan, _ = loop.step()
+    assert plan.new_seqs[0].num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
+def test_shared_prefixes_under_preemption_give_the_same_tokens_and_whole_pools(mode, loop_class):
+    outputs = {}
+    for caching in (False, True):
+        sched = make_scheduler(block_size=4, num_gpu_blocks=14, num_cpu_blocks=40,
+                               preemption_mode=mode, enable_prefix_caching=caching)
+        loop = loop_class(sched)
+        for seq_id in range(12):
+            sched.add_seq(_seq_with_prompt(seq_id, SYSTEM + [seq_id, seq_id + 1], max_tokens=12))
+        loop.run_until_done()
+        assert sched.num_preemptions_swap + sched.num_preemptions_recompute > 0
+        assert_all_block_free(sched)
+        outputs[caching] = loop.outputs
+        hits = sched.stats().num_prefix_cache_hits
+        assert (hits > 0) == caching
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
+def test_decoding_seqs_are_offered_to_the_cache_once_a_page_not_every_step(loop_class):
+    sched = make_scheduler(block_size=4)
+    loop = loop_class(sched)
+    calls = []
+    offer = sched.block_manager.cache_full_blocks
+    sched.block_manager.cache_full_blocks = lambda *a: (calls.append(a[0]), offer(*a))
+    for seq_id in range(4):
+        sched.add_seq(make_seq(seq_id, prompt_len=8, max_tokens=24))
+    loop.run_until_done()
+    assert loop.outputs == {i: expected_output(i, 8, 24) for i in range(4)}
+    # At most two offers a page filled (lockstep: when its last token is known, and once its KV
+    # is), not one a token (96).
+    assert len(calls) <= 4 * (2 * 24 // 4 + 3)
+    assert sched.block_manager.num_cached_gpu_blocks == 4 * ((8 + 24 - 1) // 4)

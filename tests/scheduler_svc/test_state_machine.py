@@ -1,6 +1,7 @@
-"""Hypothesis state machine over the scheduler: random adds, steps, aborts (also mid-flight),
-stop-string finishes and executor resets, with invariants after every rule and a drain at the
-end that must free every GPU and CPU block and give every unaborted seq its exact tokens."""
+"""Hypothesis state machine over the scheduler: random adds (some sharing prompt prefixes, with
+prefix caching on or off), steps, aborts (also mid-flight), stop-string finishes and executor
+resets, with invariants after every rule and a drain at the end that must free every GPU and CPU
+block and give every unaborted seq its exact tokens."""
 
 import random
 
@@ -10,8 +11,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import FinishReason
+from scheduler_svc.sequence import FinishReason, Sequence
 from sched_factories import Loop, PipelinedLoop, check_queues, default_token, make_seq
 
 
@@ -21,13 +23,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4, 8]), num_gpu_blocks=st.integers(2, 16),
                 num_cpu_blocks=st.integers(0, 48), max_num_batched_tokens=st.integers(1, 64),
                 max_num_seqs=st.integers(1, 8), chunked=st.booleans(),
-                mode=st.sampled_from(["swap", "recompute"]))
+                mode=st.sampled_from(["swap", "recompute"]), caching=st.booleans())
     def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, max_num_batched_tokens,
-              max_num_seqs, chunked, mode):
+              max_num_seqs, chunked, mode, caching):
         config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                  max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
-                                 preemption_mode=mode)
-        bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks)
+                                 preemption_mode=mode, enable_prefix_caching=caching)
+        bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks,
+                          enable_prefix_caching=caching)
         self.sched = Scheduler(config, bm, rng=random.Random(0))
         self.loop = self.LOOP(self.sched)
         self.next_id = 0
@@ -41,8 +44,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prompt_len=st.integers(1, 24), max_tokens=st.integers(1, 24),
           extra_len=st.integers(1, 32))
     def add_seq(self, prompt_len, max_tokens, extra_len):
-        seq_id, self.next_id = self.next_id, self.next_id + 1
-        seq = make_seq(seq_id, prompt_len, max_tokens, max_model_len=prompt_len + extra_len)
+        seq_id = self.next_id
+        self._add(make_seq(seq_id, prompt_len, max_tokens, max_model_len=prompt_len + extra_len),
+                  max_tokens, extra_len)
+
+    @rule(prefix_id=st.integers(0, 2), prefix_len=st.integers(1, 20),
+          suffix_len=st.integers(0, 6), max_tokens=st.integers(1, 16))
+    def add_shared_prefix(self, prefix_id, prefix_len, suffix_len, max_tokens):
+        """A prompt that starts like others (a system prompt, an earlier turn): prefix hits."""
+        seq_id = self.next_id
+        prompt = ([500 + prefix_id * 50 + i % 40 for i in range(prefix_len)]
+                  + [10 + (seq_id * 13 + i) % 400 for i in range(suffix_len)])
+        seq = Sequence(seq_id, prompt, SamplingParams(), StoppingParams(max_tokens=max_tokens),
+                       eos_token_id=2, max_model_len=len(prompt) + 32,
+                       arrival_time=float(seq_id))
+        self._add(seq, max_tokens, 32)
+
+    def _add(self, seq, max_tokens, extra_len):
+        seq_id, prompt_len = seq.seq_id, seq.num_prompt_tokens
+        self.next_id += 1
         if not self.sched.can_ever_fit(prompt_len + 1):
             try:
                 self.sched.add_seq(seq)

@@ -1,6 +1,7 @@
 """Serving benchmark (BENCHMARK.md W1/W2/W3): both services on this machine's GPU, every request
-submitted at once through the public gRPC Generate API, then the Hugging Face `generate` baseline
-on the same random weights, in one command. Prints throughput, TTFT/ITL percentiles, peak KV
+submitted at once through the public gRPC Generate API (or, with --api http, the OpenAI
+completions endpoint, streamed), then the Hugging Face `generate` baseline on the same random
+weights, in one command. Prints throughput, TTFT/ITL percentiles, peak KV
 pages, preemptions, swapped pages, the executor's GPU-wait share of decode steps, and the ratio.
 
     python -m benchmarks.bench_serving --workload W1 --out results.json
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -77,22 +79,62 @@ async def _one(stub, prompt: list[int], max_tokens: int, trace: Trace) -> None:
         trace.error = repr(err)
 
 
-async def _run_all(address: str, requests, time_limit: float) -> tuple[list[Trace], float, bool]:
-    import grpc
+async def _one_http(client, url: str, model: str, prompt: list[int], max_tokens: int,
+                    trace: Trace) -> None:
+    """One streamed /v1/completions request; a token is each chunk without a finish reason (the
+    server sends one per token, its text maybe empty), the count from the usage chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    trace.submitted = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if '"finish_reason":null' in line:  # cheaper than parsing every chunk
+                    trace.token_times.append(time.perf_counter())
+                elif '"usage":{' in line:
+                    trace.completion_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    except Exception as err:  # reported, never hides a lost request
+        trace.error = repr(err)
 
-    from protos import generate_pb2_grpc
 
+async def _run_all(services, requests, time_limit: float, api: str
+                   ) -> tuple[list[Trace], float, bool]:
     traces = [Trace() for _ in requests]
-    options = [("grpc.max_receive_message_length", 64 << 20)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
-        stub = generate_pb2_grpc.GeneratorStub(channel)
+    async with _client(services, api) as submit:
         start = time.perf_counter()
-        tasks = [asyncio.ensure_future(_one(stub, p, o, t)) for (p, o), t in zip(requests, traces)]
+        tasks = [asyncio.ensure_future(submit(p, o, t)) for (p, o), t in zip(requests, traces)]
         done, pending = await asyncio.wait(tasks, timeout=time_limit)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     return traces, start, bool(pending)
+
+
+@contextlib.asynccontextmanager
+async def _client(services, api: str):
+    """A function submitting one request through `api` ("grpc" or "http") and tracing it."""
+    if api == "grpc":
+        import grpc
+
+        from protos import generate_pb2_grpc
+
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        async with grpc.aio.insecure_channel(services.scheduler_address, options=options) as ch:
+            stub = generate_pb2_grpc.GeneratorStub(ch)
+            yield lambda prompt, max_tokens, trace: _one(stub, prompt, max_tokens, trace)
+        return
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
+        url = services.http_url
+        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        yield lambda prompt, max_tokens, trace: _one_http(client, url, model, prompt, max_tokens,
+                                                          trace)
 
 
 class PeakSampler(threading.Thread):
@@ -152,8 +194,8 @@ def run_serving(args, requests) -> dict:
     peak = PeakSampler(services)
     peak.start()
     try:
-        traces, start, timed_out = asyncio.run(_run_all(services.scheduler_address, requests,
-                                                        args.time_limit))
+        traces, start, timed_out = asyncio.run(_run_all(services, requests, args.time_limit,
+                                                        args.api))
         peak.stop_event.set()
         peak.join()
         print(f"serving done in {time.perf_counter() - start:.0f}s (timed out: {timed_out})",
@@ -272,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="preset:llama3-8b")
     p.add_argument("--backend", default="cuda", help="executor backend (cpu: a smoke test)")
     p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
+    p.add_argument("--api", choices=("grpc", "http"), default="grpc",
+                   help="submit through the gRPC Generate API or the OpenAI completions endpoint "
+                        "(streamed; needs httpx)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget of a step, both services (offline throughput: 8192 beat "
                         "2048 by 10%% on W1; the services' own default, 2048, favours latency)")
@@ -308,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
               "hf": hf, "args": vars(args)}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"== {args.workload}: {args.model} ==")
+    print(f"== {args.workload} through {args.api}: {args.model} ==")
     print(_fmt(serving, hf))
 
 

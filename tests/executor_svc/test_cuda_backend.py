@@ -10,6 +10,7 @@ import copy
 import functools
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -221,10 +222,11 @@ def test_decode_replay_has_no_host_sync():
     prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
     driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
     scheduled = [runner._apply_diff(driver.cached_seq(s)) for s in prompts]
+    tables = runner.tables.gather(np.array([s.state.row for s in scheduled]))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        logits = runner._decode_replay(scheduled, [0, 1])
+        logits = runner._decode_replay(scheduled, tables, [0, 1])
         params = SamplingTensors.build([SamplingOptions()] * 2, [0, 0], hf.config.vocab_size,
                                        logits.device)
         runner.sampler.sample(logits, params)

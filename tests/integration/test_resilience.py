@@ -84,6 +84,28 @@ def test_executor_sigkill_midway_then_replaced(tmp_path):
         services.stop()
 
 
+def test_executor_sigkill_with_shared_prefixes_cached(tmp_path):
+    """Prefix caching (on by default) across an executor lost: 32 streams share a system
+    prompt, so their tables share cached pages when the executor dies; the new executor's cache
+    is empty, every hash is dropped, and every stream still gets transformers' tokens."""
+    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
+    try:
+        system = random_prompts(1, seed=13, low=40, high=40)[0]
+        prompts = [system + p for p in random_prompts(32, seed=14, low=1, high=8)]
+        load = Load(services.scheduler_address, prompts, max_tokens=48)
+        load.wait_tokens(200)
+        assert services.metrics()["pagedserve_prefix_cache_hits_total"] > 0
+        services.procs["executor"].send_signal(signal.SIGKILL)
+        services.procs["executor"].wait()
+        port = int(services.executor_address.rsplit(":", 1)[1])
+        services.add_executor("executor2", ["--model", TINY], port=port)
+        load.check_against_reference()
+        assert services.status().resyncs >= 1
+        assert_pools_whole(services)
+    finally:
+        services.stop()
+
+
 def test_planned_replacement_fails_no_request(tmp_path):
     services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
     try:

@@ -59,8 +59,13 @@ class Fanout:
             self._num_open -= 1
         return index, event
 
-    async def close(self) -> None:
-        """Aborts the requests still running (their engine streams are closed) and waits."""
+    def cancel(self) -> None:
+        """Aborts the requests still running (their engine streams are closed); no await, so
+        it holds inside a cancelled task too."""
         for task in self._tasks:
             task.cancel()
+
+    async def close(self) -> None:
+        """Aborts the requests still running and waits until they are gone."""
+        self.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -118,7 +118,8 @@ def _refuse_not_yet(req: _SamplingRequest, extra: tuple) -> None:
 
 def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
     if req.tools or req.functions:
-        raise InvalidArgument("tools" if req.tools else "functions", "tool calling is not supported")
+        raise InvalidArgument("tools" if req.tools else "functions",
+                              "tool calling is not supported")
     if req.tool_choice not in (None, "none", "auto"):
         raise InvalidArgument("tool_choice", "tool calling is not supported")
     if req.response_format is not None and req.response_format.get("type") != "text":

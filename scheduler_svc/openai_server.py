@@ -367,10 +367,11 @@ def _sse(data) -> str:
 
 
 async def _events(fanout: Fanout, fmt, reply: protocol.Reply, body):
-    """The stream: each choice's opening chunk, a chunk per token (as vLLM: its text may be
-    empty, e.g. half a character) and one with its finish reason, the usage chunk if asked for, then [DONE]. An error after the first chunk is sent
-    as an error event. On disconnect Starlette cancels this generator; the response's
-    background task closes the fanout, aborting the requests."""
+    """The stream: each choice's opening chunk, a chunk per token (as vLLM's: its text may be
+    empty, e.g. half a character) and one with its finish reason, the usage chunk if asked for,
+    then [DONE]. An error after the first chunk is sent as an error event. On disconnect
+    Starlette cancels this generator, which aborts the requests; the response's background task
+    waits until they are gone."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     choices = [protocol.Choice() for _ in range(fanout.num_choices)]
     usage_field = {"usage": None} if include_usage else {}
@@ -391,12 +392,15 @@ async def _events(fanout: Fanout, fmt, reply: protocol.Reply, body):
         if status == 500 and not isinstance(err, EngineFailed):
             log.error("stream %s failed", reply.id, exc_info=err)
         yield _sse({"error": {"message": str(err), "type": type_, "param": None, "code": status}})
+    finally:
+        fanout.cancel()  # however the stream ends; the response's background task awaits it
     yield _sse("[DONE]")
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
     """Starlette's 404 and 405 in OpenAI's error shape."""
-    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return ApiError(exc.status_code, message).response()
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -42,8 +42,9 @@ class VllmCollector:
         # the name vLLM used before kv_cache_usage_perc; older endpoint pickers read it
         yield _gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage; 1 means 100 percent.",
                      label, kv_usage)
+        swap_usage = _share(_value(m.cpu_blocks_used), _value(m.cpu_blocks_total))
         yield _gauge("vllm:cpu_cache_usage_perc", "CPU (swap) KV-cache usage; 1 means 100 "
-                     "percent.", label, _share(_value(m.cpu_blocks_used), _value(m.cpu_blocks_total)))
+                     "percent.", label, swap_usage)
         yield _counter("vllm:prompt_tokens", "Prompt tokens admitted.", label,
                        _value(m.prompt_tokens))
         yield _counter("vllm:generation_tokens", "Tokens generated.", label,

@@ -95,7 +95,7 @@ def test_bad_parameters_are_400_naming_them(fields, param):
     async def test(client, engine, fake):
         status, error = error_of(*await client.request("POST", "/v1/completions",
                                                        completion(**fields)))
-        assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error"
+        assert (status, error["param"], error["type"]) == (400, param, "invalid_request_error")
         assert error["message"].startswith(param)
         assert engine.num_requests == 0
     run(test)

@@ -23,7 +23,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4, 8]), num_gpu_blocks=st.integers(2, 16),
                 num_cpu_blocks=st.integers(0, 48), max_num_batched_tokens=st.integers(1, 64),
                 max_num_seqs=st.integers(1, 8), chunked=st.booleans(),
-                mode=st.sampled_from(["swap", "recompute"]), caching=st.booleans())
+                mode=st.sampled_from(["swap", "recompute"]),
+                caching=st.sampled_from([True, False]))  # shrinks towards caching on
     def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, max_num_batched_tokens,
               max_num_seqs, chunked, mode, caching):
         config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
@@ -48,17 +49,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._add(make_seq(seq_id, prompt_len, max_tokens, max_model_len=prompt_len + extra_len),
                   max_tokens, extra_len)
 
-    @rule(prefix_id=st.integers(0, 2), prefix_len=st.integers(1, 20),
+    @rule(prefix_id=st.integers(0, 1), prefix_len=st.integers(2, 20), num_seqs=st.integers(1, 4),
           suffix_len=st.integers(0, 6), max_tokens=st.integers(1, 16))
-    def add_shared_prefix(self, prefix_id, prefix_len, suffix_len, max_tokens):
-        """A prompt that starts like others (a system prompt, an earlier turn): prefix hits."""
-        seq_id = self.next_id
-        prompt = ([500 + prefix_id * 50 + i % 40 for i in range(prefix_len)]
-                  + [10 + (seq_id * 13 + i) % 400 for i in range(suffix_len)])
-        seq = Sequence(seq_id, prompt, SamplingParams(), StoppingParams(max_tokens=max_tokens),
-                       eos_token_id=2, max_model_len=len(prompt) + 32,
-                       arrival_time=float(seq_id))
-        self._add(seq, max_tokens, 32)
+    def add_shared_prefix(self, prefix_id, prefix_len, num_seqs, suffix_len, max_tokens):
+        """Prompts that start like others (a system prompt, an earlier turn): prefix hits."""
+        for _ in range(num_seqs):
+            seq_id = self.next_id
+            prompt = ([500 + prefix_id * 50 + i % 40 for i in range(prefix_len)]
+                      + [10 + (seq_id * 13 + i) % 400 for i in range(suffix_len)])
+            seq = Sequence(seq_id, prompt, SamplingParams(),
+                           StoppingParams(max_tokens=max_tokens), eos_token_id=2,
+                           max_model_len=len(prompt) + 32, arrival_time=float(seq_id))
+            self._add(seq, max_tokens, 32)
 
     def _add(self, seq, max_tokens, extra_len):
         seq_id, prompt_len = seq.seq_id, seq.num_prompt_tokens

@@ -101,10 +101,6 @@ class ModelRunner:
     def num_pending_steps(self) -> int:
         return len(self._pending)
 
-    def execute(self, step: StepPlan) -> StepResult:
-        """Launch and finish one step (no other step may be unfinished)."""
-        return self.finish(self.launch(step))
-
     def launch(self, step: StepPlan) -> PendingStep:
         """Checks the plan, applies it and queues the step's copies, forward and sampling on the
         device, and the copy of its sampled ids to the host; waits for none of it. Raises

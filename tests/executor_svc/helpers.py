@@ -16,7 +16,8 @@ from executor_svc.cache_engine import CacheEngine
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
-from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, StepPlan
+from executor_svc.step import (CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, StepPlan,
+                               StepResult)
 from scheduler_svc import wire as scheduler_wire
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
@@ -48,6 +49,12 @@ def hf_greedy(hf, prompt: list[int], num_new: int) -> list[int]:
                            eos_token_id=None, pad_token_id=0)
     out = hf.generate(torch.tensor([prompt]), generation_config=gen)
     return out[0, len(prompt):].tolist()
+
+
+def execute(runner: ModelRunner, step: StepPlan) -> StepResult:
+    """Launch and finish one step, with no other step unfinished (ModelRunner has no such call:
+    the servicer always launches and finishes apart)."""
+    return runner.finish(runner.launch(step))
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int = 49152) -> list[int]:
@@ -92,7 +99,7 @@ class PlanDriver:
     def run(self, **fields) -> dict[int, int]:
         """Execute one step; append and return the sampled tokens {seq_id: token_id}."""
         self.step_id += 1
-        out = self.runner.execute(StepPlan(self.step_id, **fields))
+        out = execute(self.runner, StepPlan(self.step_id, **fields))
         sampled = {s.seq_id: s.token_id for s in out.sampled}
         for seq_id, token_id in sampled.items():
             self.tokens[seq_id].append(token_id)
@@ -115,7 +122,7 @@ class RunnerLink:
             self.launched_with_pending += self.runner.num_pending_steps > 0
             self._handles.append(self.runner.launch(step))
         else:
-            self._handles.append(self.runner.execute(step))
+            self._handles.append(execute(self.runner, step))
 
     def receive(self):
         handle = self._handles.popleft()

@@ -23,8 +23,8 @@ from executor_svc.model_runner import ModelRunner
 from executor_svc.sampler import Sampler, SamplingTensors
 from executor_svc.step import CachedSeq, ExecutorInfo, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import (
-    PlanDriver, RunnerLink, ScheduledRun, add_workload, hf_greedy, hf_model, make_runner,
-    make_scheduler, random_prompt,
+    PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, hf_greedy, hf_model,
+    make_runner, make_scheduler, random_prompt,
 )
 from tests.gpu import gpu_ready
 
@@ -306,7 +306,7 @@ def test_worker_sizes_kv_cache_from_memory_and_pins_swap_space():
     assert worker.cache_engine.cpu_k.is_pinned() and worker.cache_engine.cpu_v.is_pinned()
     kv_bytes = info.num_gpu_blocks * worker.cache_engine.bytes_per_block()
     assert kv_bytes <= total * utilization - profile.used_after_weights
-    out = worker.runner.execute(StepPlan(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 3)]))
+    out = execute(worker.runner, StepPlan(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 3)]))
     assert [s.seq_id for s in out.sampled] == [1] and out.step_ms > 0
     del worker
     torch.cuda.empty_cache()

@@ -9,8 +9,8 @@ import pytest
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.step import CachedSeq, PlanMismatch, StepPlan
 from tests.executor_svc.helpers import (
-    PlanDriver, RunnerLink, ScheduledRun, add_workload, hf_greedy, hf_model, make_runner,
-    make_scheduler, random_prompt,
+    PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, hf_greedy, hf_model,
+    make_runner, make_scheduler, random_prompt,
 )
 
 
@@ -102,5 +102,5 @@ def test_reset_forgets_unfinished_steps():
     assert runner.num_pending_steps == 0 and runner.seqs == {}
     with pytest.raises(RuntimeError):
         runner.finish(pending)
-    out = runner.execute(StepPlan(40, new_seqs=[driver.new_seq(2, [5, 6, 7])]))
+    out = execute(runner, StepPlan(40, new_seqs=[driver.new_seq(2, [5, 6, 7])]))
     assert [t.seq_id for t in out.sampled] == [2]

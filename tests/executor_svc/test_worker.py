@@ -6,6 +6,7 @@ from executor_svc.backends import get_backend
 from executor_svc.config import ExecutorConfig
 from executor_svc.step import CachedSeq, NewSeq, SamplingOptions, StepPlan
 from executor_svc.worker import Worker
+from tests.executor_svc.helpers import execute
 
 
 def test_worker_describe_and_execute():
@@ -15,10 +16,10 @@ def test_worker_describe_and_execute():
     assert (info.backend, info.dtype, info.block_size, info.num_gpu_blocks) == ("cpu", "float32", 16, 32)
     assert info.num_cpu_blocks == int(0.01 * 2**30) // worker.cache_engine.bytes_per_block()
     assert info.vocab_size == 49152 and info.max_model_len == 2048 and len(info.fingerprint) == 64
-    out = runner.execute(
-        StepPlan(1, new_seqs=[NewSeq(3, [1, 2, 3], [7], 0, 3, SamplingOptions())]))
+    out = execute(
+        runner, StepPlan(1, new_seqs=[NewSeq(3, [1, 2, 3], [7], 0, 3, SamplingOptions())]))
     assert [s.seq_id for s in out.sampled] == [3] and out.step_ms >= out.forward_ms
-    out = runner.execute(StepPlan(2, cached_seqs=[CachedSeq(3, 1, 3, [])]))
+    out = execute(runner, StepPlan(2, cached_seqs=[CachedSeq(3, 1, 3, [])]))
     assert [s.seq_id for s in out.sampled] == [3]
     runner.reset()
     assert runner.seqs == {}

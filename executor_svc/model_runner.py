@@ -19,8 +19,10 @@ from executor_svc.attention_metadata import build_attention_metadata, to_device
 from executor_svc.block_tables import BlockTables
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.device_tokens import DeviceTokens
-from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, from_host
+from executor_svc.sampler import (Sampler, SamplingTensors, copy_to_host, from_host,
+                                  top_from_host)
 from executor_svc.step_timing import StepMarks, StepTimer
+from executor_svc.token_counts import TokenCounts
 from executor_svc.step import (
     CachedSeq, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions, StepPlan,
     StepResult,
@@ -36,6 +38,7 @@ class SeqState:
     # (step id, row) of each token sampled by a step launched but not finished, oldest first:
     # they follow token_ids, and until their step finishes they exist on the device only.
     pending: list[tuple[int, int]] = field(default_factory=list)
+    count_row: int | None = None  # of the runner's TokenCounts, if the seq uses a penalty
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +60,8 @@ class PendingStep:
     step_id: int
     seqs: list[_Scheduled]  # the seqs that sample, in row order
     token_ids: torch.Tensor | None  # [num_sampled] int64 on the device
-    results: torch.Tensor | None  # [2, num_sampled] float64 on the host: ids, logprobs
+    # [2 (+ 2k), num_sampled] float64 on the host: ids, logprobs (, top ids, top logprobs)
+    results: torch.Tensor | None
     kind: str  # "decode" (graph replay) or "other"
     marks: StepMarks  # marks.end: recorded after the step's GPU work; None on CPU (all done)
     forward_ms: float
@@ -85,6 +89,7 @@ class ModelRunner:
         self.timer = StepTimer(backend.device)
         self.seqs: dict[int, SeqState] = {}
         self.tables = BlockTables(-(-info.max_model_len // info.block_size))
+        self.token_counts = TokenCounts(info.vocab_size, backend.device)
         self.last_step_id: int | None = None
         self._pending: deque[PendingStep] = deque()  # launched, not finished, in step order
 
@@ -93,6 +98,7 @@ class ModelRunner:
         stream). GPU work already queued still runs; later steps queue behind it."""
         self.seqs.clear()
         self.tables.clear()
+        self.token_counts.clear()
         self.last_step_id = None
         self._pending.clear()
         self.timer.reset()
@@ -110,9 +116,10 @@ class ModelRunner:
         marks = self.timer.begin()
         scheduled = self._apply(step)
         forward_start = time.perf_counter()
-        seqs, token_ids, logprobs, kind = (self._run(step.step_id, scheduled) if scheduled
-                                           else ([], None, None, "other"))
-        results = copy_to_host(token_ids, logprobs) if seqs else None
+        seqs, sampled, kind = (self._run(step.step_id, scheduled) if scheduled
+                               else ([], None, "other"))
+        token_ids = sampled[0] if seqs else None
+        results = copy_to_host(*sampled) if seqs else None
         forward_ms = (time.perf_counter() - forward_start) * 1e3
         self.timer.end_gpu(marks)  # also what finish() waits for
         pending = PendingStep(step.step_id, seqs, token_ids, results, kind, marks, forward_ms,
@@ -132,10 +139,9 @@ class ModelRunner:
         for s, token_id in zip(pending.seqs, token_ids):
             s.state.pending.pop(0)  # this step's: steps finish in order
             s.state.token_ids.append(token_id)
+        sampled = _sampled_tokens(pending, token_ids, logprobs)
         step_ms = pending.launch_ms + (time.perf_counter() - start) * 1e3
         self.timer.finish(pending.marks, pending.kind, step_ms, pending.launch_ms)
-        sampled = [SampledToken(s.seq_id, t, lp)
-                   for s, t, lp in zip(pending.seqs, token_ids, logprobs)]
         return StepResult(pending.step_id, sampled, pending.forward_ms, step_ms)
 
     # -- validation: everything is checked before any state or cache changes ------------------
@@ -162,8 +168,14 @@ class ModelRunner:
             self._check_cached(cached, self.seqs[cached.seq_id])
 
     def _check_new(self, new: NewSeq) -> None:
-        if any(t < 0 or t >= self.info.vocab_size for t in new.token_ids):
+        vocab_size = self.info.vocab_size
+        if any(t < 0 or t >= vocab_size for t in new.token_ids):
             raise PlanMismatch(f"seq {new.seq_id}: token id out of vocabulary")
+        if any(t < 0 or t >= vocab_size for t, _ in new.sampling.logit_bias):
+            raise PlanMismatch(f"seq {new.seq_id}: logit_bias token id out of vocabulary")
+        if new.num_prompt_tokens is not None and not 0 < new.num_prompt_tokens <= len(new.token_ids):
+            raise PlanMismatch(f"seq {new.seq_id}: num_prompt_tokens {new.num_prompt_tokens} "
+                               f"outside [1, {len(new.token_ids)}]")
         self._check_counts(new.seq_id, len(new.token_ids), new.num_computed_tokens,
                            new.num_scheduled_tokens, len(new.block_table), new.block_table)
 
@@ -207,6 +219,8 @@ class ModelRunner:
             state = self.seqs.pop(seq_id, None)
             if state is not None:
                 self.tables.free(state.row)
+                if state.count_row is not None:
+                    self.token_counts.free(state.count_row)
         self.cache_engine.swap_out(step.swap_out)
         self.cache_engine.swap_in(step.swap_in)
         self.cache_engine.copy(step.copy)
@@ -220,6 +234,10 @@ class ModelRunner:
     def _register(self, new: NewSeq) -> _Scheduled:
         state = SeqState(list(new.token_ids), self.tables.add(new.block_table),
                          new.num_computed_tokens, new.sampling)
+        if new.sampling.uses_penalties:  # counts rebuilt from the plan's ids, prompt apart
+            num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+            state.count_row = self.token_counts.add(new.token_ids[:num_prompt],
+                                                    new.token_ids[num_prompt:])
         self.seqs[new.seq_id] = state
         return _Scheduled(new.seq_id, state, new.num_scheduled_tokens)
 
@@ -232,17 +250,19 @@ class ModelRunner:
     # -- forward and sampling ---------------------------------------------------------------------
 
     def _run(self, step_id: int, scheduled: list[_Scheduled]
-             ) -> tuple[list[_Scheduled], torch.Tensor | None, torch.Tensor | None, str]:
+             ) -> tuple[list[_Scheduled], tuple | None, str]:
         """One forward over the packed batch, then sampling, all queued without a host sync.
-        Returns the seqs that sampled, their token ids and logprobs on the device, and the step
-        kind ("decode" if replayed)."""
+        Returns the seqs that sampled; their token ids and logprobs on the device, and the top
+        (ids, logprobs) when some seq asked for them; and the step kind ("decode" if
+        replayed)."""
         to_sample = [i for i, s in enumerate(scheduled)
                      if s.state.num_computed_tokens + s.num_scheduled_tokens == s.state.num_tokens]
         seqs = [scheduled[i] for i in to_sample]
         # Built before the forward: their host-to-device copies are queued, never waited for.
         params = SamplingTensors.build([s.state.sampling for s in seqs],
                                        [s.state.num_tokens for s in seqs],
-                                       self.info.vocab_size, self.backend.device)
+                                       self.info.vocab_size, self.backend.device,
+                                       self.token_counts, [s.state.count_row for s in seqs])
         graphs = self.decode_graphs
         rows = np.fromiter((s.state.row for s in scheduled), np.int64, len(scheduled))
         tables = self.tables.gather(rows)  # [num_seqs, longest table]
@@ -254,11 +274,16 @@ class ModelRunner:
         for s in scheduled:
             s.state.num_computed_tokens += s.num_scheduled_tokens
         if not seqs:
-            return [], None, None, kind
+            return [], None, kind
         token_ids, logprobs = self.sampler.sample(logits, params)
+        if params.penalties is not None:  # on the device: the next step's penalties see them
+            p = params.penalties
+            self.token_counts.count(p.count_rows, token_ids[p.index])
+        top = (self.sampler.top_logprobs(logits, params.num_top_logprobs)
+               if params.num_top_logprobs else None)
         for row, s in enumerate(seqs):
             s.state.pending.append((step_id, row))
-        return seqs, token_ids, logprobs, kind
+        return seqs, (token_ids, logprobs, top), kind
 
     def _input_ids(self, scheduled: list[_Scheduled]) -> tuple[list[int], DeviceTokens | None]:
         """The packed input ids of the batch. A token sampled by an unfinished step is a 0 here
@@ -311,6 +336,23 @@ class ModelRunner:
         if len(to_sample) == len(scheduled):
             return logits
         return logits[to_device(torch.tensor(to_sample), self.backend.device)]
+
+
+def _sampled_tokens(pending: PendingStep, token_ids: list[int], logprobs: list[float]
+                    ) -> list[SampledToken]:
+    """The step's SampledTokens; logprobs only for the seqs that asked."""
+    tops = (top_from_host(pending.results) if pending.seqs and pending.results.shape[0] > 2
+            else None)
+    sampled = []
+    for i, (s, token_id) in enumerate(zip(pending.seqs, token_ids)):
+        k = s.state.sampling.logprobs
+        if k is None:
+            sampled.append(SampledToken(s.seq_id, token_id))
+        else:
+            top_ids, top_logprobs = (tops[0][i][:k], tops[1][i][:k]) if k else ((), ())
+            sampled.append(SampledToken(s.seq_id, token_id, logprobs[i], tuple(top_ids),
+                                        tuple(top_logprobs)))
+    return sampled
 
 
 def _check_pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:

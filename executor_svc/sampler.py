@@ -1,5 +1,6 @@
-"""Sampler: greedy, temperature, top-k, top-p, min-p, and the logprob of the chosen token, on the
-logits' device with no host sync (the caller makes the one transfer of the results).
+"""Sampler: logit bias, repetition/presence/frequency penalties, then greedy or temperature, top-k,
+top-p, min-p; the logprob of the chosen token and the top ones; all on the logits' device with no
+host sync (the caller makes the one transfer of the results).
 Random draws are seeded per (seq seed, position) through a counter-based hash, so a recomputed
 sequence samples the same tokens, whatever its batch, on CPU and GPU alike. Imports torch only.
 """
@@ -12,6 +13,7 @@ import torch
 
 from executor_svc.attention_metadata import to_device
 from executor_svc.step import SamplingOptions
+from executor_svc.token_counts import TokenCounts
 
 _MASK64 = (1 << 64) - 1
 
@@ -50,9 +52,23 @@ def uniform_noise(row_seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """The repetition, presence and frequency penalties of the rows that use one."""
+
+    index: torch.Tensor  # [m] int64: their rows in the batch
+    prompt_mask: torch.Tensor  # [m, vocab] bool
+    output_counts: torch.Tensor  # [m, vocab] int32
+    count_rows: torch.Tensor  # [m] int64: their rows of TokenCounts (where sampled ids count)
+    repetition: torch.Tensor  # [m, 1] float32
+    presence: torch.Tensor  # [m, 1] float32
+    frequency: torch.Tensor  # [m, 1] float32
+
+
+@dataclass(frozen=True)
 class SamplingTensors:
     """Per-row sampling parameters on the logits' device, built before the forward pass so that
-    their host-to-device copies never wait for it."""
+    their host-to-device copies never wait for it. Penalties, logit bias and top logprobs are
+    None / 0 unless some row asks for them."""
 
     num_rows: int
     all_greedy: bool
@@ -63,13 +79,20 @@ class SamplingTensors:
     top_p: torch.Tensor | None  # [n, 1] float32
     min_p: torch.Tensor | None  # [n, 1] float32
     row_seeds: torch.Tensor | None  # [n] int64, position_seed(seed, position)
+    # (rows [b] int64, token ids [b] int64, biases [b] float32): one entry per (row, token)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None
+    num_top_logprobs: int = 0  # the most any row asked for
 
     @classmethod
     def build(cls, options: list[SamplingOptions], positions: list[int], vocab_size: int,
-              device: torch.device) -> "SamplingTensors":
+              device: torch.device, counts: TokenCounts | None = None,
+              count_rows: list[int | None] | None = None) -> "SamplingTensors":
+        """count_rows[i]: row i's row of `counts` (None if it uses no penalty)."""
+        controls = _controls(options, device, counts, count_rows)
         greedy = [o.temperature <= 0.0 for o in options]
         if all(greedy):
-            return cls(len(options), True, True, None, None, None, None, None, None)
+            return cls(len(options), True, True, None, None, None, None, None, None, *controls)
         floats = torch.tensor([
             [1.0 if g else o.temperature for o, g in zip(options, greedy)],
             [o.top_p for o in options],
@@ -82,33 +105,108 @@ class SamplingTensors:
         ], dtype=torch.int64)  # [2, n]
         floats, ints = to_device(floats, device), to_device(ints, device)
         return cls(len(options), False, any(greedy), floats[3] > 0.5, floats[0].unsqueeze(1),
-                   ints[0].unsqueeze(1), floats[1].unsqueeze(1), floats[2].unsqueeze(1), ints[1])
+                   ints[0].unsqueeze(1), floats[1].unsqueeze(1), floats[2].unsqueeze(1), ints[1],
+                   *controls)
+
+
+def _controls(options: list[SamplingOptions], device: torch.device, counts: TokenCounts | None,
+              count_rows: list[int | None] | None) -> tuple:
+    """(logit_bias, penalties, num_top_logprobs) of SamplingTensors; one pass over the rows
+    when none asks for any."""
+    rows = [i for i, o in enumerate(options) if o.has_controls]
+    if not rows:
+        return None, None, 0
+    bias = [(i, t, b) for i in rows for t, b in options[i].logit_bias]
+    logit_bias = None
+    if bias:
+        ids = to_device(torch.tensor([[i, t] for i, t, _ in bias], dtype=torch.int64), device)
+        values = to_device(torch.tensor([b for _, _, b in bias], dtype=torch.float32), device)
+        logit_bias = ids[:, 0], ids[:, 1], values
+    penalised = [i for i in rows if options[i].uses_penalties]
+    penalties = None
+    if penalised:
+        if counts is None or count_rows is None:
+            raise ValueError("penalties need the seqs' TokenCounts rows")
+        penalties = _penalties([options[i] for i in penalised], penalised,
+                               [count_rows[i] for i in penalised], counts, device)
+    top = max((options[i].logprobs or 0 for i in rows), default=0)
+    return logit_bias, penalties, top
+
+
+def _penalties(options: list[SamplingOptions], index: list[int], count_rows: list[int],
+               counts: TokenCounts, device: torch.device) -> Penalties:
+    ints = to_device(torch.tensor([index, count_rows], dtype=torch.int64), device)  # [2, m]
+    floats = to_device(torch.tensor([
+        [o.repetition_penalty for o in options],
+        [o.presence_penalty for o in options],
+        [o.frequency_penalty for o in options],
+    ], dtype=torch.float32), device).unsqueeze(2)  # [3, m, 1]
+    prompt_mask, output_counts = counts.gather(ints[1])
+    return Penalties(ints[0], prompt_mask, output_counts, ints[1], *floats)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    """In place on logits [n, vocab] float32: transformers' repetition penalty (a seen token's
+    logit divided by it when positive, multiplied when not: the same float ops), then OpenAI's
+    frequency and presence penalties on the generated tokens, as vLLM applies them."""
+    rows = logits[p.index]  # [m, vocab]
+    generated = p.output_counts > 0
+    repetition = torch.where(p.prompt_mask | generated, p.repetition, 1.0)
+    rows = torch.where(rows < 0, rows * repetition, rows / repetition)
+    rows = rows - p.frequency * p.output_counts - p.presence * generated
+    logits.index_copy_(0, p.index, rows)
+
+
+def controlled_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """logits [n, vocab] float32 with the logit bias, then the penalties applied (a new tensor
+    when there are any: the model's own output stays unmodified, for logprobs)."""
+    if params.logit_bias is None and params.penalties is None:
+        return logits
+    logits = logits.clone()
+    if params.logit_bias is not None:
+        rows, ids, values = params.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    if params.penalties is not None:
+        apply_penalties(logits, params.penalties)
+    return logits
 
 
 class Sampler:
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, options: list[SamplingOptions], positions: list[int]
+        self, logits: torch.Tensor, options: list[SamplingOptions], positions: list[int],
+        counts: TokenCounts | None = None, count_rows: list[int | None] | None = None,
     ) -> tuple[list[int], list[float]]:
         """logits: [n, vocab]; positions[i]: index the sampled token will take in seq i.
         Returns token ids and their logprobs under the unmodified model distribution."""
-        params = SamplingTensors.build(options, positions, logits.shape[1], logits.device)
+        params = SamplingTensors.build(options, positions, logits.shape[1], logits.device,
+                                       counts, count_rows)
         token_ids, logprobs = self.sample(logits, params)
         return to_host(token_ids, logprobs)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, params: SamplingTensors
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids [n] int64 and logprobs [n] float32, on the logits' device; no host sync."""
-        logits = logits.float()
+        """Token ids [n] int64 and logprobs [n] float32, on the logits' device; no host sync.
+        The logprobs are the raw model's (vLLM's default logprobs_mode, "raw_logprobs"): a
+        log-softmax of the logits before logit bias, penalties, temperature and filters."""
+        raw = logits.float()
+        logits = controlled_logits(raw, params)
         token_ids = logits.argmax(dim=-1) if params.any_greedy else None
         if not params.all_greedy:
             probs = filtered_probs(logits, params)
             race = probs / -torch.log(uniform_noise(params.row_seeds, logits.shape[1]))
             drawn = race.argmax(dim=-1)  # exponential race: argmax p / E, E ~ Exp(1)
             token_ids = drawn if token_ids is None else torch.where(params.greedy, token_ids, drawn)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        logprobs = torch.log_softmax(raw, dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
         return token_ids, logprobs
+
+    @torch.inference_mode()
+    def top_logprobs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely tokens of each row under the raw model distribution, most likely
+        first: ids [n, k] int64 and logprobs [n, k] float32; no host sync."""
+        values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return ids, values
 
 
 def to_host(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -117,11 +215,15 @@ def to_host(token_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int],
     return from_host(both)
 
 
-def copy_to_host(token_ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+def copy_to_host(token_ids: torch.Tensor, logprobs: torch.Tensor,
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Queues the one device-to-host transfer of a step and returns its destination without
-    waiting: [2, n] float64 (ids < 2^53: exact), pinned on CUDA; read it with from_host once the
-    stream has passed the copy."""
+    waiting: [2 + 2k, n] float64 (ids < 2^53: exact): ids, logprobs, then the k top ids and k
+    top logprobs of each row when `top` (ids, logprobs [n, k]) is given; pinned on CUDA. Read
+    it with from_host and top_from_host once the stream has passed the copy."""
     both = torch.stack([token_ids.double(), logprobs.double()])  # [2, n]
+    if top is not None:
+        both = torch.cat([both, top[0].double().T, top[1].double().T])  # [2 + 2k, n]
     if both.device.type != "cuda":
         return both
     host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
@@ -129,9 +231,17 @@ def copy_to_host(token_ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tenso
 
 
 def from_host(both: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Token ids and logprobs from a [2, n] host tensor of copy_to_host or to_host."""
-    ids, logprobs = both.tolist()
+    """Token ids and logprobs from a host tensor of copy_to_host or to_host."""
+    ids, logprobs = both[:2].tolist()
     return [int(t) for t in ids], logprobs
+
+
+def top_from_host(both: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's top ids and logprobs from a host tensor of copy_to_host (empty lists if it
+    carries none)."""
+    k = (both.shape[0] - 2) // 2
+    rows = both[2:].T.tolist()  # [n, 2k]
+    return [[int(t) for t in r[:k]] for r in rows], [r[k:] for r in rows]
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingTensors | list[SamplingOptions]

@@ -4,6 +4,7 @@ protobuf to these). Imports nothing from protos, torch or the rest of executor_s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,25 @@ class SamplingOptions:
     top_k: int = -1  # <= 0 = off
     min_p: float = 0.0  # 0 = off
     seed: int = 0
+    # OpenAI's, on the generated tokens: logit -= frequency * count + presence * (count > 0)
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    # transformers' RepetitionPenaltyLogitsProcessor, on prompt and generated tokens
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # None: no logprobs back; k >= 0: the sampled token's logprob and the k most likely tokens'
+    logprobs: int | None = None
+
+    @cached_property  # computed once per seq: the sampler asks every step
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs this seq's token counts."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @cached_property
+    def has_controls(self) -> bool:
+        """Whether this seq uses a penalty, a logit bias or logprobs."""
+        return self.uses_penalties or bool(self.logit_bias) or self.logprobs is not None
 
 
 @dataclass(frozen=True)
@@ -25,6 +45,9 @@ class NewSeq:
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    # token_ids[:num_prompt_tokens] are the prompt, the rest were generated (presence and
+    # frequency penalties count those); None: all of them are prompt
+    num_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +78,11 @@ class StepPlan:
 class SampledToken:
     seq_id: int
     token_id: int
-    logprob: float  # of the sampled token; not sent until a request can ask for it
+    # Only for a seq whose SamplingOptions.logprobs is set: the sampled token's logprob and the
+    # top ones', under the model's raw distribution (log-softmax of the unmodified logits)
+    logprob: float | None = None
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,14 @@ def _pairs(pairs) -> list[tuple[int, int]]:
 
 
 def _sampling(s: executor_pb2.SamplingOptions) -> SamplingOptions:
-    return SamplingOptions(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                           min_p=s.min_p, seed=s.seed)
+    if len(s.logit_bias_token_ids) != len(s.logit_bias_values):
+        raise PlanMismatch("sampling: logit_bias_token_ids and logit_bias_values differ in length")
+    return SamplingOptions(
+        temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
+        seed=s.seed, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        logit_bias=tuple(zip(s.logit_bias_token_ids, s.logit_bias_values)),
+        logprobs=s.logprobs if s.HasField("logprobs") else None)
 
 
 def plan_from_proto(plan: executor_pb2.StepPlan) -> StepPlan:
@@ -24,7 +30,8 @@ def plan_from_proto(plan: executor_pb2.StepPlan) -> StepPlan:
         new_seqs=[
             NewSeq(seq_id=s.seq_id, token_ids=list(s.token_ids), block_table=list(s.block_table),
                    num_computed_tokens=s.num_computed_tokens,
-                   num_scheduled_tokens=s.num_scheduled_tokens, sampling=_sampling(s.sampling))
+                   num_scheduled_tokens=s.num_scheduled_tokens, sampling=_sampling(s.sampling),
+                   num_prompt_tokens=s.num_prompt_tokens or None)
             for s in plan.new_seqs
         ],
         cached_seqs=[
@@ -64,6 +71,10 @@ def result_to_proto(result: StepResult) -> executor_pb2.StepResult:
         step_id=result.step_id,
         sampled=[executor_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id)
                  for t in result.sampled],
+        logprobs=[executor_pb2.SampledLogprobs(seq_id=t.seq_id, logprob=t.logprob,
+                                               top_token_ids=t.top_token_ids,
+                                               top_logprobs=t.top_logprobs)
+                  for t in result.sampled if t.logprob is not None],
         forward_ms=result.forward_ms,
         step_ms=result.step_ms,
     )

@@ -23,6 +23,7 @@ from scheduler_svc.metrics import Metrics, StatsLog
 from scheduler_svc.plan import SeqUpdate, StepPlan, StepResult
 from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, PreparedRequest,
                                    RequestLimits, TokenEvent, check_sizes, prepare)
+from scheduler_svc.sampling_params import TokenLogprobs
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_stats import SchedulerStats
 from scheduler_svc.sequence import FinishReason, Sequence
@@ -484,8 +485,9 @@ class Engine:
                 try:
                     await self._fill(in_flight)
                 finally:
+                    logprobs = result.logprobs  # of the seqs that asked: usually none
                     for update in updates:
-                        self._emit(update)
+                        self._emit(update, logprobs.get(update.seq.seq_id) if logprobs else None)
                     self.metrics.steps.inc()
                     self.metrics.observe_scheduler(self.scheduler.stats())
             except ExecutorLost:
@@ -546,7 +548,7 @@ class Engine:
             connect.cancel()
             await asyncio.gather(connect, return_exceptions=True)
 
-    def _emit(self, update: SeqUpdate) -> None:
+    def _emit(self, update: SeqUpdate, logprobs: TokenLogprobs | None = None) -> None:
         state = self._requests.get(update.seq.seq_id)
         if state is None:  # aborted while its step was in flight
             return
@@ -559,7 +561,7 @@ class Engine:
         self.metrics.generated_tokens.inc()
         text, matched = state.text_for(update.token_id)
         index = update.seq.num_output_tokens - 1
-        state.queue.put_nowait(TokenEvent(update.token_id, text, index))
+        state.queue.put_nowait(TokenEvent(update.token_id, text, index, logprobs))
         if matched:
             self.scheduler.finish_seq(update.seq.seq_id, FinishReason.STOP_STRING)
             self._finish(state, FinishReason.STOP_STRING, tail="")

@@ -5,7 +5,7 @@ protobuf; nothing here imports generated code."""
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.sampling_params import SamplingParams, TokenLogprobs
 from scheduler_svc.sequence import FinishReason, Sequence
 
 
@@ -20,6 +20,9 @@ class NewSeqPlan:
     num_scheduled_tokens: int
     sampling: SamplingParams
     seed: int
+    # token_ids[:num_prompt_tokens] are the prompt (the executor's presence and frequency
+    # penalties count the rest); None: all of them
+    num_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -134,3 +137,4 @@ class StepResult:
     sampled: dict[int, int]  # seq_id -> token id
     forward_ms: float = 0.0
     step_ms: float = 0.0
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seqs that asked only

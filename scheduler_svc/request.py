@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams, TokenLogprobs
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stop_strings import StopStringMatcher
 
@@ -65,6 +65,7 @@ class TokenEvent:
     token_id: int
     text: str
     index: int
+    logprobs: TokenLogprobs | None = None  # when the request's sampling.logprobs was set
 
 
 @dataclass(frozen=True)
@@ -167,5 +168,5 @@ def _check_prompt_ids(ids: list[int], field_name: str, limits: ModelLimits) -> N
 
 def validate_params(spec: GenerateSpec, limits: ModelLimits) -> None:
     """Range checks of the sampling and stopping parameters."""
-    spec.sampling.validate()
+    spec.sampling.validate(limits.vocab_size)
     spec.stopping.validate(limits.vocab_size)

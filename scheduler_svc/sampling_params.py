@@ -18,20 +18,39 @@ MAX_STOP_STRING_CHARS = 1024  # Unicode code points, as len() counts them
 # The scheduler tests every sampled token against them; ~1,000 covers "stop at any of these words".
 MAX_STOP_TOKEN_IDS = 1024
 _NUM_IDS_SHOWN = 8  # in an error message
+# vLLM's and OpenAI's bounds: penalties in [-2, 2], biases in [-100, 100], OpenAI's 300 biased
+# tokens at most, and vLLM's default max_logprobs of 20 alternatives per token.
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the executor picks a token. top_k=-1 and top_p=1 and min_p=0 mean "off"."""
+    """How the executor picks a token. top_k=-1 and top_p=1 and min_p=0 mean "off", as do
+    penalties of 0 (presence, frequency) and 1 (repetition). The executor applies the logit bias,
+    then the penalties, then temperature and the filters (vLLM's order)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
+    # OpenAI's, on the generated tokens: logit -= frequency * count + presence * (count > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers' and vLLM's, on prompt and generated tokens: a seen token's logit is divided by
+    # it when positive, multiplied by it when not
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # None: no logprobs; k: each token's logprob and the k most likely tokens' (raw model
+    # distribution, vLLM's default "raw_logprobs")
+    logprobs: int | None = None
 
-    def validate(self) -> None:
-        """Raise InvalidArgument naming the first out-of-range field."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidArgument naming the first out-of-range field; logit_bias ids must be
+        < vocab_size when it is given."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
@@ -42,6 +61,42 @@ class SamplingParams:
             raise InvalidArgument("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidArgument("seed", f"must be in [0, 2**64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
+                raise InvalidArgument(name, f"must be in [-2, 2], got {value}")
+        if not (0 < self.repetition_penalty < math.inf):
+            raise InvalidArgument("repetition_penalty",
+                                  f"must be > 0 (1 is off), got {self.repetition_penalty}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidArgument("logprobs",
+                                  f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:  # first: what follows is O(limit)
+            raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                                  f"got {len(self.logit_bias)}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidArgument("logit_bias", "a token id is given twice")
+        upper = math.inf if vocab_size is None else vocab_size
+        unknown = [t for t, _ in self.logit_bias if not 0 <= t < upper]
+        if unknown:
+            raise InvalidArgument("logit_bias", f"{len(unknown)} token ids out of vocabulary "
+                                  f"(vocab_size {vocab_size}), first {unknown[:_NUM_IDS_SHOWN]}")
+        bad = [b for _, b in self.logit_bias
+               if not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS]
+        if bad:
+            raise InvalidArgument("logit_bias", f"biases must be in [-100, 100], got "
+                                  f"{bad[:_NUM_IDS_SHOWN]}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's logprob and the most likely tokens' (id, logprob), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -314,7 +314,7 @@ class Scheduler:
                 seq_id=seq.seq_id, token_ids=list(seq.token_ids),
                 block_table=self.block_manager.get_block_table(seq.seq_id),
                 num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_new,
-                sampling=seq.sampling, seed=seq.seed))
+                sampling=seq.sampling, seed=seq.seed, num_prompt_tokens=seq.num_prompt_tokens))
             self._executor_seq_ids.add(seq.seq_id)
         self._advance(seq, num_new, plan)
         if self.block_manager.enable_prefix_caching:

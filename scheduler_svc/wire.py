@@ -11,7 +11,7 @@ from scheduler_svc.plan import CachedSeqs, StepPlan, StepResult
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, TokenEvent,
                                    check_request_id)
-from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams, TokenLogprobs
 from scheduler_svc.sequence import FinishReason
 
 _FINISH_REASONS = {
@@ -58,6 +58,11 @@ def spec_from_proto(req: generate_pb2.GenerateRequest, request_id: str,
         top_k=s.top_k if s.top_k != 0 else -1,
         min_p=s.min_p,
         seed=s.seed if s.HasField("seed") else None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
     stopping = StoppingParams(
         max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
@@ -78,8 +83,13 @@ def spec_from_proto(req: generate_pb2.GenerateRequest, request_id: str,
 
 
 def token_to_proto(event: TokenEvent, request_id: str) -> generate_pb2.GenerateResponse:
-    return generate_pb2.GenerateResponse(
+    msg = generate_pb2.GenerateResponse(
         token_id=event.token_id, text=event.text, index=event.index, request_id=request_id)
+    if event.logprobs is not None:
+        msg.logprob = event.logprobs.logprob
+        msg.top_logprobs.extend(generate_pb2.TokenLogprob(token_id=t, logprob=lp)
+                                for t, lp in event.logprobs.top)
+    return msg
 
 
 def finish_to_proto(event: FinishEvent, request_id: str) -> generate_pb2.GenerateResponse:
@@ -107,13 +117,8 @@ def plan_to_proto(plan: StepPlan) -> executor_pb2.StepPlan:
             block_table=s.block_table,
             num_computed_tokens=s.num_computed_tokens,
             num_scheduled_tokens=s.num_scheduled_tokens,
-            sampling=executor_pb2.SamplingOptions(
-                temperature=s.sampling.temperature,
-                top_p=s.sampling.top_p,
-                top_k=s.sampling.top_k,
-                min_p=s.sampling.min_p,
-                seed=s.seed,
-            ),
+            sampling=_sampling_options(s.sampling, s.seed),
+            num_prompt_tokens=s.num_prompt_tokens or 0,
         )
         for s in plan.new_seqs
     ]
@@ -130,6 +135,18 @@ def plan_to_proto(plan: StepPlan) -> executor_pb2.StepPlan:
     return msg
 
 
+def _sampling_options(p: SamplingParams, seed: int) -> executor_pb2.SamplingOptions:
+    msg = executor_pb2.SamplingOptions(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=seed,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias_token_ids=[t for t, _ in p.logit_bias],
+        logit_bias_values=[b for _, b in p.logit_bias])
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
 def _fill_cached_seqs(cached: CachedSeqs, out: executor_pb2.CachedSeqs) -> None:
     """Column for column, each list extended into the field in place: a CachedSeqs built
     apart and passed to StepPlan(cached=...) would be copied once more (+30% at 1,024 seqs)."""
@@ -143,8 +160,10 @@ def _fill_cached_seqs(cached: CachedSeqs, out: executor_pb2.CachedSeqs) -> None:
 
 
 def result_from_proto(result: executor_pb2.StepResult) -> StepResult:
+    logprobs = {t.seq_id: TokenLogprobs(t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs)))
+                for t in result.logprobs}
     return StepResult({t.seq_id: t.token_id for t in result.sampled}, result.forward_ms,
-                      result.step_ms)
+                      result.step_ms, logprobs)
 
 
 def description_from_proto(d: executor_pb2.DescribeResponse) -> ExecutorDescription:

@@ -1,7 +1,9 @@
-"""Sampler: greedy, seeded determinism per position, top-k/top-p/min-p masks, temperature."""
+"""Sampler: greedy, seeded determinism per position, top-k/top-p/min-p masks, temperature; logit
+bias, penalties against transformers' processors, and raw logprobs."""
 import torch
 
-from executor_svc.sampler import Sampler, filtered_probs
+from executor_svc.sampler import (Sampler, SamplingTensors, controlled_logits, copy_to_host,
+                                  filtered_probs, from_host, top_from_host)
 from executor_svc.step import SamplingOptions
 
 VOCAB = 50
@@ -81,3 +83,90 @@ def test_mixed_greedy_and_random_rows():
     tokens, _ = Sampler()(logits, opts, [1, 2, 3, 4])
     argmax = logits.argmax(-1).tolist()
     assert tokens[:3] == argmax[:3]
+
+
+# --- logit bias, penalties, logprobs (issue 13) -----------------------------------------------
+
+def _counts(prompts, outputs, vocab=VOCAB):
+    from executor_svc.token_counts import TokenCounts
+    counts = TokenCounts(vocab, torch.device("cpu"))
+    return counts, [counts.add(p, o) for p, o in zip(prompts, outputs)]
+
+
+def test_repetition_penalty_matches_transformers_processor():
+    from transformers import RepetitionPenaltyLogitsProcessor
+    logits = _logits(3, seed=3)
+    prompts, outputs = [[1, 2, 3, 3], [7], [4, 9]], [[5, 1], [7, 7, 8], []]
+    counts, rows = _counts(prompts, outputs)
+    opts = [SamplingOptions(repetition_penalty=1.7)] * 3
+    params = SamplingTensors.build(opts, [0] * 3, VOCAB, logits.device, counts, rows)
+    got = controlled_logits(logits, params)
+    for i in range(3):
+        ids = torch.tensor([prompts[i] + outputs[i]])
+        want = RepetitionPenaltyLogitsProcessor(1.7)(ids, logits[i:i + 1].clone())
+        assert torch.equal(got[i:i + 1], want), i  # the same float ops: bit-identical
+    assert torch.equal(logits, _logits(3, seed=3))  # the model's logits stay unmodified
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    logits = _logits(2, seed=4)
+    counts, rows = _counts([[1, 2], [3]], [[2, 2, 5], []])
+    opts = [SamplingOptions(presence_penalty=0.5, frequency_penalty=0.25),
+            SamplingOptions(presence_penalty=-1.0)]
+    got = controlled_logits(logits, SamplingTensors.build(opts, [0, 0], VOCAB, logits.device,
+                                                          counts, rows))
+    want = logits.clone()
+    want[0, 2] -= 0.25 * 2 + 0.5  # token 1 is in the prompt only: untouched
+    want[0, 5] -= 0.25 * 1 + 0.5
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # row 1 generated nothing
+
+
+def test_counts_follow_sampled_tokens_on_the_device():
+    counts, rows = _counts([[1]], [[]])
+    counts.count(torch.tensor([rows[0], rows[0]]), torch.tensor([4, 4]))
+    assert counts.output_counts[rows[0], 4].item() == 2
+    many = [counts.add([i], []) for i in range(20)]  # grows past its first rows, keeping them
+    assert counts.output_counts[rows[0], 4].item() == 2 and len(set(many + rows)) == 21
+
+
+def test_logit_bias_is_added_before_penalties_and_sampling():
+    logits = _logits(2, seed=5)
+    opts = [SamplingOptions(logit_bias=((3, 100.0), (4, -2.5))), SamplingOptions()]
+    tokens, _ = Sampler()(logits, opts, [0, 0])
+    assert tokens[0] == 3 and tokens[1] == logits[1].argmax().item()
+    got = controlled_logits(logits, SamplingTensors.build(opts, [0, 0], VOCAB, logits.device))
+    want = logits.clone()
+    want[0, 3] += 100.0
+    want[0, 4] -= 2.5
+    assert torch.equal(got, want)
+    # bias then repetition penalty (vLLM's order): a biased seen token is divided after biasing
+    counts, rows = _counts([[3]], [[]])
+    both = SamplingOptions(logit_bias=((3, 1.0),), repetition_penalty=2.0)
+    got = controlled_logits(logits[:1], SamplingTensors.build([both], [0], VOCAB, logits.device,
+                                                              counts, rows))
+    biased = logits[0, 3] + 1.0
+    assert got[0, 3].item() == (biased / 2 if biased > 0 else biased * 2).item()
+
+
+def test_logprobs_are_the_raw_distribution_and_top_k_sorted():
+    logits = _logits(2, seed=6)
+    opts = [SamplingOptions(logit_bias=((0, 50.0),), logprobs=5), SamplingOptions(logprobs=0)]
+    params = SamplingTensors.build(opts, [0, 0], VOCAB, logits.device)
+    assert params.num_top_logprobs == 5
+    token_ids, logprobs = Sampler().sample(logits, params)
+    raw = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(logprobs, raw.gather(1, token_ids[:, None]).squeeze(1))
+    ids, values = Sampler().top_logprobs(logits, 5)
+    torch.testing.assert_close(values, raw.topk(5).values)
+    assert torch.equal(ids, raw.topk(5).indices)
+    host = copy_to_host(token_ids, logprobs, (ids, values))
+    assert from_host(host)[0] == token_ids.tolist()
+    top_ids, top_values = top_from_host(host)
+    assert top_ids == ids.tolist()
+    torch.testing.assert_close(torch.tensor(top_values, dtype=torch.float32), values)
+
+
+def test_plain_batch_builds_no_control_tensors():
+    params = SamplingTensors.build([SamplingOptions()] * 4, [0] * 4, VOCAB, torch.device("cpu"))
+    assert params.logit_bias is None and params.penalties is None
+    assert params.num_top_logprobs == 0

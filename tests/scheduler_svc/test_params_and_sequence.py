@@ -108,3 +108,28 @@ def test_sequence_length_limit_and_stop_token_set():
     assert make_seq(3, prompt_len=5, max_tokens=2, max_model_len=8).length_limit == 7
     seq = make_seq(4, stop_token_ids=(7, 9), ignore_eos=True, min_tokens=2)
     assert seq.stop_token_set == {7, 9, EOS}
+
+
+@pytest.mark.parametrize("kwargs, field, message", [
+    ({"presence_penalty": 2.5}, "presence_penalty", "must be in [-2, 2], got 2.5"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty", "must be in [-2, 2]"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty", "must be in [-2, 2]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty", "must be > 0 (1 is off), got 0.0"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty", "must be > 0"),
+    ({"logprobs": 21}, "logprobs", "must be in [0, 20], got 21"),
+    ({"logprobs": -1}, "logprobs", "must be in [0, 20]"),
+    ({"logit_bias": ((100, 1.0),)}, "logit_bias", "1 token ids out of vocabulary (vocab_size "
+                                                  "100), first [100]"),
+    ({"logit_bias": ((5, 100.5),)}, "logit_bias", "biases must be in [-100, 100]"),
+    ({"logit_bias": ((5, 1.0), (5, 2.0))}, "logit_bias", "a token id is given twice"),
+    ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias", "at most 300 tokens"),
+])
+def test_sampling_controls_name_the_bad_field(kwargs, field, message):
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**kwargs).validate(vocab_size=100)
+    assert err.value.field == field and message in str(err.value)
+
+
+def test_valid_sampling_controls():
+    SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5,
+                   logit_bias=tuple((i, -100.0) for i in range(100)), logprobs=20).validate(100)

@@ -52,3 +52,46 @@ def test_misaligned_columns_are_a_plan_mismatch(field, values):
     getattr(msg.cached, field)[:] = values
     with pytest.raises(PlanMismatch):
         executor_wire.plan_from_proto(msg)
+
+
+def test_sampling_controls_cross_both_wires():
+    from executor_svc.step import SampledToken, StepResult as ExecutorResult
+    from protos import generate_pb2
+    from scheduler_svc.request import RequestLimits, TokenEvent
+    from scheduler_svc.sampling_params import TokenLogprobs
+    req = generate_pb2.GenerateRequest(text="hi", sampling=generate_pb2.SamplingParams(
+        presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2,
+        logit_bias={9: -3.0, 4: 100.0}, logprobs=3))
+    params = wire.spec_from_proto(req, "r", RequestLimits()).sampling
+    assert params == SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25,
+                                    repetition_penalty=pytest.approx(1.2),
+                                    logit_bias=((4, 100.0), (9, -3.0)), logprobs=3)
+    default = wire.spec_from_proto(generate_pb2.GenerateRequest(text="hi"), "r",
+                                   RequestLimits()).sampling
+    assert (default.repetition_penalty, default.logprobs, default.logit_bias) == (1.0, None, ())
+    new = NewSeqPlan(7, [5, 6, 7, 8], [3], 0, 4, params, seed=11, num_prompt_tokens=3)
+    data = wire.plan_to_proto(StepPlan(1, new_seqs=[new])).SerializeToString()
+    seq = executor_wire.plan_from_proto(executor_pb2.StepPlan.FromString(data)).new_seqs[0]
+    assert seq.num_prompt_tokens == 3
+    o = seq.sampling
+    assert (o.presence_penalty, o.frequency_penalty, o.logit_bias, o.logprobs) == (
+        0.5, -0.25, ((4, 100.0), (9, -3.0)), 3)
+    assert o.repetition_penalty == pytest.approx(1.2)
+    result = ExecutorResult(1, [SampledToken(7, 4, -0.5, (4, 2), (-0.5, -1.5)),
+                                SampledToken(8, 2)], 0.0, 0.0)
+    data = executor_wire.result_to_proto(result).SerializeToString()
+    back = wire.result_from_proto(executor_pb2.StepResult.FromString(data))
+    assert back.sampled == {7: 4, 8: 2}
+    assert back.logprobs == {7: TokenLogprobs(-0.5, ((4, -0.5), (2, -1.5)))}
+    msg = wire.token_to_proto(TokenEvent(4, "x", 0, back.logprobs[7]), "r")
+    assert msg.logprob == -0.5 and [(t.token_id, t.logprob) for t in msg.top_logprobs] == [
+        (4, -0.5), (2, -1.5)]
+    assert not wire.token_to_proto(TokenEvent(4, "x", 0), "r").HasField("logprob")
+
+
+def test_bad_logit_bias_lengths_are_a_plan_mismatch():
+    msg = executor_pb2.StepPlan(step_id=1, new_seqs=[executor_pb2.NewSeq(
+        seq_id=1, token_ids=[1], sampling=executor_pb2.SamplingOptions(
+            logit_bias_token_ids=[1, 2], logit_bias_values=[1.0]))])
+    with pytest.raises(PlanMismatch, match="logit_bias"):
+        executor_wire.plan_from_proto(msg)

@@ -1,0 +1,76 @@
+"""TokenCounts: per-sequence token counts on the logits' device, for the repetition, presence and
+frequency penalties: which tokens the prompt holds and how often each was generated. Updated on
+the device from each step's sampled ids (never read on the host). Imports torch only.
+
+Rows are held only by sequences that use a penalty, and the tensors are made when the first such
+sequence arrives: a batch without penalties costs nothing. Dense rows ([rows, vocab], 5 bytes a
+token: 640 KB a seq at a 128k vocabulary) rather than vLLM's padded token-id lists turned into
+bin counts every step: a step's cost is one gather of its rows and one scatter of its sampled ids,
+whatever the sequences' lengths, and nothing is rebuilt per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from executor_svc.attention_metadata import to_device
+
+_FIRST_ROWS = 8
+
+
+class TokenCounts:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.prompt_mask: torch.Tensor | None = None  # [rows, vocab] bool: in the prompt
+        self.output_counts: torch.Tensor | None = None  # [rows, vocab] int32: times generated
+        self._free: list[int] = []
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.output_counts is None else self.output_counts.shape[0]
+
+    def add(self, prompt_ids: list[int], output_ids: list[int]) -> int:
+        """A row counting these tokens (queued on the device); returns its index."""
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.prompt_mask[row] = False
+        self.output_counts[row] = 0
+        if prompt_ids:
+            self.prompt_mask[row, self._ids(prompt_ids)] = True
+        if output_ids:
+            ids = self._ids(output_ids)
+            self.output_counts[row].index_add_(
+                0, ids, torch.ones(ids.shape, dtype=torch.int32, device=self.device))
+        return row
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+    def clear(self) -> None:
+        """Forget every row (keeps the tensors for reuse)."""
+        self._free = list(range(self.num_rows - 1, -1, -1))
+
+    def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Adds one sampled token to each row, on the device: rows, token_ids [m] int64."""
+        ones = torch.ones(rows.shape, dtype=torch.int32, device=self.device)
+        self.output_counts.index_put_((rows, token_ids), ones, accumulate=True)
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' prompt masks and output counts: [m, vocab] bool and int32."""
+        return self.prompt_mask[rows], self.output_counts[rows]
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return to_device(torch.tensor(ids, dtype=torch.int64), self.device)
+
+    def _grow(self) -> None:
+        """Doubles the rows (device copies, no host sync)."""
+        old = self.num_rows
+        new = max(_FIRST_ROWS, 2 * old)
+        mask = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
+        counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)
+        if old:
+            mask[:old] = self.prompt_mask
+            counts[:old] = self.output_counts
+        self.prompt_mask, self.output_counts = mask, counts
+        self._free = list(range(new - 1, old - 1, -1)) + self._free

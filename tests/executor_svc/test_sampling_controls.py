@@ -9,7 +9,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from executor_svc.step import SamplingOptions, StepPlan, StepResult
-from tests.executor_svc.helpers import PlanDriver, hf_model, make_runner, random_prompt
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.sequence import Sequence
+from tests.executor_svc.helpers import (PlanDriver, RunnerLink, ScheduledRun, hf_model,
+                                        make_runner, make_scheduler, random_prompt)
 
 NUM_NEW = 12
 
@@ -28,14 +31,14 @@ class _OpenAIPenalties(LogitsProcessor):
 
 
 @torch.inference_mode()
-def _hf_generate(hf, prompt, options: SamplingOptions):
+def _hf_generate(hf, prompt, options: SamplingOptions, num_new: int = NUM_NEW):
     """Greedy tokens and each step's raw logits, with the options' processors."""
     processors = LogitsProcessorList()
     if options.presence_penalty or options.frequency_penalty:
         processors.append(_OpenAIPenalties(len(prompt), options.presence_penalty,
                                            options.frequency_penalty))
     gen = GenerationConfig(
-        max_new_tokens=NUM_NEW, min_new_tokens=0, do_sample=False, eos_token_id=None,
+        max_new_tokens=num_new, min_new_tokens=0, do_sample=False, eos_token_id=None,
         pad_token_id=0, repetition_penalty=options.repetition_penalty,
         sequence_bias={(t,): b for t, b in options.logit_bias} or None,
         return_dict_in_generate=True, output_logits=True)
@@ -149,3 +152,39 @@ def test_logit_bias_id_out_of_vocabulary_is_a_plan_mismatch():
     with pytest.raises(PlanMismatch, match="logit_bias"):
         runner.launch(StepPlan(1, new_seqs=[bad]))
     assert not runner.seqs
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [16, 0])  # preemption by swap, then by recompute
+def test_real_scheduler_with_preemption_and_two_steps_in_flight(num_cpu_blocks):
+    """The scheduler's plans (re-admissions after recompute preemption included: prompt and
+    generated ids apart) against a runner launching step N+1 before step N is finished."""
+    hf = hf_model("tiny")
+    runner = make_runner(hf, num_gpu_blocks=12, num_cpu_blocks=num_cpu_blocks)
+    sched = make_scheduler(runner.info, max_num_batched_tokens=16, max_num_seqs=6)
+    rng = random.Random(17)
+    cases = list(CASES.values())
+    prompts, options = {}, {}
+    for seq_id in range(1, 11):
+        options[seq_id] = o = cases[seq_id % len(cases)]
+        prompts[seq_id] = random_prompt(rng, rng.randint(1, 20))
+        params = SamplingParams(presence_penalty=o.presence_penalty,
+                                frequency_penalty=o.frequency_penalty,
+                                repetition_penalty=o.repetition_penalty,
+                                logit_bias=o.logit_bias, logprobs=o.logprobs)
+        sched.add_seq(Sequence(seq_id, prompts[seq_id], params,
+                               StoppingParams(max_tokens=rng.randint(6, 14)), eos_token_id=None,
+                               max_model_len=512, arrival_time=float(seq_id)))
+    link = RunnerLink(runner, overlap=True)
+    readmitted = []  # penalised seqs sent anew with generated tokens
+    send = link.send
+    link.send = lambda message: (readmitted.extend(
+        s.seq_id for s in message.new_seqs
+        if s.num_prompt_tokens < len(s.token_ids) and s.sampling.presence_penalty), send(message))
+    run = ScheduledRun(sched, link).run()
+    if num_cpu_blocks:
+        assert sched.num_preemptions_swap > 0
+    else:
+        assert sched.num_preemptions_recompute > 0 and readmitted
+    assert link.launched_with_pending > 0
+    for seq_id, out in run.outputs.items():
+        assert out == _hf_generate(hf, prompts[seq_id], options[seq_id], len(out))[0], seq_id

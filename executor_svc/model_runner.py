@@ -66,6 +66,7 @@ class PendingStep:
     marks: StepMarks  # marks.end: recorded after the step's GPU work; None on CPU (all done)
     forward_ms: float
     launch_ms: float
+    maybe_logprobs: bool = False  # some seq held at launch uses a control (logprobs perhaps)
 
     def is_ready(self) -> bool:
         """Whether finish() would return without waiting for the GPU."""
@@ -90,6 +91,7 @@ class ModelRunner:
         self.seqs: dict[int, SeqState] = {}
         self.tables = BlockTables(-(-info.max_model_len // info.block_size))
         self.token_counts = TokenCounts(info.vocab_size, backend.device)
+        self._num_controlled = 0  # held seqs using a penalty, a logit bias or logprobs
         self.last_step_id: int | None = None
         self._pending: deque[PendingStep] = deque()  # launched, not finished, in step order
 
@@ -99,6 +101,7 @@ class ModelRunner:
         self.seqs.clear()
         self.tables.clear()
         self.token_counts.clear()
+        self._num_controlled = 0
         self.last_step_id = None
         self._pending.clear()
         self.timer.reset()
@@ -123,7 +126,7 @@ class ModelRunner:
         forward_ms = (time.perf_counter() - forward_start) * 1e3
         self.timer.end_gpu(marks)  # also what finish() waits for
         pending = PendingStep(step.step_id, seqs, token_ids, results, kind, marks, forward_ms,
-                              (time.perf_counter() - start) * 1e3)
+                              (time.perf_counter() - start) * 1e3, self._num_controlled > 0)
         self._pending.append(pending)
         return pending
 
@@ -221,6 +224,7 @@ class ModelRunner:
                 self.tables.free(state.row)
                 if state.count_row is not None:
                     self.token_counts.free(state.count_row)
+                self._num_controlled -= state.sampling.has_controls
         self.cache_engine.swap_out(step.swap_out)
         self.cache_engine.swap_in(step.swap_in)
         self.cache_engine.copy(step.copy)
@@ -234,6 +238,7 @@ class ModelRunner:
     def _register(self, new: NewSeq) -> _Scheduled:
         state = SeqState(list(new.token_ids), self.tables.add(new.block_table),
                          new.num_computed_tokens, new.sampling)
+        self._num_controlled += new.sampling.has_controls
         if new.sampling.uses_penalties:  # counts rebuilt from the plan's ids, prompt apart
             num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
             state.count_row = self.token_counts.add(new.token_ids[:num_prompt],
@@ -262,7 +267,9 @@ class ModelRunner:
         params = SamplingTensors.build([s.state.sampling for s in seqs],
                                        [s.state.num_tokens for s in seqs],
                                        self.info.vocab_size, self.backend.device,
-                                       self.token_counts, [s.state.count_row for s in seqs])
+                                       self.token_counts,
+                                       [s.state.count_row for s in seqs] if self._num_controlled
+                                       else None, self._num_controlled > 0)
         graphs = self.decode_graphs
         rows = np.fromiter((s.state.row for s in scheduled), np.int64, len(scheduled))
         tables = self.tables.gather(rows)  # [num_seqs, longest table]
@@ -341,6 +348,8 @@ class ModelRunner:
 def _sampled_tokens(pending: PendingStep, token_ids: list[int], logprobs: list[float]
                     ) -> list[SampledToken]:
     """The step's SampledTokens; logprobs only for the seqs that asked."""
+    if not pending.maybe_logprobs:  # the common step: no per-seq look at the options
+        return [SampledToken(s.seq_id, t) for s, t in zip(pending.seqs, token_ids)]
     tops = (top_from_host(pending.results) if pending.seqs and pending.results.shape[0] > 2
             else None)
     sampled = []

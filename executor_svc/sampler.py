@@ -87,9 +87,13 @@ class SamplingTensors:
     @classmethod
     def build(cls, options: list[SamplingOptions], positions: list[int], vocab_size: int,
               device: torch.device, counts: TokenCounts | None = None,
-              count_rows: list[int | None] | None = None) -> "SamplingTensors":
-        """count_rows[i]: row i's row of `counts` (None if it uses no penalty)."""
-        controls = _controls(options, device, counts, count_rows)
+              count_rows: list[int | None] | None = None, any_controls: bool = True
+              ) -> "SamplingTensors":
+        """count_rows[i]: row i's row of `counts` (None if it uses no penalty). any_controls=False
+        promises that no row uses a penalty, a logit bias or logprobs: the common batch then
+        skips the per-row check (40 us at 1,024 rows, more than half of this build)."""
+        controls = (_controls(options, device, counts, count_rows) if any_controls
+                    else (None, None, 0))
         greedy = [o.temperature <= 0.0 for o in options]
         if all(greedy):
             return cls(len(options), True, True, None, None, None, None, None, None, *controls)

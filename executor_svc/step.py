@@ -74,8 +74,11 @@ class StepPlan:
     preempted_seq_ids: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampledToken:
+    """Not frozen: one is made per sampled token, and frozen, its five fields built in 0.85 ms
+    at 1,024 seqs on this VM against 0.15 ms with slots."""
+
     seq_id: int
     token_id: int
     # Only for a seq whose SamplingOptions.logprobs is set: the sampled token's logprob and the

@@ -43,7 +43,8 @@ def profile_num_gpu_blocks(model, block_size: int, block_bytes: int, utilization
                            max_num_batched_tokens: int, max_decode_batch: int,
                            device: torch.device) -> MemoryProfile:
     """Runs one prefill of max_num_batched_tokens tokens on a scratch cache, then samples
-    max_decode_batch rows (top-p: the sort is the sampler's peak), and sizes the KV cache."""
+    max_decode_batch rows (top-p: the sort is the sampler's peak; a logit bias and logprobs), and
+    sizes the KV cache."""
     cfg = model.config
     gc.collect()
     torch.cuda.empty_cache()
@@ -87,7 +88,11 @@ def _profile_forward(model, block_size: int, num_tokens: int, num_rows: int,
     hidden = model.forward(input_ids, positions, metadata, (k_cache, v_cache))
     rows = torch.arange(num_rows, device=device) % num_tokens
     logits = model.compute_logits(hidden[rows])  # [num_rows, vocab]
-    options = [SamplingOptions(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=i)
+    # logit_bias copies the logits and logprobs adds a top-k; penalties are not profiled: their
+    # counts grow with the seqs that use them (TokenCounts), like the KV they go with
+    options = [SamplingOptions(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=i,
+                               logit_bias=((0, 1.0),), logprobs=20)
                for i in range(num_rows)]
     params = SamplingTensors.build(options, list(range(num_rows)), cfg.vocab_size, device)
     Sampler().sample(logits, params)
+    Sampler().top_logprobs(logits, params.num_top_logprobs)

@@ -176,7 +176,8 @@ class ModelRunner:
             raise PlanMismatch(f"seq {new.seq_id}: token id out of vocabulary")
         if any(t < 0 or t >= vocab_size for t, _ in new.sampling.logit_bias):
             raise PlanMismatch(f"seq {new.seq_id}: logit_bias token id out of vocabulary")
-        if new.num_prompt_tokens is not None and not 0 < new.num_prompt_tokens <= len(new.token_ids):
+        num_prompt = new.num_prompt_tokens
+        if num_prompt is not None and not 0 < num_prompt <= len(new.token_ids):
             raise PlanMismatch(f"seq {new.seq_id}: num_prompt_tokens {new.num_prompt_tokens} "
                                f"outside [1, {len(new.token_ids)}]")
         self._check_counts(new.seq_id, len(new.token_ids), new.num_computed_tokens,
@@ -240,7 +241,7 @@ class ModelRunner:
                          new.num_computed_tokens, new.sampling)
         self._num_controlled += new.sampling.has_controls
         if new.sampling.uses_penalties:  # counts rebuilt from the plan's ids, prompt apart
-            num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+            num_prompt = new.num_prompt_tokens or len(new.token_ids)
             state.count_row = self.token_counts.add(new.token_ids[:num_prompt],
                                                     new.token_ids[num_prompt:])
         self.seqs[new.seq_id] = state

@@ -79,7 +79,8 @@ def test_greedy_with_controls_matches_transformers_in_one_batch():
     results = []
     while min(len(driver.tokens[i]) - len(prompts[i]) for i in prompts) < NUM_NEW:
         results.append(_step(driver, cached_seqs=[
-            driver.cached_seq(i) for i in prompts if len(driver.tokens[i]) - len(prompts[i]) < NUM_NEW]))
+            driver.cached_seq(i) for i in prompts
+            if len(driver.tokens[i]) - len(prompts[i]) < NUM_NEW]))
     changed = []
     for i, name in enumerate(CASES):
         want, _ = _hf_generate(hf, prompts[i], options[i])

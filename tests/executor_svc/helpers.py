@@ -174,13 +174,15 @@ class ScheduledRun:
 
 
 def add_workload(sched, seed: int, num_seqs: int = 10, vocab: int = 49152) -> dict[int, list[int]]:
-    """Prompts of 1-20 tokens, 1-14 output tokens; odd seqs greedy, even ones seeded samples.
-    Returns the prompts."""
+    """Prompts of 1-20 tokens, 1-14 output tokens; odd seqs greedy, even ones seeded samples
+    that ask for their logprobs (so that runs can be compared on them too). Returns the
+    prompts."""
     rng = random.Random(seed)
     prompts = {}
     for seq_id in range(1, num_seqs + 1):
         sampling = (SamplingParams() if seq_id % 2 else
-                    SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1000 + seq_id))
+                    SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1000 + seq_id,
+                                   logprobs=1))
         prompts[seq_id] = random_prompt(rng, rng.randint(1, 20), vocab)
         sched.add_seq(Sequence(seq_id, prompts[seq_id], sampling,
                                StoppingParams(max_tokens=rng.randint(1, 14)), eos_token_id=None,

@@ -50,6 +50,7 @@ def test_overlapped_steps_give_the_same_tokens_and_logprobs(num_cpu_blocks, grap
     serial, _, _, _ = scheduled_run(False, num_cpu_blocks, graphs)
     overlapped, link, sched, prompts = scheduled_run(True, num_cpu_blocks, graphs)
     assert overlapped.results == serial.results
+    assert any(lp is not None for _, sampled in serial.results for *_, lp in sampled)  # compared
     assert overlapped.outputs == serial.outputs
     assert link.launched_with_pending > len(overlapped.results) // 2
     if num_cpu_blocks:

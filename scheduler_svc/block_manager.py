@@ -20,8 +20,9 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 class BlockManager:
     """Maps seq_id -> block_table on the GPU, and on the CPU for swapped sequences.
 
-    Blocks may be shared between sequences after `fork` (ref counted); a write into a shared
-    last block triggers copy-on-write in `allocate_slots`.
+    Blocks may be shared between sequences after `fork_prompt` (parallel sampling: full pages
+    shared, the last partial page copied) or `fork` (everything shared; a write into a shared
+    last block then triggers copy-on-write in `allocate_slots`).
 
     Prefix caching (vLLM v1's scheme), when enabled: a full GPU page whose KV is written is
     recorded under hash_block(parent hash, its tokens) by `cache_full_blocks`; a new sequence
@@ -230,6 +231,37 @@ class BlockManager:
         self._gpu_pool.free(src)
         table[-1] = dst
         return (src, dst)
+
+    def fork_prompt(self, parent_seq_id: int, child_seq_id: int, num_tokens: int,
+                    copies: list[tuple[int, int]]) -> bool:
+        """Parallel sampling: give the child a table covering num_tokens tokens (the prompt)
+        whose first num_tokens - 1 hold the parent's KV. Full pages are shared (ref counted);
+        the page of the last token is the child's own: a copy of the parent's, its (src, dst)
+        pair appended to `copies`, when it holds some of the parent's tokens, else a fresh
+        page. The child computes the last token itself (to sample from its logits), so no page
+        is ever shared partially filled and neither side needs copy-on-write later. Needs one
+        free GPU block; False, and no change, without one. The parent's KV of those tokens must
+        be written by a plan sent before the one that carries the copy."""
+        if child_seq_id in self._gpu_tables or child_seq_id in self._cpu_tables:
+            raise RuntimeError(f"fork: seq {child_seq_id} already has blocks")
+        parent = self._gpu_tables[parent_seq_id]
+        num_shared, num_partial = divmod(num_tokens - 1, self.block_size)
+        if len(parent) < num_shared + int(num_partial > 0):
+            raise RuntimeError(f"fork: seq {parent_seq_id} does not cover {num_tokens - 1} tokens")
+        if not self._gpu_pool.can_allocate(1):
+            return False
+        table = parent[:num_shared]
+        for block_id in table:
+            self._gpu_pool.incref(block_id)
+        block_id = self._gpu_pool.allocate()
+        if num_partial:
+            copies.append((parent[num_shared], block_id))
+        table.append(block_id)
+        self._gpu_tables[child_seq_id] = table
+        self._num_slots[child_seq_id] = num_tokens
+        self._num_cached_blocks[child_seq_id] = min(
+            num_shared, self._num_cached_blocks.get(parent_seq_id, 0))
+        return True
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Give the child the parent's GPU blocks, shared (ref counted)."""

@@ -60,6 +60,10 @@ class Scheduler:
         # Seqs with pages that may have become full since they were last offered to the cache;
         # offered at the next schedule(), when the steps that write their KV have been sent.
         self._seqs_to_cache: set[int] = set()
+        # Parallel sampling: the samples of a request wait here, under the seq_id of its first
+        # sample, until that one's prompt KV is written; then each forks from its pages.
+        self._forks: dict[int, list[Sequence]] = {}
+        self._fork_parent: dict[int, int] = {}  # sample's seq_id -> the seq it forks from
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -69,19 +73,32 @@ class Scheduler:
         bm = self.block_manager
         return bm.num_blocks_needed(num_tokens) <= bm.num_gpu_blocks
 
-    def add_seq(self, seq: Sequence) -> None:
-        """Queue a new request (FCFS); assigns a seed when the request gave none."""
-        if seq.seq_id in self._seqs:
-            raise ValueError(f"seq {seq.seq_id} already added")
+    def add_seq(self, seq: Sequence, samples: list[Sequence] = ()) -> None:
+        """Queue a new request (FCFS); assigns a seed to each seq that has none.
+
+        `samples`: the request's other samples (parallel sampling, same prompt). They are
+        prefilled once, by `seq`: once its prompt's KV is written, each sample forks from its
+        pages (fork_prompt) and computes only the last prompt token, to sample its own first
+        token. If `seq` finishes before they fork, they are queued as requests of their own."""
+        for s in (seq, *samples):
+            if s.seq_id in self._seqs:
+                raise ValueError(f"seq {s.seq_id} already added")
+            if s.prompt_token_ids != seq.prompt_token_ids:
+                raise ValueError(f"seq {s.seq_id}: a sample must have its request's prompt")
         if not self.can_ever_fit(seq.num_tokens + 1):
             raise InvalidArgument(
                 "prompt", f"{seq.num_tokens} tokens can never fit the KV cache "
                 f"({self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size})")
-        if seq.seed is None:
-            seq.seed = self._rng.randrange(2**63)
-        seq.status = SequenceStatus.WAITING
-        self._seqs[seq.seq_id] = seq
+        for s in (seq, *samples):
+            if s.seed is None:
+                s.seed = self._rng.randrange(2**63)
+            s.status = SequenceStatus.WAITING
+            self._seqs[s.seq_id] = s
         self.waiting.append(seq)
+        if samples:
+            self._forks[seq.seq_id] = list(samples)
+            for s in samples:
+                self._fork_parent[s.seq_id] = seq.seq_id
 
     def abort_seq(self, seq_id: int) -> bool:
         """Client went away: free its pages now. False if unknown or already finished."""
@@ -93,7 +110,13 @@ class Scheduler:
         seq = self._seqs.get(seq_id)
         if seq is None:
             return False
-        self._queue_of(seq).remove(seq)
+        parent_id = self._fork_parent.pop(seq_id, None)
+        if parent_id is None:
+            self._queue_of(seq).remove(seq)
+        else:  # a sample not forked yet
+            self._forks[parent_id].remove(seq)
+            if not self._forks[parent_id]:
+                del self._forks[parent_id]
         self._finish(seq, reason)
         return True
 
@@ -125,6 +148,8 @@ class Scheduler:
         self._pending_finished_ids = []
         if self._seqs_to_cache:
             self._cache_full_blocks()
+        # Read before this plan schedules anything: their prompt KV is written by plans sent.
+        forkable = self._forkable() if self._forks else []
         budget = _Budget(self.config.max_num_batched_tokens)
         self._schedule_running(plan, budget)
         # After a preemption, bringing seqs in would thrash; after a swap-out, a swap-in could
@@ -132,6 +157,8 @@ class Scheduler:
         if not plan.preempted_seq_ids:
             self._schedule_swapped(plan, budget)
         if not plan.preempted_seq_ids and not self.swapped:
+            if forkable:
+                self._schedule_forks(forkable, plan, budget)
             self._schedule_waiting(plan, budget)
         self.num_blocks_copied += len(plan.copy)
         self.peak_gpu_blocks_used = max(self.peak_gpu_blocks_used,
@@ -274,6 +301,41 @@ class Scheduler:
             self.waiting.popleft()
             self._set_running(seq)
             self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
+
+    def _forkable(self) -> list[Sequence]:
+        """Running seqs with samples waiting whose whole prompt was computed by plans already
+        made (and so sent, and run before the plan being built, whose copies read it)."""
+        seqs = (self._seqs[seq_id] for seq_id in self._forks)
+        return [seq for seq in seqs if seq.status is SequenceStatus.RUNNING
+                and seq.num_computed_tokens >= seq.num_prompt_tokens]
+
+    def _schedule_forks(self, parents: list[Sequence], plan: StepPlan, budget: _Budget) -> None:
+        """Each waiting sample takes its parent's prompt pages (the partial last one copied in
+        this plan's `copy`) and computes the last prompt token: sent as a new seq with
+        num_computed_tokens = prompt - 1. Stops when the pool, the budget or max_num_seqs is
+        short; the rest wait for a later step (or for their parent to finish)."""
+        bm = self.block_manager
+        for parent in parents:
+            samples = self._forks.get(parent.seq_id)
+            if not samples or parent.status is not SequenceStatus.RUNNING:
+                continue
+            while samples:
+                sample = samples[0]
+                if budget.tokens <= 0 or not self._has_seq_room() or not bm.fork_prompt(
+                        parent.seq_id, sample.seq_id, sample.num_tokens, plan.copy):
+                    return
+                samples.pop(0)
+                del self._fork_parent[sample.seq_id]
+                sample.num_computed_tokens = sample.num_tokens - 1
+                self._set_running(sample)
+                self._add_to_plan(sample, 1, [], plan, budget)
+            del self._forks[parent.seq_id]
+
+    def _release_samples(self, seq: Sequence) -> None:
+        """seq finished before its samples forked: they prefill as requests of their own."""
+        for sample in reversed(self._forks.pop(seq.seq_id, ())):
+            del self._fork_parent[sample.seq_id]
+            self.waiting.appendleft(sample)
 
     def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
         """Tokens to compute for seq this step; 0 when it must wait for a later step.
@@ -443,6 +505,8 @@ class Scheduler:
         """Mark finished (already off its queue), free its pages, tell the executor next step."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if seq.seq_id in self._forks:
+            self._release_samples(seq)
         self._offer_to_cache(seq)
         self.block_manager.free(seq.seq_id)
         del self._seqs[seq.seq_id]

@@ -160,9 +160,13 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
 
 def check_queues(sched: Scheduler) -> None:
     """No seq in two queues; statuses match queues; running tables cover computed tokens."""
-    ids = [s.seq_id for s in [*sched.waiting, *sched.running, *sched.swapped]]
+    forking = [s for samples in sched._forks.values() for s in samples]
+    ids = [s.seq_id for s in [*sched.waiting, *sched.running, *sched.swapped, *forking]]
     assert len(ids) == len(set(ids)), "seq in two queues"
     assert set(ids) == set(sched._seqs), "queues and seq registry disagree"
+    for seq in forking:  # samples waiting to fork own no pages yet
+        assert seq.status.name == "WAITING" and seq.num_computed_tokens == 0
+        assert not bm_tables(sched, seq.seq_id)
     bm = sched.block_manager
     for seq in sched.running:
         assert seq.status.name == "RUNNING"
@@ -172,6 +176,18 @@ def check_queues(sched: Scheduler) -> None:
     for seq in sched.waiting:
         assert seq.status.name == "WAITING" and seq.num_computed_tokens == 0
         assert not bm.get_block_table(seq.seq_id) and not bm.get_cpu_block_table(seq.seq_id)
+
+
+def bm_tables(sched: Scheduler, seq_id: int) -> list[int]:
+    bm = sched.block_manager
+    return bm.get_block_table(seq_id) + bm.get_cpu_block_table(seq_id)
+
+
+def make_samples(seq: Sequence, n: int, first_seq_id: int) -> list[Sequence]:
+    """n - 1 more samples of seq's request (parallel sampling): same prompt and parameters."""
+    return [Sequence(first_seq_id + i, seq.prompt_token_ids, seq.sampling, seq.stopping,
+                     seq.eos_token_id, seq.max_model_len, arrival_time=seq.arrival_time)
+            for i in range(n - 1)]
 
 
 class Loop:

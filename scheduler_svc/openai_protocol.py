@@ -96,15 +96,10 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
 
-# Controls the engine lacks until issue 13's part 2 adds them to SamplingParams (and the executor):
-# (parameter, whether a value is neutral, the neutral values in words). Anything else is refused,
-# never ignored.
-_NOT_YET = (
-    ("presence_penalty", lambda v: not v, "0"),
-    ("frequency_penalty", lambda v: not v, "0"),
-    ("repetition_penalty", lambda v: v in (None, 1.0), "1"),
-    ("logit_bias", lambda v: not v, "null or {}"),
-)
+# Controls the engine has but this API does not return yet (logprobs need token strings in the
+# responses): (parameter, whether a value is neutral, the neutral values in words). Anything else
+# is refused, never ignored.
+_NOT_YET: tuple = ()
 _NOT_YET_CHAT = (("logprobs", lambda v: not v, "false"), ("top_logprobs", lambda v: not v, "0"))
 _NOT_YET_COMPLETIONS = (("logprobs", lambda v: v is None, "null"),)
 
@@ -137,14 +132,30 @@ def _refuse_completion_extras(req: CompletionRequest) -> None:
 
 def _sampling(req: _SamplingRequest, sample: int) -> SamplingParams:
     """Sample `sample` of `n`: seed + sample, so that a seeded request is reproducible and its
-    samples differ (as vLLM derives its parallel samples' seeds)."""
+    samples differ (as vLLM derives its parallel samples' seeds). The engine validates ranges
+    and names the field (penalties, logit_bias ids against the vocabulary)."""
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k in (None, 0) else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
         seed=None if req.seed is None else (req.seed + sample) % _SEED_MODULUS,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as the engine's sorted (id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            pairs.append((int(key), float(value)))
+        except ValueError:
+            raise InvalidArgument("logit_bias", f"keys must be token ids, got {key!r}") from None
+    return tuple(sorted(pairs))
 
 
 def _stopping(req: _SamplingRequest, max_tokens: int | None) -> StoppingParams:

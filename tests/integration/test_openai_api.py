@@ -72,6 +72,55 @@ def test_sync_chat_matches_generate_token_for_token(services, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_penalties_and_logit_bias_match_generate(services, client):
+    """The controls through the SDK give the tokens Generate gives with the same values, on a
+    prompt whose greedy output repeats tokens, so that the penalties change it (the comparison is
+    not between two unpenalised runs)."""
+    def grpc_ids(prompt, **sampling):
+        req = generate_pb2.GenerateRequest()
+        req.token_ids.ids.extend(prompt)
+        req.stopping.max_tokens, req.stopping.ignore_eos = 12, True
+        for key, value in sampling.items():
+            if key == "logit_bias":
+                req.sampling.logit_bias.update(value)
+            else:
+                setattr(req.sampling, key, value)
+        with grpc.insecure_channel(services.scheduler_address) as channel:
+            return [r.token_id for r in services.stub(channel).Generate(req, timeout=120)
+                    if not r.finished]
+
+    def http_tokens(prompt, **controls):
+        extra = {"ignore_eos": True, **controls.pop("extra", {})}
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                          temperature=0, extra_body=extra, logprobs=None,
+                                          **controls)
+        return reply.choices[0].text
+
+    prompt = [100] * 8  # greedy decoding of the tiny preset repeats its first token at once
+    plain = grpc_ids(prompt)
+    assert len(set(plain)) < len(plain)
+    penalised = grpc_ids(prompt, presence_penalty=2.0, frequency_penalty=2.0,
+                         repetition_penalty=3.0)
+    assert penalised != plain
+    biased = grpc_ids(prompt, logit_bias={plain[0]: -100.0})
+    assert biased[0] != plain[0]
+    tokenizer_text = http_tokens(prompt)  # the texts of the id lists above, via the same engine
+    assert http_tokens(prompt, presence_penalty=2.0, frequency_penalty=2.0,
+                       extra={"repetition_penalty": 3.0}) != tokenizer_text
+    assert http_tokens(prompt, presence_penalty=2.0, frequency_penalty=2.0,
+                       extra={"repetition_penalty": 3.0}) == _text(services, penalised)
+    assert http_tokens(prompt, logit_bias={str(plain[0]): -100}) == _text(services, biased)
+    assert tokenizer_text == _text(services, plain)
+
+
+def _text(services, ids: list[int]) -> str:
+    """What the engine's detokenizer makes of generated ids (the tiny preset's tokenizer)."""
+    from executor_svc.model_loader import smollm2_gguf_path
+    from scheduler_svc.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf_path()).decode(ids)
+
+
 def test_async_sdk_serves_concurrent_requests_alike(services, client):
     expected = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
 
@@ -175,8 +224,10 @@ def test_error_statuses_in_openais_shape(services):
     chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
     status, err = error(services, "POST", "/v1/chat/completions", {**chat, "top_p": 2})
     assert (status, err["param"], err["type"]) == (400, "top_p", "invalid_request_error")
-    status, err = error(services, "POST", "/v1/chat/completions", {**chat, "logit_bias": {"5": 1}})
-    assert (status, err["param"]) == (400, "logit_bias") and "not supported yet" in err["message"]
+    status, err = error(services, "POST", "/v1/chat/completions", {**chat, "logit_bias": {"5": 500}})
+    assert (status, err["param"]) == (400, "logit_bias")
+    status, err = error(services, "POST", "/v1/chat/completions", {**chat, "logprobs": True})
+    assert (status, err["param"]) == (400, "logprobs") and "not supported yet" in err["message"]
     status, err = error(services, "POST", "/v1/chat/completions", {**chat, "messages": []})
     assert (status, err["param"]) == (400, "messages")
     for key in (None, "wrong"):
@@ -189,7 +240,7 @@ def test_error_statuses_in_openais_shape(services):
 
 def test_sdk_raises_its_own_error_classes(client):
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, presence_penalty=1.0)
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, presence_penalty=3.0)
     assert "presence_penalty" in str(bad.value)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)

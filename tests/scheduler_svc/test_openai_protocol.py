@@ -69,10 +69,21 @@ def test_completion_prompt_forms_and_choice_order():
     assert info.value.field == "prompt"
 
 
-@pytest.mark.parametrize("field,value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2),
-    ("logit_bias", {"50256": -100}), ("logprobs", True), ("top_logprobs", 2)])
-def test_controls_of_part_2_are_refused_by_name(field, value):
+def test_penalties_and_logit_bias_reach_the_engine():
+    [spec] = chat_specs(chat(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+                             logit_bias={"7": 2.5, "3": -100}), "r")
+    s = spec.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert s.logit_bias == ((3, -100.0), (7, 2.5))
+    [spec] = completion_specs(completion(presence_penalty=None, repetition_penalty=None), "r")
+    assert (spec.sampling.presence_penalty, spec.sampling.repetition_penalty) == (0.0, 1.0)
+    with pytest.raises(InvalidArgument) as info:
+        chat_specs(chat(logit_bias={"the": 1}), "r")
+    assert info.value.field == "logit_bias"
+
+
+@pytest.mark.parametrize("field,value", [("logprobs", True), ("top_logprobs", 2)])
+def test_logprobs_are_refused_by_name_until_responses_carry_them(field, value):
     with pytest.raises(InvalidArgument, match="not supported yet") as info:
         chat_specs(chat(**{field: value}), "r")
     assert info.value.field == field

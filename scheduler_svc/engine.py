@@ -95,16 +95,18 @@ class EngineConfig:
 
 
 class _RequestState:
-    """One request's output side: its queue, detokenizer and stop-string matcher."""
+    """One sample's output side: the request's queue (shared by its n samples), the sample's
+    detokenizer and stop-string matcher."""
 
-    def __init__(self, seq: Sequence, tokenizer, prepared: PreparedRequest,
-                 request_id: str) -> None:
+    def __init__(self, seq: Sequence, tokenizer, stopper, request_id: str,
+                 queue: asyncio.Queue, sample_index: int = 0) -> None:
         self.seq = seq
         self.request_id = request_id
-        self.queue: asyncio.Queue[TokenEvent | FinishEvent | EngineFailed] = asyncio.Queue()
+        self.sample_index = sample_index
+        self.queue: asyncio.Queue[TokenEvent | FinishEvent | EngineFailed] = queue
         self.detokenizer = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
                             if tokenizer is not None else None)
-        self.stopper = prepared.stopper
+        self.stopper = stopper
         self.arrival_time = time.monotonic()
         self.last_token_time: float | None = None
         self.finished = False
@@ -361,24 +363,27 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent | FinishEvent]:
-        """Token events, then one FinishEvent. Leaving early (cancel, disconnect) aborts the request.
+        """Token events, then one FinishEvent, per sample (spec.n of them, interleaved, each
+        event naming its sample_index). Leaving early (cancel, disconnect) aborts every sample.
         Raises InvalidArgument, QueueFull, NoExecutor, ShuttingDown or EngineFailed."""
         check_sizes(spec, self.config.limits)
         await self._wait_admissible()
         prepared = await asyncio.get_running_loop().run_in_executor(
             self._prepare_pool, prepare, spec, self.tokenizer, self.limits)
-        state = self._admit(spec, prepared)
+        states = self._admit(spec, prepared)
+        num_open = len(states)
         try:
-            while True:
-                event = await state.queue.get()
+            while num_open:
+                event = await states[0].queue.get()
                 if isinstance(event, EngineFailed):
                     raise event
                 yield event
                 if isinstance(event, FinishEvent):
-                    return
+                    num_open -= 1
         finally:
-            if not state.finished:
-                self._abort(state)
+            for state in states:
+                if not state.finished:
+                    self._abort(state)
 
     async def _wait_admissible(self) -> None:
         """Waits, up to what is left of the grace period, for a first (or restarted) executor
@@ -408,26 +413,44 @@ class Engine:
             raise NoExecutor(f"no executor reachable for {time.monotonic() - lost_since:.0f}s"
                              f"{self._why()}")
 
-    def _admit(self, spec: GenerateSpec, prepared: PreparedRequest) -> _RequestState:
-        """Queues one prepared request; raises InvalidArgument, QueueFull, NoExecutor or
-        ShuttingDown (the state may have changed while it was being prepared)."""
+    def _admit(self, spec: GenerateSpec, prepared: PreparedRequest) -> list[_RequestState]:
+        """Queues one prepared request, a seq per sample; raises InvalidArgument, QueueFull,
+        NoExecutor or ShuttingDown (the state may have changed while it was being prepared)."""
         self._check_open()
         if self.scheduler is None:
             raise NoExecutor(f"the executor was detached{self._why()}")
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting")
-        seq = Sequence(next(self._seq_ids), prepared.prompt_token_ids, spec.sampling,
-                       spec.stopping, self.limits.eos_token_id, self.limits.max_model_len)
-        self._check_fits(seq)
-        self.scheduler.add_seq(seq)  # assigns a seed if none was given: recomputes sample alike
-        state = _RequestState(seq, self.tokenizer, prepared, spec.request_id)
-        self._requests[seq.seq_id] = state
+        seqs = self._sample_seqs(spec, prepared)
+        self._check_fits(seqs[0])
+        # Assigns a seed to each seq without one (recomputes sample alike); the samples after
+        # the first fork from its pages once its prompt is computed.
+        self.scheduler.add_seq(seqs[0], seqs[1:])
+        queue: asyncio.Queue = asyncio.Queue()
+        states = [_RequestState(seq, self.tokenizer, stopper, spec.request_id, queue, i)
+                  for i, (seq, stopper) in enumerate(zip(seqs, prepared.stoppers))]
+        for state in states:
+            self._requests[state.seq.seq_id] = state
         self._idle.clear()
-        self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
-        log.debug("request %s admitted as seq %d: %d prompt tokens", spec.request_id, seq.seq_id,
-                  seq.num_prompt_tokens)
+        self.metrics.prompt_tokens.inc(seqs[0].num_prompt_tokens)
+        log.debug("request %s admitted as seqs %s: %d prompt tokens", spec.request_id,
+                  [seq.seq_id for seq in seqs], seqs[0].num_prompt_tokens)
         self._wakeup.set()
-        return state
+        return states
+
+    def _sample_seqs(self, spec: GenerateSpec, prepared: PreparedRequest) -> list[Sequence]:
+        """A seq per sample; with a seed, sample i uses seed + i (as the OpenAI API's n did with
+        n requests, and vLLM with its parallel samples): distinct and reproducible."""
+        seqs: list[Sequence] = []
+        for _ in range(spec.n):  # one arrival time: the samples are one request, in age order
+            seqs.append(Sequence(next(self._seq_ids), prepared.prompt_token_ids, spec.sampling,
+                                 spec.stopping, self.limits.eos_token_id,
+                                 self.limits.max_model_len,
+                                 seqs[0].arrival_time if seqs else None))
+        if spec.sampling.seed is not None:
+            for i, seq in enumerate(seqs):
+                seq.seed = (spec.sampling.seed + i) % 2**64
+        return seqs
 
     def _check_fits(self, seq: Sequence) -> None:
         """An explicit max_tokens must fit in the whole KV cache; without one, the cache's size
@@ -561,7 +584,8 @@ class Engine:
         self.metrics.generated_tokens.inc()
         text, matched = state.text_for(update.token_id)
         index = update.seq.num_output_tokens - 1
-        state.queue.put_nowait(TokenEvent(update.token_id, text, index, logprobs))
+        state.queue.put_nowait(TokenEvent(update.token_id, text, index, logprobs,
+                                          state.sample_index))
         if matched:
             self.scheduler.finish_seq(update.seq.seq_id, FinishReason.STOP_STRING)
             self._finish(state, FinishReason.STOP_STRING, tail="")
@@ -580,4 +604,5 @@ class Engine:
         log.debug("request %s finished (%s): %d prompt + %d generated tokens in %.2fs",
                  state.request_id, reason.name.lower(), seq.num_prompt_tokens,
                  seq.num_output_tokens, elapsed)
-        state.queue.put_nowait(FinishEvent(reason, seq.num_prompt_tokens, seq.num_output_tokens, tail))
+        state.queue.put_nowait(FinishEvent(reason, seq.num_prompt_tokens, seq.num_output_tokens,
+                                           tail, state.sample_index))

@@ -15,6 +15,7 @@ from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stop_strings import StopStringMatcher
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_N = 16  # samples of one request (parallel sampling)
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,16 @@ class GenerateSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingParams = field(default_factory=StoppingParams)
     request_id: str = ""
+    n: int = 1  # samples of the prompt (parallel sampling)
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A request ready to queue: its prompt ids and its stop-string matcher (None: no stop strings)."""
+    """A request ready to queue: its prompt ids and a stop-string matcher per sample (None: no
+    stop strings); matchers hold state, so each sample has its own."""
 
     prompt_token_ids: list[int]
-    stopper: StopStringMatcher | None
+    stoppers: tuple[StopStringMatcher | None, ...] = (None,)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class TokenEvent:
     text: str
     index: int
     logprobs: TokenLogprobs | None = None  # when the request's sampling.logprobs was set
+    sample_index: int = 0  # which of the request's n samples
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # text held back until the end (e.g. a partial stop-string prefix)
+    sample_index: int = 0  # which of the request's n samples
 
 
 def check_request_id(request_id: str) -> None:
@@ -116,8 +121,9 @@ def prepare(spec: GenerateSpec, tokenizer, limits: ModelLimits) -> PreparedReque
     if spec.stopping.stop and tokenizer is None:
         raise InvalidArgument("stop", "this model has no tokenizer; use stop_token_ids")
     prompt_ids = resolve_prompt(spec, tokenizer, limits)
-    stopper = StopStringMatcher(spec.stopping.stop) if spec.stopping.stop else None
-    return PreparedRequest(prompt_ids, stopper)
+    stoppers = tuple(StopStringMatcher(spec.stopping.stop) if spec.stopping.stop else None
+                     for _ in range(spec.n))
+    return PreparedRequest(prompt_ids, stoppers)
 
 
 def resolve_prompt(spec: GenerateSpec, tokenizer, limits: ModelLimits) -> list[int]:
@@ -167,6 +173,8 @@ def _check_prompt_ids(ids: list[int], field_name: str, limits: ModelLimits) -> N
 
 
 def validate_params(spec: GenerateSpec, limits: ModelLimits) -> None:
-    """Range checks of the sampling and stopping parameters."""
+    """Range checks of n and of the sampling and stopping parameters."""
+    if not 1 <= spec.n <= MAX_N:
+        raise InvalidArgument("n", f"must be in [1, {MAX_N}], got {spec.n}")
     spec.sampling.validate(limits.vocab_size)
     spec.stopping.validate(limits.vocab_size)

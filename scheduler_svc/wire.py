@@ -79,12 +79,14 @@ def spec_from_proto(req: generate_pb2.GenerateRequest, request_id: str,
         sampling=sampling,
         stopping=stopping,
         request_id=request_id,
+        n=req.n if req.HasField("n") and req.n else 1,
     )
 
 
 def token_to_proto(event: TokenEvent, request_id: str) -> generate_pb2.GenerateResponse:
     msg = generate_pb2.GenerateResponse(
-        token_id=event.token_id, text=event.text, index=event.index, request_id=request_id)
+        token_id=event.token_id, text=event.text, index=event.index, request_id=request_id,
+        sample_index=event.sample_index)
     if event.logprobs is not None:
         msg.logprob = event.logprobs.logprob
         msg.top_logprobs.extend(generate_pb2.TokenLogprob(token_id=t, logprob=lp)
@@ -100,6 +102,7 @@ def finish_to_proto(event: FinishEvent, request_id: str) -> generate_pb2.Generat
         prompt_tokens=event.prompt_tokens,
         completion_tokens=event.completion_tokens,
         request_id=request_id,
+        sample_index=event.sample_index,
     )
 
 

@@ -14,7 +14,7 @@ from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.executor_client import ExecutorLost
 from scheduler_svc.plan import StepResult
 from scheduler_svc.request import FinishEvent, GenerateSpec, RequestLimits
-from scheduler_svc.sampling_params import StoppingParams
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
 from scheduler_svc.wire import ExecutorDescription
 
 BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS = 4, 64, 32
@@ -210,3 +210,75 @@ def test_the_engine_salts_the_prefix_cache_with_the_executor_fingerprint():
     _, engine, _ = run(serve(FakeClient(), SPECS[:1]))
     bm = engine.scheduler.block_manager
     assert bm.enable_prefix_caching and bm.cache_salt == DESCRIPTION.fingerprint
+
+
+# ---- parallel sampling --------------------------------------------------------------------
+
+def sampled_spec(n: int, seed: int | None = None, max_tokens: int = 6) -> GenerateSpec:
+    return GenerateSpec(prompt_token_ids=list(range(10, 20)), n=n,
+                        sampling=SamplingParams(temperature=1.0, seed=seed),
+                        stopping=StoppingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def events_of(engine: Engine, s: GenerateSpec) -> list:
+    return [e async for e in engine.generate(s)]
+
+
+def test_n_samples_stream_with_their_index_and_end_after_each_finishes():
+    async def main():
+        engine = Engine(EngineConfig(), FakeClient())
+        await engine.start()
+        try:
+            events = await events_of(engine, sampled_spec(4, seed=7))
+            return events, engine.scheduler.stats(), engine.scheduler.get_seq
+        finally:
+            await engine.stop()
+    events, stats, _ = run(main())
+    finishes = [e for e in events if isinstance(e, FinishEvent)]
+    assert isinstance(events[-1], FinishEvent)
+    assert sorted(e.sample_index for e in finishes) == [0, 1, 2, 3]
+    for i in range(4):
+        tokens = [e for e in events if not isinstance(e, FinishEvent) and e.sample_index == i]
+        assert [e.index for e in tokens] == list(range(6))
+    assert stats.gpu_blocks_used == 0 and stats.num_blocks_copied == 3  # 10 tokens, pages of 4
+
+
+def test_samples_are_seeded_seed_plus_i_and_n_is_checked():
+    async def main():
+        engine = Engine(EngineConfig(), FakeClient())
+        await engine.start()
+        try:
+            await engine.wait_ready()
+            seeds = []
+            add_seq = engine.scheduler.add_seq
+            engine.scheduler.add_seq = lambda seq, samples=(): (
+                seeds.extend(s.seed for s in (seq, *samples)), add_seq(seq, samples))
+            await events_of(engine, sampled_spec(3, seed=2**64 - 2))
+            errors = [await collect(engine, sampled_spec(n)) for n in (0, 17)]
+            return seeds, errors
+        finally:
+            await engine.stop()
+    seeds, errors = run(main())
+    assert seeds == [2**64 - 2, 2**64 - 1, 0]
+    assert all(isinstance(e, InvalidArgument) and e.field == "n" for e in errors)
+
+
+def test_leaving_a_parallel_stream_early_frees_every_sample():
+    async def main():
+        engine = Engine(EngineConfig(), FakeClient())
+        await engine.start()
+        try:
+            stream = engine.generate(sampled_spec(4, max_tokens=200))
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 10:  # some samples forked and decoding
+                    break
+            await stream.aclose()
+            while engine.scheduler.has_unfinished() or engine.num_requests:
+                await asyncio.sleep(0.01)
+            return engine.scheduler.stats()
+        finally:
+            await engine.stop()
+    stats = run(main())
+    assert stats.gpu_blocks_used == 0 and stats.running == 0

@@ -133,3 +133,11 @@ def test_sampling_controls_name_the_bad_field(kwargs, field, message):
 def test_valid_sampling_controls():
     SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5,
                    logit_bias=tuple((i, -100.0) for i in range(100)), logprobs=20).validate(100)
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_out_of_range_names_n(n):
+    from scheduler_svc.request import GenerateSpec, ModelLimits, validate_params
+    with pytest.raises(InvalidArgument) as err:
+        validate_params(GenerateSpec(prompt_token_ids=[1], n=n), ModelLimits(100, 64, None))
+    assert err.value.field == "n"

@@ -95,3 +95,17 @@ def test_bad_logit_bias_lengths_are_a_plan_mismatch():
             logit_bias_token_ids=[1, 2], logit_bias_values=[1.0]))])
     with pytest.raises(PlanMismatch, match="logit_bias"):
         executor_wire.plan_from_proto(msg)
+
+
+def test_parallel_sampling_fields_of_the_public_api():
+    from protos import generate_pb2
+    from scheduler_svc.request import FinishEvent, RequestLimits, TokenEvent
+    from scheduler_svc.sequence import FinishReason
+
+    def n_of(**fields):
+        req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1]), **fields)
+        return wire.spec_from_proto(req, "r", RequestLimits()).n
+    assert (n_of(), n_of(n=0), n_of(n=4), n_of(n=17)) == (1, 1, 4, 17)  # ranges: prepare
+    assert wire.token_to_proto(TokenEvent(4, "x", 2, sample_index=3), "r").sample_index == 3
+    finish = wire.finish_to_proto(FinishEvent(FinishReason.EOS, 5, 2, sample_index=2), "r")
+    assert finish.finished and finish.sample_index == 2

@@ -42,7 +42,7 @@ class Metrics:
                                        "GPU KV pages in the prefix cache (in use or free)",
                                        registry=r)
         self.blocks_copied = Counter("pagedserve_blocks_copied",
-                                     "GPU pages copied (copy-on-write)", registry=r)
+                                     "GPU pages copied (parallel sampling's copy-on-write)", registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("pagedserve_generated_tokens", "tokens generated", registry=r)
         self.requests_finished = Counter("pagedserve_requests_finished", "requests finished, by reason",

@@ -230,10 +230,10 @@ def test_n_samples_stream_with_their_index_and_end_after_each_finishes():
         await engine.start()
         try:
             events = await events_of(engine, sampled_spec(4, seed=7))
-            return events, engine.scheduler.stats(), engine.scheduler.get_seq
+            return events, engine.scheduler.stats(), engine.metrics.registry.get_sample_value
         finally:
             await engine.stop()
-    events, stats, _ = run(main())
+    events, stats, metric = run(main())
     finishes = [e for e in events if isinstance(e, FinishEvent)]
     assert isinstance(events[-1], FinishEvent)
     assert sorted(e.sample_index for e in finishes) == [0, 1, 2, 3]
@@ -241,6 +241,7 @@ def test_n_samples_stream_with_their_index_and_end_after_each_finishes():
         tokens = [e for e in events if not isinstance(e, FinishEvent) and e.sample_index == i]
         assert [e.index for e in tokens] == list(range(6))
     assert stats.gpu_blocks_used == 0 and stats.num_blocks_copied == 3  # 10 tokens, pages of 4
+    assert metric("pagedserve_blocks_copied_total") == 3
 
 
 def test_samples_are_seeded_seed_plus_i_and_n_is_checked():

@@ -1,5 +1,5 @@
 """Hypothesis state machine over the scheduler: random adds (some sharing prompt prefixes, with
-prefix caching on or off), steps, aborts (also mid-flight), stop-string finishes and executor
+prefix caching on or off, some of n parallel samples), steps, aborts (also mid-flight), stop-string finishes and executor
 resets, with invariants after every rule and a drain at the end that must free every GPU and CPU
 block and give every unaborted seq its exact tokens."""
 
@@ -14,7 +14,8 @@ from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, Sequence
-from sched_factories import Loop, PipelinedLoop, check_queues, default_token, make_seq
+from sched_factories import (Loop, PipelinedLoop, check_queues, default_token, make_samples,
+                             make_seq)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -62,20 +63,27 @@ class SchedulerMachine(RuleBasedStateMachine):
                            max_model_len=len(prompt) + 32, arrival_time=float(seq_id))
             self._add(seq, max_tokens, 32)
 
-    def _add(self, seq, max_tokens, extra_len):
-        seq_id, prompt_len = seq.seq_id, seq.num_prompt_tokens
-        self.next_id += 1
+    @rule(prompt_len=st.integers(1, 20), n=st.integers(2, 4), max_tokens=st.integers(1, 16))
+    def add_parallel(self, prompt_len, n, max_tokens):
+        """A request of n samples: prefilled once, then forked from the first sample's pages."""
+        seq = make_seq(self.next_id, prompt_len, max_tokens, max_model_len=prompt_len + 32)
+        self._add(seq, max_tokens, 32, make_samples(seq, n, self.next_id + 1))
+
+    def _add(self, seq, max_tokens, extra_len, samples=()):
+        prompt_len = seq.num_prompt_tokens
+        self.next_id += 1 + len(samples)
         if not self.sched.can_ever_fit(prompt_len + 1):
             try:
-                self.sched.add_seq(seq)
+                self.sched.add_seq(seq, samples)
             except InvalidArgument:
                 return
             raise AssertionError("hopeless prompt accepted")
-        self.sched.add_seq(seq)
+        self.sched.add_seq(seq, samples)
         bm = self.sched.block_manager
         capacity_len = bm.num_gpu_blocks * bm.block_size + 1
-        self.expected[seq_id] = (prompt_len,
-                                 min(max_tokens, extra_len, capacity_len - prompt_len))
+        for s in (seq, *samples):
+            self.expected[s.seq_id] = (prompt_len,
+                                       min(max_tokens, extra_len, capacity_len - prompt_len))
 
     @rule(num_seqs=st.integers(2, 6), prompt_len=st.integers(1, 16), max_tokens=st.integers(4, 24))
     def add_batch(self, num_seqs, prompt_len, max_tokens):

@@ -1,8 +1,8 @@
-"""Several engine requests of one API request (n samples, a batch of prompts) as one stream of
-(choice index, event). Closing it aborts every request still running. Plain asyncio.
+"""Several engine requests of one API request (a batch of prompts, each with its n samples) as
+one stream of (choice index, event). Closing it aborts every request still running. Plain asyncio.
 
-Until the block manager can fork a sequence (parallel sampling on shared pages), each sample is an
-independent engine request; this is the one place that knows.
+A request's choices are its engine requests' samples in order: spec k's sample i is choice
+(the n of the specs before k, added up) + i.
 """
 from __future__ import annotations
 
@@ -19,26 +19,29 @@ class Fanout:
     def __init__(self, engine, specs: list[GenerateSpec]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: list[tuple[int, TokenEvent | FinishEvent]] = []
-        self._num_open = len(specs)
-        self._tasks = [asyncio.create_task(self._pump(i, engine, spec), name=f"fanout-{i}")
-                       for i, spec in enumerate(specs)]
+        self._num_choices = sum(spec.n for spec in specs)
+        self._num_open = self._num_choices
+        firsts = [sum(spec.n for spec in specs[:k]) for k in range(len(specs))]
+        self._tasks = [asyncio.create_task(self._pump(first, engine, spec),
+                                           name=f"fanout-{first}")
+                       for first, spec in zip(firsts, specs)]
 
     @property
     def num_choices(self) -> int:
-        return len(self._tasks)
+        return self._num_choices
 
-    async def _pump(self, index: int, engine, spec: GenerateSpec) -> None:
+    async def _pump(self, first: int, engine, spec: GenerateSpec) -> None:
         try:
             async for event in engine.generate(spec):
-                self._queue.put_nowait((index, event))
+                self._queue.put_nowait((first + event.sample_index, event))
         except Exception as err:  # noqa: BLE001 - handed to the reader, which raises it
-            self._queue.put_nowait((index, err))
+            self._queue.put_nowait((first, err))
 
     async def started(self) -> None:
-        """Returns once every request was admitted and produced its first event; raises the
-        first error instead (the caller then closes the fanout, aborting the others)."""
+        """Returns once every choice (every sample of every request) produced its first event;
+        raises the first error instead (the caller then closes the fanout, aborting the others)."""
         seen: set[int] = set()
-        while len(seen) < len(self._tasks):
+        while len(seen) < self._num_choices:
             index, event = await self._next()
             self._buffer.append((index, event))
             seen.add(index)

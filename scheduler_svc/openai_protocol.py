@@ -13,13 +13,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.request import MAX_N as MAX_ENGINE_N
 from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams
 from scheduler_svc.sequence import FinishReason
 
-# OpenAI's own bound on `n`; each sample is a sequence of its own in the engine.
+# OpenAI's own bound on `n`. The engine samples up to request.MAX_N of them from one prefill
+# (parallel sampling); a larger n is split into engine requests of at most that many.
 MAX_N = 128
-# Engine requests of one API request (a /v1/completions batch of prompts, times n).
+# Choices of one API request (a /v1/completions batch of prompts, times n).
 MAX_CHOICES = 256
 _SEED_MODULUS = 2**64
 
@@ -167,11 +169,14 @@ def _stopping(req: _SamplingRequest, max_tokens: int | None) -> StoppingParams:
 
 def _fan_out(req: _SamplingRequest, request_id: str, prompts: list[dict],
              max_tokens: int | None) -> list[GenerateSpec]:
-    """n specs per prompt; choice index = prompt index * n + sample."""
+    """An engine request of n samples per prompt (several of at most the engine's MAX_N when n
+    is larger, the k-th sample's seed seed + k as the engine gives it). Choice index = prompt
+    index * n + sample: the specs' n added up before it, plus the event's sample_index."""
     stopping = _stopping(req, max_tokens)
-    return [GenerateSpec(**prompt, sampling=_sampling(req, sample), stopping=stopping,
-                         request_id=f"{request_id}-{i * req.n + sample}")
-            for i, prompt in enumerate(prompts) for sample in range(req.n)]
+    return [GenerateSpec(**prompt, sampling=_sampling(req, first), stopping=stopping,
+                         request_id=f"{request_id}-{i * req.n + first}",
+                         n=min(MAX_ENGINE_N, req.n - first))
+            for i, prompt in enumerate(prompts) for first in range(0, req.n, MAX_ENGINE_N)]
 
 
 def chat_specs(req: ChatCompletionRequest, request_id: str) -> list[GenerateSpec]:

@@ -266,11 +266,14 @@ def wait_for(predicate, what: str, timeout_s: float = 30.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def open_stream(services, n: int = 1, max_tokens: int = 1500) -> http.client.HTTPConnection:
-    """Sends a long streaming completion and leaves its reply unread."""
+def open_stream(services, n: int = 1, max_tokens: int = 1500,
+                num_prompts: int = 1) -> http.client.HTTPConnection:
+    """Sends a long streaming completion and leaves its reply unread: num_prompts engine
+    requests (a prompt batch) of n samples each."""
     conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({
-        "model": MODEL, "prompt": [5, 6, 7], "n": n, "max_tokens": max_tokens, "stream": True,
+        "model": MODEL, "prompt": [[5, 6, 7]] * num_prompts, "n": n, "max_tokens": max_tokens,
+        "stream": True,
         "ignore_eos": True}), {"authorization": f"Bearer {KEY}"})
     return conn
 
@@ -282,8 +285,8 @@ def idle(services) -> bool:
 
 
 def test_queue_full_is_429(services):
-    running = open_stream(services, n=MAX_NUM_SEQS)
-    waiting = open_stream(services, n=MAX_WAITING)
+    running = open_stream(services, num_prompts=MAX_NUM_SEQS)
+    waiting = open_stream(services, num_prompts=MAX_WAITING)
     try:
         wait_for(lambda: metrics(services)["vllm:num_requests_waiting"] == MAX_WAITING, "waiting")
         assert metrics(services)["vllm:num_requests_running"] == MAX_NUM_SEQS

@@ -46,11 +46,15 @@ def test_max_completion_tokens_wins_over_max_tokens():
     assert spec.stopping.max_tokens == 7
 
 
-def test_n_samples_get_distinct_reproducible_seeds():
-    specs = chat_specs(chat(n=3, seed=2**64 - 2), "r")
-    assert [s.sampling.seed for s in specs] == [2**64 - 2, 2**64 - 1, 0]
-    assert [s.request_id for s in specs] == ["r-0", "r-1", "r-2"]
-    assert [s.sampling.seed for s in chat_specs(chat(n=2), "r")] == [None, None]
+def test_n_samples_are_one_engine_request_seeded_seed_plus_i():
+    """The engine seeds sample i with seed + i; an n over its limit is split, each part's seed
+    that of its first sample."""
+    [spec] = chat_specs(chat(n=3, seed=2**64 - 2), "r")
+    assert (spec.n, spec.sampling.seed, spec.request_id) == (3, 2**64 - 2, "r-0")
+    specs = chat_specs(chat(n=40, seed=5), "r")
+    assert [(s.n, s.sampling.seed, s.request_id) for s in specs] == [
+        (16, 5, "r-0"), (16, 21, "r-16"), (8, 37, "r-32")]
+    assert chat_specs(chat(n=2), "r")[0].sampling.seed is None
     assert chat_specs(chat(seed=-1), "r")[0].sampling.seed == 2**64 - 1  # int64 seeds too
 
 
@@ -58,8 +62,8 @@ def test_completion_prompt_forms_and_choice_order():
     assert completion_specs(completion(prompt="a b"), "r")[0].prompt_text == "a b"
     assert completion_specs(completion(prompt=[1, 2, 3]), "r")[0].prompt_token_ids == [1, 2, 3]
     specs = completion_specs(completion(prompt=[[1, 2], [3]], n=2), "r")
-    assert [s.prompt_token_ids for s in specs] == [[1, 2], [1, 2], [3], [3]]
-    assert [s.request_id for s in specs] == ["r-0", "r-1", "r-2", "r-3"]
+    assert [(s.prompt_token_ids, s.n) for s in specs] == [([1, 2], 2), ([3], 2)]
+    assert [s.request_id for s in specs] == ["r-0", "r-2"]  # choices 0-1 and 2-3
     texts = completion_specs(completion(prompt=["x", "y"]), "r")
     assert [s.prompt_text for s in texts] == ["x", "y"]
     with pytest.raises(InvalidArgument, match="prompt: must not be empty"):

@@ -85,6 +85,8 @@ def test_a_completion_over_the_engine():
         assert [c["index"] for c in reply["choices"]] == [0, 1]
         assert reply["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
         assert reply["model"] == "fake"
+        # n samples are one engine request: its prompt admitted (and prefilled) once
+        assert engine.metrics.registry.get_sample_value("pagedserve_prompt_tokens_total") == 5
     run(test)
 
 
@@ -144,11 +146,11 @@ def test_served_model_names_replace_the_executors():
 def test_queue_full_is_429_and_no_sample_of_the_request_stays():
     async def test(client, engine, fake):
         await engine.wait_ready()
-        fake.results_flow.clear()  # at most 1 running and 2 waiting: a 4th sample is refused
+        fake.results_flow.clear()  # at most 1 running and 2 waiting: a 4th prompt is refused
         status, error = error_of(*await client.request("POST", "/v1/completions",
-                                                       completion(n=4)))
+                                                       completion(prompt=[PROMPT] * 4, n=2)))
         assert status == 429 and error["type"] == "rate_limit_error"
-        assert engine.num_requests == 0  # the samples admitted were aborted
+        assert engine.num_requests == 0  # the requests admitted were aborted, every sample
     run(test, config=EngineConfig(SchedulerConfig(max_num_seqs=1), max_waiting=2))
 
 

@@ -20,9 +20,10 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 class BlockManager:
     """Maps seq_id -> block_table on the GPU, and on the CPU for swapped sequences.
 
-    Blocks may be shared between sequences after `fork_prompt` (parallel sampling: full pages
-    shared, the last partial page copied) or `fork` (everything shared; a write into a shared
-    last block then triggers copy-on-write in `allocate_slots`).
+    Blocks may be shared between sequences (ref counted), only ever full ones, so no write
+    lands in a shared block: by prefix caching, and by `fork_prompt` (parallel sampling: the
+    full pages of the prompt shared, the page of its last token copied at the fork, the
+    copy-on-write of the sample's first write).
 
     Prefix caching (vLLM v1's scheme), when enabled: a full GPU page whose KV is written is
     recorded under hash_block(parent hash, its tokens) by `cache_full_blocks`; a new sequence
@@ -93,30 +94,21 @@ class BlockManager:
     def get_cpu_block_table(self, seq_id: int) -> list[int]:
         return list(self._cpu_tables.get(seq_id, ()))
 
-    # ---- growth and copy-on-write ------------------------------------------------------------
-
-    def _needs_cow(self, seq_id: int, num_total_tokens: int) -> bool:
-        """Whether new tokens land in a shared, partially filled last block."""
-        table = self._gpu_tables.get(seq_id)
-        num_slots = self._num_slots.get(seq_id, 0)
-        if not table or num_total_tokens <= num_slots or num_slots % self.block_size == 0:
-            return False
-        return self._gpu_pool.ref_count(table[-1]) > 1
+    # ---- growth --------------------------------------------------------------------------------
 
     def _num_new_blocks(self, seq_id: int, num_total_tokens: int) -> int:
         have = len(self._gpu_tables.get(seq_id, ()))
         return max(0, self.num_blocks_needed(num_total_tokens) - have)
 
     def can_allocate_slots(self, seq_id: int, num_total_tokens: int) -> bool:
-        need = self._num_new_blocks(seq_id, num_total_tokens)
-        need += int(self._needs_cow(seq_id, num_total_tokens))
-        return self._gpu_pool.can_allocate(need)
+        return self._gpu_pool.can_allocate(self._num_new_blocks(seq_id, num_total_tokens))
 
     def append_slots(self, seq_id: int, num_total_tokens: int) -> Sequence[int] | None:
-        """allocate_slots for a seq that has a GPU table and needs no copy-on-write, at a
-        fraction of its cost (the scheduler calls it for every decode of every step): the block
-        ids appended, or None, and no change, when a copy is needed or the pool is short.
-        No new block is a shared empty tuple: nothing to allocate on the common path."""
+        """allocate_slots for a seq that has a GPU table, at a fraction of its cost (the
+        scheduler calls it for every decode of every step): the block ids appended, or None,
+        and no change, when the pool is short. No new block is a shared empty tuple: nothing
+        to allocate on the common path. No write ever lands in a shared page (only full pages
+        are shared), so no copy-on-write is looked for."""
         table = self._gpu_tables.get(seq_id)
         if table is None:
             return None
@@ -124,8 +116,6 @@ class BlockManager:
         if num_total_tokens <= num_slots:
             return ()
         pool = self._gpu_pool
-        if pool.num_shared and num_slots % self.block_size and pool.ref_count(table[-1]) > 1:
-            return None  # the new tokens land in a shared partial block: copy-on-write
         num_new_blocks = -(-num_total_tokens // self.block_size) - len(table)
         new_block_ids: Sequence[int] = ()
         if num_new_blocks > 0:
@@ -137,16 +127,12 @@ class BlockManager:
         return new_block_ids
 
     def allocate_slots(self, seq_id: int, num_total_tokens: int,
-                       copies: list[tuple[int, int]] | None = None,
                        cached_block_ids: Sequence[int] = ()) -> list[int] | None:
         """Grow the GPU table of `seq_id` so it covers `num_total_tokens` tokens.
 
         Returns the block ids appended to the table, or None (and no change) when the GPU pool
-        is short. If the new tokens land in a shared last block, that block is replaced by a
-        private copy and the (src, dst) pair is appended to `copies` (the plan's copy list);
-        passing copies=None asserts that no copy-on-write can happen. `cached_block_ids` (from
-        find_cached_prefix, for a seq without a table) start the table: they hold its first
-        pages' KV already.
+        is short. `cached_block_ids` (from find_cached_prefix, for a seq without a table) start
+        the table: they hold its first pages' KV already.
         """
         if cached_block_ids:
             if not self._take_cached_prefix(seq_id, cached_block_ids, num_total_tokens):
@@ -156,10 +142,6 @@ class BlockManager:
         if seq_id in self._cpu_tables:
             raise RuntimeError(f"seq {seq_id} is swapped out; swap it in first")
         table = self._gpu_tables.setdefault(seq_id, [])
-        if self._needs_cow(seq_id, num_total_tokens):
-            if copies is None:
-                raise RuntimeError(f"seq {seq_id}: copy-on-write needed but no copy list given")
-            copies.append(self._copy_on_write(table))
         new_block_ids = self._gpu_pool.allocate_n(self._num_new_blocks(seq_id, num_total_tokens))
         table.extend(new_block_ids)
         self._num_slots[seq_id] = max(self._num_slots.get(seq_id, 0), num_total_tokens)
@@ -225,13 +207,6 @@ class BlockManager:
             self._gpu_pool.cache(table[i], chain[i])
         self._num_cached_blocks[seq_id] = end
 
-    def _copy_on_write(self, table: list[int]) -> tuple[int, int]:
-        src = table[-1]
-        dst = self._gpu_pool.allocate()
-        self._gpu_pool.free(src)
-        table[-1] = dst
-        return (src, dst)
-
     def fork_prompt(self, parent_seq_id: int, child_seq_id: int, num_tokens: int,
                     copies: list[tuple[int, int]]) -> bool:
         """Parallel sampling: give the child a table covering num_tokens tokens (the prompt)
@@ -262,17 +237,6 @@ class BlockManager:
         self._num_cached_blocks[child_seq_id] = min(
             num_shared, self._num_cached_blocks.get(parent_seq_id, 0))
         return True
-
-    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
-        """Give the child the parent's GPU blocks, shared (ref counted)."""
-        if child_seq_id in self._gpu_tables or child_seq_id in self._cpu_tables:
-            raise RuntimeError(f"fork: seq {child_seq_id} already has blocks")
-        table = self._gpu_tables[parent_seq_id]
-        for block_id in table:
-            self._gpu_pool.incref(block_id)
-        self._gpu_tables[child_seq_id] = list(table)
-        self._num_slots[child_seq_id] = self._num_slots.get(parent_seq_id, 0)
-        self._num_cached_blocks[child_seq_id] = self._num_cached_blocks.get(parent_seq_id, 0)
 
     # ---- swapping ----------------------------------------------------------------------------
 

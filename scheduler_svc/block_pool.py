@@ -21,9 +21,6 @@ class BlockPool:
         # the middle when a new sequence hits it; both O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
-        # Blocks with more than one reference. Read-only outside: while it is 0 no write can
-        # need a copy, and the block manager skips that check on every decode step.
-        self.num_shared = 0
         self._block_hashes: dict[int, bytes] = {}  # block_id -> hash of the page it holds
         self._cached: dict[bytes, int] = {}  # hash -> block_id
         self.num_evicted = 0
@@ -67,8 +64,6 @@ class BlockPool:
         if self._ref_counts[block_id] < 1:
             raise RuntimeError(f"BlockPool: incref of free block {block_id}")
         self._ref_counts[block_id] += 1
-        if self._ref_counts[block_id] == 2:
-            self.num_shared += 1
 
     def free(self, block_id: int) -> int:
         """Drop one reference; the block returns to the tail of the free queue at 0 (a cached
@@ -76,9 +71,7 @@ class BlockPool:
         if self._ref_counts[block_id] < 1:
             raise RuntimeError(f"BlockPool: double free of block {block_id}")
         self._ref_counts[block_id] -= 1
-        if self._ref_counts[block_id] == 1:
-            self.num_shared -= 1
-        elif self._ref_counts[block_id] == 0:
+        if self._ref_counts[block_id] == 0:
             self._free[block_id] = None
         return self._ref_counts[block_id]
 
@@ -126,8 +119,6 @@ class BlockPool:
             assert (ref == 0) == (block_id in free), f"{name}: block {block_id} free xor mapped broken"
         assert set(table_refs) <= set(range(self.num_blocks)), f"{name}: table names unknown block"
         assert self.num_free + self.num_used == self.num_blocks, f"{name}: capacity not conserved"
-        shared = sum(1 for ref in self._ref_counts if ref > 1)
-        assert self.num_shared == shared, f"{name}: num_shared {self.num_shared}, {shared} shared"
         assert len(self._cached) == len(self._block_hashes), f"{name}: hash maps disagree"
         for block_hash, block_id in self._cached.items():
             assert self._block_hashes.get(block_id) == block_hash, f"{name}: hash maps disagree"

@@ -203,7 +203,7 @@ def _text_of(message: ChatMessage, index: int) -> str:
 
 
 def completion_specs(req: CompletionRequest, request_id: str) -> list[GenerateSpec]:
-    """The engine requests of a completion (n per prompt); raises InvalidArgument."""
+    """The engine requests of a completion (one of n samples per prompt); raises InvalidArgument."""
     _refuse_not_yet(req, _NOT_YET_COMPLETIONS)
     _refuse_completion_extras(req)
     prompts = _prompts(req.prompt)

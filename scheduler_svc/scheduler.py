@@ -202,17 +202,15 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            num_copies = len(plan.copy)
             new_block_ids = self._allocate_or_preempt(seq, num_new, plan)
             if new_block_ids is None:
                 break  # seq preempted itself: everything after it is gone too
-            self._add_to_plan(seq, num_new, new_block_ids, plan, budget,
-                              table_rewritten=len(plan.copy) > num_copies)
+            self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
             i += 1
 
     def _schedule_decodes(self, start: int, plan: StepPlan, budget: _Budget) -> int:
         """The general rule of _schedule_running, inlined for the common case: seqs from `start`
-        on that the executor knows and that need no preemption, copy or partial chunk (nearly
+        on that the executor knows and that need no preemption or partial chunk (nearly
         every decode). Returns the index of the first seq left to the general path.
         Inlined, list methods bound once, because at 1,024 running seqs the calls and objects
         per seq of the general path were most of a step's host cost."""
@@ -255,7 +253,7 @@ class Scheduler:
         """New block ids for seq, preempting from the tail of running until they fit."""
         while True:
             new_block_ids = self.block_manager.allocate_slots(
-                seq.seq_id, seq.num_computed_tokens + num_new, plan.copy)
+                seq.seq_id, seq.num_computed_tokens + num_new)
             if new_block_ids is not None:
                 return new_block_ids
             victim = self.running[-1]
@@ -275,7 +273,7 @@ class Scheduler:
             pairs = bm.swap_in(seq.seq_id)
             plan.swap_in.extend(pairs)
             self.num_blocks_swapped_in += len(pairs)
-            new_block_ids = bm.allocate_slots(seq.seq_id, num_total, plan.copy)
+            new_block_ids = bm.allocate_slots(seq.seq_id, num_total)
             assert new_block_ids is not None, "swap-in fit was checked"
             self.swapped.pop(0)
             self._set_running(seq)
@@ -291,7 +289,7 @@ class Scheduler:
             seq.num_computed_tokens = len(cached_block_ids) * bm.block_size
             num_new = self._num_new_tokens(seq, budget)
             new_block_ids = (bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
-                                               plan.copy, cached_block_ids)
+                                               cached_block_ids)
                              if num_new else None)
             if new_block_ids is None:
                 seq.num_computed_tokens = 0  # waiting seqs own no pages
@@ -363,11 +361,10 @@ class Scheduler:
         return len(self.running) < self.config.max_num_seqs
 
     def _add_to_plan(self, seq: Sequence, num_new: int, new_block_ids: list[int],
-                     plan: StepPlan, budget: _Budget, table_rewritten: bool = False) -> None:
-        """Known seqs go as a diff; unknown ones (or ones whose table was rewritten by
-        copy-on-write, which a diff cannot express) in full."""
+                     plan: StepPlan, budget: _Budget) -> None:
+        """Known seqs go as a diff (their tables only grow), unknown ones in full."""
         budget.tokens -= num_new
-        if seq.seq_id in self._executor_seq_ids and not table_rewritten:
+        if seq.seq_id in self._executor_seq_ids:
             plan.cached_seqs.append(seq.seq_id, num_new, seq.num_computed_tokens, new_block_ids)
         else:
             # Sent in full, so every token must be known: no sample may be outstanding.

@@ -1,4 +1,5 @@
-"""BlockManager: growth, swap round trips, fork with copy-on-write, invariants."""
+"""BlockManager: growth, swap round trips, prefix caching, invariants (fork_prompt: in
+test_parallel_sampling.py)."""
 
 import pytest
 
@@ -49,46 +50,6 @@ def test_swap_out_needs_cpu_room():
     assert not bm.can_swap_out(1)
     with pytest.raises(RuntimeError):
         bm.swap_out(1)
-    bm.check_invariants()
-
-
-def test_fork_shares_blocks_and_cow_copies_partial_last_block():
-    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0)
-    bm.allocate_slots(1, 6)  # blocks [0, 1]; block 1 half full
-    bm.fork(1, 2)
-    assert bm.get_block_table(2) == [0, 1] and bm.num_free_gpu_blocks == 6
-    bm.check_invariants()
-    copies = []
-    assert bm.allocate_slots(2, 7, copies) == []
-    assert copies == [(1, 2)]
-    assert bm.get_block_table(2) == [0, 2] and bm.get_block_table(1) == [0, 1]
-    bm.check_invariants()
-    more = []
-    assert bm.allocate_slots(1, 7, more) == [] and more == []  # block 1 is private again
-    bm.free(1)
-    bm.free(2)
-    assert bm.num_free_gpu_blocks == 8
-    bm.check_invariants()
-
-
-def test_fork_full_last_block_needs_no_copy():
-    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0)
-    bm.allocate_slots(1, 8)
-    bm.fork(1, 2)
-    copies = []
-    assert bm.allocate_slots(2, 9, copies) == [2] and copies == []
-    bm.check_invariants()
-
-
-def test_cow_counts_toward_capacity_and_requires_copy_list():
-    bm = BlockManager(block_size=4, num_gpu_blocks=3, num_cpu_blocks=0)
-    bm.allocate_slots(1, 6)
-    bm.fork(1, 2)
-    with pytest.raises(RuntimeError, match="copy-on-write"):
-        bm.allocate_slots(2, 7)
-    bm.allocate_slots(3, 1)
-    assert not bm.can_allocate_slots(2, 7)  # pool full: the copy has nowhere to go
-    assert bm.allocate_slots(2, 7, []) is None
     bm.check_invariants()
 
 

@@ -36,7 +36,7 @@ def test_fork_prompt_shares_full_pages_and_copies_the_partial_one():
     assert bm.fork_prompt(1, 2, 10, copies)  # the child recomputes token 9, in page 2
     assert bm.get_block_table(2) == [0, 1, 3] and copies == [(2, 3)]
     bm.check_invariants()
-    assert bm.allocate_slots(1, 12, None) == [] and bm.allocate_slots(2, 12, None) == []
+    assert bm.allocate_slots(1, 12) == [] and bm.allocate_slots(2, 12) == []  # no copies
     bm.free(1)
     assert bm.num_free_gpu_blocks == 5  # pages 0 and 1 are still the child's, and 3
     bm.free(2)

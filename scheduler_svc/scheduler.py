@@ -546,7 +546,9 @@ class Scheduler:
         """Queues, pool usage and running counts, for status, metrics and the stats line."""
         bm = self.block_manager
         return SchedulerStats(
-            running=len(self.running), waiting=len(self.waiting), swapped=len(self.swapped),
+            running=len(self.running), swapped=len(self.swapped),
+            # samples waiting to fork wait too, though in no queue
+            waiting=len(self.waiting) + len(self._fork_parent),
             gpu_blocks_used=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
             gpu_blocks_total=bm.num_gpu_blocks,
             cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,

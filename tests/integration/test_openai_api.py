@@ -285,16 +285,21 @@ def idle(services) -> bool:
 
 
 def test_queue_full_is_429(services):
-    running = open_stream(services, num_prompts=MAX_NUM_SEQS)
-    waiting = open_stream(services, num_prompts=MAX_WAITING)
+    running, waiting = open_stream(services, num_prompts=MAX_NUM_SEQS), None
     try:
+        # every running request scheduled before the others arrive: one still in the waiting
+        # queue would make the last of them a 429 already
+        wait_for(lambda: metrics(services)["vllm:num_requests_running"] == MAX_NUM_SEQS,
+                 "running")
+        waiting = open_stream(services, num_prompts=MAX_WAITING)
         wait_for(lambda: metrics(services)["vllm:num_requests_waiting"] == MAX_WAITING, "waiting")
         assert metrics(services)["vllm:num_requests_running"] == MAX_NUM_SEQS
         status, err = error(services, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert (status, err["type"]) == (429, "rate_limit_error")
     finally:
         running.close()
-        waiting.close()
+        if waiting is not None:
+            waiting.close()
     wait_for(lambda: idle(services), "the pool to empty")
 
 

@@ -69,6 +69,7 @@ def test_samples_fork_in_the_plan_after_the_prefill(loop_class):
     sched = make_scheduler(block_size=4)
     ids = add_request(sched, 1, 4, prompt_len=10)
     loop = loop_class(sched, same_for_all)
+    assert sched.stats().waiting == 4  # the first sample queued, the others waiting to fork
     first, _ = loop.step()
     assert [s.seq_id for s in first.new_seqs] == [1] and not first.copy
     second = loop.plans[1] if loop_class is PipelinedLoop else loop.step()[0]

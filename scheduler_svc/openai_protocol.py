@@ -2,7 +2,7 @@
 response and stream-chunk bodies built from engine events. No HTTP, no gRPC, no torch.
 
 A parameter the engine cannot honour yet is refused with InvalidArgument naming it, unless it has
-its neutral value: nothing a client sets is silently dropped (see `_NOT_YET`).
+its neutral value: nothing a client sets is silently dropped (see `_NOT_YET_CHAT`).
 """
 from __future__ import annotations
 
@@ -99,15 +99,14 @@ class CompletionRequest(_SamplingRequest):
 
 
 # Controls the engine has but this API does not return yet (logprobs need token strings in the
-# responses): (parameter, whether a value is neutral, the neutral values in words). Anything else
-# is refused, never ignored.
-_NOT_YET: tuple = ()
+# responses), per endpoint: (parameter, whether a value is neutral, the neutral values in words).
+# Anything else is refused, never ignored.
 _NOT_YET_CHAT = (("logprobs", lambda v: not v, "false"), ("top_logprobs", lambda v: not v, "0"))
 _NOT_YET_COMPLETIONS = (("logprobs", lambda v: v is None, "null"),)
 
 
-def _refuse_not_yet(req: _SamplingRequest, extra: tuple) -> None:
-    for name, is_neutral, neutral in (*_NOT_YET, *extra):
+def _refuse_not_yet(req: _SamplingRequest, not_yet: tuple) -> None:
+    for name, is_neutral, neutral in not_yet:
         value = getattr(req, name)
         if not is_neutral(value):
             raise InvalidArgument(name, f"not supported yet (only {neutral}), got {value!r}")
@@ -281,6 +280,11 @@ class Reply:
     def new(cls, prefix: str, request_id: str, model: str) -> Reply:
         return cls(f"{prefix}-{request_id}", model, int(time.time()))
 
+    def body(self, kind: str, **fields) -> dict:
+        """A response or chunk of `kind` ("object") with this reply's id, time and model."""
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                **fields}
+
 
 class ChatFormat:
     """chat.completion bodies and chat.completion.chunk events."""
@@ -289,12 +293,11 @@ class ChatFormat:
 
     @staticmethod
     def response(reply: Reply, choices: list[Choice], n: int) -> dict:
-        return {"id": reply.id, "object": "chat.completion", "created": reply.created,
-                "model": reply.model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": None, "finish_reason": c.finish_reason}
-                            for i, c in enumerate(choices)],
-                "usage": usage(choices, n)}
+        return reply.body("chat.completion",
+                          choices=[{"index": i, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": None, "finish_reason": c.finish_reason}
+                                   for i, c in enumerate(choices)],
+                          usage=usage(choices, n))
 
     @staticmethod
     def opening(reply: Reply, index: int) -> dict:
@@ -308,15 +311,13 @@ class ChatFormat:
 
     @staticmethod
     def _chunk(reply: Reply, index: int, delta: dict, finish_reason: str | None) -> dict:
-        return {"id": reply.id, "object": "chat.completion.chunk", "created": reply.created,
-                "model": reply.model, "choices": [{"index": index, "delta": delta,
-                                                   "logprobs": None,
-                                                   "finish_reason": finish_reason}]}
+        return reply.body("chat.completion.chunk",
+                          choices=[{"index": index, "delta": delta, "logprobs": None,
+                                    "finish_reason": finish_reason}])
 
     @staticmethod
     def usage_chunk(reply: Reply, choices: list[Choice], n: int) -> dict:
-        return {"id": reply.id, "object": "chat.completion.chunk", "created": reply.created,
-                "model": reply.model, "choices": [], "usage": usage(choices, n)}
+        return reply.body("chat.completion.chunk", choices=[], usage=usage(choices, n))
 
 
 class CompletionFormat:
@@ -326,11 +327,11 @@ class CompletionFormat:
 
     @staticmethod
     def response(reply: Reply, choices: list[Choice], n: int) -> dict:
-        return {"id": reply.id, "object": "text_completion", "created": reply.created,
-                "model": reply.model,
-                "choices": [{"index": i, "text": c.text, "logprobs": None,
-                             "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
-                "usage": usage(choices, n)}
+        return reply.body("text_completion",
+                          choices=[{"index": i, "text": c.text, "logprobs": None,
+                                    "finish_reason": c.finish_reason}
+                                   for i, c in enumerate(choices)],
+                          usage=usage(choices, n))
 
     @staticmethod
     def opening(reply: Reply, index: int) -> dict | None:
@@ -338,12 +339,10 @@ class CompletionFormat:
 
     @staticmethod
     def chunk(reply: Reply, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"id": reply.id, "object": "text_completion", "created": reply.created,
-                "model": reply.model, "choices": [{"index": index, "text": text,
-                                                   "logprobs": None,
-                                                   "finish_reason": finish_reason}]}
+        return reply.body("text_completion",
+                          choices=[{"index": index, "text": text, "logprobs": None,
+                                    "finish_reason": finish_reason}])
 
     @staticmethod
     def usage_chunk(reply: Reply, choices: list[Choice], n: int) -> dict:
-        return {"id": reply.id, "object": "text_completion", "created": reply.created,
-                "model": reply.model, "choices": [], "usage": usage(choices, n)}
+        return reply.body("text_completion", choices=[], usage=usage(choices, n))

@@ -122,7 +122,7 @@ def test_aborted_request_exits_3(tmp_path):
     try:
         proc = client(services.scheduler_address, "--token-ids", "1,2,3", "--ignore-eos",
                       "--show-ids")
-        assert proc.stdout.read(1)
+        assert proc.stdout.read(1), proc.stderr.read()  # empty: the client ended; say why
         services.procs["scheduler"].send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 3, err

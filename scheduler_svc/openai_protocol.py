@@ -1,13 +1,15 @@
 """The OpenAI API's request bodies (pydantic models), their mapping to GenerateSpecs, and the
-response and stream-chunk bodies built from engine events. No HTTP, no gRPC, no torch.
+response and stream-chunk bodies built from engine events (logprobs included). No HTTP, no gRPC,
+no torch.
 
-A parameter the engine cannot honour yet is refused with InvalidArgument naming it, unless it has
-its neutral value: nothing a client sets is silently dropped (see `_NOT_YET_CHAT`).
+A feature the engine does not have (tools, `echo`, ...) is refused with InvalidArgument naming
+it, unless it has its neutral value: nothing a client sets is silently dropped.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import MAX_N as MAX_ENGINE_N
 from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
-from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.sampling_params import (MAX_LOGPROBS, SamplingParams, StoppingParams,
+                                           TokenLogprobs)
 from scheduler_svc.sequence import FinishReason
 
 # OpenAI's own bound on `n`. The engine samples up to request.MAX_N of them from one prefill
@@ -24,6 +27,8 @@ MAX_N = 128
 # Choices of one API request (a /v1/completions batch of prompts, times n).
 MAX_CHOICES = 256
 _SEED_MODULUS = 2**64
+# What OpenAI and vLLM send for a logprob of -inf, which JSON cannot carry.
+_MIN_LOGPROB = -9999.0
 
 FINISH_REASONS = {
     FinishReason.LENGTH: "length",
@@ -64,6 +69,10 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
+    def num_logprobs(self) -> int | None:
+        """The engine's logprobs: None, or how many alternatives each token comes with."""
+        raise NotImplementedError
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -83,33 +92,26 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    # OpenAI's legacy limit is 5; vLLM's (and the engine's) 20
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 
-
-# Controls the engine has but this API does not return yet (logprobs need token strings in the
-# responses), per endpoint: (parameter, whether a value is neutral, the neutral values in words).
-# Anything else is refused, never ignored.
-_NOT_YET_CHAT = (("logprobs", lambda v: not v, "false"), ("top_logprobs", lambda v: not v, "0"))
-_NOT_YET_COMPLETIONS = (("logprobs", lambda v: v is None, "null"),)
-
-
-def _refuse_not_yet(req: _SamplingRequest, not_yet: tuple) -> None:
-    for name, is_neutral, neutral in not_yet:
-        value = getattr(req, name)
-        if not is_neutral(value):
-            raise InvalidArgument(name, f"not supported yet (only {neutral}), got {value!r}")
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
@@ -145,6 +147,7 @@ def _sampling(req: _SamplingRequest, sample: int) -> SamplingParams:
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias),
+        logprobs=req.num_logprobs(),
     )
 
 
@@ -180,8 +183,9 @@ def _fan_out(req: _SamplingRequest, request_id: str, prompts: list[dict],
 
 def chat_specs(req: ChatCompletionRequest, request_id: str) -> list[GenerateSpec]:
     """The engine requests of a chat completion; raises InvalidArgument naming the parameter."""
-    _refuse_not_yet(req, _NOT_YET_CHAT)
     _refuse_chat_extras(req)
+    if req.top_logprobs and not req.logprobs:  # 0 alone is accepted, as vLLM does
+        raise InvalidArgument("top_logprobs", "needs logprobs: true")
     if not req.messages:
         raise InvalidArgument("messages", "must not be empty")
     chat = [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(req.messages)]
@@ -203,7 +207,6 @@ def _text_of(message: ChatMessage, index: int) -> str:
 
 def completion_specs(req: CompletionRequest, request_id: str) -> list[GenerateSpec]:
     """The engine requests of a completion (one of n samples per prompt); raises InvalidArgument."""
-    _refuse_not_yet(req, _NOT_YET_COMPLETIONS)
     _refuse_completion_extras(req)
     prompts = _prompts(req.prompt)
     if len(prompts) * req.n > MAX_CHOICES:
@@ -240,14 +243,35 @@ def param_name(field: str, req: _SamplingRequest) -> str:
 
 # --- responses ----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class LogprobsEntry:
+    """One generated token's logprobs, and where its text starts in the choice's text (the
+    characters released before it)."""
+
+    token_id: int
+    logprobs: TokenLogprobs
+    text_offset: int
+
+
 @dataclass
 class Choice:
-    """One sample's output so far."""
+    """One sample's output so far. `logprobs` has an entry per generated token when the request
+    asked for them: every token usage counts, as Generate returns them and as vLLM does, so the
+    tokens of a stop string whose text is cut off keep theirs."""
 
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    logprobs: list[LogprobsEntry] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one event adds to a choice: text, and its token's logprobs when they were asked."""
+
+    text: str
+    logprobs: tuple[LogprobsEntry, ...] = ()
 
 
 def usage(choices: list[Choice], n: int) -> dict:
@@ -258,27 +282,57 @@ def usage(choices: list[Choice], n: int) -> dict:
             "total_tokens": prompt + completion}
 
 
-def apply(choice: Choice, event: TokenEvent | FinishEvent) -> str:
-    """Adds `event` to `choice`; returns the text it releases."""
+def apply(choice: Choice, event: TokenEvent | FinishEvent) -> Delta:
+    """Adds `event` to `choice`; returns what it adds."""
+    entries: tuple[LogprobsEntry, ...] = ()
     if isinstance(event, FinishEvent):
         choice.finish_reason = FINISH_REASONS[event.reason]
         choice.prompt_tokens, choice.completion_tokens = (event.prompt_tokens,
                                                           event.completion_tokens)
+    elif event.logprobs is not None:
+        entries = (LogprobsEntry(event.token_id, event.logprobs, len(choice.text)),)
+        choice.logprobs.append(entries[0])
     choice.text += event.text
-    return event.text
+    return Delta(event.text, entries)
+
+
+class TokenTexts:
+    """Each token's own text, as vLLM shows it in logprobs: the decode of that id alone, special
+    tokens included (a piece of a longer UTF-8 character decodes to U+FFFD), or "token_id:<id>"
+    for a model without a tokenizer. Cached: at most one string per vocabulary entry, and the top
+    alternatives of consecutive tokens repeat."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = (f"token_id:{token_id}" if self.tokenizer is None
+                    else self.tokenizer.decode([token_id], skip_special_tokens=False))
+            self._texts[token_id] = text
+        return text
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
 
 
 @dataclass(frozen=True)
 class Reply:
-    """What every response and chunk of one request carries."""
+    """What every response and chunk of one request carries; `token_texts` is set when the
+    request asked for logprobs."""
 
     id: str
     model: str
     created: int
+    token_texts: TokenTexts | None = None
 
     @classmethod
-    def new(cls, prefix: str, request_id: str, model: str) -> Reply:
-        return cls(f"{prefix}-{request_id}", model, int(time.time()))
+    def new(cls, prefix: str, request_id: str, model: str,
+            token_texts: TokenTexts | None = None) -> Reply:
+        return cls(f"{prefix}-{request_id}", model, int(time.time()), token_texts)
 
     def body(self, kind: str, **fields) -> dict:
         """A response or chunk of `kind` ("object") with this reply's id, time and model."""
@@ -295,29 +349,50 @@ class ChatFormat:
     def response(reply: Reply, choices: list[Choice], n: int) -> dict:
         return reply.body("chat.completion",
                           choices=[{"index": i, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": None, "finish_reason": c.finish_reason}
+                                    "logprobs": ChatFormat.logprobs(reply, c.logprobs),
+                                    "finish_reason": c.finish_reason}
                                    for i, c in enumerate(choices)],
                           usage=usage(choices, n))
 
     @staticmethod
     def opening(reply: Reply, index: int) -> dict:
         """The first chunk of a choice: its role, as OpenAI sends it."""
-        return ChatFormat._chunk(reply, index, {"role": "assistant", "content": ""}, None)
+        return ChatFormat._chunk(reply, index, {"role": "assistant", "content": ""}, None, None)
 
     @staticmethod
-    def chunk(reply: Reply, index: int, text: str, finish_reason: str | None) -> dict:
-        delta = {} if finish_reason is not None and not text else {"content": text}
-        return ChatFormat._chunk(reply, index, delta, finish_reason)
+    def chunk(reply: Reply, index: int, delta: Delta, finish_reason: str | None) -> dict:
+        content = {} if finish_reason is not None and not delta.text else {"content": delta.text}
+        logprobs = ChatFormat.logprobs(reply, delta.logprobs) if delta.logprobs else None
+        return ChatFormat._chunk(reply, index, content, finish_reason, logprobs)
 
     @staticmethod
-    def _chunk(reply: Reply, index: int, delta: dict, finish_reason: str | None) -> dict:
+    def _chunk(reply: Reply, index: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None) -> dict:
         return reply.body("chat.completion.chunk",
-                          choices=[{"index": index, "delta": delta, "logprobs": None,
+                          choices=[{"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish_reason}])
 
     @staticmethod
     def usage_chunk(reply: Reply, choices: list[Choice], n: int) -> dict:
         return reply.body("chat.completion.chunk", choices=[], usage=usage(choices, n))
+
+    @staticmethod
+    def logprobs(reply: Reply, entries: Sequence[LogprobsEntry]) -> dict | None:
+        """{"content": [token, logprob, bytes, top_logprobs] per token}; top_logprobs are the k
+        most likely, most likely first, as OpenAI means them (vLLM lists the sampled token first
+        when it is not one of them)."""
+        texts = reply.token_texts
+        if texts is None:
+            return None
+        return {"content": [{**_chat_logprob(texts, e.token_id, e.logprobs.logprob),
+                             "top_logprobs": [_chat_logprob(texts, token_id, logprob)
+                                              for token_id, logprob in e.logprobs.top]}
+                            for e in entries]}
+
+
+def _chat_logprob(texts: TokenTexts, token_id: int, logprob: float) -> dict:
+    token = texts(token_id)
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
 
 
 class CompletionFormat:
@@ -328,7 +403,8 @@ class CompletionFormat:
     @staticmethod
     def response(reply: Reply, choices: list[Choice], n: int) -> dict:
         return reply.body("text_completion",
-                          choices=[{"index": i, "text": c.text, "logprobs": None,
+                          choices=[{"index": i, "text": c.text,
+                                    "logprobs": CompletionFormat.logprobs(reply, c.logprobs),
                                     "finish_reason": c.finish_reason}
                                    for i, c in enumerate(choices)],
                           usage=usage(choices, n))
@@ -338,11 +414,32 @@ class CompletionFormat:
         return None
 
     @staticmethod
-    def chunk(reply: Reply, index: int, text: str, finish_reason: str | None) -> dict:
+    def chunk(reply: Reply, index: int, delta: Delta, finish_reason: str | None) -> dict:
+        logprobs = CompletionFormat.logprobs(reply, delta.logprobs) if delta.logprobs else None
         return reply.body("text_completion",
-                          choices=[{"index": index, "text": text, "logprobs": None,
+                          choices=[{"index": index, "text": delta.text, "logprobs": logprobs,
                                     "finish_reason": finish_reason}])
 
     @staticmethod
     def usage_chunk(reply: Reply, choices: list[Choice], n: int) -> dict:
         return reply.body("text_completion", choices=[], usage=usage(choices, n))
+
+    @staticmethod
+    def logprobs(reply: Reply, entries: Sequence[LogprobsEntry]) -> dict | None:
+        """OpenAI's legacy lists: tokens, token_logprobs, top_logprobs, text_offset."""
+        texts = reply.token_texts
+        if texts is None:
+            return None
+        return {"tokens": [texts(e.token_id) for e in entries],
+                "token_logprobs": [_finite(e.logprobs.logprob) for e in entries],
+                "top_logprobs": [_completion_top(texts, e) for e in entries],
+                "text_offset": [e.text_offset for e in entries]}
+
+
+def _completion_top(texts: TokenTexts, entry: LogprobsEntry) -> dict[str, float]:
+    """{token: logprob} of the sampled token, then of the top ones (OpenAI's "up to logprobs + 1"
+    entries, vLLM's order); of two tokens with one text, the first stays."""
+    top = {texts(entry.token_id): _finite(entry.logprobs.logprob)}
+    for token_id, logprob in entry.logprobs.top:
+        top.setdefault(texts(token_id), _finite(logprob))
+    return top

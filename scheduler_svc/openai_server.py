@@ -117,6 +117,7 @@ class OpenAIServer:
         self._server: _Server | None = None
         self._socket: socket.socket | None = None
         self._task: asyncio.Task | None = None
+        self._texts: protocol.TokenTexts | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -207,7 +208,8 @@ class OpenAIServer:
             raise _bad_parameter(err, body) from None
         if body.user:
             log.debug("request %s from user %r", request_id, body.user[:64])
-        reply = protocol.Reply.new(endpoint.format.id_prefix, request_id, model)
+        texts = self._token_texts() if body.num_logprobs() is not None else None
+        reply = protocol.Reply.new(endpoint.format.id_prefix, request_id, model, texts)
         if body.stream:
             return StreamingResponse(_events(fanout, endpoint.format, reply, body),
                                      media_type="text/event-stream",
@@ -235,6 +237,13 @@ class OpenAIServer:
             await fanout.close()
             raise
         return fanout, body.model or (names[0] if names else "")
+
+    def _token_texts(self) -> protocol.TokenTexts:
+        """The texts of the attached model's tokens, kept while its tokenizer is the same."""
+        tokenizer = self.engine.tokenizer
+        if self._texts is None or self._texts.tokenizer is not tokenizer:
+            self._texts = protocol.TokenTexts(tokenizer)
+        return self._texts
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
         body = await _read_body(request, self.config.max_body_bytes)
@@ -368,10 +377,11 @@ def _sse(data) -> str:
 
 async def _events(fanout: Fanout, fmt, reply: protocol.Reply, body):
     """The stream: each choice's opening chunk, a chunk per token (as vLLM's: its text may be
-    empty, e.g. half a character) and one with its finish reason, the usage chunk if asked for,
-    then [DONE]. An error after the first chunk is sent as an error event. On disconnect
-    Starlette cancels this generator, which aborts the requests; the response's background task
-    waits until they are gone."""
+    empty, e.g. half a character or text held back for a stop string; its logprobs, if asked
+    for, are there) and one with its finish reason, the usage chunk if asked for, then [DONE].
+    An error after the first chunk is sent as an error event. On disconnect Starlette cancels
+    this generator, which aborts the requests; the response's background task waits until they
+    are gone."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     choices = [protocol.Choice() for _ in range(fanout.num_choices)]
     usage_field = {"usage": None} if include_usage else {}
@@ -381,8 +391,8 @@ async def _events(fanout: Fanout, fmt, reply: protocol.Reply, body):
             if opening is not None:
                 yield _sse({**opening, **usage_field})
         async for index, event in fanout.events():  # a chunk per token, its text maybe empty
-            text = protocol.apply(choices[index], event)
-            chunk = fmt.chunk(reply, index, text, choices[index].finish_reason)
+            delta = protocol.apply(choices[index], event)
+            chunk = fmt.chunk(reply, index, delta, choices[index].finish_reason)
             yield _sse({**chunk, **usage_field})
         if include_usage:
             yield _sse(fmt.usage_chunk(reply, choices, body.n))

@@ -1,22 +1,29 @@
 """The OpenAI HTTP API of real processes (scheduler + CPU executor, the tiny preset), through the
 real `openai` SDK (sync, async, streaming) and raw HTTP (SSE framing, every error status), over
-the same engine as Generate: the same greedy tokens, admission limits, metrics and cancellation.
-One pair of services serves the whole module; the 503 check starts a lone scheduler."""
+the same engine as Generate: the same greedy tokens, logprobs (also within 1e-4 of a log-softmax
+of transformers' logits), admission limits, metrics and cancellation. One pair of services serves
+the whole module; the 503 check starts a lone scheduler."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
+import itertools
 import json
+import random
 import socket
 import time
 
 import grpc
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import GenerationConfig
 
 from executor_svc.model_loader import smollm2_gguf_path
 from protos import generate_pb2
 from tests.integration.harness import start_services
+from tests.integration.hf_reference import hf_model
 
 openai = pytest.importorskip("openai")
 
@@ -115,10 +122,15 @@ def test_penalties_and_logit_bias_match_generate(services, client):
 
 def _text(services, ids: list[int]) -> str:
     """What the engine's detokenizer makes of generated ids (the tiny preset's tokenizer)."""
-    from executor_svc.model_loader import smollm2_gguf_path
+    return tokenizer().decode(ids)
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    """The scheduler's tokenizer of the tiny preset."""
     from scheduler_svc.tokenizer import load_tokenizer
 
-    return load_tokenizer(smollm2_gguf_path()).decode(ids)
+    return load_tokenizer(smollm2_gguf_path())
 
 
 def test_async_sdk_serves_concurrent_requests_alike(services, client):
@@ -186,6 +198,148 @@ def test_stop_strings_and_max_tokens(client):
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 16
 
 
+# --- logprobs ------------------------------------------------------------------------------------
+
+TOP = 5
+# HTTP against Generate for one greedy request: the second of the two starts from the first's
+# cached prompt pages (prefix caching), so its float32 sums run in another order (1.4e-6 seen)
+SAME = 1e-5
+
+
+def grpc_logprobs(services, prompt_ids=None, max_tokens: int = 12) -> list:
+    """Generate's token messages, greedy with the top 5 logprobs, for `prompt_ids` or MESSAGES."""
+    req = generate_pb2.GenerateRequest()
+    if prompt_ids is None:
+        for m in MESSAGES:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    else:
+        req.token_ids.ids.extend(prompt_ids)
+    req.sampling.logprobs = TOP
+    req.stopping.max_tokens, req.stopping.ignore_eos = max_tokens, True
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        return [r for r in services.stub(channel).Generate(req, timeout=120) if not r.finished]
+
+
+def token_text(token_id: int) -> str:
+    """A token's own text, as vLLM shows it in logprobs."""
+    return tokenizer().decode([token_id], skip_special_tokens=False)
+
+
+@torch.inference_mode()
+def hf_logprobs(prompt_ids: list[int], max_tokens: int = 12):
+    """transformers' greedy tokens and the log-softmax of its logits per step (float64)."""
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    out = hf_model(MODEL).generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(
+        1, len(prompt_ids), dtype=torch.long), generation_config=config)
+    return (out.sequences[0, len(prompt_ids):].tolist(),
+            torch.log_softmax(torch.cat(out.logits).double(), dim=-1))
+
+
+def test_chat_logprobs_equal_generates_and_transformers(services, client):
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True,
+                                           top_logprobs=TOP, **GREEDY)
+    content = reply.choices[0].logprobs.content
+    messages = grpc_logprobs(services)
+    assert len(content) == len(messages) == reply.usage.completion_tokens == 12
+    for entry, m in zip(content, messages):
+        assert entry.token == token_text(m.token_id) and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(m.logprob, abs=SAME)
+        assert [t.token for t in entry.top_logprobs] == [token_text(t.token_id)
+                                                         for t in m.top_logprobs]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            [t.logprob for t in m.top_logprobs], abs=SAME)
+        # greedy: the sampled token is the most likely one
+        assert m.token_id == m.top_logprobs[0].token_id
+        assert entry.logprob == entry.top_logprobs[0].logprob
+    tokens, reference = hf_logprobs(tokenizer().apply_chat_template(MESSAGES))
+    assert [m.token_id for m in messages] == tokens
+    for entry, row in zip(content, reference):
+        top = row.topk(TOP)
+        assert [t.token for t in entry.top_logprobs] == [token_text(i)
+                                                         for i in top.indices.tolist()]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(),
+                                                                        abs=1e-4)
+
+
+def completion_top(m) -> dict[str, float]:
+    """The sampled token's text and logprob, then the top ones' (a text already there kept)."""
+    top = {token_text(m.token_id): m.logprob}
+    for t in m.top_logprobs:
+        top.setdefault(token_text(t.token_id), t.logprob)
+    return top
+
+
+def test_completion_logprobs_equal_generates_and_transformers(services, client):
+    prompt = [random.Random(40).randrange(1, 49152) for _ in range(17)]
+    reply = client.completions.create(model=MODEL, prompt=prompt, logprobs=TOP, max_tokens=12,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    lp = reply.choices[0].logprobs
+    messages = grpc_logprobs(services, prompt)
+    assert lp.tokens == [token_text(m.token_id) for m in messages]
+    assert lp.token_logprobs == pytest.approx([m.logprob for m in messages], abs=SAME)
+    for got, m in zip(lp.top_logprobs, messages):
+        want = completion_top(m)
+        assert list(got) == list(want) and list(got.values()) == pytest.approx(
+            list(want.values()), abs=SAME)
+    # where each token's text starts: the text Generate released before it
+    assert lp.text_offset == list(itertools.accumulate([len(m.text) for m in messages[:-1]],
+                                                       initial=0))
+    tokens, reference = hf_logprobs(prompt)
+    assert [m.token_id for m in messages] == tokens
+    assert lp.token_logprobs == pytest.approx([row.max().item() for row in reference], abs=1e-4)
+
+
+def test_streamed_logprobs_add_up_to_the_responses(client):
+    chat = dict(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY)
+    whole = client.chat.completions.create(**chat).choices[0].logprobs.content
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **chat)]
+    assert chunks[0].logprobs is None and chunks[-1].logprobs is None  # role, finish reason
+    assert all(len(c.logprobs.content) == 1 for c in chunks[1:-1])  # a chunk per token
+    streamed = [e for c in chunks[1:-1] for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=SAME)
+
+    text = dict(model=MODEL, prompt="Once upon a time", logprobs=3, max_tokens=12,
+                temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**text).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **text)]
+    assert all(len(c.logprobs.tokens) == 1 for c in chunks[:-1]) and chunks[-1].logprobs is None
+    assert [t for c in chunks[:-1] for t in c.logprobs.tokens] == whole.tokens
+    assert [o for c in chunks[:-1] for o in c.logprobs.text_offset] == whole.text_offset
+    assert [list(top) for c in chunks[:-1] for top in c.logprobs.top_logprobs] == [
+        list(top) for top in whole.top_logprobs]
+
+
+def test_each_of_n_samples_has_its_own_logprobs(client):
+    reply = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, seed=7,
+                                      temperature=1.0, max_tokens=8, logprobs=1,
+                                      extra_body={"ignore_eos": True})
+    samples = [c.logprobs for c in reply.choices]
+    assert [len(s.tokens) for s in samples] == [8, 8, 8]
+    assert len({tuple(s.tokens) for s in samples}) > 1  # distinct seeds, distinct tokens
+    for s in samples:  # sampled, not greedy: its token need not be the most likely one
+        for token, logprob, top in zip(s.tokens, s.token_logprobs, s.top_logprobs):
+            assert top[token] == logprob and 1 <= len(top) <= 2
+            assert logprob <= max(top.values())
+
+
+def test_logprobs_with_a_stop_string_cover_every_generated_token(client):
+    """As vLLM (and Generate): the tokens of the stop string keep their entries though their
+    text is cut, one per token usage counts; none starts past the text returned."""
+    args = dict(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0,
+                logprobs=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**args).choices[0]
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    stopped = client.completions.create(stop=[stop], **args)
+    [choice] = stopped.choices
+    assert choice.text == full.text[:full.text.index(stop)] and choice.finish_reason == "stop"
+    num_tokens = stopped.usage.completion_tokens
+    assert choice.logprobs.tokens == full.logprobs.tokens[:num_tokens]
+    assert choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+    assert choice.logprobs.text_offset[-1] <= len(choice.text)
+
+
 # --- raw HTTP ------------------------------------------------------------------------------------
 
 def request(services, method: str, path: str, body=None, key: str | None = KEY, port=None):
@@ -226,8 +380,13 @@ def test_error_statuses_in_openais_shape(services):
     assert (status, err["param"], err["type"]) == (400, "top_p", "invalid_request_error")
     status, err = error(services, "POST", "/v1/chat/completions", {**chat, "logit_bias": {"5": 500}})
     assert (status, err["param"]) == (400, "logit_bias")
-    status, err = error(services, "POST", "/v1/chat/completions", {**chat, "logprobs": True})
-    assert (status, err["param"]) == (400, "logprobs") and "not supported yet" in err["message"]
+    status, err = error(services, "POST", "/v1/chat/completions", {**chat, "top_logprobs": 2})
+    assert (status, err["param"]) == (400, "top_logprobs") and "logprobs: true" in err["message"]
+    status, err = error(services, "POST", "/v1/chat/completions",
+                        {**chat, "logprobs": True, "top_logprobs": 21})
+    assert (status, err["param"]) == (400, "top_logprobs")
+    status, err = error(services, "POST", "/v1/completions", {"prompt": "hi", "logprobs": 21})
+    assert (status, err["param"]) == (400, "logprobs")
     status, err = error(services, "POST", "/v1/chat/completions", {**chat, "messages": []})
     assert (status, err["param"]) == (400, "messages")
     for key in (None, "wrong"):
@@ -242,6 +401,8 @@ def test_sdk_raises_its_own_error_classes(client):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, presence_penalty=3.0)
     assert "presence_penalty" in str(bad.value)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, top_logprobs=3)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
     with pytest.raises(openai.AuthenticationError):

@@ -1,6 +1,6 @@
-"""The OpenAI request bodies mapped to GenerateSpecs: every parameter the engine has, n samples
-with reproducible distinct seeds, the prompt forms, and controls the engine lacks refused by
-name unless neutral."""
+"""The OpenAI request bodies mapped to GenerateSpecs: every parameter the engine has (logprobs
+included, their ranges and chat's top_logprobs needing logprobs), n samples with reproducible
+distinct seeds, the prompt forms, and controls the engine lacks refused by name unless neutral."""
 import pytest
 from pydantic import ValidationError
 
@@ -9,6 +9,7 @@ from scheduler_svc.openai_protocol import (ChatCompletionRequest, Choice, Comple
                                            apply, chat_specs, completion_specs, param_name,
                                            usage)
 from scheduler_svc.request import FinishEvent, TokenEvent
+from scheduler_svc.sampling_params import MAX_LOGPROBS
 from scheduler_svc.sequence import FinishReason
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -86,11 +87,39 @@ def test_penalties_and_logit_bias_reach_the_engine():
     assert info.value.field == "logit_bias"
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", True), ("top_logprobs", 2)])
-def test_logprobs_are_refused_by_name_until_responses_carry_them(field, value):
-    with pytest.raises(InvalidArgument, match="not supported yet") as info:
-        chat_specs(chat(**{field: value}), "r")
-    assert info.value.field == field
+def test_logprobs_reach_the_engine():
+    """Chat: logprobs true with top_logprobs k (none: 0); completions: logprobs k, up to the
+    engine's 20 as vLLM allows (OpenAI's legacy limit is 5)."""
+    def engine_logprobs(body):
+        specs = chat_specs(body, "r") if isinstance(body, ChatCompletionRequest) \
+            else completion_specs(body, "r")
+        return {s.sampling.logprobs for s in specs}
+    assert engine_logprobs(chat(logprobs=True, top_logprobs=5, n=20)) == {5}
+    assert engine_logprobs(chat(logprobs=True)) == {0}
+    assert engine_logprobs(chat(logprobs=False, top_logprobs=0)) == {None}
+    assert engine_logprobs(chat(logprobs=None)) == engine_logprobs(chat()) == {None}
+    assert engine_logprobs(completion(logprobs=0)) == {0}
+    assert engine_logprobs(completion(logprobs=MAX_LOGPROBS)) == {MAX_LOGPROBS}
+    assert engine_logprobs(completion()) == {None}
+
+
+def test_top_logprobs_needs_logprobs_true():
+    for fields in ({"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": False}):
+        with pytest.raises(InvalidArgument, match="needs logprobs: true") as info:
+            chat_specs(chat(**fields), "r")
+        assert info.value.field == "top_logprobs"
+
+
+@pytest.mark.parametrize("body,fields,param", [
+    (chat, {"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
+    (chat, {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    (chat, {"logprobs": 3}, "logprobs"),
+    (completion, {"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+    (completion, {"logprobs": -1}, "logprobs")])
+def test_logprobs_out_of_range_fail_validation_naming_them(body, fields, param):
+    with pytest.raises(ValidationError) as info:
+        body(**fields)
+    assert info.value.errors()[0]["loc"] == (param,)
 
 
 def test_neutral_values_of_missing_controls_are_accepted():
@@ -98,8 +127,6 @@ def test_neutral_values_of_missing_controls_are_accepted():
                     logit_bias={}, logprobs=False, top_logprobs=0), "r")
     chat_specs(chat(presence_penalty=None, logit_bias=None, logprobs=None), "r")
     completion_specs(completion(logprobs=None, presence_penalty=0), "r")
-    with pytest.raises(InvalidArgument, match="logprobs"):  # 0 asks for the sampled token's
-        completion_specs(completion(logprobs=0), "r")
 
 
 @pytest.mark.parametrize("fields,param", [

@@ -92,7 +92,8 @@ def test_a_completion_over_the_engine():
 
 @pytest.mark.parametrize("fields,param", [
     ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"prompt": [10**6]}, "prompt"),
-    ({"frequency_penalty": 5.0}, "frequency_penalty"), ({"n": "two"}, "n")])
+    ({"frequency_penalty": 5.0}, "frequency_penalty"), ({"n": "two"}, "n"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs")])
 def test_bad_parameters_are_400_naming_them(fields, param):
     async def test(client, engine, fake):
         status, error = error_of(*await client.request("POST", "/v1/completions",

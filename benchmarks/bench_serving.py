@@ -1,13 +1,17 @@
-"""Serving benchmark (BENCHMARK.md W1/W2/W3): both services on this machine's GPU, every request
-submitted at once through the public gRPC Generate API (or, with --api http, the OpenAI
-completions endpoint, streamed), then the Hugging Face `generate` baseline on the same random
-weights, in one command. Prints throughput, TTFT/ITL percentiles, peak KV
-pages, preemptions, swapped pages, the executor's GPU-wait share of decode steps, and the ratio.
+"""Serving benchmark (BENCHMARK.md W1/W2/W3, RESULTS.md W4): both services on this machine's GPU,
+every request submitted at once through the public gRPC Generate API (or, with --api http, the
+OpenAI completions endpoint, streamed), then the Hugging Face `generate` baseline on the same random
+weights, in one command. Prints throughput, TTFT/ITL percentiles, peak KV pages, preemptions,
+swapped pages, the prefix cache's hit rate, the executor's GPU-wait share of decode steps, and the
+ratio.
 
     python -m benchmarks.bench_serving --workload W1 --out results.json
 
 Lengths come from random.Random(0) request by request (prompt, then output); prompt ids from a
-separate random.Random(1) so that the lengths are exactly BENCHMARK.md's.
+separate random.Random(1) so that the lengths are exactly BENCHMARK.md's. W4 (conversations.py)
+runs in rounds: every conversation's turn k at once, then turn k + 1, whose prompts hold the
+outputs of turn k; no HF baseline. `--workload prefix-ttft` starts the services twice, prefix
+caching on then off, and times single requests whose long prefix is (or would be) cached.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import contextlib
 import json
 import random
 import re
+import statistics
 import sys
 import tempfile
 import threading
@@ -28,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.conversations import (ConversationRounds, ConversationsSpec,  # noqa: E402
+                                      percentile, spec_from_args)
+from benchmarks.conversations import add_arguments as add_conversation_arguments  # noqa: E402
 from scripts.local_services import start_services  # noqa: E402
 
 WORKLOADS = {  # name: (requests, prompt range, output range)
@@ -38,7 +46,10 @@ WORKLOADS = {  # name: (requests, prompt range, output range)
 # Per-workload defaults of --max-num-seqs and --swap-space. W3 admits up to 512 sequences: at 256,
 # 256 x ~2,400 tokens fit in the ~110 GB cache and nothing would ever be preempted; 512 prompts of
 # ~1,800 tokens fill it, and their growth forces preemption. Its swap space holds ~100 of them.
-WORKLOAD_DEFAULTS = {"W1": (256, 4.0), "W2": (256, 4.0), "W3": (512, 32.0)}
+WORKLOAD_DEFAULTS = {"W1": (256, 4.0), "W2": (256, 4.0), "W3": (512, 32.0), "W4": (256, 4.0),
+                     "prefix-ttft": (256, 4.0)}
+CONVERSATION_WORKLOADS = ("W4",)  # run in rounds (conversations.py)
+PREFIX_TTFT = "prefix-ttft"
 
 
 def make_requests(workload: str, vocab: int) -> list[tuple[list[int], int]]:
@@ -57,6 +68,7 @@ def make_requests(workload: str, vocab: int) -> list[tuple[list[int], int]]:
 class Trace:
     submitted: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     error: str | None = None
 
@@ -75,6 +87,7 @@ async def _one(stub, prompt: list[int], max_tokens: int, trace: Trace) -> None:
                 trace.completion_tokens = msg.completion_tokens
             else:
                 trace.token_times.append(time.perf_counter())
+                trace.token_ids.append(msg.token_id)
     except Exception as err:  # reported, never hides a lost request
         trace.error = repr(err)
 
@@ -103,15 +116,50 @@ async def _one_http(client, url: str, model: str, prompt: list[int], max_tokens:
 
 async def _run_all(services, requests, time_limit: float, api: str
                    ) -> tuple[list[Trace], float, bool]:
-    traces = [Trace() for _ in requests]
     async with _client(services, api) as submit:
         start = time.perf_counter()
-        tasks = [asyncio.ensure_future(submit(p, o, t)) for (p, o), t in zip(requests, traces)]
-        done, pending = await asyncio.wait(tasks, timeout=time_limit)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    return traces, start, bool(pending)
+        traces, timed_out = await _submit_all(submit, requests, time_limit)
+    return traces, start, timed_out
+
+
+async def _run_rounds(services, rounds: ConversationRounds, time_limit: float
+                      ) -> tuple[list[Trace], float, bool, list[float]]:
+    """Each round's requests at once, the next round once all are done; the traces in round
+    order, the start, whether the time limit cut the run short, and each round's wall time."""
+    traces, round_walls, timed_out = [], [], False
+    async with _client(services, "grpc") as submit:
+        start = time.perf_counter()
+        for k in range(rounds.spec.turns):
+            round_start = time.perf_counter()
+            done, timed_out = await _submit_all(submit, rounds.requests(k),
+                                                start + time_limit - round_start)
+            traces += done
+            round_walls.append(time.perf_counter() - round_start)
+            if timed_out:
+                break
+            rounds.add_outputs(k, [t.token_ids for t in done])
+    return traces, start, timed_out, round_walls
+
+
+async def _run_one_by_one(services, prompts: list[list[int]], max_tokens: int) -> list[Trace]:
+    """Each prompt alone, the next once the previous has finished."""
+    traces = [Trace() for _ in prompts]
+    async with _client(services, "grpc") as submit:
+        for prompt, trace in zip(prompts, traces):
+            await submit(prompt, max_tokens, trace)
+    return traces
+
+
+async def _submit_all(submit, requests, timeout: float) -> tuple[list[Trace], bool]:
+    """Submits every (prompt, max_tokens) at once and waits up to `timeout` seconds for all;
+    the traces, and whether any request was cancelled at the time limit."""
+    traces = [Trace() for _ in requests]
+    tasks = [asyncio.ensure_future(submit(p, o, t)) for (p, o), t in zip(requests, traces)]
+    _, pending = await asyncio.wait(tasks, timeout=max(timeout, 0.0))
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return traces, bool(pending)
 
 
 @contextlib.asynccontextmanager
@@ -157,12 +205,13 @@ class PeakSampler(threading.Thread):
                 pass
             self.stop_event.wait(self.period)
 
+    def __enter__(self) -> PeakSampler:
+        self.start()
+        return self
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        self.join()
 
 
 def _step_timing(executor_log: str) -> dict:
@@ -175,10 +224,21 @@ def _step_timing(executor_log: str) -> dict:
     return out
 
 
-def run_serving(args, requests) -> dict:
+@dataclass
+class Run:
+    """What a run on started services leaves behind for its summary."""
+
+    startup_s: float
+    metrics: dict = field(default_factory=dict)
+    executor_log: str = ""
+
+
+@contextlib.contextmanager
+def _services(args, name: str, scheduler_extra: tuple[str, ...] = ()):
+    """Both services for one run, then (on leaving) their metrics and executor log in the Run."""
     # Logs go straight to --log-dir, so that they survive a run stopped by a time limit.
     if args.log_dir:
-        tmp = Path(args.log_dir) / args.workload
+        tmp = Path(args.log_dir) / name
         tmp.mkdir(parents=True, exist_ok=True)
     else:
         tmp = Path(tempfile.mkdtemp(prefix="bench_serving_"))
@@ -186,39 +246,72 @@ def run_serving(args, requests) -> dict:
                      "--swap-space", str(args.swap_space),
                      "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     scheduler_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                      "--max-num-seqs", str(args.max_num_seqs)]
+                      "--max-num-seqs", str(args.max_num_seqs), *scheduler_extra]
     t0 = time.perf_counter()
     services = start_services(tmp, executor_args, scheduler_args)
-    startup_s = time.perf_counter() - t0
-    print(f"services ready in {startup_s:.0f}s; submitting {len(requests)} requests", flush=True)
-    peak = PeakSampler(services)
-    peak.start()
+    run = Run(startup_s=time.perf_counter() - t0)
+    print(f"services ready in {run.startup_s:.0f}s", flush=True)
     try:
-        traces, start, timed_out = asyncio.run(_run_all(services, requests, args.time_limit,
-                                                        args.api))
-        peak.stop_event.set()
-        peak.join()
-        print(f"serving done in {time.perf_counter() - start:.0f}s (timed out: {timed_out})",
-              flush=True)
-        metrics = services.metrics()
-        executor_log = services.log_of("executor")
+        yield services, run
+        run.metrics = services.metrics()
+        run.executor_log = services.log_of("executor")
     finally:
         services.stop()
+
+
+def _caching(args) -> tuple[str, ...]:
+    return ("--no-prefix-caching",) if args.no_prefix_caching else ()
+
+
+def run_serving(args, requests) -> dict:
+    with _services(args, args.workload, _caching(args)) as (services, run), \
+            PeakSampler(services) as peak:
+        print(f"submitting {len(requests)} requests", flush=True)
+        traces, start, timed_out = asyncio.run(_run_all(services, requests, args.time_limit,
+                                                        args.api))
+        print(f"serving done in {time.perf_counter() - start:.0f}s (timed out: {timed_out})",
+              flush=True)
+    return _summary(traces, [o for _, o in requests], start, timed_out, run, peak)
+
+
+def run_conversations(args, spec: ConversationsSpec, vocab: int) -> dict:
+    """W4: the rounds of `spec`'s conversations on one pair of services."""
+    rounds = ConversationRounds(spec, vocab)
+    with _services(args, args.workload, _caching(args)) as (services, run), \
+            PeakSampler(services) as peak:
+        print(f"{spec.turns} rounds of {spec.conversations} requests", flush=True)
+        traces, start, timed_out, round_walls = asyncio.run(
+            _run_rounds(services, rounds, args.time_limit))
+        print(f"serving done in {time.perf_counter() - start:.0f}s (timed out: {timed_out})",
+              flush=True)
+    outputs = [turns[k].output_len for k in range(spec.turns) for turns in rounds.conversations]
+    serving = _summary(traces, outputs, start, timed_out, run, peak)
+    serving.update(conversations=spec.conversations, turns=spec.turns,
+                   system_tokens=spec.system_tokens, rounds_done=rounds.num_rounds_done,
+                   round_wall_s=round_walls)
+    return serving
+
+
+def _summary(traces: list[Trace], outputs: list[int], start: float, timed_out: bool, run: Run,
+             peak: PeakSampler) -> dict:
+    """The serving figures; `outputs` are the expected output lengths of the whole workload,
+    `traces` those of the requests submitted, in the same order."""
+    metrics, executor_log = run.metrics, run.executor_log
     ends = [t.token_times[-1] for t in traces if t.token_times]
     wall = (max(ends) if ends else time.perf_counter()) - start
     useful = sum(len(t.token_times) for t in traces)
-    ttft = [t.token_times[0] - t.submitted for t in traces if t.token_times]
+    ttft = _ttfts(traces)
     itl = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:])]
-    complete = sum(1 for t, (_, o) in zip(traces, requests)
+    complete = sum(1 for t, o in zip(traces, outputs)
                    if len(t.token_times) == o and t.error is None)
     info = re.search(r"worker ready: (.*)", executor_log)
     return {
-        "requests": len(requests), "complete": complete, "timed_out": timed_out,
+        "requests": len(outputs), "complete": complete, "timed_out": timed_out,
         "errors": sorted({t.error for t in traces if t.error})[:3],
-        "output_tokens": useful, "expected_output_tokens": sum(o for _, o in requests),
+        "output_tokens": useful, "expected_output_tokens": sum(outputs),
         "wall_s": wall, "output_tok_s": useful / wall if wall > 0 else 0.0,
-        "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
-        "itl_p50_ms": _percentile(itl, 50) * 1e3, "itl_p99_ms": _percentile(itl, 99) * 1e3,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
         "peak_gpu_blocks": peak.peak_gpu_blocks, "gpu_blocks_total": metrics.get("pagedserve_gpu_blocks_total"),
         "peak_cpu_blocks": peak.peak_cpu_blocks,
         "preemptions_swap": metrics.get('pagedserve_preemptions_total{mode="swap"}', 0.0),
@@ -226,11 +319,58 @@ def run_serving(args, requests) -> dict:
                                              0.0),
         "blocks_swapped_out": metrics.get('pagedserve_blocks_swapped_total{direction="out"}', 0.0),
         "blocks_swapped_in": metrics.get('pagedserve_blocks_swapped_total{direction="in"}', 0.0),
+        **_prefix_cache(metrics),
         "scheduler_steps": metrics.get("pagedserve_steps_total", metrics.get("pagedserve_steps")),
         "executor_step_timing": _step_timing(executor_log),
         "executor": info.group(1) if info else None,
-        "startup_s": startup_s,
+        "startup_s": run.startup_s,
     }
+
+
+def _ttfts(traces: list[Trace]) -> list[float]:
+    return [t.token_times[0] - t.submitted for t in traces if t.token_times]
+
+
+def _prefix_cache(metrics: dict) -> dict:
+    """Prompt tokens the scheduler looked up in the prefix cache, those it found, and the rate."""
+    queries = metrics.get("pagedserve_prefix_cache_queries_total", 0.0)
+    hits = metrics.get("pagedserve_prefix_cache_hits_total", 0.0)
+    return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+
+
+def run_prefix_ttft(args, vocab: int) -> dict:
+    """TTFT of single requests, one after another, each a `--system-tokens` prefix and
+    `--new-tokens` tokens of its own, after one request of the prefix alone (which also warms
+    the services up): prefix caching on (the prefix is cached by then), then off. The ratio is
+    off's TTFT median over on's; the hit rates are the timed requests'."""
+    ids_rng = random.Random(2)
+    prefix_len = args.system_tokens or ConversationsSpec.system_tokens
+    prefix = [ids_rng.randrange(1, vocab) for _ in range(prefix_len)]
+    prompts = [prefix + [ids_rng.randrange(1, vocab) for _ in range(args.new_tokens)]
+               for _ in range(args.num_requests or 10)]
+    result = {"prefix_tokens": len(prefix), "new_tokens": args.new_tokens,
+              "requests": len(prompts)}
+    for name, extra in (("cached", ()), ("uncached", ("--no-prefix-caching",))):
+        result[name] = _time_prefix(args, name, extra, prefix, prompts)
+    on, off = result["cached"]["ttft_p50_s"], result["uncached"]["ttft_p50_s"]
+    result["ratio"] = off / on if on and off else None
+    return result
+
+
+def _time_prefix(args, name: str, scheduler_extra: tuple[str, ...], prefix: list[int],
+                 prompts: list[list[int]]) -> dict:
+    """prefix-ttft on one pair of services: the prefix alone, then the timed prompts."""
+    with _services(args, f"{PREFIX_TTFT}-{name}", scheduler_extra) as (services, run):
+        warm = asyncio.run(_run_one_by_one(services, [prefix], max_tokens=1))
+        before = services.metrics()
+        traces = asyncio.run(_run_one_by_one(services, prompts, max_tokens=1))
+    ttft = _ttfts(traces)
+    since_warm = {k: v - before.get(k, 0.0) for k, v in run.metrics.items()}
+    return {"ttft_s": ttft, "ttft_p50_s": statistics.median(ttft) if ttft else None,
+            "warm_ttft_s": (_ttfts(warm) or [None])[0],
+            "errors": sorted({t.error for t in warm + traces if t.error})[:3],
+            **_prefix_cache(since_warm), "startup_s": run.startup_s}
 
 
 def run_hf(args, requests) -> dict:
@@ -291,6 +431,9 @@ def _fmt(serving: dict, hf: dict | None) -> str:
         f"TTFT p50 / p99         {serving['ttft_p50_s']:.2f} / {serving['ttft_p99_s']:.2f} s",
         f"ITL p50 / p99          {serving['itl_p50_ms']:.1f} / {serving['itl_p99_ms']:.1f} ms",
         f"peak KV pages          {serving['peak_gpu_blocks']:.0f} of {serving['gpu_blocks_total']}",
+        f"prefix cache hit rate  {serving['prefix_cache_hit_rate']:.1%} "
+        f"({serving['prefix_cache_hits']:.0f} of {serving['prefix_cache_queries']:.0f} prompt "
+        f"tokens)",
         f"preemptions swap/recompute {serving['preemptions_swap']:.0f} / "
         f"{serving['preemptions_recompute']:.0f}; pages out/in {serving['blocks_swapped_out']:.0f} / "
         f"{serving['blocks_swapped_in']:.0f}",
@@ -300,6 +443,10 @@ def _fmt(serving: dict, hf: dict | None) -> str:
         f"GPU {timing.get('gpu_ms', 0):.2f} ms -> GPU waits for host "
         f"{100 * timing.get('gpu_wait_frac', 0):.1f}% of each decode step",
     ]
+    if "round_wall_s" in serving:
+        lines.insert(3, f"rounds                 {serving['rounds_done']} of {serving['turns']} "
+                        f"({serving['conversations']} conversations): "
+                        + ", ".join(f"{w:.1f}" for w in serving["round_wall_s"]) + " s")
     if hf:
         lines.append(f"HF generate            {hf['output_tok_s']:.0f} tok/s "
                      f"({hf['batches']} batch(es) of {hf['batch_size']}"
@@ -308,53 +455,94 @@ def _fmt(serving: dict, hf: dict | None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _fmt_prefix_ttft(result: dict) -> str:
+    on, off = result["cached"], result["uncached"]
+    ms = (lambda x: f"{x * 1e3:.1f} ms" if x is not None else "n/a")
+    return "\n".join([
+        f"{result['requests']} single requests of a {result['prefix_tokens']}-token prefix + "
+        f"{result['new_tokens']} new tokens, one after another",
+        f"TTFT median, prefix cached      {ms(on['ttft_p50_s'])} "
+        f"(hit rate {on['prefix_cache_hit_rate']:.1%})",
+        f"TTFT median, caching off        {ms(off['ttft_p50_s'])} "
+        f"(hit rate {off['prefix_cache_hit_rate']:.1%})",
+        "ratio (off / cached)            "
+        + (f"{result['ratio']:.1f}x" if result["ratio"] else "n/a"),
+    ])
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="W1", choices=sorted(WORKLOADS))
+    p.add_argument("--workload", default="W1",
+                   choices=[*sorted(WORKLOADS), *CONVERSATION_WORKLOADS, PREFIX_TTFT])
     p.add_argument("--model", default="preset:llama3-8b")
     p.add_argument("--backend", default="cuda", help="executor backend (cpu: a smoke test)")
-    p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="only the first N requests (prefix-ttft: N timed requests, default 10)")
     p.add_argument("--api", choices=("grpc", "http"), default="grpc",
                    help="submit through the gRPC Generate API or the OpenAI completions endpoint "
-                        "(streamed; needs httpx)")
+                        "(streamed; needs httpx; W1-W3 only)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget of a step, both services (offline throughput: 8192 beat "
                         "2048 by 10%% on W1; the services' own default, 2048, favours latency)")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="default: 256 (W1, W2), 512 (W3)")
+                   help="default: 256 (W1, W2, W4), 512 (W3)")
     p.add_argument("--swap-space", type=float, default=None,
-                   help="executor swap space, GiB; default: 4 (W1, W2), 32 (W3)")
+                   help="executor swap space, GiB; default: 4 (W1, W2, W4), 32 (W3)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="the scheduler's flag (prefix-ttft runs with caching on and off anyway)")
     p.add_argument("--time-limit", type=float, default=300.0,
                    help="seconds for the serving run; unfinished requests are cancelled")
+    add_conversation_arguments(p)  # W4's; --system-tokens is prefix-ttft's prefix too
+    p.add_argument("--new-tokens", type=int, default=16,
+                   help="prefix-ttft: each timed request's own tokens after the prefix, which "
+                        "is --system-tokens long")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--hf-batches", type=int, default=None,
                    help="run only the first N HF batches (its rate is per batch; default all)")
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="(W4 and prefix-ttft have no HF run)")
     p.add_argument("--hf-from", default=None,
                    help="take the HF baseline from this earlier --out JSON (W2 uses W1's rate)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--log-dir", default=None, help="copy the services' logs here")
     args = p.parse_args(argv)
+    if args.api == "http" and args.workload not in WORKLOADS:
+        p.error("--api http: W1-W3 only (W4 feeds outputs back as token ids; prefix-ttft "
+                "times gRPC)")
     seqs, swap = WORKLOAD_DEFAULTS[args.workload]
     args.max_num_seqs = args.max_num_seqs or seqs
     args.swap_space = swap if args.swap_space is None else args.swap_space
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
     from executor_svc.model_config import preset_hf_config
 
     vocab = preset_hf_config(args.model.removeprefix("preset:")).vocab_size
-    requests = make_requests(args.workload, vocab)[:args.num_requests]
-    serving = run_serving(args, requests)
-    print(json.dumps(serving, indent=1), flush=True)
-    if args.hf_from:
-        hf = json.loads(Path(args.hf_from).read_text())["hf"]
-        hf["from"] = args.hf_from
+    hf = None
+    if args.workload == PREFIX_TTFT:
+        serving = run_prefix_ttft(args, vocab)
+    elif args.workload in CONVERSATION_WORKLOADS:
+        serving = run_conversations(args, spec_from_args(args), vocab)
     else:
-        hf = None if args.skip_hf else run_hf(args, requests)
+        requests = make_requests(args.workload, vocab)[:args.num_requests]
+        serving = run_serving(args, requests)
+        hf = _hf_baseline(args, requests)
+    print(json.dumps(serving, indent=1), flush=True)
     result = {"workload": args.workload, "date": time.strftime("%Y-%m-%d"), "serving": serving,
               "hf": hf, "args": vars(args)}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"== {args.workload} through {args.api}: {args.model} ==")
-    print(_fmt(serving, hf))
+    print(_fmt_prefix_ttft(serving) if args.workload == PREFIX_TTFT else _fmt(serving, hf))
+
+
+def _hf_baseline(args, requests) -> dict | None:
+    if args.hf_from:
+        hf = json.loads(Path(args.hf_from).read_text())["hf"]
+        hf["from"] = args.hf_from
+        return hf
+    return None if args.skip_hf else run_hf(args, requests)
 
 
 if __name__ == "__main__":

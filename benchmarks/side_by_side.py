@@ -1,9 +1,11 @@
-"""pagedserve and vLLM on the same GPU in one run: W1, W2, W3 (BENCHMARK.md) through
-`bench_serving.py` (both services, the public gRPC API) and through vLLM's offline `LLM.generate`
-with its defaults (`offline_bench.py` of ../shared/bench/vllm, installed by its install_on_gpu.sh),
-then the GPU's ceilings (bf16 matmul rate, copy bandwidth) and the ratio table.
+"""pagedserve and vLLM on the same GPU in one run: W1, W2, W3 (BENCHMARK.md) and W4 (RESULTS.md)
+through `bench_serving.py` (both services, the public gRPC API) and through vLLM's offline
+`LLM.generate` with its defaults (`offline_bench.py` of ../shared/bench/vllm, installed by its
+install_on_gpu.sh; W4 through `vllm_w4.py`, prefix caching on), then the GPU's ceilings (bf16
+matmul rate, copy bandwidth) and the ratio table. `--prefix-ttft` adds bench_serving's TTFT of a
+request whose 2,000-token prefix is cached, against caching off (pagedserve only).
 
-    python3 benchmarks/side_by_side.py --workloads W1,W2,W3 --out-dir $OUT
+    python3 benchmarks/side_by_side.py --workloads W1,W2,W3,W4 --prefix-ttft --out-dir $OUT
 
 On the GPU machine, after the three staging calls of ../shared/bench/vllm/README.md, in the call
 that brings .vllm04: `bash .vllm04/install_on_gpu.sh && python3 benchmarks/side_by_side.py ...`.
@@ -24,7 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_serving import WORKLOADS, make_requests  # noqa: E402  (this script's folder)
+from bench_serving import (CONVERSATION_WORKLOADS, PREFIX_TTFT, WORKLOADS,  # noqa: E402
+                           make_requests)  # (this script's folder)
+from conversations import ConversationsSpec, turn_lengths  # noqa: E402
 
 # Llama-3-8B (BENCHMARK.md), the model both sides run with random bf16 weights.
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 32, 4096, 32, 8, 128, 14336, 128256
@@ -34,17 +38,34 @@ KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
 
 
 def floor_seconds(workload: str, matmul_flops: float, copy_bps: float) -> float:
-    """A lower bound on a workload's time: every row's matrix products at the measured matmul
-    rate, causal prefill attention at that rate too, and each decode row's K/V read once at the
-    copy bandwidth. Weights re-read per step, sampling and everything else count as zero."""
+    """A lower bound on a workload's time: every computed row's matrix products at the measured
+    matmul rate, prefill attention (over the cached context too) at that rate, and each decode
+    row's K/V read once at the copy bandwidth. Weights re-read per step, sampling and everything
+    else count as zero; cached prompt tokens (request_sizes) cost nothing."""
     flops = kv_bytes = 0.0
-    for prompt, output in make_requests(workload, VOCAB):
-        p, rows = len(prompt), len(prompt) + output - 1
+    for c, p, output in request_sizes(workload):
+        rows = p + output - 1
         flops += 2 * rows * LAYERS * LAYER_PARAMS + 2 * output * HIDDEN * VOCAB
-        flops += 4 * LAYERS * HEADS * HEAD_DIM * p * (p + 1) / 2  # QK^T and PV, causal
-        contexts = output * p + output * (output - 1) / 2  # decode rows' context lengths, summed
+        flops += 4 * LAYERS * HEADS * HEAD_DIM * (p * c + p * (p + 1) / 2)  # QK^T and PV, causal
+        contexts = output * (c + p) + output * (output - 1) / 2  # decode rows' contexts, summed
         kv_bytes += contexts * KV_BYTES_PER_TOKEN
     return flops / matmul_flops + kv_bytes / copy_bps
+
+
+def request_sizes(workload: str) -> list[tuple[int, int, int]]:
+    """(cached prompt tokens, prompt tokens to compute, output tokens) of each request. W1-W3
+    share nothing. W4 as if the cache kept everything: the system prompt is computed once, and a
+    turn computes only its new tokens and the previous turn's last output token (sampled, never
+    fed back)."""
+    if workload not in CONVERSATION_WORKLOADS:
+        return [(0, len(prompt), output) for prompt, output in make_requests(workload, VOCAB)]
+    spec, sizes = ConversationsSpec(), []
+    for i, turns in enumerate(turn_lengths(spec, VOCAB)):
+        cached = spec.system_tokens if i else 0
+        for prompt, output in turns:
+            sizes.append((cached, prompt - cached, output))
+            cached = prompt + output - 1
+    return sizes
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float | None = None) -> int:
@@ -69,11 +90,37 @@ def run_pagedserve(workloads: list[str], out: Path, extra: list[str]) -> dict:
 
 
 def run_vllm(workloads: list[str], out: Path, vllm_dir: Path) -> dict:
-    path = out / "vllm.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own site only
-    run([sys.executable, str(vllm_dir / "offline_bench.py"), "--workloads", ",".join(workloads),
-         "--out", str(path)], out / "vllm.log", env=env)
-    return json.loads(path.read_text()) if path.exists() else {}
+    offline = [w for w in workloads if w in WORKLOADS]
+    if offline:
+        run([sys.executable, str(vllm_dir / "offline_bench.py"), "--workloads", ",".join(offline),
+             "--out", str(out / "vllm.json")], out / "vllm.log", env=env)
+    for w in workloads:
+        if w in CONVERSATION_WORKLOADS:
+            run([sys.executable, "benchmarks/vllm_w4.py", "--out", str(out / f"vllm_{w}.json")],
+                out / f"vllm_{w}.log", env=env)
+    return load_vllm(out, workloads)
+
+
+def load_vllm(out: Path, workloads: list[str]) -> dict:
+    """offline_bench's results with vllm_w4's W4 added."""
+    path = out / "vllm.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    for w in workloads:
+        path = out / f"vllm_{w}.json"
+        if w in CONVERSATION_WORKLOADS and path.exists():
+            w4 = json.loads(path.read_text())
+            for key in ("vllm", "gpu"):
+                results.setdefault(key, w4[key])
+            results.setdefault("workloads", {})[w] = w4["workloads"][w]
+    return results
+
+
+def run_prefix_ttft(out: Path, extra: list[str]) -> dict | None:
+    path = out / f"pagedserve_{PREFIX_TTFT}.json"
+    run([sys.executable, "benchmarks/bench_serving.py", "--workload", PREFIX_TTFT, "--out",
+         str(path), "--log-dir", str(out / "logs"), *extra], out / f"pagedserve_{PREFIX_TTFT}.log")
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def ceilings(out: Path) -> dict:
@@ -93,7 +140,7 @@ def table(workloads, ours: dict, vllm: dict, ceil: dict | None) -> str:
         s = ours.get(w, {}).get("serving", {})
         v = vllm.get("workloads", {}).get(w, {})
         a, b = s.get("output_tok_s"), v.get("output_tok_s")
-        expected = sum(o for _, o in make_requests(w, VOCAB))
+        expected = sum(o for _, _, o in request_sizes(w))
         floor = (expected / floor_seconds(w, ceil["matmul_tflops"] * 1e12, ceil["copy_GBps"] * 1e9)
                  if ceil else None)
         fmt = (lambda x: f"{x:,.0f}" if x else "n/a")
@@ -104,12 +151,57 @@ def table(workloads, ours: dict, vllm: dict, ceil: dict | None) -> str:
                       + (f"{s['ttft_p50_s']:.2f} s / {s['itl_p50_ms']:.1f} ms" if s else "n/a")
                       + f" | {s.get('complete', 0)}/{s.get('requests', 0)}, "
                       f"{v.get('full_outputs', 0)}/{v.get('requests', 0)} |")
+    lines += [conversation_line(w, ours, vllm) for w in workloads if w in CONVERSATION_WORKLOADS]
     return "\n".join(lines)
+
+
+def conversation_line(w: str, ours: dict, vllm: dict) -> str:
+    """A conversation workload's TTFT and prefix-cache hit rate, both sides."""
+    s = ours.get(w, {}).get("serving", {})
+    v = vllm.get("workloads", {}).get(w, {})
+    secs = (lambda r, q: f"{r[q]:.2f} s" if r.get(q) is not None else "n/a")
+    rate = (lambda r: f"{r['prefix_cache_hit_rate']:.1%}" if "prefix_cache_hit_rate" in r
+            else "n/a")
+    return (f"\n{w}: TTFT p50 / p99 pagedserve {secs(s, 'ttft_p50_s')} / {secs(s, 'ttft_p99_s')}, "
+            f"vLLM {secs(v, 'ttft_p50_s')} / {secs(v, 'ttft_p99_s')}; prefix cache hit rate "
+            f"pagedserve {rate(s)}, vLLM {rate(v)}")
+
+
+def prefix_ttft_line(result: dict | None) -> str:
+    if not result:
+        return f"{PREFIX_TTFT}: n/a"
+    r = result["serving"]
+    ms = (lambda side: f"{side['ttft_p50_s'] * 1e3:.1f} ms" if side["ttft_p50_s"] else "n/a")
+    return (f"{PREFIX_TTFT} (pagedserve, {r['requests']} single requests of a "
+            f"{r['prefix_tokens']}-token prefix + {r['new_tokens']}): TTFT median cached "
+            f"{ms(r['cached'])}, caching off {ms(r['uncached'])}, ratio "
+            + (f"{r['ratio']:.1f}x" if r["ratio"] else "n/a"))
+
+
+def gather(args, workloads: list[str], out: Path) -> tuple[dict, dict, dict | None, dict | None]:
+    """Both sides' results, the ceilings and prefix-ttft's: run now, or read from --from-dir."""
+    prefix_path = out / f"pagedserve_{PREFIX_TTFT}.json"
+    if args.from_dir:
+        ours = {w: json.loads((out / f"pagedserve_{w}.json").read_text()) for w in workloads
+                if (out / f"pagedserve_{w}.json").exists()}
+        ceil = json.loads((out / "ceilings_summary.json").read_text()) \
+            if (out / "ceilings_summary.json").exists() else None
+        prefix = json.loads(prefix_path.read_text()) if prefix_path.exists() else None
+        return ours, load_vllm(out, workloads), ceil, prefix
+    ours = {} if args.skip_pagedserve else run_pagedserve(workloads, out, args.pagedserve_args)
+    prefix = (run_prefix_ttft(out, args.pagedserve_args)
+              if args.prefix_ttft and not args.skip_pagedserve else None)
+    vllm = {} if args.skip_vllm else run_vllm(workloads, out, args.vllm_dir)
+    ceil = ceilings(out)
+    (out / "ceilings_summary.json").write_text(json.dumps(ceil, indent=1))
+    return ours, vllm, ceil, prefix
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="W1,W2,W3")
+    p.add_argument("--prefix-ttft", action="store_true",
+                   help="also bench_serving --workload prefix-ttft (pagedserve, caching on/off)")
     p.add_argument("--out-dir", type=Path, default=Path("side_by_side"))
     p.add_argument("--vllm-dir", type=Path, default=Path("/tmp/vllm_parts"),
                    help="where install_on_gpu.sh left offline_bench.py")
@@ -121,24 +213,17 @@ def main() -> None:
                    help="after --: extra bench_serving flags for every workload")
     args = p.parse_args()
     workloads = args.workloads.split(",")
-    unknown = [w for w in workloads if w not in WORKLOADS]
+    known = [*WORKLOADS, *CONVERSATION_WORKLOADS]
+    unknown = [w for w in workloads if w not in known]
     if unknown:
-        p.error(f"unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}")
+        p.error(f"unknown workload(s) {unknown}; choose from {known}")
     out = args.from_dir or args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if args.from_dir:
-        ours = {w: json.loads((out / f"pagedserve_{w}.json").read_text()) for w in workloads
-                if (out / f"pagedserve_{w}.json").exists()}
-        vllm = json.loads((out / "vllm.json").read_text()) if (out / "vllm.json").exists() else {}
-        ceil = json.loads((out / "ceilings_summary.json").read_text()) \
-            if (out / "ceilings_summary.json").exists() else None
-    else:
-        ours = {} if args.skip_pagedserve else run_pagedserve(workloads, out, args.pagedserve_args)
-        vllm = {} if args.skip_vllm else run_vllm(workloads, out, args.vllm_dir)
-        ceil = ceilings(out)
-        (out / "ceilings_summary.json").write_text(json.dumps(ceil, indent=1))
+    ours, vllm, ceil, prefix = gather(args, workloads, out)
     text = table(workloads, ours, vllm, ceil)
+    if args.prefix_ttft:
+        text += "\n\n" + prefix_ttft_line(prefix)
     header = (f"side by side, {time.strftime('%Y-%m-%d')}, {vllm.get('gpu', 'GPU n/a')}, "
               f"vLLM {vllm.get('vllm', 'n/a')}; ceilings: "
               + (f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_GBps']:.0f} GB/s"

@@ -82,7 +82,8 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     def touch(self, block_id: int) -> None:
-        """One more reference to a cached block, taking it out of the free queue if it was there."""
+        """One more reference to a block whose KV is still wanted (a cached one, or a page the
+        other device holds too), taking it out of the free queue if it was there."""
         if self._ref_counts[block_id] == 0:
             del self._free[block_id]
             self._ref_counts[block_id] = 1
@@ -101,6 +102,10 @@ class BlockPool:
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._block_hashes
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        """The hash of the page this block holds, or None."""
+        return self._block_hashes.get(block_id)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hashes.pop(block_id, None)

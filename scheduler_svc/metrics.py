@@ -28,8 +28,12 @@ class Metrics:
         # the engine says so with on_new_scheduler).
         self.preemptions = Counter("pagedserve_preemptions", "preemptions, by mode", ["mode"],
                                    registry=r)
-        self.blocks_swapped = Counter("pagedserve_blocks_swapped", "pages swapped, by direction",
-                                      ["direction"], registry=r)
+        self.blocks_swapped = Counter("pagedserve_blocks_swapped", "pages copied by swaps, by "
+                                      "direction", ["direction"], registry=r)
+        self.blocks_swap_shared = Counter(
+            "pagedserve_blocks_swap_shared", "pages a swap found on the other device already "
+            "(another seq's, or cached), shared there instead of copied, by direction",
+            ["direction"], registry=r)
         self._counted: dict[object, int] = {}  # labelled counter -> the count it has seen
         # Prefix caching (vLLM's prefix_cache_queries/hits): tokens of the sequences admitted
         # from scratch, and how many of them were found cached; pages in the cache; copies.
@@ -40,6 +44,9 @@ class Metrics:
             "pagedserve_prefix_cache_hits", "prompt tokens found in the prefix cache", registry=r)
         self.gpu_blocks_cached = Gauge("pagedserve_gpu_blocks_cached",
                                        "GPU KV pages in the prefix cache (in use or free)",
+                                       registry=r)
+        self.cpu_blocks_cached = Gauge("pagedserve_cpu_blocks_cached",
+                                       "CPU swap pages holding a cached page (in use or free)",
                                        registry=r)
         self.blocks_copied = Counter("pagedserve_blocks_copied",
                                      "GPU pages copied (parallel sampling's copy-on-write)", registry=r)
@@ -83,7 +90,10 @@ class Metrics:
         self._advance(self.preemptions, "recompute", stats.num_preemptions_recompute)
         self._advance(self.blocks_swapped, "out", stats.num_blocks_swapped_out)
         self._advance(self.blocks_swapped, "in", stats.num_blocks_swapped_in)
+        self._advance(self.blocks_swap_shared, "out", stats.num_blocks_swap_shared_out)
+        self._advance(self.blocks_swap_shared, "in", stats.num_blocks_swap_shared_in)
         self.gpu_blocks_cached.set(stats.gpu_blocks_cached)
+        self.cpu_blocks_cached.set(stats.cpu_blocks_cached)
         self._advance(self.prefix_cache_queries, None, stats.num_prefix_cache_queries)
         self._advance(self.prefix_cache_hits, None, stats.num_prefix_cache_hits)
         self._advance(self.blocks_copied, None, stats.num_blocks_copied)

@@ -50,8 +50,11 @@ class Scheduler:
         self._last_updated_step_id = 0  # plans at or below this are stale (updated or reset)
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
-        self.num_blocks_swapped_out = 0
-        self.num_blocks_swapped_in = 0
+        self.num_blocks_swapped_out = 0  # pages copied to the CPU
+        self.num_blocks_swapped_in = 0  # pages copied back to the GPU
+        # Pages a swap found on the other device already (shared there, not copied).
+        self.num_blocks_swap_shared_out = 0
+        self.num_blocks_swap_shared_in = 0
         self.peak_gpu_blocks_used = 0
         # Prefix caching: tokens of the seqs admitted from scratch, and those found cached.
         self.num_prefix_cache_queries = 0
@@ -262,17 +265,20 @@ class Scheduler:
                 return None
 
     def _schedule_swapped(self, plan: StepPlan, budget: _Budget) -> None:
-        """Swap in oldest first while the pages (and the next tokens) fit."""
+        """Swap in oldest first while the pages (and the next tokens) fit; pages still on the
+        GPU (held by another seq, or cached) are taken there rather than copied."""
         bm = self.block_manager
         while self.swapped and budget.tokens > 0 and self._has_seq_room():
             seq = self.swapped[0]
             num_new = self._num_new_tokens(seq, budget)
             num_total = seq.num_computed_tokens + num_new
-            if num_new == 0 or bm.num_blocks_needed(num_total) > bm.num_free_gpu_blocks:
+            if num_new == 0 or not bm.can_swap_in(seq.seq_id, num_total):
                 return
+            num_pages = len(bm.get_cpu_block_table(seq.seq_id))
             pairs = bm.swap_in(seq.seq_id)
             plan.swap_in.extend(pairs)
             self.num_blocks_swapped_in += len(pairs)
+            self.num_blocks_swap_shared_in += num_pages - len(pairs)
             new_block_ids = bm.allocate_slots(seq.seq_id, num_total)
             assert new_block_ids is not None, "swap-in fit was checked"
             self.swapped.pop(0)
@@ -404,12 +410,16 @@ class Scheduler:
             self._preempt_by_recompute(seq)
 
     def _preempt_by_swap(self, seq: Sequence, plan: StepPlan) -> None:
+        """Its pages go to the CPU: copied, unless the CPU holds them already (a page it shares
+        with a seq swapped out before, or a cached copy)."""
+        num_pages = len(self.block_manager.get_block_table(seq.seq_id))
         pairs = self.block_manager.swap_out(seq.seq_id)
         plan.swap_out.extend(pairs)
         seq.status = SequenceStatus.SWAPPED
         bisect.insort(self.swapped, seq, key=_age)
         self.num_preemptions_swap += 1
         self.num_blocks_swapped_out += len(pairs)
+        self.num_blocks_swap_shared_out += num_pages - len(pairs)
 
     def _preempt_by_recompute(self, seq: Sequence) -> None:
         """Drop its KV; it recomputes prompt + generated tokens when admitted again, first."""
@@ -557,7 +567,10 @@ class Scheduler:
             num_preemptions_recompute=self.num_preemptions_recompute,
             num_blocks_swapped_out=self.num_blocks_swapped_out,
             num_blocks_swapped_in=self.num_blocks_swapped_in,
+            num_blocks_swap_shared_out=self.num_blocks_swap_shared_out,
+            num_blocks_swap_shared_in=self.num_blocks_swap_shared_in,
             gpu_blocks_cached=bm.num_cached_gpu_blocks,
+            cpu_blocks_cached=bm.num_cached_cpu_blocks,
             num_prefix_cache_queries=self.num_prefix_cache_queries,
             num_prefix_cache_hits=self.num_prefix_cache_hits,
             num_blocks_copied=self.num_blocks_copied)

@@ -1,7 +1,7 @@
 """Prefix caching end to end on the CPU runner: the real scheduler (two steps in flight) with
 caching on gives the same greedy tokens as with caching off, on multi-turn conversations and on
 64 requests sharing a system prompt, under preemption by swap and by recompute; the cache is hit,
-and every page is free at the end."""
+swaps copy fewer pages (a shared page once), and every page is free at the end."""
 import random
 
 import pytest
@@ -64,6 +64,12 @@ def test_64_requests_sharing_a_system_prompt_give_the_same_tokens_cached_or_not(
     assert plain_sched.stats().num_prefix_cache_hits == 0
     preemptions = stats.num_preemptions_swap if num_cpu_blocks else stats.num_preemptions_recompute
     assert preemptions > 0
+    if num_cpu_blocks:  # issue 12: the shared pages are not copied again by every swap
+        plain_stats = plain_sched.stats()
+        assert plain_stats.num_blocks_swap_shared_out == plain_stats.num_blocks_swap_shared_in == 0
+        assert stats.num_blocks_swap_shared_in > 0  # the system prompt's pages, still on the GPU
+        assert (stats.num_blocks_swapped_out + stats.num_blocks_swapped_in
+                < plain_stats.num_blocks_swapped_out + plain_stats.num_blocks_swapped_in)
     hf = hf_model("tiny")
     for seq_id in (1, 2, 33, 64):
         out = cached.outputs[seq_id]

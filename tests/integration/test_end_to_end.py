@@ -131,9 +131,12 @@ def test_model_info(tiny, channel):
 
 
 def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
-                     device: str = "cpu") -> str:
+                     device: str = "cpu", shared_prefix: int = 0) -> str:
     """Ten requests on a 24-page GPU pool: `mode` preemption must happen and every output stay
-    identical to transformers' (weights drawn on `device`); returns the executor's log."""
+    identical to transformers' (weights drawn on `device`); returns the executor's log.
+    With `shared_prefix` tokens common to all prompts (a request of the prefix first, so that
+    all ten find its pages cached), a swap-out copies those pages only when the CPU holds them
+    nowhere: once, then every other swap-out shares them there."""
     swap_space = "1" if mode == "swap" else "0"
     services = start_services(
         tmp_path, ["--model", TINY, "--num-gpu-blocks", "24", "--swap-space", swap_space,
@@ -142,6 +145,10 @@ def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
         prompts = random_prompts(10, seed=4, low=30, high=50)
         with grpc.insecure_channel(services.scheduler_address) as ch, ThreadPoolExecutor(10) as pool:
             stub = services.stub(ch)
+            if shared_prefix:
+                prefix = random_prompts(1, seed=6, low=shared_prefix, high=shared_prefix)[0]
+                prompts = [prefix + p[:16] for p in prompts]
+                generate(stub, prefix + [7], max_tokens=1)
             results = list(pool.map(lambda p: generate(stub, p, max_tokens=40), prompts))
         for prompt, (ids, _, _) in zip(prompts, results):
             assert ids == hf_greedy(TINY, prompt, 40, device=device)
@@ -150,6 +157,12 @@ def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
         if mode == "swap":
             assert m['pagedserve_blocks_swapped_total{direction="out"}'] > 0
             assert m['pagedserve_blocks_swapped_total{direction="in"}'] > 0
+        if shared_prefix:
+            num_swaps = m['pagedserve_preemptions_total{mode="swap"}']
+            num_prefix_pages = shared_prefix // 16
+            assert m['pagedserve_blocks_swap_shared_total{direction="out"}'] >= \
+                num_prefix_pages * (num_swaps - 1) > 0, m
+            assert m['pagedserve_blocks_swap_shared_total{direction="in"}'] > 0, m
         assert_pools_whole(services)
         return services.log_of("executor")
     finally:
@@ -159,6 +172,11 @@ def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_outputs_identical(tmp_path, mode):
     check_preemption(tmp_path, mode)
+
+
+def test_swap_preemption_copies_a_shared_prefix_once(tmp_path):
+    """Issue 12: ten prompts that start with the same 32 tokens (two pages, cached)."""
+    check_preemption(tmp_path, "swap", shared_prefix=32)
 
 
 def test_stop_rules_through_the_api(tiny, channel):

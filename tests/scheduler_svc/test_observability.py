@@ -83,18 +83,32 @@ def test_the_executors_step_times_are_histograms_by_step_kind():
             pytest.approx(0.002 * count)
 
 
-def test_prefix_cache_counters_gauge_and_stats_line():
+def test_prefix_cache_counters_gauges_and_stats_line():
+    """Issue 12's list: the hit rate in tokens (queries and hits, counters), the pages cached (a
+    gauge, per device) and the pages copied on write (a counter); and the swapped pages that
+    were shared rather than copied."""
     metrics = Metrics()
     metrics.on_new_scheduler()
-    q = SchedulerStats(gpu_blocks_total=8, gpu_blocks_cached=3, num_prefix_cache_queries=40,
-                       num_prefix_cache_hits=10, num_blocks_copied=2)
+    q = SchedulerStats(gpu_blocks_total=8, gpu_blocks_cached=3, cpu_blocks_cached=2,
+                       num_prefix_cache_queries=40, num_prefix_cache_hits=10, num_blocks_copied=2,
+                       num_blocks_swapped_out=5, num_blocks_swap_shared_out=4,
+                       num_blocks_swap_shared_in=6)
     metrics.observe_scheduler(q)
     metrics.observe_scheduler(q)  # nothing new
     value = metrics.registry.get_sample_value
     assert value("pagedserve_prefix_cache_queries_total") == 40
     assert value("pagedserve_prefix_cache_hits_total") == 10
     assert value("pagedserve_gpu_blocks_cached") == 3
+    assert value("pagedserve_cpu_blocks_cached") == 2
     assert value("pagedserve_blocks_copied_total") == 2
+    assert value("pagedserve_blocks_swapped_total", {"direction": "out"}) == 5
+    assert value("pagedserve_blocks_swap_shared_total", {"direction": "out"}) == 4
+    assert value("pagedserve_blocks_swap_shared_total", {"direction": "in"}) == 6
+    kinds = {m.name: m.type for m in metrics.registry.collect()}
+    assert {kinds[f"pagedserve_{name}"] for name in (
+        "prefix_cache_queries", "prefix_cache_hits", "blocks_copied", "blocks_swap_shared")} == \
+        {"counter"}
+    assert kinds["pagedserve_gpu_blocks_cached"] == kinds["pagedserve_cpu_blocks_cached"] == "gauge"
     log = StatsLog(now=0.0)
     log.on_step(num_scheduled_tokens=4, num_sampled=4)
     assert log.line(1.0, q).endswith("; prefix cache hit rate 25.0%, 3 pages cached")

@@ -575,3 +575,42 @@ def test_decoding_seqs_are_offered_to_the_cache_once_a_page_not_every_step(loop_
     # is), not one a token (96).
     assert len(calls) <= 4 * (2 * 24 // 4 + 3)
     assert sched.block_manager.num_cached_gpu_blocks == 4 * ((8 + 24 - 1) // 4)
+
+
+def _shared_prefix_workload(sched, n):
+    """Eight requests whose prompts start with SYSTEM, half of them of n samples."""
+    from sched_factories import make_samples
+    ids = []
+    for r in range(8):
+        seq = _seq_with_prompt(r + 1, SYSTEM + [r, r + 1, r + 2], max_tokens=14)
+        samples = make_samples(seq, n if r % 2 else 1, 100 * (r + 1))
+        sched.add_seq(seq, samples)
+        ids += [seq.seq_id, *(s.seq_id for s in samples)]
+    return ids
+
+
+@pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
+@pytest.mark.parametrize("caching", [True, False])
+def test_swapping_shared_pages_gives_the_tokens_of_no_preemption_and_copies_each_once(
+        loop_class, caching):
+    """Prompts with a common prefix (prefix caching) and parallel samples (forks, caching on or
+    off) under swap preemption: the tokens of a pool too big to preempt; the shared pages moved
+    by sharing rather than by a copy per seq (the FakeExecutor checks the KV of every page)."""
+    outputs, stats = {}, {}
+    for num_gpu_blocks in (256, 16):
+        sched = make_scheduler(block_size=4, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=64,
+                               max_num_batched_tokens=32, enable_prefix_caching=caching)
+        ids = _shared_prefix_workload(sched, n=3)
+        loop = loop_class(sched)
+        loop.run_until_done()
+        assert_all_block_free(sched)
+        outputs[num_gpu_blocks] = [loop.outputs[i] for i in ids]
+        stats[num_gpu_blocks] = sched.stats()
+        loop.reset_executor()  # the executor's KV is gone: no hash survives on either device
+        assert sched.stats().gpu_blocks_cached == sched.stats().cpu_blocks_cached == 0
+    assert outputs[16] == outputs[256]
+    assert stats[256].num_preemptions_swap == 0
+    q = stats[16]
+    assert q.num_preemptions_swap > 0 and q.num_preemptions_recompute == 0
+    assert q.num_blocks_swap_shared_out > 0 and q.num_blocks_swap_shared_in > 0
+    assert (q.cpu_blocks_cached > 0) == caching

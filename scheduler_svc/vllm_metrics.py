@@ -51,6 +51,11 @@ class VllmCollector:
                        _value(m.generated_tokens))
         yield _counter("vllm:num_preemptions", "Preemptions (swap and recompute).", label,
                        sum(_values(m.preemptions).values()))
+        # vLLM v1's prefix cache counters, in tokens as ours: queried, and found cached
+        yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                       "queried tokens.", label, _value(m.prefix_cache_queries))
+        yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                       "cached tokens.", label, _value(m.prefix_cache_hits))
         yield self._request_success(label)
         yield _histogram("vllm:time_to_first_token_seconds", "Time to first token.", label, m.ttft)
         yield _histogram("vllm:inter_token_latency_seconds", "Time between tokens.", label, m.itl)

@@ -20,7 +20,7 @@ def test_vllm_names_mirror_the_pagedserve_metrics():
     metrics.observe_scheduler(SchedulerStats(
         running=3, waiting=2, swapped=1, gpu_blocks_used=25, gpu_blocks_total=100,
         cpu_blocks_used=0, cpu_blocks_total=50, num_preemptions_swap=2,
-        num_preemptions_recompute=1))
+        num_preemptions_recompute=1, num_prefix_cache_queries=120, num_prefix_cache_hits=48))
     metrics.prompt_tokens.inc(40)
     metrics.generated_tokens.inc(7)
     for reason in ("eos", "stop_string", "length", "cancelled"):
@@ -40,3 +40,12 @@ def test_vllm_names_mirror_the_pagedserve_metrics():
     assert got[f"vllm:time_to_first_token_seconds_count{model}"] == 1
     assert got[f"vllm:time_to_first_token_seconds_bucket{sorted([('le', '0.25'), *model])}"] == 1
     assert got[f"vllm:time_to_first_token_seconds_bucket{sorted([('le', '0.1'), *model])}"] == 0
+    # vLLM v1's prefix cache counters, in tokens, the same counts as pagedserve_prefix_cache_*
+    assert got[f"vllm:prefix_cache_queries_total{model}"] == 120
+    assert got[f"vllm:prefix_cache_hits_total{model}"] == 48
+    value = metrics.registry.get_sample_value
+    assert value("pagedserve_prefix_cache_queries_total") == 120
+    assert value("pagedserve_prefix_cache_hits_total") == 48
+    types = {f.name: f.type for f in text_string_to_metric_families(
+        generate_latest(metrics.registry).decode())}
+    assert types["vllm:prefix_cache_queries"] == types["vllm:prefix_cache_hits"] == "counter"

@@ -86,8 +86,9 @@ async def _one(stub, prompt: list[int], max_tokens: int, trace: Trace) -> None:
             if msg.finished:
                 trace.completion_tokens = msg.completion_tokens
             else:
-                trace.token_times.append(time.perf_counter())
-                trace.token_ids.append(msg.token_id)
+                now = time.perf_counter()  # a message may carry several tokens (a slow reader)
+                trace.token_times.extend(now for _ in msg.token_ids)
+                trace.token_ids.extend(msg.token_ids)
     except Exception as err:  # reported, never hides a lost request
         trace.error = repr(err)
 

@@ -113,9 +113,17 @@ class TokenLogprob(_message.Message):
     logprob: float
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "text", "index", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "logprob", "top_logprobs", "sample_index")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("token_ids", "text", "index", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "request_id", "logprobs", "sample_index")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -123,10 +131,9 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     index: int
     finished: bool
@@ -134,10 +141,9 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     request_id: str
-    logprob: float
-    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     sample_index: int
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

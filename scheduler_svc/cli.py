@@ -84,7 +84,8 @@ def stream_answer(stub, req: generate_pb2.GenerateRequest, a: argparse.Namespace
             pieces.append(msg.text)
             if msg.finished:
                 final = msg
-            sys.stdout.write(f"{msg.token_id} " if a.show_ids and not msg.finished else msg.text)
+            ids = "".join(f"{t} " for t in msg.token_ids)
+            sys.stdout.write(ids if a.show_ids and not msg.finished else msg.text)
             sys.stdout.flush()
     except KeyboardInterrupt:
         call.cancel()

@@ -366,20 +366,34 @@ class Engine:
         """Token events, then one FinishEvent, per sample (spec.n of them, interleaved, each
         event naming its sample_index). Leaving early (cancel, disconnect) aborts every sample.
         Raises InvalidArgument, QueueFull, NoExecutor, ShuttingDown or EngineFailed."""
+        async for events in self.generate_batches(spec):
+            for event in events:
+                yield event
+
+    async def generate_batches(self, spec: GenerateSpec
+                               ) -> AsyncIterator[list[TokenEvent | FinishEvent]]:
+        """As `generate`, but each item is every event queued by then (at least one), in order:
+        a consumer slower than the steps takes what piled up at once and can answer it with one
+        write. Raises as `generate` does."""
         check_sizes(spec, self.config.limits)
         await self._wait_admissible()
         prepared = await asyncio.get_running_loop().run_in_executor(
             self._prepare_pool, prepare, spec, self.tokenizer, self.limits)
         states = self._admit(spec, prepared)
+        queue = states[0].queue  # the samples share it
         num_open = len(states)
         try:
             while num_open:
-                event = await states[0].queue.get()
-                if isinstance(event, EngineFailed):
-                    raise event
-                yield event
-                if isinstance(event, FinishEvent):
-                    num_open -= 1
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                failed = next((e for e in events if isinstance(e, EngineFailed)), None)
+                if failed is not None:  # what came before it still goes out
+                    if events[0] is not failed:
+                        yield events[:events.index(failed)]
+                    raise failed
+                num_open -= sum(isinstance(e, FinishEvent) for e in events)
+                yield events
         finally:
             for state in states:
                 if not state.finished:

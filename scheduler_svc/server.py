@@ -21,7 +21,7 @@ from scheduler_svc import wire
 from scheduler_svc.engine import (Engine, EngineFailed, NoExecutor, QueueFull,
                                   ShuttingDown)
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.request import FinishEvent, RequestLimits
+from scheduler_svc.request import RequestLimits
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,9 @@ class GeneratorServicer(generate_pb2_grpc.GeneratorServicer):
             spec = wire.spec_from_proto(request, request.request_id or uuid.uuid4().hex,
                                         self.limits)
             request_id = spec.request_id
-            async for event in self.engine.generate(spec):
-                if isinstance(event, FinishEvent):
-                    yield wire.finish_to_proto(event, request_id)
-                else:
-                    yield wire.token_to_proto(event, request_id)
+            async for events in self.engine.generate_batches(spec):
+                for msg in wire.events_to_protos(events, request_id):
+                    yield msg
         except Exception as err:  # noqa: BLE001 - every error gets a status, none leaks a trace
             code = _status_for(err)
             if code is None:

@@ -83,15 +83,29 @@ def spec_from_proto(req: generate_pb2.GenerateRequest, request_id: str,
     )
 
 
-def token_to_proto(event: TokenEvent, request_id: str) -> generate_pb2.GenerateResponse:
-    msg = generate_pb2.GenerateResponse(
-        token_id=event.token_id, text=event.text, index=event.index, request_id=request_id,
-        sample_index=event.sample_index)
-    if event.logprobs is not None:
-        msg.logprob = event.logprobs.logprob
-        msg.top_logprobs.extend(generate_pb2.TokenLogprob(token_id=t, logprob=lp)
-                                for t, lp in event.logprobs.top)
-    return msg
+def events_to_protos(events: list[TokenEvent | FinishEvent], request_id: str
+                     ) -> list[generate_pb2.GenerateResponse]:
+    """The messages for a batch of one request's events: each sample's consecutive tokens as one
+    message (before that sample's final message, if the batch has it), in order of appearance."""
+    out: list[generate_pb2.GenerateResponse] = []
+    open_msgs: dict[int, generate_pb2.GenerateResponse] = {}  # sample -> its tokens so far
+    for event in events:
+        if isinstance(event, FinishEvent):
+            open_msgs.pop(event.sample_index, None)
+            out.append(finish_to_proto(event, request_id))
+            continue
+        msg = open_msgs.get(event.sample_index)
+        if msg is None:
+            msg = open_msgs[event.sample_index] = generate_pb2.GenerateResponse(
+                index=event.index, request_id=request_id, sample_index=event.sample_index)
+            out.append(msg)
+        msg.token_ids.append(event.token_id)
+        msg.text += event.text
+        if event.logprobs is not None:
+            entry = msg.logprobs.add(logprob=event.logprobs.logprob)
+            entry.top.extend(generate_pb2.TokenLogprob(token_id=t, logprob=lp)
+                             for t, lp in event.logprobs.top)
+    return out
 
 
 def finish_to_proto(event: FinishEvent, request_id: str) -> generate_pb2.GenerateResponse:

@@ -4,12 +4,14 @@ benchmarks/bench_serving.py, and is re-exported here for the tests.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from protos import generate_pb2
 from scripts.local_services import (START_TIMEOUT_S, Services, free_port, start_executor,
                                     start_services, wait_serving, wait_started)
 
-__all__ = ["START_TIMEOUT_S", "Services", "free_port", "generate", "start_executor",
-           "start_services", "wait_serving", "wait_started"]
+__all__ = ["START_TIMEOUT_S", "Services", "StreamedToken", "free_port", "generate",
+           "start_executor", "start_services", "streamed_tokens", "wait_serving", "wait_started"]
 
 
 def generate(stub, prompt_ids: list[int] | None = None, text: str | None = None,
@@ -31,6 +33,28 @@ def generate(stub, prompt_ids: list[int] | None = None, text: str | None = None,
             pieces.append(msg.text)
         else:
             assert msg.index == len(ids)
-            ids.append(msg.token_id)
+            ids.extend(msg.token_ids)
             pieces.append(msg.text)
     return ids, "".join(pieces), final
+
+
+@dataclass(frozen=True)
+class StreamedToken:
+    """One token of Generate's token messages, which carry one token or several."""
+
+    token_id: int
+    logprob: float | None  # with the top ones', when the request asked for logprobs
+    top_logprobs: list  # TokenLogprob messages, most likely first
+    message: int  # which token message carried it (0-based)
+
+
+def streamed_tokens(messages) -> list[StreamedToken]:
+    """Every token of the token messages among `messages`, in order."""
+    out = []
+    for number, msg in enumerate(m for m in messages if not m.finished):
+        assert not msg.logprobs or len(msg.logprobs) == len(msg.token_ids), msg
+        for i, token_id in enumerate(msg.token_ids):
+            entry = msg.logprobs[i] if msg.logprobs else None
+            out.append(StreamedToken(token_id, entry.logprob if entry else None,
+                                     list(entry.top) if entry else [], number))
+    return out

@@ -49,8 +49,7 @@ def one_stream(address: str, prompt: list[int]) -> tuple[list[int], float]:
             if last is not None:
                 gap = max(gap, now - last)
             last = now
-            if not msg.finished:
-                ids.append(msg.token_id)
+            ids.extend(msg.token_ids)
     return ids, gap
 
 

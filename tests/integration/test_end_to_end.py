@@ -195,12 +195,12 @@ def test_stop_rules_through_the_api(tiny, channel):
     req.stopping.max_tokens = 24
     req.stopping.stop_token_ids.append(stop_id)
     msgs = list(stub.Generate(req, timeout=60))
-    assert [m.token_id for m in msgs[:-1]] == reference[:first + 1]
+    assert [t for m in msgs[:-1] for t in m.token_ids] == reference[:first + 1]
     assert msgs[-1].finish_reason == generate_pb2.FINISH_REASON_STOP_TOKEN
     # min_tokens defers the stop id past its first occurrence
     req.stopping.min_tokens = first + 2
     msgs = list(stub.Generate(req, timeout=60))
-    out = [m.token_id for m in msgs[:-1]]
+    out = [t for m in msgs[:-1] for t in m.token_ids]
     assert len(out) >= first + 2 and out == reference[:len(out)]
     # a stop string: the text ends right before it, and it is not included
     full_text = tokenizer.decode(reference)

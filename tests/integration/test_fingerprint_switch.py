@@ -25,8 +25,7 @@ def stream(stub, prompt: list[int], max_tokens: int):
     req.stopping.max_tokens = max_tokens
     req.stopping.ignore_eos = True
     for msg in stub.Generate(req, timeout=300):
-        if not msg.finished:
-            yield msg.token_id
+        yield from msg.token_ids
 
 
 def test_other_weights_refused_identical_copy_taken(tmp_path):

@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 
 from executor_svc.model_loader import smollm2_gguf_path
 from protos import generate_pb2
-from tests.integration.harness import start_services
+from tests.integration.harness import start_services, streamed_tokens
 from tests.integration.hf_reference import hf_model
 
 openai = pytest.importorskip("openai")
@@ -93,8 +93,8 @@ def test_penalties_and_logit_bias_match_generate(services, client):
             else:
                 setattr(req.sampling, key, value)
         with grpc.insecure_channel(services.scheduler_address) as channel:
-            return [r.token_id for r in services.stub(channel).Generate(req, timeout=120)
-                    if not r.finished]
+            return [t for r in services.stub(channel).Generate(req, timeout=120)
+                    for t in r.token_ids]
 
     def http_tokens(prompt, **controls):
         extra = {"ignore_eos": True, **controls.pop("extra", {})}
@@ -206,8 +206,9 @@ TOP = 5
 SAME = 1e-5
 
 
-def grpc_logprobs(services, prompt_ids=None, max_tokens: int = 12) -> list:
-    """Generate's token messages, greedy with the top 5 logprobs, for `prompt_ids` or MESSAGES."""
+def grpc_logprobs(services, prompt_ids=None, max_tokens: int = 12) -> tuple[list, list]:
+    """Generate's tokens (StreamedToken) and its messages, greedy with the top 5 logprobs, for
+    `prompt_ids` or MESSAGES."""
     req = generate_pb2.GenerateRequest()
     if prompt_ids is None:
         for m in MESSAGES:
@@ -217,7 +218,8 @@ def grpc_logprobs(services, prompt_ids=None, max_tokens: int = 12) -> list:
     req.sampling.logprobs = TOP
     req.stopping.max_tokens, req.stopping.ignore_eos = max_tokens, True
     with grpc.insecure_channel(services.scheduler_address) as channel:
-        return [r for r in services.stub(channel).Generate(req, timeout=120) if not r.finished]
+        replies = list(services.stub(channel).Generate(req, timeout=120))
+    return streamed_tokens(replies), replies
 
 
 def token_text(token_id: int) -> str:
@@ -240,7 +242,7 @@ def test_chat_logprobs_equal_generates_and_transformers(services, client):
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True,
                                            top_logprobs=TOP, **GREEDY)
     content = reply.choices[0].logprobs.content
-    messages = grpc_logprobs(services)
+    messages, _ = grpc_logprobs(services)
     assert len(content) == len(messages) == reply.usage.completion_tokens == 12
     for entry, m in zip(content, messages):
         assert entry.token == token_text(m.token_id) and entry.bytes == list(entry.token.encode())
@@ -275,16 +277,18 @@ def test_completion_logprobs_equal_generates_and_transformers(services, client):
     reply = client.completions.create(model=MODEL, prompt=prompt, logprobs=TOP, max_tokens=12,
                                       temperature=0, extra_body={"ignore_eos": True})
     lp = reply.choices[0].logprobs
-    messages = grpc_logprobs(services, prompt)
+    messages, replies = grpc_logprobs(services, prompt)
     assert lp.tokens == [token_text(m.token_id) for m in messages]
     assert lp.token_logprobs == pytest.approx([m.logprob for m in messages], abs=SAME)
     for got, m in zip(lp.top_logprobs, messages):
         want = completion_top(m)
         assert list(got) == list(want) and list(got.values()) == pytest.approx(
             list(want.values()), abs=SAME)
-    # where each token's text starts: the text Generate released before it
-    assert lp.text_offset == list(itertools.accumulate([len(m.text) for m in messages[:-1]],
-                                                       initial=0))
+    # where each token's text starts: the text Generate released before it (known for the first
+    # token of each message; a message carries one token, or several when the reader lagged)
+    firsts = itertools.accumulate((len(r.token_ids) for r in replies[:-2]), initial=0)
+    released = itertools.accumulate((len(r.text) for r in replies[:-2]), initial=0)
+    assert [lp.text_offset[i] for i in firsts] == list(released)
     tokens, reference = hf_logprobs(prompt)
     assert [m.token_id for m in messages] == tokens
     assert lp.token_logprobs == pytest.approx([row.max().item() for row in reference], abs=1e-4)

@@ -45,7 +45,7 @@ def _samples(stub, n: int, **sampling) -> list[list[int]]:
             assert msg.completion_tokens == NUM_NEW
         else:
             assert msg.index == len(tokens[msg.sample_index])
-            tokens[msg.sample_index].append(msg.token_id)
+            tokens[msg.sample_index].extend(msg.token_ids)
     assert sorted(finished) == list(range(n))
     return tokens
 

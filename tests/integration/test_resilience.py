@@ -46,9 +46,9 @@ class Load:
                     final = msg
                     continue
                 assert msg.index == len(ids), "duplicated or missing token"
-                ids.append(msg.token_id)
+                ids.extend(msg.token_ids)
                 with self.cond:
-                    self.tokens += 1
+                    self.tokens += len(msg.token_ids)
                     self.cond.notify_all()
         return ids, final
 
@@ -183,7 +183,7 @@ def test_cancelling_half_the_streams_frees_their_pages(tmp_path):
                 assert time.monotonic() < deadline, status
                 status = services.status()
             assert status.steps - steps_at_cancel <= 1, (status.steps, steps_at_cancel)
-            kept = [[m.token_id for m in call if not m.finished] for call in calls[50:]]
+            kept = [[t for m in call for t in m.token_ids] for call in calls[50:]]
         for prompt, ids in zip(prompts[50:], kept):
             assert ids == hf_greedy(TINY, prompt, 64)
         assert_pools_whole(services)

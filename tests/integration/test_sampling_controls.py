@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from protos import generate_pb2
-from tests.integration.harness import start_services
+from tests.integration.harness import start_services, streamed_tokens
 from tests.integration.hf_reference import hf_model
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def _generate(stub, prompt, **sampling):
         token_ids=generate_pb2.TokenIds(ids=prompt),
         sampling=generate_pb2.SamplingParams(**sampling),
         stopping=generate_pb2.StoppingCriteria(max_tokens=NUM_NEW, ignore_eos=True))
-    return [m for m in stub.Generate(req, timeout=300) if not m.finished]
+    return streamed_tokens(stub.Generate(req, timeout=300))
 
 
 def _prompt(seed: int) -> list[int]:
@@ -91,7 +91,7 @@ def test_greedy_with_controls_matches_transformers(stub, case):
     prompt = _prompt(case)
     got = [m.token_id for m in _generate(stub, prompt, **_request(CASES[case]))]
     assert got == _hf(prompt, **CASES[case])[0]
-    assert all(not m.HasField("logprob") for m in _generate(stub, prompt))  # not asked
+    assert all(m.logprob is None for m in _generate(stub, prompt))  # not asked
 
 
 def test_logprobs_match_log_softmax_of_transformers_logits(stub):
@@ -106,7 +106,7 @@ def test_logprobs_match_log_softmax_of_transformers_logits(stub):
         assert [t.token_id for t in m.top_logprobs] == top.indices.tolist()
         assert max(abs(t.logprob - v) for t, v in zip(m.top_logprobs, top.values.tolist())) < 1e-4
     only = _generate(stub, prompt, logprobs=0)
-    assert all(m.HasField("logprob") and not m.top_logprobs for m in only)
+    assert all(m.logprob is not None and not m.top_logprobs for m in only)
 
 
 @pytest.mark.parametrize("sampling, field", [

@@ -98,7 +98,7 @@ def test_the_image_serves_a_chat_prompt(scheduler_venv, tmp_path):
     from scheduler_svc.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_gguf_path())
-    final, ids = replies[-1], [r.token_id for r in replies[:-1]]
+    final, ids = replies[-1], [t for r in replies[:-1] for t in r.token_ids]
     assert final.finished and final.completion_tokens == len(ids) == 8
     assert final.prompt_tokens == len(tokenizer.apply_chat_template(MESSAGES))
     assert "".join(r.text for r in replies) == tokenizer.decode(ids)

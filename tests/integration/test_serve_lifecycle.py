@@ -45,7 +45,7 @@ def stream_tokens(address: str, first_token: threading.Event, out: dict) -> None
             if msg.finished:
                 out["final"] = msg
             else:
-                out["ids"].append(msg.token_id)
+                out["ids"].extend(msg.token_ids)
                 first_token.set()
 
 

@@ -283,3 +283,26 @@ def test_leaving_a_parallel_stream_early_frees_every_sample():
             await engine.stop()
     stats = run(main())
     assert stats.gpu_blocks_used == 0 and stats.running == 0
+
+
+def test_a_lagging_reader_gets_what_piled_up_in_one_batch(undisturbed):
+    """generate_batches hands over every queued event at once: a reader that looks only after
+    the request ended gets its 12 tokens and the finish in one batch, the same tokens as a
+    reader that keeps up."""
+    async def lagging():
+        engine = Engine(EngineConfig(), FakeClient())
+        await engine.start()
+        try:
+            batches = engine.generate_batches(SPECS[0])
+            got = [await batches.__anext__()]  # admitted, its first token out
+            while not engine._idle.is_set():  # the other steps run while nobody reads
+                await asyncio.sleep(0.01)
+            return got + [b async for b in batches]
+        finally:
+            await engine.stop()
+
+    batches = run(lagging())
+    events = [e for b in batches for e in b]
+    assert [e.token_id for e in events[:-1]] == undisturbed[0]
+    assert isinstance(events[-1], FinishEvent)
+    assert len(batches) == 2 and len(batches[1]) >= 12  # the first read, then all the rest

@@ -12,14 +12,14 @@ from scheduler_svc.server import MAX_DETAILS_CHARS, Listeners, build_servers
 
 
 class FailingEngine:
-    """Raises `error` from generate(), after yielding nothing."""
+    """Raises `error` from generate_batches(), after yielding nothing."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
 
-    async def generate(self, spec):
+    async def generate_batches(self, spec):
         raise self.error
-        yield  # an async generator, like Engine.generate
+        yield  # an async generator, like Engine.generate_batches
 
 
 async def call(engine, request: generate_pb2.GenerateRequest):

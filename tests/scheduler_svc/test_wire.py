@@ -83,10 +83,12 @@ def test_sampling_controls_cross_both_wires():
     back = wire.result_from_proto(executor_pb2.StepResult.FromString(data))
     assert back.sampled == {7: 4, 8: 2}
     assert back.logprobs == {7: TokenLogprobs(-0.5, ((4, -0.5), (2, -1.5)))}
-    msg = wire.token_to_proto(TokenEvent(4, "x", 0, back.logprobs[7]), "r")
-    assert msg.logprob == -0.5 and [(t.token_id, t.logprob) for t in msg.top_logprobs] == [
+    [msg] = wire.events_to_protos([TokenEvent(4, "x", 0, back.logprobs[7])], "r")
+    [entry] = msg.logprobs
+    assert entry.logprob == -0.5 and [(t.token_id, t.logprob) for t in entry.top] == [
         (4, -0.5), (2, -1.5)]
-    assert not wire.token_to_proto(TokenEvent(4, "x", 0), "r").HasField("logprob")
+    [msg] = wire.events_to_protos([TokenEvent(4, "x", 0)], "r")
+    assert list(msg.token_ids) == [4] and not msg.logprobs
 
 
 def test_bad_logit_bias_lengths_are_a_plan_mismatch():
@@ -106,6 +108,27 @@ def test_parallel_sampling_fields_of_the_public_api():
         req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1]), **fields)
         return wire.spec_from_proto(req, "r", RequestLimits()).n
     assert (n_of(), n_of(n=0), n_of(n=4), n_of(n=17)) == (1, 1, 4, 17)  # ranges: prepare
-    assert wire.token_to_proto(TokenEvent(4, "x", 2, sample_index=3), "r").sample_index == 3
+    [msg] = wire.events_to_protos([TokenEvent(4, "x", 2, sample_index=3)], "r")
+    assert msg.sample_index == 3
     finish = wire.finish_to_proto(FinishEvent(FinishReason.EOS, 5, 2, sample_index=2), "r")
     assert finish.finished and finish.sample_index == 2
+
+
+def test_queued_events_go_out_as_one_message_per_sample():
+    """What piled up for a slow reader: each sample's tokens in one message, its final message
+    after them, the samples in order of appearance; logprobs one entry per token."""
+    from scheduler_svc.request import FinishEvent, TokenEvent
+    from scheduler_svc.sampling_params import TokenLogprobs
+    from scheduler_svc.sequence import FinishReason
+
+    lp = TokenLogprobs(-0.25, ((5, -0.25),))
+    events = [TokenEvent(5, "a", 3, lp, 0), TokenEvent(6, "b", 7, lp, 1),
+              TokenEvent(7, "c", 4, lp, 0), TokenEvent(8, "", 8, lp, 1),
+              FinishEvent(FinishReason.LENGTH, 2, 9, "!", 1), TokenEvent(9, "d", 5, lp, 0)]
+    msgs = wire.events_to_protos(events, "r")
+    got = [(m.sample_index, list(m.token_ids), m.text, m.index, m.finished) for m in msgs]
+    assert got == [(0, [5, 7, 9], "acd", 3, False), (1, [6, 8], "b", 7, False),
+                   (1, [], "!", 0, True)]
+    assert [len(m.logprobs) for m in msgs] == [3, 2, 0]
+    assert msgs[0].logprobs[1].logprob == -0.25 and msgs[0].logprobs[1].top[0].token_id == 5
+    assert all(m.request_id == "r" for m in msgs)

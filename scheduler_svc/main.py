@@ -145,7 +145,14 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    default=_env_number("LOG_STATS_INTERVAL", float, 10.0),
                    help="seconds between stats lines (sequences, KV pages, tokens/s), logged "
                         "only for an interval in which a step ran (0: off)")
+    p.add_argument("--stream-interval", type=int, default=_env_number("STREAM_INTERVAL", int, 0),
+                   help="hand each stream its tokens every N steps (its first token and its end "
+                        "at once); 0: adaptive, every step while a step samples up to 256 "
+                        "sequences, then every ceil(sampled / 256) steps (vLLM's "
+                        "--stream-interval, made adaptive)")
     a = p.parse_args(argv)
+    if a.stream_interval < 0:
+        p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
     if not a.executor_keepalive >= 1:
         p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
     admin_token = _token(p, a.admin_token, a.admin_token_file, "--admin-token")
@@ -166,6 +173,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                             max_steps_in_flight=a.max_steps_in_flight,
                             unavailable_grace_s=a.unavailable_grace,
                             log_stats_interval_s=a.log_stats_interval,
+                            stream_interval=a.stream_interval,
                             limits=RequestLimits(max_prompt_bytes=a.max_prompt_bytes,
                                                  max_chat_messages=a.max_chat_messages)),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,

@@ -306,3 +306,31 @@ def test_a_lagging_reader_gets_what_piled_up_in_one_batch(undisturbed):
     assert [e.token_id for e in events[:-1]] == undisturbed[0]
     assert isinstance(events[-1], FinishEvent)
     assert len(batches) == 2 and len(batches[1]) >= 12  # the first read, then all the rest
+
+
+def test_stream_interval_adapts_to_the_sequences_sampled():
+    from scheduler_svc.engine import STREAMS_PER_STEP, stream_interval
+
+    assert [stream_interval(0, n) for n in (0, 1, STREAMS_PER_STEP, STREAMS_PER_STEP + 1,
+                                            4 * STREAMS_PER_STEP)] == [1, 1, 1, 2, 4]
+    assert stream_interval(3, 1) == 3 and stream_interval(1, 10_000) == 1
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_stream_gets_its_first_token_at_once_then_every_interval_steps(undisturbed, interval):
+    """A reader that keeps up: the first token alone, then `interval` tokens a batch, the end
+    with what is left; the same tokens whatever the interval."""
+    async def read():
+        engine = Engine(EngineConfig(stream_interval=interval), FakeClient())
+        await engine.start()
+        try:
+            return [b async for b in engine.generate_batches(SPECS[0])]
+        finally:
+            await engine.stop()
+
+    batches = run(read())
+    events = [e for b in batches for e in b]
+    assert [e.token_id for e in events[:-1]] == undisturbed[0]
+    assert isinstance(events[-1], FinishEvent)
+    sizes = [len(b) for b in batches]
+    assert sizes == ([1] * 11 + [2] if interval == 1 else [1, 4, 4, 4])  # 12 tokens + the end

@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.conversations import (ConversationRounds, ConversationsSpec,  # noqa: E402
-                                      percentile, spec_from_args)
+                                      percentile, spec_from_args, turn_lengths)
 from benchmarks.conversations import add_arguments as add_conversation_arguments  # noqa: E402
 from scripts.local_services import start_services  # noqa: E402
 
@@ -248,6 +248,8 @@ def _services(args, name: str, scheduler_extra: tuple[str, ...] = ()):
     executor_args = ["--model", args.model, "--backend", args.backend,
                      "--swap-space", str(args.swap_space),
                      "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.max_model_len:
+        executor_args += ["--max-model-len", str(args.max_model_len)]
     scheduler_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       "--max-num-seqs", str(args.max_num_seqs), *scheduler_extra]
     t0 = time.perf_counter()
@@ -489,6 +491,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "2048 by 10%% on W1; the services' own default, 2048, favours latency)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="default: 256 (W1, W4), 1024 (W2), 512 (W3)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the executor's --max-model-len; default: its own (the model's length "
+                        "up to 4096), or 8192 for a W4 whose turns pass 4096 tokens (the full "
+                        "W4 reaches 5,115; vllm_w4.py runs vLLM at 8192)")
     p.add_argument("--swap-space", type=float, default=None,
                    help="executor swap space, GiB; default: 4 (W1, W2, W4), 32 (W3)")
     p.add_argument("--no-prefix-caching", action="store_true",
@@ -512,6 +518,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--api http: W1-W3 only (W4 feeds outputs back as token ids; prefix-ttft "
                 "times gRPC)")
     seqs, swap = WORKLOAD_DEFAULTS[args.workload]
+    if args.max_model_len is None and args.workload in CONVERSATION_WORKLOADS:
+        lengths = turn_lengths(spec_from_args(args), vocab=2)  # lengths only: any vocab
+        if max(p + o for row in lengths for p, o in row) > 4096:  # the executor's default cap
+            args.max_model_len = 8192
     args.max_num_seqs = args.max_num_seqs or seqs
     args.swap_space = swap if args.swap_space is None else args.swap_space
     return args

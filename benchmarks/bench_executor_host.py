@@ -1,0 +1,239 @@
+"""The executor's host cost per step on the CPU (issue 10), the model forward and sampling kernels
+excepted: the plan parsed (`StepPlan.FromString` + `wire.plan_from_proto`), `ModelRunner.launch`
+(checks, state updates, inputs built, the decode graph's inputs packed), `ModelRunner.finish`
+and the result encoded (`wire.result_to_proto` + `SerializeToString`), at N running sequences.
+Plain Python: no GPU, no gRPC server, no network.
+
+    python -m benchmarks.bench_executor_host --num-seqs 256 1024 --steps 200 --json out.json
+
+The plans are the real Scheduler's (sized as in bench_scheduler: block size 16, 54,000 GPU
+blocks, 8192-token steps, max_num_seqs = N, prompts 64-1,024 tokens, greedy as in W2), encoded
+with scheduler_svc's wire.plan_to_proto, two steps in flight as the servicer runs them: step k+1
+is launched before step k is finished. The runner has a fake model (forward and logits return
+tiny tensors), a fake sampler (random ids) and a fake cache engine; decode steps go through
+DecodeGraphs with a replay that does nothing, as the GPU runner replays graphs. Time spent in the
+fakes is subtracted from launch. Cases:
+  decode  N sequences in steady decode.
+  mixed   as decode, but 2 sequences finish (EOS) and 2 new ones are admitted each step, their
+          whole prompts prefilled in that step (an eager step, as in W2).
+The scheduler's own work (schedule, update_from_output, plan encoding) is not timed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_scheduler import (BLOCK_SIZE, MAX_MODEL_LEN,  # noqa: E402
+                                        MAX_NUM_BATCHED_TOKENS, NUM_CPU_BLOCKS, NUM_GPU_BLOCKS,
+                                        PROMPT_RANGE, _summary)
+from executor_svc import wire  # noqa: E402
+from executor_svc.cuda_graphs import DecodeGraphs  # noqa: E402
+from executor_svc.model_runner import ModelRunner  # noqa: E402
+from executor_svc.step import ExecutorInfo  # noqa: E402
+from protos import executor_pb2  # noqa: E402
+from scheduler_svc import wire as scheduler_wire  # noqa: E402
+from scheduler_svc.block_manager import BlockManager  # noqa: E402
+from scheduler_svc.config import SchedulerConfig  # noqa: E402
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams  # noqa: E402
+from scheduler_svc.scheduler import Scheduler  # noqa: E402
+from scheduler_svc.sequence import Sequence  # noqa: E402
+
+VOCAB, EOS = 128_256, 128_001  # Llama-3
+CASES = {"decode": 0, "mixed": 2}  # name: sequences finished and admitted per step
+PHASES = ("parse", "launch", "finish", "encode")
+STEPS_IN_FLIGHT = 2
+
+
+class Fakes:
+    """The model, sampler and cache engine: tensors of the right shapes, nothing computed. Their
+    time is counted in `ns`, to be taken out of the phase that called them."""
+
+    def __init__(self, seed: int) -> None:
+        self.ns = 0
+        self.config = dataclasses.make_dataclass("Config", [("vocab_size", int)])(1)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.kv_caches = (torch.zeros(1, 1, 1, BLOCK_SIZE, 1),) * 2  # shape[3]: block size
+
+    def forward(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
+        t0 = time.perf_counter_ns()
+        hidden = torch.zeros(len(input_ids), 1)  # [num_tokens, 1]
+        self.ns += time.perf_counter_ns() - t0
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, out=None) -> torch.Tensor:
+        return hidden if out is None else out  # [n, 1]
+
+    def sample(self, logits: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter_ns()
+        n = logits.shape[0]
+        token_ids = torch.randint(1, EOS, (n,), generator=self.generator)  # [n] int64
+        logprobs = torch.zeros(n)  # [n] float32
+        self.ns += time.perf_counter_ns() - t0
+        return token_ids, logprobs
+
+    def swap_out(self, pairs) -> None:
+        assert not pairs, "the pool is sized so that nothing is preempted"
+
+    swap_in = copy = swap_out
+
+
+class _NoReplay:
+    def replay(self) -> None:
+        pass
+
+
+def make_runner(fakes: Fakes) -> ModelRunner:
+    """A runner with the fakes, and decode graphs whose replays do nothing."""
+    info = ExecutorInfo("bench", "fp", "bfloat16", BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS,
+                        MAX_MODEL_LEN, VOCAB, "", "cpu")
+    backend = dataclasses.make_dataclass("Backend", [("device", torch.device)])(
+        torch.device("cpu"))
+    graphs = DecodeGraphs(fakes, fakes.kv_caches, -(-MAX_MODEL_LEN // BLOCK_SIZE))
+    graphs.graphs = {bs: _NoReplay() for bs in graphs.batch_sizes}
+    graphs.logits = {bs: graphs._logits_out[:bs] for bs in graphs.batch_sizes}
+    runner = ModelRunner(fakes, backend, fakes, info, graphs)
+    runner.sampler = fakes
+    return runner
+
+
+class Bench:
+    """The real scheduler feeding one runner, as the servicer drives it."""
+
+    def __init__(self, num_seqs: int, finish_per_step: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.finish_per_step = finish_per_step
+        config = SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                                 max_num_seqs=num_seqs)
+        bm = BlockManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS)
+        self.sched = Scheduler(config, bm, rng=random.Random(seed))
+        self.fakes = Fakes(seed)
+        self.runner = make_runner(self.fakes)
+        self.in_flight: deque = deque()  # (scheduler plan, PendingStep)
+        self.step_id = 0
+        self.next_seq_id = 0
+        self.doomed: set[int] = set()  # seqs given EOS
+        self.kinds: dict[str, int] = {"decode": 0, "other": 0}
+        for _ in range(num_seqs):
+            self.add_seq()
+        self._prefill_all()
+
+    def add_seq(self) -> None:
+        prompt = [self.rng.randrange(1, EOS) for _ in range(self.rng.randint(*PROMPT_RANGE))]
+        self.next_seq_id += 1
+        self.sched.add_seq(Sequence(
+            self.next_seq_id, prompt, SamplingParams(), StoppingParams(max_tokens=None), eos_token_id=EOS,
+            max_model_len=MAX_MODEL_LEN, arrival_time=float(self.next_seq_id)))
+
+    def _prefill_all(self) -> None:
+        """Setup, not measured: one step with an unlimited budget prefills every prompt."""
+        config = self.sched.config
+        self.sched.config = dataclasses.replace(config, max_num_batched_tokens=10**9)
+        self.send()
+        self.sched.config = config
+        while len(self.in_flight) < STEPS_IN_FLIGHT:
+            self.send()
+        for _ in range(4):
+            self.step()
+        self.kinds = {"decode": 0, "other": 0}
+
+    def send(self) -> tuple[int, int]:
+        """Plans and encodes the next step (not timed); the executor parses and launches it.
+        Returns (parse ns, launch ns)."""
+        plan = self.sched.schedule()
+        assert not plan.is_empty
+        self.step_id += 1
+        message = scheduler_wire.plan_to_proto(plan)
+        message.step_id = self.step_id  # the scheduler numbers empty plans too
+        data = message.SerializeToString()
+        t0 = time.perf_counter_ns()
+        step = wire.plan_from_proto(executor_pb2.StepPlan.FromString(data))
+        t1 = time.perf_counter_ns()
+        fake_ns = self.fakes.ns
+        pending = self.runner.launch(step)
+        t2 = time.perf_counter_ns()
+        self.kinds[pending.kind] += 1
+        self.in_flight.append((plan, pending))
+        return t1 - t0, t2 - t1 - (self.fakes.ns - fake_ns)
+
+    def step(self) -> dict[str, int]:
+        """Finishes the oldest step and encodes its result; the scheduler applies it (not
+        timed), admits replacements and plans the next step, which is parsed and launched."""
+        plan, pending = self.in_flight.popleft()
+        t0 = time.perf_counter_ns()
+        result = self.runner.finish(pending)
+        t1 = time.perf_counter_ns()
+        data = wire.result_to_proto(result).SerializeToString()
+        t2 = time.perf_counter_ns()
+        sampled = scheduler_wire.result_from_proto(executor_pb2.StepResult.FromString(data)).sampled
+        alive = [i for i in sampled if i not in self.doomed]
+        for seq_id in self.rng.sample(alive, min(self.finish_per_step, len(alive))):
+            sampled[seq_id] = EOS
+            self.doomed.add(seq_id)
+        for update in self.sched.update_from_output(plan, sampled):
+            if update.finish_reason is not None:
+                self.add_seq()
+        parse_ns, launch_ns = self.send()
+        return {"parse": parse_ns, "launch": launch_ns, "finish": t1 - t0, "encode": t2 - t1}
+
+
+def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1) -> dict:
+    """Medians and p90 over the steps of `repeat` fresh runs pooled; each run's median sum."""
+    samples, run_sums, kinds = [], [], {"decode": 0, "other": 0}
+    for _ in range(repeat):
+        bench = Bench(num_seqs, CASES[case], seed)
+        run = [bench.step() for _ in range(steps)]
+        samples += run
+        run_sums.append(_summary([sum(s.values()) for s in run])["median_ms"])
+        kinds = {k: kinds[k] + v for k, v in bench.kinds.items()}
+    phases = {p: _summary([s[p] for s in samples]) for p in PHASES}
+    phases["sum"] = _summary([sum(s.values()) for s in samples])
+    return {"case": case, "num_seqs": num_seqs, "steps": steps, "repeat": repeat,
+            "phases": phases, "run_median_sums_ms": run_sums, "step_kinds": kinds,
+            "running_at_end": bench.sched.num_running}
+
+
+def _print(result: dict) -> None:
+    print(f"\n{result['case']}, N = {result['num_seqs']} ({result['steps']} steps x "
+          f"{result['repeat']}, {result['running_at_end']} running at the end, step kinds "
+          f"{result['step_kinds']}; median sum per run: "
+          f"{', '.join(f'{m:.3f}' for m in result['run_median_sums_ms'])} ms)")
+    for phase, s in result["phases"].items():
+        print(f"  {phase:<9} median {s['median_ms']:7.3f} ms   p90 {s['p90_ms']:7.3f} ms")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-seqs", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--steps", type=int, default=200, help="measured steps per run")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    p.add_argument("--repeat", type=int, default=1, help="runs per case, steps pooled")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    # What the GPU runner queues as device copies runs here as CPU copies; with torch's two
+    # intra-op threads on a shared 2-core VM each one waits for the other core (7 ms at 1,024
+    # seqs instead of 0.05).
+    torch.set_num_threads(1)
+    results = []
+    for case in args.cases:
+        for n in args.num_seqs:
+            results.append(run_case(case, n, args.steps, args.seed, args.repeat))
+            _print(results[-1])
+    if args.json:
+        args.json.write_text(json.dumps({"results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

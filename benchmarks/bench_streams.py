@@ -1,0 +1,218 @@
+"""The scheduler's step loop against N Generate streams on the CPU (issue 10): does the executor
+get its next plan in time when the same process also streams every token to N clients?
+
+The real Engine and GeneratorServicer on a local gRPC port; N streaming clients in another process;
+in place of an executor, a simulated GPU: a step's result is ready `base + per_token x tokens`
+milliseconds after the later of its plan's arrival and the previous step's end (the defaults, 4.5
+ms + 23 us a token, are the H200's Llama-3-8B steps: ~10.4 ms for 256 decodes, ~28 ms for 1,024,
+~190 ms for 8,192 prompt tokens). The GPU idles whenever a plan is late; the table gives that
+idle time as a fraction of the run, the step loop's rate and the tokens streamed.
+
+    python -m benchmarks.bench_streams --streams 256 1024 --stream-interval 1 0
+
+No torch, no model, no tokenizer (token ids in, token ids out, as bench_serving sends them).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from protos import executor_pb2  # noqa: E402
+from scheduler_svc import wire  # noqa: E402
+from scheduler_svc.config import SchedulerConfig  # noqa: E402
+from scheduler_svc.engine import Engine, EngineConfig  # noqa: E402
+from scheduler_svc.executor_client import ExecutorLost  # noqa: E402
+from scheduler_svc.plan import StepPlan  # noqa: E402
+from scheduler_svc.request import RequestLimits  # noqa: E402
+from scheduler_svc.wire import ExecutorDescription  # noqa: E402
+
+BLOCK_SIZE, VOCAB = 16, 128_000
+DESCRIPTION = ExecutorDescription(
+    model_name="simulated", fingerprint="s" * 64, dtype="bfloat16", block_size=BLOCK_SIZE,
+    num_gpu_blocks=200_000, num_cpu_blocks=0, max_model_len=4096, vocab_size=VOCAB,
+    tokenizer="", backend="simulated", instance_id=1)
+
+
+class SimulatedGpu:
+    """The engine's executor link over a simulated GPU that runs one step at a time; plans are
+    encoded and results decoded as over the real link (the executor's own host time is not
+    simulated: the GPU starts a step as soon as its plan arrives)."""
+
+    def __init__(self, base_ms: float, per_token_us: float, seed: int = 0) -> None:
+        self.base_s, self.per_token_s = base_ms / 1e3, per_token_us / 1e6
+        self.rng = random.Random(seed)
+        self.addresses = ["simulated:0"]
+        self.description = self.connected_address = self.fingerprint = None
+        self.disconnected_since: float | None = time.monotonic()
+        self._ready_at: dict[int, float] = {}  # step id -> when its result is ready
+        self._gpu_free_at = 0.0
+        self.idle_s = 0.0  # the GPU waiting for a plan, steps after the first
+        self.busy_s = 0.0
+        self.num_steps = 0
+
+    async def connect(self) -> ExecutorDescription:
+        self.description, self.connected_address = DESCRIPTION, "simulated:0"
+        self.fingerprint, self.disconnected_since = DESCRIPTION.fingerprint, None
+        return DESCRIPTION
+
+    async def connect_once(self) -> ExecutorDescription:
+        return await self.connect()
+
+    async def send(self, plan: StepPlan) -> None:
+        wire.plan_to_proto(plan).SerializeToString()  # what the real link spends on it
+        now = time.monotonic()
+        if self.num_steps and now > self._gpu_free_at:
+            self.idle_s += now - self._gpu_free_at
+        start = max(now, self._gpu_free_at)
+        seconds = self.base_s + self.per_token_s * plan.num_scheduled_tokens
+        self._gpu_free_at = start + seconds
+        self._ready_at[plan.step_id] = self._gpu_free_at
+        self.busy_s += seconds
+        self.num_steps += 1
+
+    async def receive(self, plan: StepPlan) -> StepResult:
+        ready_at = self._ready_at.pop(plan.step_id, None)
+        if ready_at is None:
+            raise ExecutorLost("no such step in flight")
+        delay = ready_at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        reply = executor_pb2.StepResult(step_id=plan.step_id, sampled=[
+            executor_pb2.SampledToken(seq_id=i, token_id=self.rng.randrange(1, VOCAB))
+            for i in plan.sampling_seq_ids]).SerializeToString()  # as the executor sends it
+        return wire.result_from_proto(executor_pb2.StepResult.FromString(reply))
+
+    def lost(self, reason: str) -> ExecutorLost:
+        self.disconnected_since = time.monotonic()
+        return ExecutorLost(reason)
+
+    async def close(self) -> None:
+        self._ready_at.clear()
+
+
+def _clients(address: str, num: int, prompt_len: int, max_tokens: int, out) -> None:
+    """In its own process: `num` streams at once; sends back tokens received and the wall."""
+    import grpc
+
+    from protos import generate_pb2, generate_pb2_grpc
+
+    async def run() -> tuple[int, float, list[float]]:
+        rng = random.Random(1)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generate_pb2_grpc.GeneratorStub(channel)
+
+            async def one() -> tuple[int, float]:
+                req = generate_pb2.GenerateRequest()
+                req.token_ids.ids.extend(rng.randrange(1, VOCAB) for _ in range(prompt_len))
+                req.stopping.max_tokens, req.stopping.ignore_eos = max_tokens, True
+                start, first, tokens = time.perf_counter(), None, 0
+                async for msg in stub.Generate(req):
+                    if msg.token_ids and first is None:
+                        first = time.perf_counter() - start
+                    tokens += len(msg.token_ids)
+                return tokens, first
+
+            start = time.perf_counter()
+            done = await asyncio.gather(*(one() for _ in range(num)))
+            return sum(t for t, _ in done), time.perf_counter() - start, [f for _, f in done]
+
+    out.send(asyncio.run(run()))
+
+
+async def _serve_and_measure(args, num_streams: int, interval: int) -> dict:
+    import grpc
+
+    from scheduler_svc.server import _add_generator, GeneratorServicer
+
+    gpu = SimulatedGpu(args.base_ms, args.per_token_us)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=max(num_streams, 1)),
+        stream_interval=interval, log_stats_interval_s=0.0)
+    engine = Engine(config, gpu)
+    await engine.start()
+    await engine.wait_ready()
+    server = grpc.aio.server()
+    _add_generator(GeneratorServicer(engine, RequestLimits()), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    receiver, sender = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    clients = multiprocessing.get_context("spawn").Process(
+        target=_clients, args=(f"127.0.0.1:{port}", num_streams, args.prompt_len,
+                               args.max_tokens, sender))
+    try:
+        clients.start()
+        while not receiver.poll():
+            await asyncio.sleep(0.05)
+        tokens, wall, ttfts = receiver.recv()
+    finally:
+        clients.join(30)
+        await server.stop(None)
+        await engine.stop()
+    expected = num_streams * args.max_tokens
+    return {"streams": num_streams, "stream_interval": interval, "tokens": tokens,
+            "expected_tokens": expected, "wall_s": wall, "tok_s": tokens / wall,
+            "steps": gpu.num_steps, "gpu_busy_s": gpu.busy_s, "gpu_idle_s": gpu.idle_s,
+            "gpu_idle_frac": gpu.idle_s / max(gpu.idle_s + gpu.busy_s, 1e-9),
+            "ttft_p50_s": statistics.median(t for t in ttfts if t is not None)}
+
+
+def _row(args, num_streams: int, interval: int, out) -> None:
+    out.send(asyncio.run(_serve_and_measure(args, num_streams, interval)))
+
+
+def measure(args, num_streams: int, interval: int) -> dict:
+    """One row in a fresh process: grpc aio keeps state per process that a second event loop
+    may trip over."""
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_row, args=(args, num_streams, interval, sender))
+    proc.start()
+    try:
+        return receiver.recv()
+    finally:
+        proc.join(30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--stream-interval", type=int, nargs="+", default=[1, 0],
+                   help="the engine's stream_interval values to compare (0: adaptive)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--base-ms", type=float, default=4.5, help="simulated step: fixed part")
+    p.add_argument("--per-token-us", type=float, default=23.0,
+                   help="simulated step: per scheduled token")
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    rows = []
+    print("| streams | stream interval | tokens | steps | GPU idle (waiting for a plan) "
+          "| streamed tok/s | TTFT p50 |")
+    print("|---|---|---|---|---|---|---|")
+    for num_streams in args.streams:
+        for interval in args.stream_interval:
+            row = measure(args, num_streams, interval)
+            rows.append(row)
+            print(f"| {num_streams} | {interval or 'adaptive'} | {row['tokens']} / "
+                  f"{row['expected_tokens']} | {row['steps']} | "
+                  f"{100 * row['gpu_idle_frac']:.1f}% ({row['gpu_idle_s']:.2f} s) | "
+                  f"{row['tok_s']:.0f} | {1e3 * row['ttft_p50_s']:.0f} ms |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -37,8 +37,8 @@ class AttentionMetadata:
 
 def build_attention_metadata(
     block_tables: list[list[int]] | np.ndarray,
-    num_computed_tokens: list[int],
-    num_scheduled_tokens: list[int],
+    num_computed_tokens: list[int] | np.ndarray,
+    num_scheduled_tokens: list[int] | np.ndarray,
     block_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -46,59 +46,62 @@ def build_attention_metadata(
 
     Sequence i computes positions [num_computed_tokens[i], + num_scheduled_tokens[i]); its block
     table must cover them. block_tables: one list per seq, or an int array [num_seqs, width]
-    whose row i starts with seq i's table (later columns are never read). A few tensor ops over the whole batch, no per-sequence tensors: a
-    mixed step of 256 decodes and a prefill chunk builds in well under a millisecond.
+    whose row i starts with seq i's table (later columns are never read). A few numpy ops over
+    the whole batch (each a few times cheaper than torch's on arrays this small), no per-sequence
+    work: a mixed step of 1,024 decodes and two prompts builds in ~0.1 ms on the CPU VM.
     """
     num_seqs = len(block_tables)
-    query_lens = torch.tensor(num_scheduled_tokens, dtype=torch.int64)  # [num_seqs]
-    seq_lens = torch.tensor(num_computed_tokens, dtype=torch.int64) + query_lens  # [num_seqs]
-    cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int64)
-    cu_seqlens_q[1:] = torch.cumsum(query_lens, 0)
-    num_tokens = int(cu_seqlens_q[-1])
-    seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens)  # [num_tokens]
+    query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)  # [num_seqs]
+    seq_lens = np.asarray(num_computed_tokens, dtype=np.int64) + query_lens  # [num_seqs]
+    cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int64)  # [num_seqs + 1]
+    np.cumsum(query_lens, out=cu_seqlens_q[1:])
+    seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
     # position of token t of seq i: its seq's first new position + its offset among them
-    positions = (seq_lens - query_lens)[seq_index] + torch.arange(num_tokens) - cu_seqlens_q[seq_index]
-    tables = (torch.from_numpy(block_tables.astype(np.int64)) if isinstance(block_tables, np.ndarray)
-              else _padded(block_tables))  # [num_seqs, max_blocks] int64
-    block_ids = tables[seq_index, positions // block_size]
+    positions = ((seq_lens - query_lens - cu_seqlens_q[:-1])[seq_index]
+                 + np.arange(len(seq_index)))  # [num_tokens]
+    tables = (block_tables if isinstance(block_tables, np.ndarray)
+              else _padded(block_tables))  # [num_seqs, max_blocks]
+    block_ids = tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
-    tables_d = to_device(tables.to(torch.int32), device)
-    seq_lens_d = to_device(seq_lens.to(torch.int32), device)
-    num_decodes = _num_leading_ones(num_scheduled_tokens)
+    tables_d = _to_device(tables, np.int32, device)
+    seq_lens_d = _to_device(seq_lens, np.int32, device)
+    num_decodes = _num_leading_ones(query_lens)
     prefill = None
     if 0 < num_decodes < num_seqs:
         rest = cu_seqlens_q[num_decodes:] - cu_seqlens_q[num_decodes]
-        prefill = PrefillPart(tables_d[num_decodes:], to_device(rest.to(torch.int32), device),
+        prefill = PrefillPart(tables_d[num_decodes:], _to_device(rest, np.int32, device),
                               seq_lens_d[num_decodes:])
     metadata = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, device),
+        slot_mapping=_to_device(slot_mapping, np.int64, device),
         block_tables=tables_d,
-        cu_seqlens_q=to_device(cu_seqlens_q.to(torch.int32), device),
+        cu_seqlens_q=_to_device(cu_seqlens_q, np.int32, device),
         seq_lens=seq_lens_d,
-        max_seqlen_q=max(num_scheduled_tokens),
+        max_seqlen_q=int(query_lens.max()),
         max_seqlen_k=int(seq_lens.max()),
         is_decode_only=num_decodes == num_seqs,
         num_decodes=num_decodes if prefill is not None else 0,
         prefill=prefill,
     )
-    return to_device(positions, device), metadata
+    return _to_device(positions, np.int64, device), metadata
 
 
-def _padded(block_tables: list[list[int]]) -> torch.Tensor:
-    """[num_seqs, max_blocks] int64, each row a table padded with 0, from one flat tensor."""
-    lengths = torch.tensor([len(t) for t in block_tables], dtype=torch.int64)
-    tables = torch.zeros(len(block_tables), int(lengths.max()), dtype=torch.int64)
+def _to_device(array: np.ndarray, dtype, device: torch.device) -> torch.Tensor:
+    return to_device(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)), device)
+
+
+def _padded(block_tables: list[list[int]]) -> np.ndarray:
+    """[num_seqs, max_blocks] int64, each row a table padded with 0, from one flat array."""
+    lengths = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+    tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int64)
     # np.fromiter reads the tables' ints 4-5x faster than torch.tensor(list): 0.2 ms for 13k ids
-    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(block_tables), np.int64))
-    tables[torch.arange(tables.shape[1]) < lengths[:, None]] = flat  # row-major, as flat
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int64)
+    tables[np.arange(tables.shape[1]) < lengths[:, None]] = flat  # row-major, as flat
     return tables
 
 
-def _num_leading_ones(num_scheduled_tokens: list[int]) -> int:
-    for i, n in enumerate(num_scheduled_tokens):
-        if n != 1:
-            return i
-    return len(num_scheduled_tokens)
+def _num_leading_ones(num_scheduled_tokens: np.ndarray) -> int:
+    others = np.flatnonzero(num_scheduled_tokens != 1)
+    return int(others[0]) if len(others) else len(num_scheduled_tokens)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

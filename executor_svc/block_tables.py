@@ -32,6 +32,18 @@ class BlockTables:
         self.array[row, start:end] = block_ids
         self.lengths[row] = end
 
+    def append_many(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+        """Appends counts[i] ids to rows[i] (distinct rows), taken in turn from block_ids: one
+        scatter for the whole step."""
+        ends = self.lengths[rows] + counts  # [n]
+        if len(ends) and int(ends.max()) > self.width:
+            raise ValueError(f"a block table of {int(ends.max())} blocks exceeds {self.width} "
+                             "per sequence")
+        first = np.cumsum(counts) - counts  # [n]: each row's first id in block_ids
+        columns = np.repeat(self.lengths[rows] - first, counts) + np.arange(len(block_ids))
+        self.array[np.repeat(rows, counts), columns] = block_ids
+        self.lengths[rows] = ends
+
     def free(self, row: int) -> None:
         self._free.append(row)
 

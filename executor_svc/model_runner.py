@@ -7,7 +7,6 @@ gRPC, no kernels.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,37 +18,33 @@ from executor_svc.attention_metadata import build_attention_metadata, to_device
 from executor_svc.block_tables import BlockTables
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.device_tokens import DeviceTokens
-from executor_svc.sampler import (Sampler, SamplingTensors, copy_to_host, from_host,
-                                  top_from_host)
+from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, top_from_host
+from executor_svc.seq_states import RowIndex, SeqStates
 from executor_svc.step_timing import StepMarks, StepTimer
 from executor_svc.token_counts import TokenCounts
 from executor_svc.step import (
-    CachedSeq, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions, StepPlan,
+    CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions, StepPlan,
     StepResult,
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class SeqState:
-    token_ids: list[int]  # prompt + generated tokens known on the host
-    row: int  # of the runner's BlockTables, which holds this seq's block table
-    num_computed_tokens: int
-    sampling: SamplingOptions
-    # (step id, row) of each token sampled by a step launched but not finished, oldest first:
-    # they follow token_ids, and until their step finishes they exist on the device only.
-    pending: list[tuple[int, int]] = field(default_factory=list)
-    count_row: int | None = None  # of the runner's TokenCounts, if the seq uses a penalty
+    """A held seq: its row of the runner's BlockTables and SeqStates (where its tokens and
+    counters live), and what it samples with."""
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids) + len(self.pending)
+    row: int
+    sampling: SamplingOptions
+    count_row: int | None = None  # of the runner's TokenCounts, if the seq uses a penalty
 
 
 @dataclass(frozen=True)
-class _Scheduled:
-    seq_id: int
-    state: SeqState
-    num_scheduled_tokens: int
+class _Batch:
+    """The seqs that compute tokens in a step, one-token seqs first."""
+
+    rows: np.ndarray  # [n] int64
+    num_scheduled: np.ndarray  # [n] int64
+    seq_ids: np.ndarray  # [n] uint64
 
 
 @dataclass
@@ -58,7 +53,12 @@ class PendingStep:
     inputs; `results` is their host copy, valid once the step's GPU work is done."""
 
     step_id: int
-    seqs: list[_Scheduled]  # the seqs that sample, in row order
+    # The seqs that sample, in row order: their ids, rows, row generations (SeqStates) and the
+    # position each sampled token takes in its seq; [num_sampled] each
+    seq_ids: np.ndarray
+    rows: np.ndarray
+    generations: np.ndarray
+    positions: np.ndarray
     token_ids: torch.Tensor | None  # [num_sampled] int64 on the device
     # [2 (+ 2k), num_sampled] float64 on the host: ids, logprobs (, top ids, top logprobs)
     results: torch.Tensor | None
@@ -66,7 +66,8 @@ class PendingStep:
     marks: StepMarks  # marks.end: recorded after the step's GPU work; None on CPU (all done)
     forward_ms: float
     launch_ms: float
-    maybe_logprobs: bool = False  # some seq held at launch uses a control (logprobs perhaps)
+    # (index among the sampled, k) of each seq that asked for logprobs (and k top ones)
+    logprobs_asked: list[tuple[int, int]] = field(default_factory=list)
 
     def is_ready(self) -> bool:
         """Whether finish() would return without waiting for the GPU."""
@@ -89,7 +90,10 @@ class ModelRunner:
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
         self.timer = StepTimer(backend.device)
         self.seqs: dict[int, SeqState] = {}
+        self._index = RowIndex()  # seq_id -> row, for the plans' columns
+        self._by_row: list[SeqState | None] = []  # row -> its seq's state
         self.tables = BlockTables(-(-info.max_model_len // info.block_size))
+        self.states = SeqStates(info.max_model_len)
         self.token_counts = TokenCounts(info.vocab_size, backend.device)
         self._num_controlled = 0  # held seqs using a penalty, a logit bias or logprobs
         self.last_step_id: int | None = None
@@ -99,6 +103,8 @@ class ModelRunner:
         """Forget every sequence, every unfinished step and the step counter (a new Execute
         stream). GPU work already queued still runs; later steps queue behind it."""
         self.seqs.clear()
+        self._index = RowIndex()
+        self._by_row = []
         self.tables.clear()
         self.token_counts.clear()
         self._num_controlled = 0
@@ -110,46 +116,53 @@ class ModelRunner:
     def num_pending_steps(self) -> int:
         return len(self._pending)
 
+    def token_ids(self, seq_id: int) -> np.ndarray:
+        """A held seq's tokens known on the host (a view of its row: writes change them)."""
+        return self.states.tokens(self.seqs[seq_id].row)
+
+    def num_tokens(self, seq_id: int) -> int:
+        """A held seq's tokens, those sampled by unfinished steps included."""
+        return int(self.states.num_tokens[self.seqs[seq_id].row])
+
     def launch(self, step: StepPlan) -> PendingStep:
         """Checks the plan, applies it and queues the step's copies, forward and sampling on the
         device, and the copy of its sampled ids to the host; waits for none of it. Raises
         PlanMismatch (changing nothing) if the plan contradicts the state."""
         start = time.perf_counter()
-        self._validate(step)
+        cached_rows = self._validate(step)
         marks = self.timer.begin()
-        scheduled = self._apply(step)
+        batch = self._apply(step, cached_rows)
         forward_start = time.perf_counter()
-        seqs, sampled, kind = (self._run(step.step_id, scheduled) if scheduled
-                               else ([], None, "other"))
-        token_ids = sampled[0] if seqs else None
-        results = copy_to_host(*sampled) if seqs else None
-        forward_ms = (time.perf_counter() - forward_start) * 1e3
+        pending = self._run(step.step_id, batch, marks)
+        pending.forward_ms = (time.perf_counter() - forward_start) * 1e3
         self.timer.end_gpu(marks)  # also what finish() waits for
-        pending = PendingStep(step.step_id, seqs, token_ids, results, kind, marks, forward_ms,
-                              (time.perf_counter() - start) * 1e3, self._num_controlled > 0)
+        pending.launch_ms = (time.perf_counter() - start) * 1e3
         self._pending.append(pending)
         return pending
 
     def finish(self, pending: PendingStep) -> StepResult:
-        """Waits for the oldest unfinished step, appends its sampled ids to the host token
-        lists and returns its output. Steps finish in launch order."""
+        """Waits for the oldest unfinished step, records its sampled ids in the seqs' rows and
+        returns its output. Steps finish in launch order."""
         if not self._pending or self._pending[0] is not pending:
             raise RuntimeError(f"step {pending.step_id} is not the oldest unfinished step")
         start = time.perf_counter()
         pending.wait()
         self._pending.popleft()
-        token_ids, logprobs = from_host(pending.results) if pending.seqs else ([], [])
-        for s, token_id in zip(pending.seqs, token_ids):
-            s.state.pending.pop(0)  # this step's: steps finish in order
-            s.state.token_ids.append(token_id)
-        sampled = _sampled_tokens(pending, token_ids, logprobs)
+        token_ids, logprobs = np.zeros(0, dtype=np.int64), ()
+        if pending.results is not None:
+            token_ids = pending.results[0].numpy().astype(np.int64)  # [num_sampled]
+            self.states.record_sampled(pending.rows, pending.generations, pending.positions,
+                                       token_ids)
+            logprobs = _logprobs(pending, token_ids)
         step_ms = pending.launch_ms + (time.perf_counter() - start) * 1e3
         self.timer.finish(pending.marks, pending.kind, step_ms, pending.launch_ms)
-        return StepResult(pending.step_id, sampled, pending.forward_ms, step_ms)
+        return StepResult(pending.step_id, pending.seq_ids, token_ids, pending.forward_ms,
+                          step_ms, logprobs)
 
     # -- validation: everything is checked before any state or cache changes ------------------
 
-    def _validate(self, step: StepPlan) -> None:
+    def _validate(self, step: StepPlan) -> np.ndarray:
+        """Checks the plan; returns the rows of its cached seqs."""
         if self.last_step_id is not None and step.step_id != self.last_step_id + 1:
             raise PlanMismatch(f"step {step.step_id} after step {self.last_step_id}: gap or repeat")
         gpu, cpu = self.info.num_gpu_blocks, self.info.num_cpu_blocks
@@ -157,22 +170,18 @@ class ModelRunner:
         _check_pairs("swap_in", step.swap_in, cpu, gpu)
         _check_pairs("copy", step.copy, gpu, gpu)
         dropped = set(step.finished_seq_ids) | set(step.preempted_seq_ids)
-        known = self.seqs.keys() - dropped
         seen: set[int] = set()
         for new in step.new_seqs:
-            if new.seq_id in known or new.seq_id in seen:
+            if (new.seq_id in self.seqs and new.seq_id not in dropped) or new.seq_id in seen:
                 raise PlanMismatch(f"new seq {new.seq_id} is already known")
             seen.add(new.seq_id)
             self._check_new(new)
-        for cached in step.cached_seqs:
-            if cached.seq_id not in known or cached.seq_id in seen:
-                raise PlanMismatch(f"cached seq {cached.seq_id} is unknown or listed twice")
-            seen.add(cached.seq_id)
-            self._check_cached(cached, self.seqs[cached.seq_id])
+        return self._check_cached(step.cached_seqs, dropped | seen)
 
     def _check_new(self, new: NewSeq) -> None:
         vocab_size = self.info.vocab_size
-        if any(t < 0 or t >= vocab_size for t in new.token_ids):
+        token_ids = np.asarray(new.token_ids, dtype=np.int64)
+        if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
             raise PlanMismatch(f"seq {new.seq_id}: token id out of vocabulary")
         if any(t < 0 or t >= vocab_size for t, _ in new.sampling.logit_bias):
             raise PlanMismatch(f"seq {new.seq_id}: logit_bias token id out of vocabulary")
@@ -180,20 +189,49 @@ class ModelRunner:
         if num_prompt is not None and not 0 < num_prompt <= len(new.token_ids):
             raise PlanMismatch(f"seq {new.seq_id}: num_prompt_tokens {new.num_prompt_tokens} "
                                f"outside [1, {len(new.token_ids)}]")
+        if len(new.token_ids) > self.states.width:
+            raise PlanMismatch(f"seq {new.seq_id}: {len(new.token_ids)} tokens exceed "
+                               f"max_model_len")
         self._check_counts(new.seq_id, len(new.token_ids), new.num_computed_tokens,
                            new.num_scheduled_tokens, len(new.block_table), new.block_table)
 
-    def _check_cached(self, cached: CachedSeq, state: SeqState) -> None:
-        if cached.num_computed_tokens != state.num_computed_tokens:
+    def _check_cached(self, cached: CachedSeqs, excluded: set[int]) -> np.ndarray:
+        """Checks the plan's held seqs with whole-column ops (a seq named by `excluded` is
+        dropped or new in this plan); returns their rows."""
+        rows = self._index.rows(cached.seq_ids)  # [n], -1 where unknown
+        unknown = rows < 0
+        if excluded:
+            unknown |= np.isin(cached.seq_ids, np.array(list(excluded), dtype=np.uint64))
+        if unknown.any() or (len(rows) and np.bincount(rows).max() > 1):
+            seq_ids = cached.seq_ids.tolist()
+            bad = (np.flatnonzero(unknown)[0] if unknown.any()
+                   else next(i for i, s in enumerate(seq_ids) if s in seq_ids[:i]))
+            raise PlanMismatch(f"cached seq {seq_ids[bad]} is unknown or listed twice")
+        st = self.states
+        computed = st.num_computed[rows]
+        mismatch = np.flatnonzero(cached.num_computed_tokens != computed)
+        if len(mismatch):
+            i = mismatch[0]
             raise PlanMismatch(
-                f"seq {cached.seq_id}: plan says {cached.num_computed_tokens} computed tokens, "
-                f"executor has {state.num_computed_tokens}"
-            )
-        # The held table was checked when it arrived: only the appended ids are new.
-        self._check_counts(cached.seq_id, state.num_tokens, state.num_computed_tokens,
-                           cached.num_scheduled_tokens,
-                           self.tables.num_blocks(state.row) + len(cached.new_block_ids),
-                           cached.new_block_ids)
+                f"seq {cached.seq_ids[i]}: plan says {cached.num_computed_tokens[i]} computed tokens, "
+                f"executor has {computed[i]}")
+        # The held tables were checked when they arrived: only the appended ids are new.
+        num_blocks = self.tables.lengths[rows] + cached.num_new_blocks
+        end = computed + cached.num_scheduled_tokens
+        bad = ((cached.num_scheduled_tokens < 0) | (end > st.num_tokens[rows])
+               | (end > self.info.max_model_len) | (num_blocks * self.info.block_size < end)
+               | (num_blocks > self.tables.width))
+        blocks = cached.new_block_ids
+        bad_blocks = (blocks < 0) | (blocks >= self.info.num_gpu_blocks)
+        if bad_blocks.any():
+            bad[np.repeat(np.arange(len(rows)), cached.num_new_blocks)[bad_blocks]] = True
+        if bad.any():  # the per-seq check says what is wrong
+            i = np.flatnonzero(bad)[0]
+            first = int(cached.num_new_blocks[:i].sum())
+            self._check_counts(int(cached.seq_ids[i]), int(st.num_tokens[rows[i]]), int(computed[i]),
+                               int(cached.num_scheduled_tokens[i]), int(num_blocks[i]),
+                               blocks[first:first + cached.num_new_blocks[i]].tolist())
+        return rows
 
     def _check_counts(self, seq_id: int, num_tokens: int, num_computed: int, num_scheduled: int,
                       num_blocks: int, unchecked_blocks: list[int]) -> None:
@@ -215,154 +253,201 @@ class ModelRunner:
 
     # -- state updates --------------------------------------------------------------------------
 
-    def _apply(self, step: StepPlan) -> list[_Scheduled]:
+    def _apply(self, step: StepPlan, cached_rows: np.ndarray) -> _Batch:
         """Drops, then copies queued on the device, then the seqs' diffs; returns the seqs that
         compute tokens this step."""
         self.last_step_id = step.step_id
         for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
-            state = self.seqs.pop(seq_id, None)
-            if state is not None:
-                self.tables.free(state.row)
-                if state.count_row is not None:
-                    self.token_counts.free(state.count_row)
-                self._num_controlled -= state.sampling.has_controls
+            self._drop(seq_id)
         self.cache_engine.swap_out(step.swap_out)
         self.cache_engine.swap_in(step.swap_in)
         self.cache_engine.copy(step.copy)
-        scheduled = [self._register(new) for new in step.new_seqs]
-        scheduled += [self._apply_diff(cached) for cached in step.cached_seqs]
+        new_rows = [self._register(new) for new in step.new_seqs]
+        cached = step.cached_seqs
+        if len(cached.new_block_ids):
+            self.tables.append_many(cached_rows, cached.num_new_blocks, cached.new_block_ids)
+        rows = np.concatenate([np.array(new_rows, dtype=np.int64), cached_rows])
+        num_scheduled = np.concatenate([
+            np.array([new.num_scheduled_tokens for new in step.new_seqs], dtype=np.int64),
+            cached.num_scheduled_tokens])
+        seq_ids = np.concatenate([np.array([new.seq_id for new in step.new_seqs],
+                                           dtype=np.uint64), cached.seq_ids])
         # One-token seqs first (a stable sort keeps the plan's order otherwise): the attention
         # of a mixed step then runs them through the decode kernel in one launch.
-        scheduled.sort(key=lambda s: s.num_scheduled_tokens != 1)
-        return [s for s in scheduled if s.num_scheduled_tokens > 0]
+        order = np.argsort(num_scheduled != 1, kind="stable")
+        order = order[num_scheduled[order] > 0]
+        return _Batch(rows[order], num_scheduled[order], seq_ids[order])
 
-    def _register(self, new: NewSeq) -> _Scheduled:
-        state = SeqState(list(new.token_ids), self.tables.add(new.block_table),
-                         new.num_computed_tokens, new.sampling)
-        self._num_controlled += new.sampling.has_controls
+    def _drop(self, seq_id: int) -> None:
+        state = self.seqs.pop(seq_id, None)
+        if state is None:
+            return
+        self._index.remove(seq_id)
+        self._by_row[state.row] = None
+        self.tables.free(state.row)
+        if state.count_row is not None:
+            self.token_counts.free(state.count_row)
+        self._num_controlled -= state.sampling.has_controls
+
+    def _register(self, new: NewSeq) -> int:
+        """Holds a new seq; returns its row."""
+        row = self.tables.add(new.block_table)
+        self.states.add(row, new.token_ids, new.num_computed_tokens,
+                        new.sampling.temperature <= 0.0)
+        count_row = None
         if new.sampling.uses_penalties:  # counts rebuilt from the plan's ids, prompt apart
             num_prompt = new.num_prompt_tokens or len(new.token_ids)
-            state.count_row = self.token_counts.add(new.token_ids[:num_prompt],
-                                                    new.token_ids[num_prompt:])
+            count_row = self.token_counts.add(new.token_ids[:num_prompt],
+                                              new.token_ids[num_prompt:])
+        self._num_controlled += new.sampling.has_controls
+        state = SeqState(row, new.sampling, count_row)
         self.seqs[new.seq_id] = state
-        return _Scheduled(new.seq_id, state, new.num_scheduled_tokens)
-
-    def _apply_diff(self, cached: CachedSeq) -> _Scheduled:
-        state = self.seqs[cached.seq_id]
-        if cached.new_block_ids:
-            self.tables.append(state.row, cached.new_block_ids)
-        return _Scheduled(cached.seq_id, state, cached.num_scheduled_tokens)
+        self._index.add(new.seq_id, row)
+        if row >= len(self._by_row):
+            self._by_row += [None] * (row + 1 - len(self._by_row))
+        self._by_row[row] = state
+        return row
 
     # -- forward and sampling ---------------------------------------------------------------------
 
-    def _run(self, step_id: int, scheduled: list[_Scheduled]
-             ) -> tuple[list[_Scheduled], tuple | None, str]:
+    def _run(self, step_id: int, batch: _Batch, marks: StepMarks) -> PendingStep:
         """One forward over the packed batch, then sampling, all queued without a host sync.
-        Returns the seqs that sampled; their token ids and logprobs on the device, and the top
-        (ids, logprobs) when some seq asked for them; and the step kind ("decode" if
-        replayed)."""
-        to_sample = [i for i, s in enumerate(scheduled)
-                     if s.state.num_computed_tokens + s.num_scheduled_tokens == s.state.num_tokens]
-        seqs = [scheduled[i] for i in to_sample]
+        Returns the pending step: the seqs that sampled, their token ids and logprobs (and the
+        top ones when some seq asked) on the device and their host copy queued."""
+        st, rows = self.states, batch.rows
+        ends = st.num_computed[rows] + batch.num_scheduled  # [n]
+        to_sample = np.flatnonzero(ends == st.num_tokens[rows])  # [num_sampled]
+        sample_rows = rows[to_sample]
         # Built before the forward: their host-to-device copies are queued, never waited for.
-        params = SamplingTensors.build([s.state.sampling for s in seqs],
-                                       [s.state.num_tokens for s in seqs],
-                                       self.info.vocab_size, self.backend.device,
-                                       self.token_counts,
-                                       [s.state.count_row for s in seqs] if self._num_controlled
-                                       else None, self._num_controlled > 0)
-        graphs = self.decode_graphs
-        rows = np.fromiter((s.state.row for s in scheduled), np.int64, len(scheduled))
-        tables = self.tables.gather(rows)  # [num_seqs, longest table]
-        if (graphs is not None and all(s.num_scheduled_tokens == 1 for s in scheduled)
-                and graphs.can_run(len(scheduled), tables.shape[1])):
-            logits, kind = self._decode_replay(scheduled, tables, to_sample), "decode"
-        else:
-            logits, kind = self._forward_eager(scheduled, tables, to_sample), "other"
-        for s in scheduled:
-            s.state.num_computed_tokens += s.num_scheduled_tokens
-        if not seqs:
-            return [], None, kind
+        params = self._sampling_tensors(sample_rows) if len(rows) else None
+        kind = "other"
+        if len(rows):
+            tables = self.tables.gather(rows)  # [num_seqs, longest table]
+            graphs = self.decode_graphs
+            if (graphs is not None and bool((batch.num_scheduled == 1).all())
+                    and graphs.can_run(len(rows), tables.shape[1])):
+                logits, kind = self._decode_replay(batch, tables, to_sample), "decode"
+            else:
+                logits = self._forward_eager(batch, tables, to_sample)
+            st.num_computed[rows] = ends
+        pending = PendingStep(step_id, batch.seq_ids[to_sample], sample_rows,
+                              st.generation[sample_rows], st.num_tokens[sample_rows], None, None,
+                              kind, marks, 0.0, 0.0)
+        if not len(to_sample):
+            return pending
         token_ids, logprobs = self.sampler.sample(logits, params)
         if params.penalties is not None:  # on the device: the next step's penalties see them
             p = params.penalties
             self.token_counts.count(p.count_rows, token_ids[p.index])
         top = (self.sampler.top_logprobs(logits, params.num_top_logprobs)
                if params.num_top_logprobs else None)
-        for row, s in enumerate(seqs):
-            s.state.pending.append((step_id, row))
-        return seqs, (token_ids, logprobs, top), kind
+        st.num_tokens[sample_rows] += 1
+        pending.token_ids, pending.results = token_ids, copy_to_host(token_ids, logprobs, top)
+        if self._num_controlled:
+            pending.logprobs_asked = [
+                (i, k) for i, row in enumerate(sample_rows.tolist())
+                if (k := self._by_row[row].sampling.logprobs) is not None]
+        return pending
 
-    def _input_ids(self, scheduled: list[_Scheduled]) -> tuple[list[int], DeviceTokens | None]:
-        """The packed input ids of the batch. A token sampled by an unfinished step is a 0 here
-        and comes from that step's sampled ids on the device (the DeviceTokens)."""
-        ids: list[int] = []
-        sources: list[tuple[torch.Tensor, int]] = []
-        rows: list[int] = []
-        sampled_by = {p.step_id: p.token_ids for p in self._pending}
-        for s in scheduled:
-            state, start = s.state, s.state.num_computed_tokens
-            end, known = start + s.num_scheduled_tokens, len(s.state.token_ids)
-            ids += state.token_ids[start:min(end, known)]
-            for position in range(max(start, known), end):
-                step_id, row = state.pending[position - known]
-                sources.append((sampled_by[step_id], row))
-                rows.append(len(ids))
-                ids.append(0)
-        return ids, DeviceTokens.collect(sources, rows)
+    def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
+        """The sampling parameters of the seqs in these rows; no look at each seq's options when
+        all are greedy and none uses a control (the common batch)."""
+        if not self._num_controlled and bool(self.states.greedy[rows].all()):
+            return SamplingTensors.for_greedy(len(rows))
+        states = [self._by_row[row] for row in rows.tolist()]
+        return SamplingTensors.build([s.sampling for s in states],
+                                     self.states.num_tokens[rows].tolist(),
+                                     self.info.vocab_size, self.backend.device, self.token_counts,
+                                     [s.count_row for s in states] if self._num_controlled
+                                     else None, self._num_controlled > 0)
 
-    def _forward_eager(self, scheduled: list[_Scheduled], tables: np.ndarray,
-                       to_sample: list[int]) -> torch.Tensor:
+    def _input_ids(self, batch: _Batch) -> tuple[np.ndarray, DeviceTokens | None]:
+        """The packed input ids of the batch [num_tokens] int64. A token sampled by an unfinished
+        step is a 0 here and comes from that step's sampled ids on the device (the
+        DeviceTokens)."""
+        st = self.states
+        token_rows, positions = st.input_positions(batch.rows, batch.num_scheduled)
+        known = positions < st.num_known[token_rows]  # [num_tokens]
+        ids = np.where(known, st.token_ids[token_rows, positions], 0).astype(np.int64)
+        unknown = np.flatnonzero(~known)
+        if not len(unknown):
+            return ids, None
+        return ids, self._device_tokens(token_rows[unknown], positions[unknown], unknown)
+
+    def _device_tokens(self, rows: np.ndarray, positions: np.ndarray, dst_rows: np.ndarray
+                       ) -> DeviceTokens:
+        """Where input rows `dst_rows`, tokens at `positions` of `rows` sampled by unfinished
+        steps, find their ids: each unfinished step's sampled rows are matched by row, row
+        generation and position."""
+        found = np.zeros(len(rows), dtype=bool)
+        sampled, src, dst, offset = [], [], [], 0
+        generations = self.states.generation[rows]
+        index = np.full(len(self.states.num_known), -1, dtype=np.int64)  # row -> sampled index
+        for p in self._pending:
+            if p.token_ids is None:
+                continue
+            index[p.rows] = np.arange(len(p.rows))
+            i = index[rows]
+            hit = (i >= 0) & ~found
+            hit[hit] = ((p.positions[i[hit]] == positions[hit])
+                        & (p.generations[i[hit]] == generations[hit]))
+            index[p.rows] = -1
+            if hit.any():
+                sampled.append(p.token_ids)
+                src.append(offset + i[hit])
+                dst.append(dst_rows[hit])
+                found |= hit
+                offset += len(p.rows)
+        if not found.all():
+            raise RuntimeError("an input token is neither on the host nor in an unfinished step")
+        return DeviceTokens(sampled[0] if len(sampled) == 1 else torch.cat(sampled),
+                            np.concatenate(src), np.concatenate(dst))
+
+    def _forward_eager(self, batch: _Batch, tables: np.ndarray,
+                       to_sample: np.ndarray) -> torch.Tensor:
         device = self.backend.device
-        ids, device_tokens = self._input_ids(scheduled)
-        input_ids = to_device(torch.tensor(ids, dtype=torch.int64), device)  # [num_tokens]
+        ids, device_tokens = self._input_ids(batch)
+        input_ids = to_device(torch.from_numpy(ids), device)  # [num_tokens]
         if device_tokens is not None:
             device_tokens.scatter_into(input_ids)
         positions, metadata = build_attention_metadata(
-            tables,
-            [s.state.num_computed_tokens for s in scheduled],
-            [s.num_scheduled_tokens for s in scheduled],
+            tables, self.states.num_computed[batch.rows], batch.num_scheduled,
             self.info.block_size, device,
         )
         hidden = self.model.forward(input_ids, positions, metadata, self.cache_engine.kv_caches)
-        if not to_sample:
+        if not len(to_sample):
             return hidden[:0]
-        ends = list(itertools.accumulate(s.num_scheduled_tokens for s in scheduled))
-        last_rows = to_device(torch.tensor([ends[i] - 1 for i in to_sample]), device)
-        return self.model.compute_logits(hidden[last_rows])  # [num_sampled, vocab]
+        last_rows = np.cumsum(batch.num_scheduled)[to_sample] - 1  # [num_sampled]
+        return self.model.compute_logits(
+            hidden[to_device(torch.from_numpy(last_rows), device)])  # [num_sampled, vocab]
 
-    def _decode_replay(self, scheduled: list[_Scheduled], tables: np.ndarray,
-                       to_sample: list[int]) -> torch.Tensor:
+    def _decode_replay(self, batch: _Batch, tables: np.ndarray,
+                       to_sample: np.ndarray) -> torch.Tensor:
         block_size = self.info.block_size
-        ids, device_tokens = self._input_ids(scheduled)
-        positions = np.fromiter((s.state.num_computed_tokens for s in scheduled), np.int64,
-                                len(scheduled))  # [num_seqs]
-        slots = (tables[np.arange(len(scheduled)), positions // block_size].astype(np.int64)
+        ids, device_tokens = self._input_ids(batch)
+        positions = self.states.num_computed[batch.rows]  # [num_seqs]
+        slots = (tables[np.arange(len(positions)), positions // block_size].astype(np.int64)
                  * block_size + positions % block_size)  # [num_seqs]
         logits = self.decode_graphs.run(ids, positions, slots, tables,
                                         device_tokens)  # [num_seqs, vocab]
-        if len(to_sample) == len(scheduled):
+        if len(to_sample) == len(positions):
             return logits
-        return logits[to_device(torch.tensor(to_sample), self.backend.device)]
+        return logits[to_device(torch.from_numpy(to_sample), self.backend.device)]
 
 
-def _sampled_tokens(pending: PendingStep, token_ids: list[int], logprobs: list[float]
-                    ) -> list[SampledToken]:
-    """The step's SampledTokens; logprobs only for the seqs that asked."""
-    if not pending.maybe_logprobs:  # the common step: no per-seq look at the options
-        return [SampledToken(s.seq_id, t) for s, t in zip(pending.seqs, token_ids)]
-    tops = (top_from_host(pending.results) if pending.seqs and pending.results.shape[0] > 2
-            else None)
+def _logprobs(pending: PendingStep, token_ids: np.ndarray) -> tuple[SampledToken, ...]:
+    """The SampledTokens, logprobs set, of the step's seqs that asked for them."""
+    if not pending.logprobs_asked:
+        return ()
+    results = pending.results
+    logprobs = results[1].tolist()
+    tops = top_from_host(results) if results.shape[0] > 2 else None
     sampled = []
-    for i, (s, token_id) in enumerate(zip(pending.seqs, token_ids)):
-        k = s.state.sampling.logprobs
-        if k is None:
-            sampled.append(SampledToken(s.seq_id, token_id))
-        else:
-            top_ids, top_logprobs = (tops[0][i][:k], tops[1][i][:k]) if k else ((), ())
-            sampled.append(SampledToken(s.seq_id, token_id, logprobs[i], tuple(top_ids),
-                                        tuple(top_logprobs)))
-    return sampled
+    for i, k in pending.logprobs_asked:
+        top_ids, top_logprobs = (tops[0][i][:k], tops[1][i][:k]) if k else ((), ())
+        sampled.append(SampledToken(int(pending.seq_ids[i]), int(token_ids[i]), logprobs[i],
+                                    tuple(top_ids), tuple(top_logprobs)))
+    return tuple(sampled)
 
 
 def _check_pairs(name: str, pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> None:

@@ -85,6 +85,11 @@ class SamplingTensors:
     num_top_logprobs: int = 0  # the most any row asked for
 
     @classmethod
+    def for_greedy(cls, num_rows: int) -> "SamplingTensors":
+        """Every row greedy, none using a penalty, a logit bias or logprobs."""
+        return cls(num_rows, True, True, None, None, None, None, None, None)
+
+    @classmethod
     def build(cls, options: list[SamplingOptions], positions: list[int], vocab_size: int,
               device: torch.device, counts: TokenCounts | None = None,
               count_rows: list[int | None] | None = None, any_controls: bool = True

@@ -24,5 +24,5 @@ def test_the_runner_holds_what_the_scheduler_holds():
         _, pending = bench.in_flight.popleft()
         bench.runner.finish(pending)
     for seq in bench.sched.running:
-        state = bench.runner.seqs[seq.seq_id]
-        assert state.token_ids[:len(seq.token_ids)] == seq.token_ids
+        held = bench.runner.token_ids(seq.seq_id).tolist()
+        assert held[:len(seq.token_ids)] == seq.token_ids

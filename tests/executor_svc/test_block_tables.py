@@ -35,3 +35,12 @@ def test_clear_frees_every_row():
     tables.add([2])
     tables.clear()
     assert sorted(tables.add([3]) for _ in range(2)) == [0, 1]
+
+
+def test_append_many_appends_each_rows_ids_in_one_scatter():
+    tables = BlockTables(max_blocks_per_seq=4, rows=4)
+    a, b, c = tables.add([1]), tables.add([2, 3]), tables.add([])
+    tables.append_many(np.array([c, a, b]), np.array([2, 0, 1]), np.array([7, 8, 9]))
+    assert [tables.table(r) for r in (a, b, c)] == [[1], [2, 3, 9], [7, 8]]
+    with pytest.raises(ValueError):
+        tables.append_many(np.array([b]), np.array([2]), np.array([4, 5]))

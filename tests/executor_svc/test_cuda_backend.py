@@ -159,7 +159,7 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
     driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
     for k in range(1, NUM_NEW):
         for s in prompts:
-            runner.seqs[s].token_ids[-1] = hf_tokens[s][k - 1]
+            runner.token_ids(s)[-1] = hf_tokens[s][k - 1]
         driver.run(cached_seqs=[driver.cached_seq(s) for s in prompts])
     ours = torch.stack(recorder.logits, dim=1)  # [seqs, NUM_NEW, vocab]
     tolerance, within = {}, {}
@@ -221,12 +221,13 @@ def test_decode_replay_has_no_host_sync():
     driver = PlanDriver(runner)
     prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
     driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
-    scheduled = [runner._apply_diff(driver.cached_seq(s)) for s in prompts]
-    tables = runner.tables.gather(np.array([s.state.row for s in scheduled]))
+    step = StepPlan(driver.step_id + 1, cached_seqs=[driver.cached_seq(s) for s in prompts])
+    batch = runner._apply(step, runner._validate(step))
+    tables = runner.tables.gather(batch.rows)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        logits = runner._decode_replay(scheduled, tables, [0, 1])
+        logits = runner._decode_replay(batch, tables, np.arange(2))
         params = SamplingTensors.build([SamplingOptions()] * 2, [0, 0], hf.config.vocab_size,
                                        logits.device)
         runner.sampler.sample(logits, params)

@@ -9,13 +9,14 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from executor_svc.lease import Hello, Lease, LeaseRefused, WaitingStreams
 from executor_svc.server import MAX_WAITING_STREAMS, ExecutorServicer, build_server, hello_from_proto
-from executor_svc.step import ExecutorInfo, SampledToken, StepResult
+from executor_svc.step import ExecutorInfo, StepResult
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
 from protos import executor_pb2, executor_pb2_grpc
 
@@ -140,8 +141,8 @@ class FakeRunner:
         return _Done(step.step_id, step)
 
     def finish(self, pending: _Done) -> StepResult:
-        sampled = [SampledToken(s.seq_id, 7, 0.0) for s in pending.step.new_seqs]
-        return StepResult(pending.step_id, sampled, 0.0, 0.0)
+        seq_ids = np.array([s.seq_id for s in pending.step.new_seqs], dtype=np.uint64)
+        return StepResult(pending.step_id, seq_ids, np.full(len(seq_ids), 7), 0.0, 0.0)
 
 
 def hello(scheduler_id="holder", epoch=1, takeover=False) -> executor_pb2.StepPlan:

@@ -1,5 +1,4 @@
 """PlanMismatch on plans that contradict executor state; a rejected plan changes nothing."""
-import copy
 import random
 
 import pytest
@@ -19,7 +18,10 @@ def driver():
 
 def _snapshot(runner):
     tables = {seq_id: runner.tables.table(state.row) for seq_id, state in runner.seqs.items()}
-    return (copy.deepcopy(runner.seqs), runner.last_step_id, runner.cache_engine.gpu_k.clone(),
+    seqs = {seq_id: (state, runner.token_ids(seq_id).tolist(), runner.num_tokens(seq_id),
+                     int(runner.states.num_computed[state.row]))
+            for seq_id, state in runner.seqs.items()}
+    return (seqs, runner.last_step_id, runner.cache_engine.gpu_k.clone(),
             runner.cache_engine.cpu_k.clone(), tables)
 
 

@@ -69,7 +69,7 @@ def test_validation_counts_the_unfinished_token():
     driver = PlanDriver(runner)
     prompt = random_prompt(random.Random(1), 7)  # 2 blocks of 4: room for one more token
     prefill = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(1, prompt)]))
-    assert runner.seqs[1].num_tokens == 8 and len(runner.seqs[1].token_ids) == 7
+    assert runner.num_tokens(1) == 8 and len(runner.token_ids(1)) == 7
     with pytest.raises(PlanMismatch, match="exceeds its 8 tokens"):
         runner.launch(StepPlan(2, cached_seqs=[CachedSeq(1, 2, 7, [])]))
     decode = runner.launch(StepPlan(2, cached_seqs=[CachedSeq(1, 1, 7, [])]))
@@ -78,8 +78,8 @@ def test_validation_counts_the_unfinished_token():
     first, second = runner.finish(prefill), runner.finish(decode)
     assert [first.step_id, second.step_id] == [1, 2]
     tokens = [first.sampled[0].token_id, second.sampled[0].token_id]
-    assert tokens == hf_greedy(hf, prompt, 2) == runner.seqs[1].token_ids[7:]
-    assert runner.seqs[1].pending == [] and runner.num_pending_steps == 0
+    assert tokens == hf_greedy(hf, prompt, 2) == runner.token_ids(1)[7:].tolist()
+    assert runner.num_tokens(1) == len(runner.token_ids(1)) and runner.num_pending_steps == 0
 
 
 def test_a_seq_dropped_while_its_token_is_unfinished_still_gets_it():
@@ -92,7 +92,7 @@ def test_a_seq_dropped_while_its_token_is_unfinished_still_gets_it():
     assert set(runner.seqs) == {2}
     assert [t.seq_id for t in runner.finish(first).sampled] == [1, 2]
     assert [t.seq_id for t in runner.finish(second).sampled] == [2]
-    assert len(runner.seqs[2].token_ids) == 7
+    assert len(runner.token_ids(2)) == 7
 
 
 def test_reset_forgets_unfinished_steps():
@@ -105,3 +105,17 @@ def test_reset_forgets_unfinished_steps():
         runner.finish(pending)
     out = execute(runner, StepPlan(40, new_seqs=[driver.new_seq(2, [5, 6, 7])]))
     assert [t.seq_id for t in out.sampled] == [2]
+
+
+def test_a_dropped_seqs_unfinished_token_never_lands_in_the_row_of_the_seq_after_it():
+    runner = make_runner(hf_model("tiny"))
+    driver = PlanDriver(runner)
+    first = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(1, [5, 6, 7])]))
+    row = runner.seqs[1].row
+    second = runner.launch(StepPlan(2, finished_seq_ids=[1],
+                                    new_seqs=[driver.new_seq(2, [8, 9, 10, 11])]))
+    assert runner.seqs[2].row == row  # the freed row, taken at once
+    runner.finish(first)
+    assert runner.token_ids(2).tolist() == [8, 9, 10, 11] and runner.num_tokens(2) == 5
+    [token] = runner.finish(second).sampled
+    assert runner.token_ids(2).tolist() == [8, 9, 10, 11, token.token_id]

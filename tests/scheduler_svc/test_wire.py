@@ -1,6 +1,7 @@
 """The executor protocol's plan encoding: what the scheduler sends is what the executor reads,
 cached seqs in columns included; columns that do not line up are refused as a plan mismatch."""
 
+import numpy as np
 import pytest
 
 from executor_svc import wire as executor_wire
@@ -23,7 +24,7 @@ def test_plan_round_trip_through_the_executor_wire():
     plan = sample_plan()
     data = wire.plan_to_proto(plan).SerializeToString()
     step = executor_wire.plan_from_proto(executor_pb2.StepPlan.FromString(data))
-    assert step.cached_seqs == [CachedSeq(s.seq_id, s.num_scheduled_tokens, s.num_computed_tokens,
+    assert list(step.cached_seqs) == [CachedSeq(s.seq_id, s.num_scheduled_tokens, s.num_computed_tokens,
                                           s.new_block_ids) for s in plan.cached_seqs]
     assert [s.seq_id for s in step.new_seqs] == [7] and step.new_seqs[0].sampling.seed == 11
     assert (step.step_id, step.swap_out, step.copy) == (5, [(1, 2)], [(6, 8)])
@@ -77,8 +78,8 @@ def test_sampling_controls_cross_both_wires():
     assert (o.presence_penalty, o.frequency_penalty, o.logit_bias, o.logprobs) == (
         0.5, -0.25, ((4, 100.0), (9, -3.0)), 3)
     assert o.repetition_penalty == pytest.approx(1.2)
-    result = ExecutorResult(1, [SampledToken(7, 4, -0.5, (4, 2), (-0.5, -1.5)),
-                                SampledToken(8, 2)], 0.0, 0.0)
+    result = ExecutorResult(1, np.array([7, 8], dtype=np.uint64), np.array([4, 2]), 0.0, 0.0,
+                            (SampledToken(7, 4, -0.5, (4, 2), (-0.5, -1.5)),))
     data = executor_wire.result_to_proto(result).SerializeToString()
     back = wire.result_from_proto(executor_pb2.StepResult.FromString(data))
     assert back.sampled == {7: 4, 8: 2}

@@ -1,0 +1,94 @@
+"""SeqStates: the per-sequence state the runner keeps across steps (token ids, counters), as rows of
+numpy arrays (vLLM's persistent batch), so a step reads and updates its sequences with whole-batch
+operations rather than an object per sequence; RowIndex: which row holds which seq. Rows are those
+of the runner's BlockTables. Imports numpy only.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class SeqStates:
+    def __init__(self, max_model_len: int, rows: int = 64) -> None:
+        # A seq holds at most max_model_len tokens computed plus the one it samples after them.
+        self.width = max_model_len + 1
+        self.token_ids = np.zeros((rows, self.width), dtype=np.int32)  # [rows, width]
+        self.num_known = np.zeros(rows, dtype=np.int64)  # tokens whose ids are on the host
+        # num_known + the tokens sampled by steps launched but not finished (on the device)
+        self.num_tokens = np.zeros(rows, dtype=np.int64)
+        self.num_computed = np.zeros(rows, dtype=np.int64)
+        self.greedy = np.zeros(rows, dtype=bool)
+        # A row's registration, so that a step finishing after its seq was dropped, and its row
+        # given to another seq, writes nothing into that row.
+        self.generation = np.zeros(rows, dtype=np.int64)
+        self._next_generation = 1
+
+    def add(self, row: int, token_ids: list[int], num_computed: int, greedy: bool) -> None:
+        """Row `row` (of BlockTables) now holds a new seq with these tokens."""
+        if row >= len(self.num_known):
+            self._grow(row + 1)
+        n = len(token_ids)
+        self.token_ids[row, :n] = token_ids
+        self.num_known[row] = self.num_tokens[row] = n
+        self.num_computed[row] = num_computed
+        self.greedy[row] = greedy
+        self.generation[row] = self._next_generation
+        self._next_generation += 1
+
+    def tokens(self, row: int) -> np.ndarray:
+        """The row's tokens known on the host: a view (writes go to the state)."""
+        return self.token_ids[row, :self.num_known[row]]
+
+    def input_positions(self, rows: np.ndarray, num_scheduled: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """The packed batch's (row, position) of each input token: seq i computes positions
+        [num_computed, + num_scheduled) of its row. Both [num_tokens] int64."""
+        starts = np.cumsum(num_scheduled) - num_scheduled  # [num_seqs]
+        token_rows = np.repeat(rows, num_scheduled)  # [num_tokens]
+        positions = (np.repeat(self.num_computed[rows] - starts, num_scheduled)
+                     + np.arange(len(token_rows)))  # [num_tokens]
+        return token_rows, positions
+
+    def record_sampled(self, rows: np.ndarray, generations: np.ndarray, positions: np.ndarray,
+                       token_ids: np.ndarray) -> None:
+        """A finished step's sampled ids, token_ids[i] at positions[i] of rows[i], for the rows
+        still held by the seq that sampled (same generation). Steps finish in launch order."""
+        held = self.generation[rows] == generations
+        rows, positions = rows[held], positions[held]
+        self.token_ids[rows, positions] = token_ids[held]
+        self.num_known[rows] = positions + 1
+
+    def _grow(self, rows: int) -> None:
+        new = max(rows, 2 * len(self.num_known))
+        for name in ("token_ids", "num_known", "num_tokens", "num_computed", "greedy",
+                     "generation"):
+            old = getattr(self, name)
+            grown = np.zeros((new, *old.shape[1:]), dtype=old.dtype)
+            grown[:len(old)] = old
+            setattr(self, name, grown)
+
+
+class RowIndex:
+    """seq_id -> row as two arrays sorted by seq id: a plan's column of ids is looked up with one
+    binary search (a dict read per seq cost ~0.3 ms a step at 1,024 seqs)."""
+
+    def __init__(self) -> None:
+        self.seq_ids = np.zeros(0, dtype=np.uint64)  # [num_seqs], sorted
+        self.row_of = np.zeros(0, dtype=np.int64)  # [num_seqs]
+
+    def add(self, seq_id: int, row: int) -> None:
+        i = int(np.searchsorted(self.seq_ids, np.uint64(seq_id)))
+        self.seq_ids = np.insert(self.seq_ids, i, np.uint64(seq_id))
+        self.row_of = np.insert(self.row_of, i, row)
+
+    def remove(self, seq_id: int) -> None:
+        i = int(np.searchsorted(self.seq_ids, np.uint64(seq_id)))
+        self.seq_ids = np.delete(self.seq_ids, i)
+        self.row_of = np.delete(self.row_of, i)
+
+    def rows(self, seq_ids: np.ndarray) -> np.ndarray:
+        """[n] int64: each seq's row, -1 for a seq not held."""
+        if not len(self.seq_ids):
+            return np.full(len(seq_ids), -1, dtype=np.int64)
+        i = np.minimum(np.searchsorted(self.seq_ids, seq_ids), len(self.seq_ids) - 1)
+        return np.where(self.seq_ids[i] == seq_ids, self.row_of[i], -1)

@@ -7,7 +7,8 @@ Plain Python: no GPU, no gRPC server, no network.
     python -m benchmarks.bench_executor_host --num-seqs 256 1024 --steps 200 --json out.json
 
 The plans are the real Scheduler's (sized as in bench_scheduler: block size 16, 54,000 GPU
-blocks, 8192-token steps, max_num_seqs = N, prompts 64-1,024 tokens, greedy as in W2), encoded
+blocks, 8192-token steps, max_num_seqs = N, prompts 64-1,024 tokens, greedy as in W2 unless
+--temperature is given), encoded
 with scheduler_svc's wire.plan_to_proto, two steps in flight as the servicer runs them: step k+1
 is launched before step k is finished. The runner has a fake model (forward and logits return
 tiny tensors), a fake sampler (random ids) and a fake cache engine; decode steps go through
@@ -111,8 +112,10 @@ def make_runner(fakes: Fakes) -> ModelRunner:
 class Bench:
     """The real scheduler feeding one runner, as the servicer drives it."""
 
-    def __init__(self, num_seqs: int, finish_per_step: int, seed: int) -> None:
+    def __init__(self, num_seqs: int, finish_per_step: int, seed: int,
+                 temperature: float = 0.0) -> None:
         self.rng = random.Random(seed)
+        self.sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
         self.finish_per_step = finish_per_step
         config = SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                  max_num_seqs=num_seqs)
@@ -133,7 +136,7 @@ class Bench:
         prompt = [self.rng.randrange(1, EOS) for _ in range(self.rng.randint(*PROMPT_RANGE))]
         self.next_seq_id += 1
         self.sched.add_seq(Sequence(
-            self.next_seq_id, prompt, SamplingParams(), StoppingParams(max_tokens=None), eos_token_id=EOS,
+            self.next_seq_id, prompt, self.sampling, StoppingParams(max_tokens=None), eos_token_id=EOS,
             max_model_len=MAX_MODEL_LEN, arrival_time=float(self.next_seq_id)))
 
     def _prefill_all(self) -> None:
@@ -188,11 +191,12 @@ class Bench:
         return {"parse": parse_ns, "launch": launch_ns, "finish": t1 - t0, "encode": t2 - t1}
 
 
-def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1) -> dict:
+def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1,
+             temperature: float = 0.0) -> dict:
     """Medians and p90 over the steps of `repeat` fresh runs pooled; each run's median sum."""
     samples, run_sums, kinds = [], [], {"decode": 0, "other": 0}
     for _ in range(repeat):
-        bench = Bench(num_seqs, CASES[case], seed)
+        bench = Bench(num_seqs, CASES[case], seed, temperature)
         run = [bench.step() for _ in range(steps)]
         samples += run
         run_sums.append(_summary([sum(s.values()) for s in run])["median_ms"])
@@ -200,6 +204,7 @@ def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1) -
     phases = {p: _summary([s[p] for s in samples]) for p in PHASES}
     phases["sum"] = _summary([sum(s.values()) for s in samples])
     return {"case": case, "num_seqs": num_seqs, "steps": steps, "repeat": repeat,
+            "temperature": temperature,
             "phases": phases, "run_median_sums_ms": run_sums, "step_kinds": kinds,
             "running_at_end": bench.sched.num_running}
 
@@ -220,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     p.add_argument("--repeat", type=int, default=1, help="runs per case, steps pooled")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's (top_p 0.95 when > 0); default greedy, as W2")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     # What the GPU runner queues as device copies runs here as CPU copies; with torch's two
@@ -229,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for case in args.cases:
         for n in args.num_seqs:
-            results.append(run_case(case, n, args.steps, args.seed, args.repeat))
+            results.append(run_case(case, n, args.steps, args.seed, args.repeat,
+                                    args.temperature))
             _print(results[-1])
     if args.json:
         args.json.write_text(json.dumps({"results": results}, indent=1))

@@ -213,8 +213,8 @@ class ModelRunner:
         if len(mismatch):
             i = mismatch[0]
             raise PlanMismatch(
-                f"seq {cached.seq_ids[i]}: plan says {cached.num_computed_tokens[i]} computed tokens, "
-                f"executor has {computed[i]}")
+                f"seq {cached.seq_ids[i]}: plan says {cached.num_computed_tokens[i]} computed "
+                f"tokens, executor has {computed[i]}")
         # The held tables were checked when they arrived: only the appended ids are new.
         num_blocks = self.tables.lengths[rows] + cached.num_new_blocks
         end = computed + cached.num_scheduled_tokens
@@ -228,8 +228,9 @@ class ModelRunner:
         if bad.any():  # the per-seq check says what is wrong
             i = np.flatnonzero(bad)[0]
             first = int(cached.num_new_blocks[:i].sum())
-            self._check_counts(int(cached.seq_ids[i]), int(st.num_tokens[rows[i]]), int(computed[i]),
-                               int(cached.num_scheduled_tokens[i]), int(num_blocks[i]),
+            self._check_counts(int(cached.seq_ids[i]), int(st.num_tokens[rows[i]]),
+                               int(computed[i]), int(cached.num_scheduled_tokens[i]),
+                               int(num_blocks[i]),
                                blocks[first:first + cached.num_new_blocks[i]].tolist())
         return rows
 

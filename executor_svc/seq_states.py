@@ -60,10 +60,16 @@ class SeqStates:
 
     def _grow(self, rows: int) -> None:
         new = max(rows, 2 * len(self.num_known))
-        for name in ("token_ids", "num_known", "num_tokens", "num_computed", "greedy",
-                     "generation"):
+        # Only the columns that hold tokens are copied: the rest of the new array stays untouched
+        # zero pages (rows * (max_model_len + 1) * 4 bytes would be 512 MiB at 1,024 rows of a
+        # 128k-token model; the host memory used follows the tokens held instead).
+        used = int(self.num_known.max())
+        token_ids = np.zeros((new, self.width), dtype=self.token_ids.dtype)
+        token_ids[:len(self.num_known), :used] = self.token_ids[:, :used]
+        self.token_ids = token_ids
+        for name in ("num_known", "num_tokens", "num_computed", "greedy", "generation"):
             old = getattr(self, name)
-            grown = np.zeros((new, *old.shape[1:]), dtype=old.dtype)
+            grown = np.zeros(new, dtype=old.dtype)
             grown[:len(old)] = old
             setattr(self, name, grown)
 

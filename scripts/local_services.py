@@ -85,13 +85,16 @@ class Services:
                 admin_pb2.SetExecutorsRequest(addresses=list(addresses)), timeout=120,
                 metadata=self._admin_metadata())
 
-    def add_executor(self, name: str, args: list[str], port: int | None = None) -> str:
-        """Starts another executor process; returns its address (ready once it answers health)."""
+    def add_executor(self, name: str, args: list[str], port: int | None = None,
+                     wait: bool = True) -> str:
+        """Starts another executor process; returns its address, once it answers health unless
+        `wait=False` (then `wait_serving(address)` before using it)."""
         port = port or free_port()
         self.logs[name] = self.logs["executor"].replace("executor.log", f"{name}.log")
         self.procs[name] = start_executor(args, port, self.logs[name])
         address = f"127.0.0.1:{port}"
-        wait_serving(address)
+        if wait:
+            wait_serving(address)
         return address
 
     def log_of(self, name: str) -> str:

@@ -11,7 +11,27 @@ from scripts.local_services import (START_TIMEOUT_S, Services, free_port, start_
                                     start_services, wait_serving, wait_started)
 
 __all__ = ["START_TIMEOUT_S", "Services", "StreamedToken", "free_port", "generate",
-           "start_executor", "start_services", "streamed_tokens", "wait_serving", "wait_started"]
+           "start_executor", "start_services", "start_services_with", "streamed_tokens",
+           "wait_serving", "wait_started"]
+
+
+def start_services_with(tmp_path, executor_args: list[str], scheduler_args: list[str] = (),
+                        others: dict[str, list[str]] | None = None,
+                        **kwargs) -> tuple[Services, list[str]]:
+    """start_services, and the executors of `others` ({name: args}, none of them among the
+    scheduler's addresses) started at the same time rather than one after another: (services,
+    the others' addresses), everything serving."""
+    services = start_services(tmp_path, executor_args, scheduler_args, wait=False, **kwargs)
+    try:
+        addresses = [services.add_executor(name, args, wait=False)
+                     for name, args in (others or {}).items()]
+        wait_started(services)
+        for address in addresses:
+            wait_serving(address)
+    except BaseException:
+        services.stop()
+        raise
+    return services, addresses
 
 
 def generate(stub, prompt_ids: list[int] | None = None, text: str | None = None,

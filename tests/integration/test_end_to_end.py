@@ -10,7 +10,7 @@ import pytest
 
 from protos import generate_pb2
 from tests.integration.harness import generate, start_services
-from tests.integration.hf_reference import hf_greedy
+from tests.integration.hf_reference import hf_greedy, hf_greedy_later
 
 pytestmark = pytest.mark.slow
 
@@ -22,16 +22,9 @@ def random_prompts(n: int, seed: int, low: int = 4, high: int = 48, vocab: int =
     return [[rng.randrange(1, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    services = start_services(tmp_path_factory.mktemp("tiny"), ["--model", TINY])
-    yield services
-    services.stop()
-
-
 @pytest.fixture()
-def channel(tiny):
-    with grpc.insecure_channel(tiny.scheduler_address) as ch:
+def channel(tiny_services):
+    with grpc.insecure_channel(tiny_services.scheduler_address) as ch:
         yield ch
 
 
@@ -42,8 +35,8 @@ def assert_pools_whole(services):
     assert m["pagedserve_requests_running"] == 0 and m["pagedserve_requests_waiting"] == 0
 
 
-def test_greedy_matches_transformers(tiny, channel):
-    stub = tiny.stub(channel)
+def test_greedy_matches_transformers(tiny_services, channel):
+    stub = tiny_services.stub(channel)
     for prompt in random_prompts(4, seed=1):
         ids, _, final = generate(stub, prompt, max_tokens=24)
         assert ids == hf_greedy(TINY, prompt, 24)
@@ -51,30 +44,31 @@ def test_greedy_matches_transformers(tiny, channel):
         assert final.completion_tokens == 24 and final.prompt_tokens == len(prompt)
 
 
-def test_64_concurrent_streams_all_correct(tiny, channel):
-    stub = tiny.stub(channel)
+def test_64_concurrent_streams_all_correct(tiny_services, channel):
+    stub = tiny_services.stub(channel)
     prompts = random_prompts(64, seed=2)
     lengths = [random.Random(i).randint(8, 40) for i in range(64)]
+    expected = hf_greedy_later(TINY, prompts, lengths)
     with ThreadPoolExecutor(64) as pool:
         results = list(pool.map(lambda a: generate(stub, a[0], max_tokens=a[1]), zip(prompts, lengths)))
-    for prompt, n, (ids, _, final) in zip(prompts, lengths, results):
-        assert ids == hf_greedy(TINY, prompt, n)
+    for want, n, (ids, _, final) in zip(expected.result(timeout=300), lengths, results):
+        assert ids == want
         assert final.completion_tokens == n
-    assert_pools_whole(tiny)
+    assert_pools_whole(tiny_services)
 
 
-def test_text_prompt_streams_decoded_text(tiny, channel):
+def test_text_prompt_streams_decoded_text(tiny_services, channel):
     from scheduler_svc.tokenizer import load_tokenizer
     from executor_svc.model_loader import tokenizer_source
 
     tokenizer = load_tokenizer(tokenizer_source(TINY))
-    ids, text, _ = generate(tiny.stub(channel), text="The quick brown fox", max_tokens=12)
+    ids, text, _ = generate(tiny_services.stub(channel), text="The quick brown fox", max_tokens=12)
     assert ids == hf_greedy(TINY, tokenizer.encode("The quick brown fox"), 12)
     assert text == tokenizer.decode(ids)
 
 
-def test_seeded_sampling_is_reproducible(tiny, channel):
-    stub = tiny.stub(channel)
+def test_seeded_sampling_is_reproducible(tiny_services, channel):
+    stub = tiny_services.stub(channel)
     prompt = random_prompts(1, seed=3)[0]
     a, _, _ = generate(stub, prompt, max_tokens=16, temperature=1.0, top_p=0.9, seed=7)
     b, _, _ = generate(stub, prompt, max_tokens=16, temperature=1.0, top_p=0.9, seed=7)
@@ -112,8 +106,8 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("field,request_", BAD_REQUESTS, ids=[f for f, _ in BAD_REQUESTS])
-def test_bad_input_is_invalid_argument_naming_the_field(tiny, channel, field, request_):
-    stub = tiny.stub(channel)
+def test_bad_input_is_invalid_argument_naming_the_field(tiny_services, channel, field, request_):
+    stub = tiny_services.stub(channel)
     if field == "prompt":  # an empty text prompt: the oneof is set to ""
         request_.ClearField("token_ids")
         request_.text = ""
@@ -125,8 +119,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(tiny, channel, field, re
     assert len(ids) == 3
 
 
-def test_model_info(tiny, channel):
-    info = tiny.stub(channel).ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10)
+def test_model_info(tiny_services, channel):
+    info = tiny_services.stub(channel).ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10)
     assert info.vocab_size == 49152 and info.max_model_len > 0 and info.num_gpu_blocks > 0
 
 
@@ -179,11 +173,11 @@ def test_swap_preemption_copies_a_shared_prefix_once(tmp_path):
     check_preemption(tmp_path, "swap", shared_prefix=32)
 
 
-def test_stop_rules_through_the_api(tiny, channel):
+def test_stop_rules_through_the_api(tiny_services, channel):
     from executor_svc.model_loader import tokenizer_source
     from scheduler_svc.tokenizer import load_tokenizer
 
-    stub = tiny.stub(channel)
+    stub = tiny_services.stub(channel)
     tokenizer = load_tokenizer(tokenizer_source(TINY))
     prompt = random_prompts(1, seed=5)[0]
     reference = hf_greedy(TINY, prompt, 24)
@@ -215,7 +209,7 @@ def test_stop_rules_through_the_api(tiny, channel):
     assert text == full_text[: full_text.index(stop)]
 
 
-def test_reflection_lists_the_services(tiny, channel):
+def test_reflection_lists_the_services(tiny_services, channel):
     """What grpcurl relies on: the server describes its services and their messages."""
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase)
@@ -225,7 +219,7 @@ def test_reflection_lists_the_services(tiny, channel):
     services = set(database.get_services())
     assert {"pagedserve.v1.Generator", "grpc.health.v1.Health"} <= services
     assert "pagedserve.v1.Admin" not in services  # it has a listener of its own
-    with grpc.insecure_channel(tiny.admin_address) as admin_channel:
+    with grpc.insecure_channel(tiny_services.admin_address) as admin_channel:
         admin_services = set(ProtoReflectionDescriptorDatabase(admin_channel).get_services())
     assert {"pagedserve.v1.Admin", "grpc.health.v1.Health"} <= admin_services
     assert "pagedserve.v1.Generator" not in admin_services

@@ -102,7 +102,8 @@ def test_rogue_streams_neither_stall_nor_disturb_the_scheduler(tmp_path):
     try:
         with grpc.insecure_channel(services.executor_address) as channel:
             idle = [RogueCall(channel) for _ in range(16)]
-            load = Load(services.scheduler_address, random_prompts(16, seed=11), max_tokens=48)
+            load = Load(services.scheduler_address, random_prompts(16, seed=11), max_tokens=48,
+                        reference=TINY)
             load.wait_tokens(100)
             garbage = [RogueCall(channel, GARBAGE[i % len(GARBAGE)]) for i in range(16)]
             strangers = [RogueCall(channel, stranger_hello()) for _ in range(8)]
@@ -127,7 +128,8 @@ def test_a_second_scheduler_is_refused_until_the_first_is_gone(tmp_path):
     try:
         refusal = second.wait_for_line("refused this scheduler's stream")
         assert "FAILED_PRECONDITION: executor is leased by another scheduler" in refusal
-        load = Load(services.scheduler_address, random_prompts(16, seed=22), max_tokens=48)
+        load = Load(services.scheduler_address, random_prompts(16, seed=22), max_tokens=48,
+                    reference=TINY)
         load.check_against_reference()  # while the second one keeps retrying
         assert services.metrics()[RESYNCS] == 0
         services.procs["scheduler"].kill()

@@ -9,7 +9,7 @@ import pytest
 
 from executor_svc.model_loader import build_hf_model
 from protos import generate_pb2
-from tests.integration.harness import start_services
+from tests.integration.harness import start_services_with
 from tests.integration.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -34,9 +34,11 @@ def test_other_weights_refused_identical_copy_taken(tmp_path):
     build_hf_model("tiny", seed=1).save_pretrained(folder_b)  # same config.json, other weights
     shutil.copytree(folder_a, copy_a)
     cache = ["--fingerprint-cache-dir", str(tmp_path / "fingerprints")]
-    services = start_services(tmp_path, ["--model", str(folder_a), *cache])
+    services, [other, copy] = start_services_with(
+        tmp_path, ["--model", str(folder_a), *cache],
+        others={"other": ["--model", str(folder_b), *cache],
+                "copy": ["--model", str(copy_a), *cache]})
     try:
-        other = services.add_executor("other", ["--model", str(folder_b), *cache])
         with grpc.insecure_channel(services.scheduler_address) as channel:
             tokens = stream(services.stub(channel), PROMPT, NUM_TOKENS)
             ids = [next(tokens) for _ in range(4)]
@@ -49,7 +51,6 @@ def test_other_weights_refused_identical_copy_taken(tmp_path):
         assert status.executor_address == services.executor_address and status.resyncs == 0
         assert "refusing executor" in services.log_of("scheduler")
 
-        copy = services.add_executor("copy", ["--model", str(copy_a), *cache])
         assert services.set_executors(copy).address == copy
         with grpc.insecure_channel(services.scheduler_address) as channel:
             assert list(stream(services.stub(channel), PROMPT, 8)) == ids[:8]

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from protos import generate_pb2
-from tests.integration.harness import start_services
 from tests.integration.hf_reference import hf_model
 
 pytestmark = pytest.mark.slow
@@ -20,16 +19,9 @@ PROMPT = [11, 503, 7, 4242, 90, 17, 2048, 31, 64, 5]  # 10 tokens: the 3rd page 
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    services = start_services(tmp_path_factory.mktemp("parallel"), ["--model", TINY])
-    yield services
-    services.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(services):
-    with grpc.insecure_channel(services.scheduler_address) as channel:
-        yield services.stub(channel)
+def stub(tiny_services):
+    with grpc.insecure_channel(tiny_services.scheduler_address) as channel:
+        yield tiny_services.stub(channel)
 
 
 def _samples(stub, n: int, **sampling) -> list[list[int]]:
@@ -76,9 +68,9 @@ def test_n_out_of_range_is_invalid_argument_naming_n(stub):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n" in err.value.details()
 
 
-def test_pages_whole_and_copies_counted(services, stub):
-    before = services.metrics().get("pagedserve_blocks_copied_total", 0.0)
+def test_pages_whole_and_copies_counted(tiny_services, stub):
+    before = tiny_services.metrics().get("pagedserve_blocks_copied_total", 0.0)
     _samples(stub, 3)
     # the page of the 10th prompt token (it holds 9 of the prompt's) is copied for 2 samples
-    assert services.metrics()["pagedserve_blocks_copied_total"] - before == 2
-    assert services.status().gpu_blocks_used == 0
+    assert tiny_services.metrics()["pagedserve_blocks_copied_total"] - before == 2
+    assert tiny_services.status().gpu_blocks_used == 0

@@ -16,22 +16,26 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generate_pb2, generate_pb2_grpc
-from tests.integration.harness import free_port, generate, start_services
-from tests.integration.hf_reference import hf_greedy
+from tests.integration.harness import free_port, generate, start_services, start_services_with
+from tests.integration.hf_reference import hf_greedy, hf_greedy_later
 from tests.integration.test_end_to_end import TINY, assert_pools_whole, random_prompts
 
 pytestmark = pytest.mark.slow
 
 
 class Load:
-    """N greedy streams in threads; `wait_tokens(k)` blocks until k tokens arrived in total."""
+    """N greedy streams in threads; `wait_tokens(k)` blocks until k tokens arrived in total.
+    With a `reference` model, transformers' greedy output for each prompt is computed meanwhile,
+    for check_against_reference."""
 
-    def __init__(self, address: str, prompts: list[list[int]], max_tokens: int) -> None:
+    def __init__(self, address: str, prompts: list[list[int]], max_tokens: int,
+                 reference: str | None = None) -> None:
         self.address, self.prompts, self.max_tokens = address, prompts, max_tokens
         self.tokens = 0
         self.cond = threading.Condition()
         self.pool = ThreadPoolExecutor(len(prompts))
         self.futures = [self.pool.submit(self._one, p) for p in prompts]
+        self.expected = hf_greedy_later(reference, prompts, max_tokens) if reference else None
 
     def _one(self, prompt):
         req = generate_pb2.GenerateRequest()
@@ -62,15 +66,18 @@ class Load:
         return out
 
     def check_against_reference(self):
-        for prompt, (ids, final) in zip(self.prompts, self.results()):
-            assert ids == hf_greedy(TINY, prompt, self.max_tokens)
+        assert self.expected is not None, "Load(..., reference=MODEL) computes what to expect"
+        results = self.results()
+        for want, (ids, final) in zip(self.expected.result(timeout=300), results, strict=True):
+            assert ids == want
             assert final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
 
 
 def test_executor_sigkill_midway_then_replaced(tmp_path):
     services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
     try:
-        load = Load(services.scheduler_address, random_prompts(32, seed=11), max_tokens=48)
+        load = Load(services.scheduler_address, random_prompts(32, seed=11), max_tokens=48,
+                    reference=TINY)
         load.wait_tokens(200)
         services.procs["executor"].send_signal(signal.SIGKILL)
         services.procs["executor"].wait()
@@ -92,7 +99,7 @@ def test_executor_sigkill_with_shared_prefixes_cached(tmp_path):
     try:
         system = random_prompts(1, seed=13, low=40, high=40)[0]
         prompts = [system + p for p in random_prompts(32, seed=14, low=1, high=8)]
-        load = Load(services.scheduler_address, prompts, max_tokens=48)
+        load = Load(services.scheduler_address, prompts, max_tokens=48, reference=TINY)
         load.wait_tokens(200)
         assert services.metrics()["pagedserve_prefix_cache_hits_total"] > 0
         services.procs["executor"].send_signal(signal.SIGKILL)
@@ -107,10 +114,12 @@ def test_executor_sigkill_with_shared_prefixes_cached(tmp_path):
 
 
 def test_planned_replacement_fails_no_request(tmp_path):
-    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
+    services, [new_address] = start_services_with(tmp_path, ["--model", TINY],
+                                                  ["--max-num-seqs", "8"],
+                                                  others={"executor2": ["--model", TINY]})
     try:
-        new_address = services.add_executor("executor2", ["--model", TINY])
-        load = Load(services.scheduler_address, random_prompts(32, seed=12), max_tokens=48)
+        load = Load(services.scheduler_address, random_prompts(32, seed=12), max_tokens=48,
+                    reference=TINY)
         load.wait_tokens(200)
         reply = services.set_executors(new_address)
         assert reply.address == new_address
@@ -124,9 +133,9 @@ def test_planned_replacement_fails_no_request(tmp_path):
 
 
 def test_switch_to_a_different_model_is_refused(tmp_path):
-    services = start_services(tmp_path, ["--model", TINY])
+    services, [other] = start_services_with(tmp_path, ["--model", TINY],
+                                            others={"other": ["--model", "preset:tiny-qwen2"]})
     try:
-        other = services.add_executor("other", ["--model", "preset:tiny-qwen2"])
         with pytest.raises(grpc.RpcError) as err:
             services.set_executors(other)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -144,7 +153,8 @@ def test_hung_executor_is_detected_and_next_address_takes_over(tmp_path):
                               extra_executor_addresses=(f"127.0.0.1:{backup_port}",))
     try:
         services.add_executor("backup", ["--model", TINY], port=backup_port)
-        load = Load(services.scheduler_address, random_prompts(16, seed=13), max_tokens=48)
+        load = Load(services.scheduler_address, random_prompts(16, seed=13), max_tokens=48,
+                    reference=TINY)
         load.wait_tokens(100)
         services.procs["executor"].send_signal(signal.SIGSTOP)
         try:
@@ -183,9 +193,10 @@ def test_cancelling_half_the_streams_frees_their_pages(tmp_path):
                 assert time.monotonic() < deadline, status
                 status = services.status()
             assert status.steps - steps_at_cancel <= 1, (status.steps, steps_at_cancel)
+            # only now: a reference computed in this process could delay the polls above
+            expected = hf_greedy_later(TINY, prompts[50:], 64)
             kept = [[t for m in call for t in m.token_ids] for call in calls[50:]]
-        for prompt, ids in zip(prompts[50:], kept):
-            assert ids == hf_greedy(TINY, prompt, 64)
+        assert kept == expected.result(timeout=300)
         assert_pools_whole(services)
     finally:
         services.stop()
@@ -293,11 +304,13 @@ def test_tls_and_token_on_the_executor_link(tmp_path):
 
 def test_sighup_rereads_the_executor_file(tmp_path):
     executors = tmp_path / "executors"
-    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"],
-                              executor_file=executors)
+    services, [new_address] = start_services_with(tmp_path, ["--model", TINY],
+                                                  ["--max-num-seqs", "8"],
+                                                  others={"executor2": ["--model", TINY]},
+                                                  executor_file=executors)
     try:
-        new_address = services.add_executor("executor2", ["--model", TINY])
-        load = Load(services.scheduler_address, random_prompts(16, seed=17), max_tokens=48)
+        load = Load(services.scheduler_address, random_prompts(16, seed=17), max_tokens=48,
+                    reference=TINY)
         load.wait_tokens(100)
         executors.write_text(new_address + "\n")
         services.procs["scheduler"].send_signal(signal.SIGHUP)

@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from protos import generate_pb2
-from tests.integration.harness import start_services, streamed_tokens
+from tests.integration.harness import streamed_tokens
 from tests.integration.hf_reference import hf_model
 
 pytestmark = pytest.mark.slow
@@ -21,11 +21,9 @@ NUM_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def stub(tmp_path_factory):
-    services = start_services(tmp_path_factory.mktemp("controls"), ["--model", TINY])
-    with grpc.insecure_channel(services.scheduler_address) as channel:
-        yield services.stub(channel)
-    services.stop()
+def stub(tiny_services):
+    with grpc.insecure_channel(tiny_services.scheduler_address) as channel:
+        yield tiny_services.stub(channel)
 
 
 class _OpenAIPenalties(LogitsProcessor):

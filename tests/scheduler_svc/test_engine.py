@@ -285,23 +285,28 @@ def test_leaving_a_parallel_stream_early_frees_every_sample():
     assert stats.gpu_blocks_used == 0 and stats.running == 0
 
 
+async def _on_engine(config: EngineConfig, body):
+    """body(engine) on a started engine over a FakeClient, stopped afterwards."""
+    engine = Engine(config, FakeClient())
+    await engine.start()
+    try:
+        return await body(engine)
+    finally:
+        await engine.stop()
+
+
 def test_a_lagging_reader_gets_what_piled_up_in_one_batch(undisturbed):
     """generate_batches hands over every queued event at once: a reader that looks only after
     the request ended gets its 12 tokens and the finish in one batch, the same tokens as a
     reader that keeps up."""
-    async def lagging():
-        engine = Engine(EngineConfig(), FakeClient())
-        await engine.start()
-        try:
-            batches = engine.generate_batches(SPECS[0])
-            got = [await batches.__anext__()]  # admitted, its first token out
-            while not engine._idle.is_set():  # the other steps run while nobody reads
-                await asyncio.sleep(0.01)
-            return got + [b async for b in batches]
-        finally:
-            await engine.stop()
+    async def lagging(engine):
+        batches = engine.generate_batches(SPECS[0])
+        got = [await batches.__anext__()]  # admitted, its first token out
+        while not engine._idle.is_set():  # the other steps run while nobody reads
+            await asyncio.sleep(0.01)
+        return got + [b async for b in batches]
 
-    batches = run(lagging())
+    batches = run(_on_engine(EngineConfig(), lagging))
     events = [e for b in batches for e in b]
     assert [e.token_id for e in events[:-1]] == undisturbed[0]
     assert isinstance(events[-1], FinishEvent)
@@ -320,17 +325,24 @@ def test_stream_interval_adapts_to_the_sequences_sampled():
 def test_a_stream_gets_its_first_token_at_once_then_every_interval_steps(undisturbed, interval):
     """A reader that keeps up: the first token alone, then `interval` tokens a batch, the end
     with what is left; the same tokens whatever the interval."""
-    async def read():
-        engine = Engine(EngineConfig(stream_interval=interval), FakeClient())
-        await engine.start()
-        try:
-            return [b async for b in engine.generate_batches(SPECS[0])]
-        finally:
-            await engine.stop()
+    async def read(engine):
+        return [b async for b in engine.generate_batches(SPECS[0])]
 
-    batches = run(read())
+    batches = run(_on_engine(EngineConfig(stream_interval=interval), read))
     events = [e for b in batches for e in b]
     assert [e.token_id for e in events[:-1]] == undisturbed[0]
     assert isinstance(events[-1], FinishEvent)
     sizes = [len(b) for b in batches]
     assert sizes == ([1] * 11 + [2] if interval == 1 else [1, 4, 4, 4])  # 12 tokens + the end
+
+
+@pytest.mark.parametrize("value, ok", [("-1", False), ("x", False), ("", False),
+                                       ("0", True), ("4", True), ("1000000", True)])
+def test_stream_interval_flag_refuses_what_is_not_a_count(value, ok):
+    from scheduler_svc.main import parse_config
+
+    if ok:
+        assert parse_config(["--stream-interval", value]).engine.stream_interval == int(value)
+    else:
+        with pytest.raises(SystemExit):
+            parse_config(["--stream-interval", value])

@@ -52,17 +52,10 @@ def build_attention_metadata(
     """
     num_seqs = len(block_tables)
     query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)  # [num_seqs]
-    seq_lens = np.asarray(num_computed_tokens, dtype=np.int64) + query_lens  # [num_seqs]
-    cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int64)  # [num_seqs + 1]
-    np.cumsum(query_lens, out=cu_seqlens_q[1:])
-    seq_index = np.repeat(np.arange(num_seqs), query_lens)  # [num_tokens]
-    # position of token t of seq i: its seq's first new position + its offset among them
-    positions = ((seq_lens - query_lens - cu_seqlens_q[:-1])[seq_index]
-                 + np.arange(len(seq_index)))  # [num_tokens]
     tables = (block_tables if isinstance(block_tables, np.ndarray)
               else _padded(block_tables))  # [num_seqs, max_blocks]
-    block_ids = tables[seq_index, positions // block_size].astype(np.int64)
-    slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
+    host = host_metadata(tables, num_computed_tokens, query_lens, block_size)
+    positions, slot_mapping, cu_seqlens_q, seq_lens = host
     tables_d = _to_device(tables, np.int32, device)
     seq_lens_d = _to_device(seq_lens, np.int32, device)
     num_decodes = _num_leading_ones(query_lens)
@@ -83,6 +76,24 @@ def build_attention_metadata(
         prefill=prefill,
     )
     return _to_device(positions, np.int64, device), metadata
+
+
+def host_metadata(tables: np.ndarray, num_computed_tokens, num_scheduled_tokens, block_size: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The step's metadata on the host, int64 numpy: positions and slot_mapping [num_tokens],
+    cu_seqlens_q [num_seqs + 1], seq_lens [num_seqs]. tables: [num_seqs, width], row i starting
+    with seq i's table; it must cover the scheduled positions."""
+    query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)  # [num_seqs]
+    seq_lens = np.asarray(num_computed_tokens, dtype=np.int64) + query_lens  # [num_seqs]
+    cu_seqlens_q = np.zeros(len(query_lens) + 1, dtype=np.int64)  # [num_seqs + 1]
+    np.cumsum(query_lens, out=cu_seqlens_q[1:])
+    seq_index = np.repeat(np.arange(len(query_lens)), query_lens)  # [num_tokens]
+    # position of token t of seq i: its seq's first new position + its offset among them
+    positions = ((seq_lens - query_lens - cu_seqlens_q[:-1])[seq_index]
+                 + np.arange(len(seq_index)))  # [num_tokens]
+    block_ids = tables[seq_index, positions // block_size].astype(np.int64)
+    slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
+    return positions, slot_mapping, cu_seqlens_q, seq_lens
 
 
 def _to_device(array: np.ndarray, dtype, device: torch.device) -> torch.Tensor:

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from executor_svc.attention_metadata import build_attention_metadata, to_device
+from executor_svc.attention_metadata import build_attention_metadata, host_metadata, to_device
 from executor_svc.block_tables import BlockTables
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.device_tokens import DeviceTokens
 from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, top_from_host
 from executor_svc.seq_states import RowIndex, SeqStates
+from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step_timing import StepMarks, StepTimer
 from executor_svc.token_counts import TokenCounts
 from executor_svc.step import (
@@ -81,13 +82,15 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model, backend, cache_engine, info: ExecutorInfo,
-                 decode_graphs: DecodeGraphs | None = None) -> None:
+                 decode_graphs: DecodeGraphs | None = None,
+                 small_step_graphs: SmallStepGraphs | None = None) -> None:
         self.model = model
         self.backend = backend
         self.cache_engine = cache_engine
         self.info = info
         self.sampler = Sampler()
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
+        self.small_step_graphs = small_step_graphs  # None: steps with prompt tokens run eagerly
         self.timer = StepTimer(backend.device)
         self.seqs: dict[int, SeqState] = {}
         self._index = RowIndex()  # seq_id -> row, for the plans' columns
@@ -328,6 +331,9 @@ class ModelRunner:
             if (graphs is not None and bool((batch.num_scheduled == 1).all())
                     and graphs.can_run(len(rows), tables.shape[1])):
                 logits, kind = self._decode_replay(batch, tables, to_sample), "decode"
+            elif (self.small_step_graphs is not None and self.small_step_graphs.can_run(
+                    int(batch.num_scheduled.sum()), len(rows), tables.shape[1])):
+                logits = self._small_step_replay(batch, tables, to_sample)
             else:
                 logits = self._forward_eager(batch, tables, to_sample)
             st.num_computed[rows] = ends
@@ -421,6 +427,16 @@ class ModelRunner:
         last_rows = np.cumsum(batch.num_scheduled)[to_sample] - 1  # [num_sampled]
         return self.model.compute_logits(
             hidden[to_device(torch.from_numpy(last_rows), device)])  # [num_sampled, vocab]
+
+    def _small_step_replay(self, batch: _Batch, tables: np.ndarray,
+                           to_sample: np.ndarray) -> torch.Tensor:
+        ids, device_tokens = self._input_ids(batch)
+        positions, slots, cu_seqlens_q, seq_lens = host_metadata(
+            tables, self.states.num_computed[batch.rows], batch.num_scheduled,
+            self.info.block_size)
+        last_rows = np.cumsum(batch.num_scheduled)[to_sample] - 1  # [num_sampled]
+        return self.small_step_graphs.run(ids, positions, slots, cu_seqlens_q, seq_lens, tables,
+                                          last_rows, device_tokens)  # [num_sampled, vocab]
 
     def _decode_replay(self, batch: _Batch, tables: np.ndarray,
                        to_sample: np.ndarray) -> torch.Tensor:

@@ -16,6 +16,7 @@ from executor_svc.memory_profile import profile_num_gpu_blocks
 from executor_svc.fingerprint import model_fingerprint, start_source_identity
 from executor_svc.model_loader import DTYPES, default_model_source, load_model
 from executor_svc.model_runner import ModelRunner
+from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, StepPlan
 
 log = logging.getLogger(__name__)
@@ -66,22 +67,28 @@ class Worker:
             tokenizer=tokenizer,
             backend=self.backend.name,
         )
-        graphs = None
+        graphs = small_graphs = None
         if self.backend.name == "cuda" and not config.enforce_eager:
             max_blocks_per_seq = -(-max_model_len // config.block_size)
             graphs = DecodeGraphs(self.model, self.cache_engine.kv_caches, max_blocks_per_seq)
             graphs.capture()
-        self.runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs)
+            if self.backend.kernels_cover(dtype, mc.head_dim):  # the torch twin is not capturable
+                small_graphs = SmallStepGraphs(self.model, self.cache_engine.kv_caches,
+                                               max_blocks_per_seq)
+                small_graphs.capture()
+        self.runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs,
+                                  small_graphs)
         if self.backend.name == "cuda":
             self._warm_up()
         log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %.1f GiB), %d CPU swap "
-                 "pages (%.1f GiB%s), decode graphs %s", name, dtype_name,
+                 "pages (%.1f GiB%s), decode graphs %s, small-step graphs %s", name, dtype_name,
                  getattr(self.backend, "attention_impl", lambda *a: "torch")(dtype, mc.head_dim),
                  num_gpu_blocks, self.backend.name, num_gpu_blocks * block_bytes / 2**30,
                  self.cache_engine.num_cpu_blocks,
                  self.cache_engine.num_cpu_blocks * block_bytes / 2**30,
                  " pinned" if self.backend.pin_swap_memory else "",
-                 "off" if graphs is None else graphs.batch_sizes)
+                 "off" if graphs is None else graphs.batch_sizes,
+                 "off" if small_graphs is None else f"{small_graphs.token_sizes} tokens")
 
     def _load(self, source: str, dtype: torch.dtype):
         """(model, config, tokenizer source, name, fingerprint). The weight files are hashed in a

@@ -28,10 +28,14 @@ def reshape_and_cache(
 
     key, value: [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer)
-    slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset
+    slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; a negative slot
+        (a padding token of a graph's batch) writes nothing, as in the kernel
     """
     block_size = k_cache.shape[2]
     slots = slot_mapping.long()
+    keep = slots >= 0  # [num_tokens]
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
     block_ids = slots // block_size
     offsets = slots % block_size
     # Advanced indexing on dims 0 and 2 puts the token dim first: [num_tokens, num_kv_heads, head_dim].

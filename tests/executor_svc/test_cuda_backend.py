@@ -21,6 +21,7 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
 from executor_svc.sampler import Sampler, SamplingTensors
+from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step import CachedSeq, ExecutorInfo, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import (
     PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, hf_greedy, hf_model,
@@ -73,7 +74,8 @@ def _backend():
 
 
 def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: int = 16,
-               max_model_len: int = 1024, graphs: bool = True) -> ModelRunner:
+               max_model_len: int = 1024, graphs: bool = True,
+               small_graphs: bool = False) -> ModelRunner:
     backend = _backend()
     config = ModelConfig.from_hf_config(hf.config)
     model = model_from_hf(hf, config, backend)
@@ -85,7 +87,11 @@ def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: i
     if graphs:
         decode_graphs = DecodeGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE)
         decode_graphs.capture()
-    return ModelRunner(model, backend, cache, info, decode_graphs)
+    small = None
+    if small_graphs:
+        small = SmallStepGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE)
+        small.capture()
+    return ModelRunner(model, backend, cache, info, decode_graphs, small)
 
 
 @torch.inference_mode()
@@ -367,3 +373,49 @@ def test_mixed_step_split_matches_the_prefill_kernel_alone(preset, num_layers):
     print(f"{preset}: split vs prefill-only, relative difference max {rel.max():.4f} "
           f"mean {rel.mean():.4f}")
     assert rel.max() < 0.03 and rel.mean() < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
+def test_small_step_graphs_match_the_eager_forward_on_gpu():
+    """Steps with prompt tokens (a prefill of three seqs, then a mixed step of their decodes and
+    a new prompt) replayed from SmallStepGraphs give the eager forward's distribution (bf16,
+    which the kernels cover; one-token seqs go through the prefill kernel in the graph, the decode
+    kernel eagerly, hence a tolerance), and the graph step's launch syncs nothing."""
+    hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
+    rng = random.Random(3)
+    prompts = {1: random_prompt(rng, 5), 2: random_prompt(rng, 17), 3: random_prompt(rng, 40)}
+    late = random_prompt(rng, 30)
+    top = SamplingOptions(logprobs=5)
+    outputs = {}
+    for small in (False, True):
+        runner = gpu_runner(hf, "bfloat16", max_model_len=512, small_graphs=small)
+        replayed = []
+        if small:
+            real_run = runner.small_step_graphs.run
+            runner.small_step_graphs.run = lambda *a: replayed.append(len(a[0])) or real_run(*a)
+        driver = PlanDriver(runner)
+        prefill = StepPlan(1, new_seqs=[driver.new_seq(s, p, sampling=top)
+                                        for s, p in prompts.items()])
+        first = execute(runner, prefill)
+        for t in first.sampled:
+            driver.tokens[t.seq_id].append(t.token_id)
+        mixed = StepPlan(2, cached_seqs=[driver.cached_seq(s) for s in prompts],
+                         new_seqs=[driver.new_seq(4, late, sampling=top)])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if small else "default")
+        try:
+            pending = runner.launch(mixed)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        outputs[small] = [first, runner.finish(pending)]
+        assert replayed == ([62, 33] if small else [])  # both steps took the graphs
+        del runner
+        torch.cuda.empty_cache()
+    for eager, graphed in zip(outputs[False], outputs[True], strict=True):
+        for a, b in zip(eager.sampled, graphed.sampled, strict=True):
+            assert a.seq_id == b.seq_id
+            torch.testing.assert_close(torch.tensor(b.top_logprobs), torch.tensor(a.top_logprobs),
+                                       atol=0.05, rtol=0.0)
+            close_call = a.top_logprobs[0] - a.top_logprobs[1] < 0.05
+            assert a.token_id == b.token_id or close_call, (a, b)

@@ -102,9 +102,10 @@ def make_runner(fakes: Fakes) -> ModelRunner:
     backend = dataclasses.make_dataclass("Backend", [("device", torch.device)])(
         torch.device("cpu"))
     graphs = DecodeGraphs(fakes, fakes.kv_caches, -(-MAX_MODEL_LEN // BLOCK_SIZE))
-    graphs.graphs = {bs: _NoReplay() for bs in graphs.batch_sizes}
-    graphs.logits = {bs: graphs._logits_out[:bs] for bs in graphs.batch_sizes}
     runner = ModelRunner(fakes, backend, fakes, info, graphs)
+    graphs.prepare(runner.token_counts)
+    graphs.graphs = {(variant, bs): _NoReplay()
+                     for bs in graphs.batch_sizes for variant in graphs.variants(bs)}
     runner.sampler = fakes
     return runner
 

@@ -1,9 +1,18 @@
 """DecodeGraphs: decode steps (one query token per sequence) replayed from CUDA graphs captured at
-start for a ladder of batch sizes; a batch is padded up to the nearest size. Inputs are packed on
-the host into a pinned buffer, copied once, and spread into the graphs' static buffers; input ids
-still on the device (sampled by an unfinished step) are gathered there. Imports torch only; the
-attention kernels are reached through the model's backend (a capture asks kernels.attention for
-the scratch tensors it must keep).
+start for a ladder of batch sizes, each graph the forward (embedding to float32 logits) and the
+sampling of one GraphSampler variant (greedy; sampled; with controls, up to 256 rows); a batch is
+padded up to the nearest size. Inputs and sampling parameters are packed on the host into a pinned
+buffer, copied once, and spread into (or read from) the graphs' static buffers; input ids still on
+the device (sampled by an unfinished step) are gathered there. Imports torch only; the attention
+kernels are reached through the model's backend (a capture asks kernels.attention for the scratch
+tensors it must keep).
+
+Capture: 29 sizes x (greedy, sampled) + 17 sizes (<= 256) x controlled = 75 graphs, against 29
+forward-only ones before: at ~30 ms a forward graph on the H200 (the sampling adds ~40-60 kernels
+to the forward's hundreds) about 2.5 s at start instead of 0.9 s (an estimate: not measured on a
+GPU yet). Memory: all graphs share one pool, captured largest first, so the pool holds the peak of
+one graph: the sampled variant at 1,024 rows (its sort and noise, ~30 bytes a logit: ~4 GB at a
+128k vocabulary), which the memory profile reserves (memory_profile.graph_reserve_bytes).
 """
 from __future__ import annotations
 
@@ -15,6 +24,10 @@ import torch
 
 from executor_svc.attention_metadata import AttentionMetadata
 from executor_svc.device_tokens import DeviceTokens
+from executor_svc.graph_sampler import (
+    GREEDY, MAX_CONTROLLED_BATCH, MAX_LOGIT_BIAS, GraphSampler, StepSampling,
+)
+from executor_svc.token_counts import TokenCounts
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +39,18 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 
 # Pinned host buffers used in turn: a step is packed while the previous one may still be queued
 # (launched, not finished), so its buffer may not have been copied out yet.
 _NUM_HOST_BUFFERS = 2
-_ROWS = 6  # rows of max_batch_size before the block tables: see run()
+_ROWS = 6  # rows of max_batch_size after the sampling parameters: see run()
 
 
 class DecodeGraphs:
-    """Captured decode forwards (embedding to float32 logits) of `model` over `kv_caches`."""
+    """Captured decode steps (embedding to float32 logits, then sampling) of `model` over
+    `kv_caches`. sample_in_graphs=False captures the greedy variant only and leaves every
+    step's sampling to the eager Sampler (its logits are still the graph's)."""
 
     def __init__(self, model, kv_caches, max_blocks_per_seq: int,
-                 batch_sizes: tuple[int, ...] = BATCH_SIZES) -> None:
+                 batch_sizes: tuple[int, ...] = BATCH_SIZES, sample_in_graphs: bool = True,
+                 max_controlled_batch: int = MAX_CONTROLLED_BATCH,
+                 max_logit_bias: int = MAX_LOGIT_BIAS) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.batch_sizes = tuple(sorted(batch_sizes))
@@ -50,23 +67,45 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1]
         self.block_tables = torch.zeros(n, self.width, dtype=torch.int32,
                                         device=device)  # [n, width]
-        # Pinned host buffers (_ROWS rows of n, then the block tables), taken in turn, each with
-        # an event recorded after its copy to the device twin; the twin is only read in stream
-        # order, so one suffices.
+        self.sampler = GraphSampler(n, model.config.vocab_size, device,
+                                    max_controlled_batch, max_logit_bias)
+        self.sample_in_graphs = sample_in_graphs
+        # Pinned host buffers (the sampler's parameter region, _ROWS rows of n, then the block
+        # tables), taken in turn, each with an event recorded after its copy to the device twin;
+        # the twin is only read in stream order, so one suffices. The graphs read the sampling
+        # parameters straight from the twin.
         cuda = device.type == "cuda"
-        self._host = [torch.zeros(_ROWS * n + n * self.width, dtype=torch.int64, pin_memory=cuda)
+        self._base = self.sampler.num_slots  # where the input rows start
+        size = self._base + _ROWS * n + n * self.width
+        self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
                       for _ in range(_NUM_HOST_BUFFERS)]
         self._host_np = [h.numpy() for h in self._host]
         self._copied = [torch.cuda.Event() if cuda else None for _ in self._host]
         self._turn = 0
         self._staging = torch.zeros_like(self._host[0], device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # The graphs' output, outside their pool and shared by all sizes: replays are ordered on
-        # one stream, and a step's sampling reads its logits before the next replay writes.
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # (variant, bs) ->
+        # The graphs' logits, outside their pool and shared by all sizes: replays are ordered on
+        # one stream, and a step's eager sampling reads its logits before the next replay writes.
         self._logits_out = torch.empty(n, model.config.vocab_size, dtype=torch.float32,
                                        device=device)  # [n, vocab]
-        self.logits: dict[int, torch.Tensor] = {}  # bs -> [bs, vocab] float32 view of it
         self._keepalive: list[torch.Tensor] = []
+
+    def variants(self, bs: int) -> tuple[str, ...]:
+        """The variants captured for batch size bs."""
+        return self.sampler.variants(bs) if self.sample_in_graphs else (GREEDY,)
+
+    def prepare(self, counts: TokenCounts) -> None:
+        """Binds the sampler to the static buffers and to `counts` (reserving its rows), with
+        neutral parameters in every row. capture() calls it; on CPU, tests call it and run
+        step() eagerly in place of replays."""
+        self.sampler.bind(self._staging[:self._base], counts)
+        self.sampler.pack_neutral(self._host_np[0][:self._base])
+        self._staging[:self._base].copy_(self._host[0][:self._base])
+
+    def step(self, variant: str, bs: int) -> None:
+        """What graph (variant, bs) captures: the forward of the first bs static rows into the
+        logits buffer, then the variant's sampling into the sampler's outputs."""
+        self.sampler.sample_into(self._forward(bs), variant)
 
     def _forward(self, bs: int) -> torch.Tensor:
         metadata = AttentionMetadata(
@@ -80,25 +119,31 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden, out=self._logits_out[:bs])  # [bs, vocab]
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Run every size eagerly (kernels compiled, scratch workspaces at their final size),
-        then capture largest first into one shared memory pool. Returns seconds taken."""
+    def capture(self, counts: TokenCounts) -> float:
+        """prepare(counts), then run every (variant, size) eagerly (kernels compiled, scratch
+        workspaces at their final size), then capture largest first into one shared memory
+        pool. Everything a graph reads is a static tensor of this object, of the sampler, of
+        `counts` or of the model and cache. Returns seconds taken."""
         start = time.perf_counter()
+        self.prepare(counts)
         for bs in self.batch_sizes:
-            self._forward(bs)
+            for variant in self.variants(bs):
+                self.step(variant, bs)
         torch.cuda.synchronize()
         from kernels import attention  # here, not at import: only a capture needs its scratch
 
         self._keepalive = attention.workspaces()
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._forward(bs)
-            self.graphs[bs] = graph
+            for variant in self.variants(bs):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.step(variant, bs)
+                self.graphs[(variant, bs)] = graph
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        log.info("captured decode graphs for batch sizes %s in %.2fs", self.batch_sizes, seconds)
+        log.info("captured %d decode graphs for batch sizes %s in %.2fs", len(self.graphs),
+                 self.batch_sizes, seconds)
         return seconds
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
@@ -108,17 +153,39 @@ class DecodeGraphs:
         return next(bs for bs in self.batch_sizes if bs >= num_seqs)
 
     def run(self, input_ids: list[int], positions: np.ndarray, slots: np.ndarray,
-            block_tables: np.ndarray, device_tokens: DeviceTokens | None = None
-            ) -> torch.Tensor:
+            block_tables: np.ndarray, device_tokens: DeviceTokens | None = None,
+            sampling: StepSampling | None = None) -> tuple[torch.Tensor, bool]:
         """One decode step of len(input_ids) sequences (seq_len = position + 1); block_tables
         [num_seqs, width] int, row i starting with seq i's table; rows named by `device_tokens`
-        take their input id from the device instead. Returns the graph's logits view
-        [num_seqs, vocab], valid until the next replay (later work on the stream may read it)."""
+        take their input id from the device instead; `sampling`: what the rows sample (None:
+        sample nothing in the graph). Returns the logits view [num_seqs, vocab], valid until the
+        next replay (later work on the stream may read it), and whether the graph sampled the
+        step (then into self.sampler's outputs; else the caller samples the logits)."""
         num_seqs = len(input_ids)
         bs = self.padded_size(num_seqs)
-        width = block_tables.shape[1]
-        n, k = self.max_batch_size, self._take_host_buffer()
+        variant = None
+        if sampling is not None and self.sample_in_graphs:
+            variant = self.sampler.variant(sampling, bs)
+        replayed = variant or GREEDY
+        n, k, p = self.max_batch_size, self._take_host_buffer(), self._base
         h = self._host_np[k]
+        if variant is not None:
+            self.sampler.pack(h[:p], bs, sampling, variant)
+        self._pack_inputs(h[p:], bs, input_ids, positions, slots, block_tables, device_tokens)
+        start, used = self.sampler.starts[replayed], p + _ROWS * n + num_seqs * block_tables.shape[1]
+        self._staging[start:used].copy_(self._host[k][start:used], non_blocking=True)
+        if self._copied[k] is not None:
+            self._copied[k].record()
+        self._spread_inputs(self._staging[p:], bs, num_seqs, block_tables.shape[1],
+                            device_tokens)
+        self.graphs[(replayed, bs)].replay()
+        return self._logits_out[:num_seqs], variant is not None
+
+    def _pack_inputs(self, h: np.ndarray, bs: int, input_ids: list[int], positions: np.ndarray,
+                     slots: np.ndarray, block_tables: np.ndarray,
+                     device_tokens: DeviceTokens | None) -> None:
+        """The input rows and block tables into the host buffer past the sampling region."""
+        num_seqs, n = len(input_ids), self.max_batch_size
         h[0:num_seqs], h[num_seqs:bs] = input_ids, 0
         h[n:n + num_seqs], h[n + num_seqs:n + bs] = positions, 0
         h[2 * n:2 * n + num_seqs], h[2 * n + num_seqs:2 * n + bs] = slots, -1
@@ -128,12 +195,14 @@ class DecodeGraphs:
         m = len(device_tokens.src_rows) if device_tokens is not None else 0
         if m:
             h[4 * n:4 * n + m], h[5 * n:5 * n + m] = device_tokens.src_rows, device_tokens.dst_rows
-        used = _ROWS * n + num_seqs * width
-        h[_ROWS * n:used] = block_tables.reshape(-1)  # columns past a table's end are never read
-        self._staging[:used].copy_(self._host[k][:used], non_blocking=True)
-        if self._copied[k] is not None:
-            self._copied[k].record()
-        staged = self._staging
+        # columns past a table's end are never read
+        h[_ROWS * n:_ROWS * n + block_tables.size] = block_tables.reshape(-1)
+
+    def _spread_inputs(self, staged: torch.Tensor, bs: int, num_seqs: int, width: int,
+                       device_tokens: DeviceTokens | None) -> None:
+        """The staged input rows into the graphs' static buffers, on the device."""
+        n = self.max_batch_size
+        m = len(device_tokens.src_rows) if device_tokens is not None else 0
         self.input_ids[:bs].copy_(staged[0:bs])
         if m:
             device_tokens.scatter_into(self.input_ids, (staged[4 * n:4 * n + m],
@@ -142,9 +211,7 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(staged[2 * n:2 * n + bs])
         self.seq_lens[:bs].copy_(staged[3 * n:3 * n + bs])
         self.block_tables[:num_seqs, :width].copy_(
-            staged[_ROWS * n:used].view(num_seqs, width))
-        self.graphs[bs].replay()
-        return self.logits[bs][:num_seqs]
+            staged[_ROWS * n:_ROWS * n + num_seqs * width].view(num_seqs, width))
 
     def _take_host_buffer(self) -> int:
         """The next pinned buffer, once the copy out of its last contents has run. With at most

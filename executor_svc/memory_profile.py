@@ -1,6 +1,9 @@
 """GPU memory profile: how many KV pages fit in `gpu_memory_utilization` of the device once the
 weights are loaded and a forward pass of `max_num_batched_tokens` (plus sampling of a full decode
-batch) has shown its activation peak. Imports torch only.
+batch, every control on) has shown its activation peak, and room is left for what the decode
+graphs hold: their pool (forward activations and the sampling peak, measured), the logits buffer,
+the penalty counts (TokenCounts reserved for a full batch) and the graph sampler's buffers.
+Imports torch only.
 """
 from __future__ import annotations
 
@@ -12,15 +15,32 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention_metadata import build_attention_metadata
+from executor_svc.graph_sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, region_slots
 from executor_svc.sampler import Sampler, SamplingTensors
 from executor_svc.step import SamplingOptions
+from executor_svc.token_counts import TokenCounts
 
 log = logging.getLogger(__name__)
 
 _GIB = 1 << 30
-# CUDA graphs allocate their pool after the KV cache: leave room for it (the float32 logits of
-# the largest batch are added on top).
+# CUDA graphs allocate their pool after the KV cache: leave room for its forward activations
+# (graph_reserve_bytes adds the sampling and the buffers on top).
 _GRAPH_RESERVE_BYTES = 1 * _GIB
+
+
+def graph_reserve_bytes(vocab_size: int, max_decode_batch: int, sampling_peak: int,
+                        max_logit_bias: int = MAX_LOGIT_BIAS) -> int:
+    """Bytes the decode graphs and their sampling take after the KV cache is made, for batches
+    of up to max_decode_batch rows: the pool's forward activations (a fixed allowance) and its
+    sampling peak (sampling_peak: measured eagerly on max_decode_batch rows with every control,
+    more than any captured variant needs), the float32 logits buffer, TokenCounts reserved for
+    the batch (int32 counts + prompt mask, ~0.6 GiB at 1,024 x 128k), and the sampler's outputs
+    and parameter region."""
+    logits = max_decode_batch * vocab_size * 4
+    counts = TokenCounts.bytes_for(max_decode_batch, vocab_size)
+    outputs = max_decode_batch * (8 + 4 + MAX_TOP_LOGPROBS * (8 + 4))
+    params = region_slots(max_decode_batch, max_logit_bias) * 8
+    return _GRAPH_RESERVE_BYTES + sampling_peak + logits + counts + outputs + params
 
 
 @dataclass(frozen=True)
@@ -28,14 +48,17 @@ class MemoryProfile:
     total_bytes: int
     used_after_weights: int  # device-wide, after the weights are loaded (context, other processes)
     activation_peak: int  # extra bytes the profiled forward + sampling allocated at peak
+    sampling_peak: int  # of which the sampling of the full decode batch alone
+    graph_reserve: int  # left for the decode graphs and their sampling (graph_reserve_bytes)
     kv_bytes: int
     num_gpu_blocks: int
 
     def line(self) -> str:
         return (f"total {self.total_bytes / _GIB:.1f} GiB, in use after weights "
                 f"{self.used_after_weights / _GIB:.1f} GiB, activation peak "
-                f"{self.activation_peak / _GIB:.2f} GiB -> KV cache {self.kv_bytes / _GIB:.1f} GiB "
-                f"= {self.num_gpu_blocks} blocks")
+                f"{self.activation_peak / _GIB:.2f} GiB (sampling "
+                f"{self.sampling_peak / _GIB:.2f}), decode graphs {self.graph_reserve / _GIB:.2f} "
+                f"GiB -> KV cache {self.kv_bytes / _GIB:.1f} GiB = {self.num_gpu_blocks} blocks")
 
 
 @torch.inference_mode()
@@ -43,22 +66,27 @@ def profile_num_gpu_blocks(model, block_size: int, block_bytes: int, utilization
                            max_num_batched_tokens: int, max_decode_batch: int,
                            device: torch.device) -> MemoryProfile:
     """Runs one prefill of max_num_batched_tokens tokens on a scratch cache, then samples
-    max_decode_batch rows (top-p: the sort is the sampler's peak; a logit bias and logprobs), and
-    sizes the KV cache."""
+    max_decode_batch rows (top-p: the sort is the sampler's peak; a logit bias, penalties and
+    logprobs), and sizes the KV cache."""
     cfg = model.config
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize(device)
+    # made before the baseline: reserved for good, it is counted in the graphs' reserve
+    counts = TokenCounts(cfg.vocab_size, device)
+    counts.reserve(max_decode_batch)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    _profile_forward(model, block_size, max_num_batched_tokens, max_decode_batch, device)
-    torch.cuda.synchronize(device)
-    activation_peak = torch.cuda.max_memory_allocated(device) - before
+    logits = _profile_forward(model, block_size, max_num_batched_tokens, max_decode_batch, device)
+    forward_peak = torch.cuda.max_memory_allocated(device)
+    sampling_peak = profile_sampling(logits, counts)
+    activation_peak = max(forward_peak, torch.cuda.max_memory_allocated(device)) - before
+    del logits, counts
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
-    reserve = _GRAPH_RESERVE_BYTES + 2 * max_decode_batch * cfg.vocab_size * 4
+    reserve = graph_reserve_bytes(cfg.vocab_size, max_decode_batch, sampling_peak)
     kv_bytes = int(total * utilization) - used - activation_peak - reserve
     num_blocks = max(kv_bytes, 0) // block_bytes
     if num_blocks < 1:
@@ -67,13 +95,15 @@ def profile_num_gpu_blocks(model, block_size: int, block_bytes: int, utilization
             f"{activation_peak / _GIB:.2f} GiB of activations, {total / _GIB:.1f} GiB on the device "
             f"at utilization {utilization}; raise --gpu-memory-utilization or lower "
             f"--max-num-batched-tokens")
-    profile = MemoryProfile(total, used, activation_peak, kv_bytes, num_blocks)
+    profile = MemoryProfile(total, used, activation_peak, sampling_peak, reserve, kv_bytes,
+                            num_blocks)
     log.info("memory profile: %s", profile.line())
     return profile
 
 
 def _profile_forward(model, block_size: int, num_tokens: int, num_rows: int,
-                     device: torch.device) -> None:
+                     device: torch.device) -> torch.Tensor:
+    """A prefill of num_tokens tokens; returns logits [num_rows, vocab] of its hidden states."""
     cfg = model.config
     num_blocks = -(-num_tokens // block_size)
     page = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
@@ -87,12 +117,33 @@ def _profile_forward(model, block_size: int, num_tokens: int, num_rows: int,
         [list(range(num_blocks))], [0], [num_tokens], block_size, device)
     hidden = model.forward(input_ids, positions, metadata, (k_cache, v_cache))
     rows = torch.arange(num_rows, device=device) % num_tokens
-    logits = model.compute_logits(hidden[rows])  # [num_rows, vocab]
-    # logit_bias copies the logits and logprobs adds a top-k; penalties are not profiled: their
-    # counts grow with the seqs that use them (TokenCounts), like the KV they go with
+    return model.compute_logits(hidden[rows])  # [num_rows, vocab]
+
+
+@torch.inference_mode()
+def profile_sampling(logits: torch.Tensor, counts: TokenCounts) -> int:
+    """Samples logits [n, vocab] with every control on every row (top-p, top-k, min-p, a logit
+    bias, all three penalties over rows 0..n-1 of `counts`, 20 top logprobs), as the eager
+    Sampler and the graphs' widest variant do; returns the bytes it allocated at peak beyond
+    what was allocated before (0 off CUDA)."""
+    n, vocab = logits.shape
+    cuda = logits.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(logits.device)
+        base = torch.cuda.memory_allocated(logits.device)
+        torch.cuda.reset_peak_memory_stats(logits.device)
     options = [SamplingOptions(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=i,
-                               logit_bias=((0, 1.0),), logprobs=20)
-               for i in range(num_rows)]
-    params = SamplingTensors.build(options, list(range(num_rows)), cfg.vocab_size, device)
-    Sampler().sample(logits, params)
-    Sampler().top_logprobs(logits, params.num_top_logprobs)
+                               logit_bias=((0, 1.0),), logprobs=MAX_TOP_LOGPROBS,
+                               repetition_penalty=1.1, presence_penalty=0.1,
+                               frequency_penalty=0.1)
+               for i in range(n)]
+    params = SamplingTensors.build(options, list(range(n)), vocab, logits.device, counts,
+                                   list(range(n)))
+    sampler = Sampler()
+    token_ids, _ = sampler.sample(logits, params)
+    counts.count(params.penalties.count_rows, token_ids)
+    sampler.top_logprobs(logits, min(params.num_top_logprobs, vocab))
+    if not cuda:
+        return 0
+    torch.cuda.synchronize(logits.device)
+    return torch.cuda.max_memory_allocated(logits.device) - base

@@ -18,6 +18,7 @@ from executor_svc.attention_metadata import build_attention_metadata, host_metad
 from executor_svc.block_tables import BlockTables
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.device_tokens import DeviceTokens
+from executor_svc.graph_sampler import StepSampling
 from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, top_from_host
 from executor_svc.seq_states import RowIndex, SeqStates
 from executor_svc.small_step_graphs import SmallStepGraphs
@@ -322,19 +323,21 @@ class ModelRunner:
         ends = st.num_computed[rows] + batch.num_scheduled  # [n]
         to_sample = np.flatnonzero(ends == st.num_tokens[rows])  # [num_sampled]
         sample_rows = rows[to_sample]
-        # Built before the forward: their host-to-device copies are queued, never waited for.
-        params = self._sampling_tensors(sample_rows) if len(rows) else None
-        kind = "other"
+        kind, params, sampled = "other", None, None
         if len(rows):
             tables = self.tables.gather(rows)  # [num_seqs, longest table]
             graphs = self.decode_graphs
             if (graphs is not None and bool((batch.num_scheduled == 1).all())
                     and graphs.can_run(len(rows), tables.shape[1])):
-                logits, kind = self._decode_replay(batch, tables, to_sample), "decode"
+                logits, sampled = self._decode_replay(batch, tables, to_sample)
+                kind = "decode"
             elif (self.small_step_graphs is not None and self.small_step_graphs.can_run(
                     int(batch.num_scheduled.sum()), len(rows), tables.shape[1])):
+                params = self._sampling_tensors(sample_rows)  # before: copies never wait
                 logits = self._small_step_replay(batch, tables, to_sample)
             else:
+                # Built before the forward: their host-to-device copies never wait for it.
+                params = self._sampling_tensors(sample_rows)
                 logits = self._forward_eager(batch, tables, to_sample)
             st.num_computed[rows] = ends
         pending = PendingStep(step_id, batch.seq_ids[to_sample], sample_rows,
@@ -342,12 +345,9 @@ class ModelRunner:
                               kind, marks, 0.0, 0.0)
         if not len(to_sample):
             return pending
-        token_ids, logprobs = self.sampler.sample(logits, params)
-        if params.penalties is not None:  # on the device: the next step's penalties see them
-            p = params.penalties
-            self.token_counts.count(p.count_rows, token_ids[p.index])
-        top = (self.sampler.top_logprobs(logits, params.num_top_logprobs)
-               if params.num_top_logprobs else None)
+        if sampled is None:  # not sampled in a graph: by the eager Sampler
+            sampled = self._sample_eagerly(logits, params or self._sampling_tensors(sample_rows))
+        token_ids, logprobs, top = sampled
         st.num_tokens[sample_rows] += 1
         pending.token_ids, pending.results = token_ids, copy_to_host(token_ids, logprobs, top)
         if self._num_controlled:
@@ -355,6 +355,17 @@ class ModelRunner:
                 (i, k) for i, row in enumerate(sample_rows.tolist())
                 if (k := self._by_row[row].sampling.logprobs) is not None]
         return pending
+
+    def _sample_eagerly(self, logits: torch.Tensor, params: SamplingTensors) -> tuple:
+        """(token ids, logprobs, top ids and logprobs or None) of logits [m, vocab], and the
+        penalised seqs' counts updated; all on the device."""
+        token_ids, logprobs = self.sampler.sample(logits, params)
+        if params.penalties is not None:  # on the device: the next step's penalties see them
+            p = params.penalties
+            self.token_counts.count(p.count_rows, token_ids[p.index])
+        top = (self.sampler.top_logprobs(logits, params.num_top_logprobs)
+               if params.num_top_logprobs else None)
+        return token_ids, logprobs, top
 
     def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
         """The sampling parameters of the seqs in these rows; no look at each seq's options when
@@ -367,6 +378,15 @@ class ModelRunner:
                                      self.info.vocab_size, self.backend.device, self.token_counts,
                                      [s.count_row for s in states] if self._num_controlled
                                      else None, self._num_controlled > 0)
+
+    def _step_sampling(self, to_sample: np.ndarray, rows: np.ndarray) -> StepSampling:
+        """What the batch rows `to_sample` (seqs in `rows`) sample, for a decode graph; no look
+        at each seq's options in the common batch (all greedy, no controls)."""
+        if not self._num_controlled and bool(self.states.greedy[rows].all()):
+            return StepSampling(to_sample)
+        states = [self._by_row[row] for row in rows.tolist()]
+        return StepSampling(to_sample, [s.sampling for s in states], self.states.num_tokens[rows],
+                            [s.count_row for s in states] if self._num_controlled else None)
 
     def _input_ids(self, batch: _Batch) -> tuple[np.ndarray, DeviceTokens | None]:
         """The packed input ids of the batch [num_tokens] int64. A token sampled by an unfinished
@@ -438,18 +458,24 @@ class ModelRunner:
         return self.small_step_graphs.run(ids, positions, slots, cu_seqlens_q, seq_lens, tables,
                                           last_rows, device_tokens)  # [num_sampled, vocab]
 
-    def _decode_replay(self, batch: _Batch, tables: np.ndarray,
-                       to_sample: np.ndarray) -> torch.Tensor:
+    def _decode_replay(self, batch: _Batch, tables: np.ndarray, to_sample: np.ndarray
+                       ) -> tuple[torch.Tensor | None, tuple | None]:
+        """Replays the decode graph of the batch. Returns (None, what _sample_eagerly returns)
+        when the graph sampled the rows `to_sample`, else (their logits [m, vocab], None)."""
         block_size = self.info.block_size
         ids, device_tokens = self._input_ids(batch)
         positions = self.states.num_computed[batch.rows]  # [num_seqs]
         slots = (tables[np.arange(len(positions)), positions // block_size].astype(np.int64)
                  * block_size + positions % block_size)  # [num_seqs]
-        logits = self.decode_graphs.run(ids, positions, slots, tables,
-                                        device_tokens)  # [num_seqs, vocab]
-        if len(to_sample) == len(positions):
-            return logits
-        return logits[to_device(torch.from_numpy(to_sample), self.backend.device)]
+        sampling = self._step_sampling(to_sample, batch.rows[to_sample])
+        graphs = self.decode_graphs
+        logits, sampled = graphs.run(ids, positions, slots, tables, device_tokens,
+                                     sampling)  # [num_seqs, vocab]
+        index = (None if len(to_sample) == len(positions)
+                 else to_device(torch.from_numpy(to_sample), self.backend.device))
+        if sampled:
+            return None, graphs.sampler.results(len(positions), index, sampling.num_top_logprobs)
+        return (logits if index is None else logits[index]), None
 
 
 def _logprobs(pending: PendingStep, token_ids: np.ndarray) -> tuple[SampledToken, ...]:

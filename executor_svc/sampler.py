@@ -166,6 +166,14 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     logits.index_copy_(0, p.index, rows)
 
 
+def add_logit_bias(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
+                   values: torch.Tensor) -> None:
+    """In place on contiguous logits [n, vocab]: logits[rows[i], ids[i]] += values[i]. One
+    index_add_ into the flat logits (a plain kernel, safe inside a CUDA graph); entries
+    (0, 0, 0.0) pad a graph's fixed-size buffer and change nothing (x + 0.0 == x)."""
+    logits.view(-1).index_add_(0, rows * logits.shape[1] + ids, values)
+
+
 def controlled_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """logits [n, vocab] float32 with the logit bias, then the penalties applied (a new tensor
     when there are any: the model's own output stays unmodified, for logprobs)."""
@@ -173,8 +181,7 @@ def controlled_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Te
         return logits
     logits = logits.clone()
     if params.logit_bias is not None:
-        rows, ids, values = params.logit_bias
-        logits.index_put_((rows, ids), values, accumulate=True)
+        add_logit_bias(logits, *params.logit_bias)
     if params.penalties is not None:
         apply_penalties(logits, params.penalties)
     return logits

@@ -7,6 +7,11 @@ sequence arrives: a batch without penalties costs nothing. Dense rows ([rows, vo
 token: 640 KB a seq at a 128k vocabulary) rather than vLLM's padded token-id lists turned into
 bin counts every step: a step's cost is one gather of its rows and one scatter of its sampled ids,
 whatever the sequences' lengths, and nothing is rebuilt per step.
+
+The decode graphs read these tensors, so they `reserve` rows for every seq a graph batch can
+hold, plus a neutral row (all zero, never handed out) that rows without a penalty gather and
+count nothing into; growing past the reservation makes new tensors, which the graphs notice
+(GraphSampler then samples eagerly).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ class TokenCounts:
         self.prompt_mask: torch.Tensor | None = None  # [rows, vocab] bool: in the prompt
         self.output_counts: torch.Tensor | None = None  # [rows, vocab] int32: times generated
         self._free: list[int] = []
+        self.neutral_row: int | None = None  # set by reserve()
 
     @property
     def num_rows(self) -> int:
@@ -49,12 +55,30 @@ class TokenCounts:
 
     def clear(self) -> None:
         """Forget every row (keeps the tensors for reuse)."""
-        self._free = list(range(self.num_rows - 1, -1, -1))
+        self._free = [r for r in range(self.num_rows - 1, -1, -1) if r != self.neutral_row]
 
-    def count(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Adds one sampled token to each row, on the device: rows, token_ids [m] int64."""
-        ones = torch.ones(rows.shape, dtype=torch.int32, device=self.device)
-        self.output_counts.index_put_((rows, token_ids), ones, accumulate=True)
+    def reserve(self, num_rows: int) -> None:
+        """Makes room for num_rows seqs and a neutral row now (once; the rows held are kept)."""
+        if self.neutral_row is not None:
+            return
+        if self.num_rows < num_rows + 1:
+            self._grow(num_rows + 1)
+        self.neutral_row = self.num_rows - 1
+        self._free.remove(self.neutral_row)
+
+    def count(self, rows: torch.Tensor, token_ids: torch.Tensor,
+              weights: torch.Tensor | None = None) -> None:
+        """Adds one sampled token to each row (weights[i] of them: int32, 0 counts nothing), on
+        the device: rows, token_ids [m] int64. One index_add_ into the flat counts (a plain
+        kernel: no sort, safe inside a CUDA graph)."""
+        if weights is None:
+            weights = torch.ones(rows.shape, dtype=torch.int32, device=self.device)
+        self.output_counts.view(-1).index_add_(0, rows * self.vocab_size + token_ids, weights)
+
+    @staticmethod
+    def bytes_for(num_rows: int, vocab_size: int) -> int:
+        """Device bytes of reserve(num_rows): int32 counts and a bool prompt mask a token."""
+        return (num_rows + 1) * vocab_size * 5
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' prompt masks and output counts: [m, vocab] bool and int32."""
@@ -63,10 +87,10 @@ class TokenCounts:
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return to_device(torch.tensor(ids, dtype=torch.int64), self.device)
 
-    def _grow(self) -> None:
-        """Doubles the rows (device copies, no host sync)."""
+    def _grow(self, rows: int | None = None) -> None:
+        """Doubles the rows, or makes them `rows` (device copies, no host sync)."""
         old = self.num_rows
-        new = max(_FIRST_ROWS, 2 * old)
+        new = rows or max(_FIRST_ROWS, 2 * old)
         mask = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
         counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)
         if old:

@@ -71,13 +71,14 @@ class Worker:
         if self.backend.name == "cuda" and not config.enforce_eager:
             max_blocks_per_seq = -(-max_model_len // config.block_size)
             graphs = DecodeGraphs(self.model, self.cache_engine.kv_caches, max_blocks_per_seq)
-            graphs.capture()
             if self.backend.kernels_cover(dtype, mc.head_dim):  # the torch twin is not capturable
                 small_graphs = SmallStepGraphs(self.model, self.cache_engine.kv_caches,
                                                max_blocks_per_seq)
                 small_graphs.capture()
         self.runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs,
                                   small_graphs)
+        if graphs is not None:  # captured here: the graphs count penalties in the runner's rows
+            graphs.capture(self.runner.token_counts)
         if self.backend.name == "cuda":
             self._warm_up()
         log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %.1f GiB), %d CPU swap "

@@ -31,6 +31,30 @@ def hf_model(preset: str):
     return build_hf_model(preset, seed=0)
 
 
+class EagerReplay:
+    """Stands in for a captured decode graph on CPU: the same static buffers, run eagerly."""
+
+    def __init__(self, graphs, variant: str, bs: int) -> None:
+        self.graphs, self.variant, self.bs = graphs, variant, bs
+
+    def replay(self) -> None:
+        self.graphs.step(self.variant, self.bs)
+
+
+def with_eager_graphs(runner: ModelRunner, batch_sizes=(1, 2, 4, 8), **options) -> ModelRunner:
+    """The runner with DecodeGraphs whose replays run eagerly (a block table never wider than
+    the cache has blocks); options go to DecodeGraphs."""
+    from executor_svc.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(runner.model, runner.cache_engine.kv_caches, runner.info.num_gpu_blocks,
+                          batch_sizes, **options)
+    graphs.prepare(runner.token_counts)
+    graphs.graphs = {(variant, bs): EagerReplay(graphs, variant, bs)
+                     for bs in graphs.batch_sizes for variant in graphs.variants(bs)}
+    runner.decode_graphs = graphs
+    return runner
+
+
 def make_runner(hf, block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blocks: int = 32,
                 max_model_len: int = 512) -> ModelRunner:
     backend = get_backend("cpu")

@@ -7,6 +7,7 @@ profile."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import random
 
@@ -25,7 +26,7 @@ from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step import CachedSeq, ExecutorInfo, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import (
     PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, hf_greedy, hf_model,
-    make_runner, make_scheduler, random_prompt,
+    make_runner, make_scheduler, random_prompt, with_eager_graphs,
 )
 from tests.gpu import gpu_ready
 
@@ -42,20 +43,9 @@ def _decode_all(driver: PlanDriver, prompts: dict[int, list[int]], num_new: int)
 
 # -- CPU: the graph runner's packing and padding, with replays run eagerly ----------------------
 
-class _EagerReplay:
-    def __init__(self, graphs: DecodeGraphs, bs: int) -> None:
-        self.graphs, self.bs = graphs, bs
-
-    def replay(self) -> None:
-        self.graphs.logits[self.bs] = self.graphs._forward(self.bs)
-
-
 def test_decode_graph_inputs_replayed_eagerly_match_transformers():
     hf = hf_model("tiny")
-    runner = make_runner(hf)
-    graphs = DecodeGraphs(runner.model, runner.cache_engine.kv_caches, 512 // 4, (1, 2, 4, 8))
-    graphs.graphs = {bs: _EagerReplay(graphs, bs) for bs in graphs.batch_sizes}
-    runner.decode_graphs = graphs
+    runner = with_eager_graphs(make_runner(hf))
     rng = random.Random(20)
     prompts = {s: random_prompt(rng, n) for s, n in zip(range(1, 6), (3, 9, 14, 1, 6))}
     driver = PlanDriver(runner)
@@ -75,7 +65,8 @@ def _backend():
 
 def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: int = 16,
                max_model_len: int = 1024, graphs: bool = True,
-               small_graphs: bool = False) -> ModelRunner:
+               small_graphs: bool = False, **graph_options) -> ModelRunner:
+    """graph_options go to DecodeGraphs (e.g. sample_in_graphs=False)."""
     backend = _backend()
     config = ModelConfig.from_hf_config(hf.config)
     model = model_from_hf(hf, config, backend)
@@ -85,13 +76,16 @@ def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: i
                         max_model_len, config.vocab_size, "", "cuda")
     decode_graphs = None
     if graphs:
-        decode_graphs = DecodeGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE)
-        decode_graphs.capture()
+        decode_graphs = DecodeGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE,
+                                     **graph_options)
     small = None
     if small_graphs:
         small = SmallStepGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE)
         small.capture()
-    return ModelRunner(model, backend, cache, info, decode_graphs, small)
+    runner = ModelRunner(model, backend, cache, info, decode_graphs, small)
+    if decode_graphs is not None:
+        decode_graphs.capture(runner.token_counts)
+    return runner
 
 
 @torch.inference_mode()
@@ -157,7 +151,7 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
                        for s, ids in forced.items()}
         del hf32
     torch.cuda.empty_cache()
-    runner = gpu_runner(hf, "bfloat16")
+    runner = gpu_runner(hf, "bfloat16", sample_in_graphs=False)  # the recorder sees the logits
 
     # Teacher-forced: feed transformers' tokens; every decode step is a graph replay (3 -> 4).
     recorder = runner.sampler = _RecordingSampler(runner.sampler)
@@ -219,26 +213,92 @@ def test_sampling_on_gpu_has_no_host_sync_and_matches_cpu():
     torch.testing.assert_close(logprobs.cpu(), torch.tensor(cpu[1]), rtol=1e-4, atol=1e-4)
 
 
+_VARIANT_OPTIONS = {
+    "greedy": SamplingOptions(),
+    "sampled": SamplingOptions(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=3),
+    "controlled": SamplingOptions(temperature=0.8, top_p=0.9, seed=4, repetition_penalty=1.2,
+                                  presence_penalty=0.5, frequency_penalty=0.2,
+                                  logit_bias=((5, 2.0), (9, -3.0)), logprobs=20),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
-def test_decode_replay_has_no_host_sync():
+@pytest.mark.parametrize("variant", list(_VARIANT_OPTIONS))
+def test_decode_step_has_no_host_sync(variant):
+    """A whole decode step's launch (packing, the one copy, the replay of forward + sampling,
+    the results' copy to the host queued) syncs nothing, for each graph variant; the graph
+    sampled the step (issue 13)."""
     hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
     runner = gpu_runner(hf, "bfloat16", max_model_len=512)
+    sampled_in_graph = []
+    run = runner.decode_graphs.run
+
+    def spy(*args):
+        out = run(*args)
+        sampled_in_graph.append(out[1])
+        return out
+    runner.decode_graphs.run = spy
     driver = PlanDriver(runner)
     prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
-    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
+    options = _VARIANT_OPTIONS[variant]
+    driver.run(new_seqs=[driver.new_seq(s, p, sampling=options) for s, p in prompts.items()])
     step = StepPlan(driver.step_id + 1, cached_seqs=[driver.cached_seq(s) for s in prompts])
-    batch = runner._apply(step, runner._validate(step))
-    tables = runner.tables.gather(batch.rows)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        logits = runner._decode_replay(batch, tables, np.arange(2))
-        params = SamplingTensors.build([SamplingOptions()] * 2, [0, 0], hf.config.vocab_size,
-                                       logits.device)
-        runner.sampler.sample(logits, params)
+        pending = runner.launch(step)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert pending.kind == "decode" and sampled_in_graph == [True]
+    out = runner.finish(pending)
+    assert [t.seq_id for t in out.sampled] == [1, 2]
+    del runner, hf
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("max_controlled_batch", [16, 2])
+def test_graph_sampling_matches_the_eager_sampler_on_gpu(max_controlled_batch):
+    """Eight seqs of every kind (greedy, seeded samples, penalties, logit bias, top logprobs)
+    decoding to different lengths, float32: graphs that sample against the same graphs whose
+    logits the eager Sampler samples (sample_in_graphs=False): the same tokens and top ids,
+    logprobs within float32 rounding. With max_controlled_batch=2 the larger controlled
+    batches fall back to the eager Sampler (issue 13)."""
+    hf = build_hf_model("tiny", seed=0, dtype=torch.float32, device="cuda")
+    kinds = list(_VARIANT_OPTIONS.values())
+    options = [kinds[i % 3] for i in range(6)] + [
+        SamplingOptions(logit_bias=((17, 4.0),), logprobs=3),
+        SamplingOptions(frequency_penalty=-1.0, presence_penalty=0.5)]
+    options = [dataclasses.replace(o, seed=o.seed + i) for i, o in enumerate(options)]
+    num_new = [20, 7, 16, 11, 24, 5, 13, 18]
+    rng = random.Random(33)
+    prompts = {i: random_prompt(rng, 3 + 2 * i, hf.config.vocab_size) for i in range(8)}
+    runs = {}
+    for in_graphs in (True, False):
+        runner = gpu_runner(hf, "float32", batch_sizes=(1, 2, 4, 8, 16),
+                            sample_in_graphs=in_graphs, max_controlled_batch=max_controlled_batch)
+        driver = PlanDriver(runner)
+        sampled = []
+        fields = {"new_seqs": [driver.new_seq(i, p, sampling=options[i])
+                               for i, p in prompts.items()]}
+        while fields:
+            driver.step_id += 1
+            for t in execute(runner, StepPlan(driver.step_id, **fields)).sampled:
+                driver.tokens[t.seq_id].append(t.token_id)
+                sampled.append(t)
+            left = [i for i in prompts if len(driver.tokens[i]) - len(prompts[i]) < num_new[i]]
+            fields = {"cached_seqs": [driver.cached_seq(i) for i in left]} if left else None
+        runs[in_graphs] = sampled
+        del runner
+        torch.cuda.empty_cache()
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert (a.seq_id, a.token_id, a.top_token_ids) == (b.seq_id, b.token_id, b.top_token_ids)
+        assert (a.logprob is None) == (b.logprob is None)
+        if a.logprob is not None:
+            assert abs(a.logprob - b.logprob) < 1e-5
+            np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, rtol=0, atol=1e-5)
 
 
 @pytest.mark.gpu

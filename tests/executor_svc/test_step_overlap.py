@@ -6,30 +6,11 @@ import random
 
 import pytest
 
-from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.step import CachedSeq, PlanMismatch, StepPlan
 from tests.executor_svc.helpers import (
     PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, hf_greedy, hf_model,
-    make_runner, make_scheduler, random_prompt,
+    make_runner, make_scheduler, random_prompt, with_eager_graphs,
 )
-
-
-class EagerReplay:
-    """Stands in for a captured graph on CPU: the same static buffers, run eagerly."""
-
-    def __init__(self, graphs: DecodeGraphs, bs: int) -> None:
-        self.graphs, self.bs = graphs, bs
-
-    def replay(self) -> None:
-        self.graphs.logits[self.bs] = self.graphs._forward(self.bs)
-
-
-def with_eager_graphs(runner):
-    graphs = DecodeGraphs(runner.model, runner.cache_engine.kv_caches,
-                          runner.info.num_gpu_blocks, (1, 2, 4, 8))  # no table is wider
-    graphs.graphs = {bs: EagerReplay(graphs, bs) for bs in graphs.batch_sizes}
-    runner.decode_graphs = graphs
-    return runner
 
 
 def scheduled_run(overlap: bool, num_cpu_blocks: int, graphs: bool = False):

@@ -6,7 +6,9 @@ in place of an executor, a simulated GPU: a step's result is ready `base + per_t
 milliseconds after the later of its plan's arrival and the previous step's end (the defaults, 4.5
 ms + 23 us a token, are the H200's Llama-3-8B steps: ~10.4 ms for 256 decodes, ~28 ms for 1,024,
 ~190 ms for 8,192 prompt tokens). The GPU idles whenever a plan is late; the table gives that
-idle time as a fraction of the run, the step loop's rate and the tokens streamed.
+idle time as a fraction of the run, the step loop's rate and the tokens streamed, and the
+scheduler's own cost per step: CPU time of its event loop's thread (the step loop, the Generate
+writers and grpc aio's callbacks all run there) and of its whole process, over the steps run.
 
     python -m benchmarks.bench_streams --streams 256 1024 --stream-interval 1 0
 
@@ -153,8 +155,10 @@ async def _serve_and_measure(args, num_streams: int, interval: int) -> dict:
                                args.max_tokens, sender))
     try:
         clients.start()
+        loop_cpu, process_cpu = time.thread_time(), time.process_time()
         while not receiver.poll():
             await asyncio.sleep(0.05)
+        loop_cpu, process_cpu = time.thread_time() - loop_cpu, time.process_time() - process_cpu
         tokens, wall, ttfts = receiver.recv()
     finally:
         clients.join(30)
@@ -165,6 +169,8 @@ async def _serve_and_measure(args, num_streams: int, interval: int) -> dict:
             "expected_tokens": expected, "wall_s": wall, "tok_s": tokens / wall,
             "steps": gpu.num_steps, "gpu_busy_s": gpu.busy_s, "gpu_idle_s": gpu.idle_s,
             "gpu_idle_frac": gpu.idle_s / max(gpu.idle_s + gpu.busy_s, 1e-9),
+            "loop_cpu_ms_per_step": 1e3 * loop_cpu / max(gpu.num_steps, 1),
+            "process_cpu_ms_per_step": 1e3 * process_cpu / max(gpu.num_steps, 1),
             "ttft_p50_s": statistics.median(t for t in ttfts if t is not None)}
 
 
@@ -200,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     rows = []
     print("| streams | stream interval | tokens | steps | GPU idle (waiting for a plan) "
-          "| streamed tok/s | TTFT p50 |")
-    print("|---|---|---|---|---|---|---|")
+          "| streamed tok/s | TTFT p50 | scheduler CPU per step: loop thread, process |")
+    print("|---|---|---|---|---|---|---|---|")
     for num_streams in args.streams:
         for interval in args.stream_interval:
             row = measure(args, num_streams, interval)
@@ -209,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {num_streams} | {interval or 'adaptive'} | {row['tokens']} / "
                   f"{row['expected_tokens']} | {row['steps']} | "
                   f"{100 * row['gpu_idle_frac']:.1f}% ({row['gpu_idle_s']:.2f} s) | "
-                  f"{row['tok_s']:.0f} | {1e3 * row['ttft_p50_s']:.0f} ms |", flush=True)
+                  f"{row['tok_s']:.0f} | {1e3 * row['ttft_p50_s']:.0f} ms | "
+                  f"{row['loop_cpu_ms_per_step']:.2f}, {row['process_cpu_ms_per_step']:.2f} ms |",
+                  flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

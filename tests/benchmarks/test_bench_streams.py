@@ -26,3 +26,4 @@ def test_every_token_streamed_and_every_step_simulated(tmp_path):
         # one prefill step at least, then one step per further token
         assert row["steps"] >= 12 and row["gpu_busy_s"] > 0
         assert 0 <= row["gpu_idle_frac"] < 1
+        assert 0 < row["loop_cpu_ms_per_step"] <= row["process_cpu_ms_per_step"]

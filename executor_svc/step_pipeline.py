@@ -40,9 +40,11 @@ class StepPipeline:
         the results of the steps launched before it; an error reading the plans, or one posted by
         PlanReader.interrupt, is raised as is.
 
-        After launching a step, the next plan is launched before the step is finished if it is
-        already queued, or if it arrives while the step still runs; a finished step's result is
-        never held back waiting for a plan (the scheduler may be waiting for it to plan)."""
+        After launching a step, the next plan is launched before the step is finished if the
+        step still runs (its plan queued, or arriving meanwhile); a step whose work is done is
+        finished, and its result sent, before another is launched, and never waits for a plan
+        (the scheduler may be waiting for it to plan). On the CPU backend, whose launch runs the
+        whole forward, launching first would hold every result back by a second forward."""
         reader = plans if isinstance(plans, PlanReader) else PlanReader(plans)
         inbox = reader.inbox
         watcher = _Watcher(inbox)
@@ -70,10 +72,10 @@ class StepPipeline:
         while True:
             if ended or len(in_flight) >= self.max_in_flight:
                 return None if in_flight else _END
+            if in_flight and in_flight[0].is_ready():
+                return None
             item = _poll(inbox)
             if item is None:
-                if in_flight and in_flight[0].is_ready():
-                    return None
                 if in_flight:
                     watcher.watch(in_flight[0])
                 item = inbox.get()

@@ -1,7 +1,8 @@
 """StepPipeline on a fake runner whose "GPU" finishes a step only when told or when waited for:
 step N+1 is launched before step N is finished when its plan is there, at most two steps are
-unfinished, results come in step order, a finished step is never held back for a plan, and a
-failing step comes after the results of the steps launched before it."""
+unfinished, results come in step order, a finished step is never held back for a plan nor for
+the launch of another, and a failing step comes after the results of the steps launched before
+it."""
 from __future__ import annotations
 
 import queue
@@ -118,6 +119,14 @@ def test_a_done_step_is_returned_without_waiting_for_the_next_plan():
         plans.close()
         with pytest.raises(StopIteration):
             next_within_timeout(results, pool)
+
+
+def test_a_done_step_is_finished_before_a_queued_plan_is_launched():
+    # The CPU backend's launch runs the whole forward: launching step 2 before finishing the
+    # done step 1 would hold step 1's result (a request's first token) back by step 2's forward.
+    runner = FakeRunner(slow=False)
+    assert list(pipeline(runner).run([Plan(i) for i in range(1, 4)])) == [1, 2, 3]
+    assert runner.calls == ["L1", "F1", "L2", "F2", "L3", "F3"]
 
 
 def test_a_step_that_completes_later_is_returned_without_waiting_for_the_next_plan():

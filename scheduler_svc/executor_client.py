@@ -223,10 +223,13 @@ class ExecutorClient:
         return wire.result_from_proto(result)
 
     async def _guard(self, plan: StepPlan, operation):
-        """Awaits a stream operation; every way it can fail becomes ExecutorLost."""
+        """Awaits a stream operation; every way it can fail becomes ExecutorLost. The deadline is
+        a timer on this task (asyncio.timeout), not asyncio.wait_for's extra task, which cost every
+        send and receive a task and a loop iteration on the step loop's critical path."""
         try:
-            return await asyncio.wait_for(operation, self.step_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.step_timeout_s):
+                return await operation
+        except TimeoutError:
             raise self.lost(f"no result for step {plan.step_id} within {self.step_timeout_s}s")
         except grpc.aio.AioRpcError as err:
             raise self.lost(f"stream failed: {err.code().name}: {err.details()}")

@@ -346,3 +346,49 @@ def test_stream_interval_flag_refuses_what_is_not_a_count(value, ok):
     else:
         with pytest.raises(SystemExit):
             parse_config(["--stream-interval", value])
+
+
+def test_the_mailbox_wakes_its_reader_only_when_asked_and_survives_a_cancelled_take():
+    from scheduler_svc.engine import _Mailbox
+
+    async def body():
+        box = _Mailbox()
+        box.put("a", wake=False)
+        take = asyncio.ensure_future(box.take())
+        await asyncio.sleep(0)
+        assert not take.done()  # a put without wake leaves the reader waiting
+        box.put("b")
+        box.put("c")  # already woken: nothing more to do
+        assert await take == ["a", "b", "c"]
+        box.put("d")  # woken before the reader comes back: taken without waiting
+        assert await asyncio.wait_for(box.take(), 0.1) == ["d"]
+        cancelled = asyncio.ensure_future(box.take())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        box.put("e")  # a reader that left does not swallow the wake
+        assert await asyncio.wait_for(box.take(), 0.1) == ["e"]
+
+    run(body())
+
+
+def test_short_token_id_prompts_without_stop_strings_are_prepared_inline():
+    from scheduler_svc.engine import INLINE_PREPARE_MAX_IDS, can_prepare_inline
+
+    assert can_prepare_inline(spec(0))
+    assert can_prepare_inline(GenerateSpec(prompt_token_ids=[5] * INLINE_PREPARE_MAX_IDS))
+    assert not can_prepare_inline(GenerateSpec(prompt_token_ids=[5] * (INLINE_PREPARE_MAX_IDS + 1)))
+    assert not can_prepare_inline(GenerateSpec(prompt_text="hello"))
+    assert not can_prepare_inline(GenerateSpec(prompt_token_ids=[5, 6],
+                                               stopping=StoppingParams(stop=("x",))))
+
+
+def test_an_out_of_vocab_id_prepared_inline_is_refused_and_others_go_on(undisturbed):
+    async def body(engine):
+        bad = GenerateSpec(prompt_token_ids=[5, 10_000],
+                           stopping=StoppingParams(max_tokens=2, ignore_eos=True))
+        return await asyncio.gather(collect(engine, bad), collect(engine, SPECS[0]))
+
+    refused, served = run(_on_engine(EngineConfig(), body))
+    assert isinstance(refused, InvalidArgument)
+    assert served == undisturbed[0]

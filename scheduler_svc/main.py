@@ -40,6 +40,8 @@ class ServiceConfig:
     served_model_names: tuple[str, ...]
     security: LinkSecurity
     executor_keepalive_s: float
+    executor_connect_timeout_s: float
+    executor_retry_interval_s: float
     log_level: str
 
 
@@ -139,12 +141,22 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p.add_argument("--executor-keepalive", type=float,
                    default=_env_number("EXECUTOR_KEEPALIVE", float, 10.0),
                    help="seconds between keepalive pings on the executor link (>= 1)")
+    p.add_argument("--executor-connect-timeout", type=float,
+                   default=_env_number("EXECUTOR_CONNECT_TIMEOUT", float, 5.0),
+                   help="seconds an executor has to answer Describe, then the lease hello, before "
+                        "the next address is tried")
+    p.add_argument("--executor-retry-interval", type=float,
+                   default=_env_number("EXECUTOR_RETRY_INTERVAL", float, 2.0),
+                   help="longest wait between two rounds over the executor addresses while none "
+                        "answers (the waits start at 0.05s and double): how soon an executor "
+                        "that finished loading, or came back, is attached")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
                    help="DEBUG adds a line per request admitted, finished or cancelled")
     p.add_argument("--log-stats-interval", type=float,
                    default=_env_number("LOG_STATS_INTERVAL", float, 10.0),
                    help="seconds between stats lines (sequences, KV pages, tokens/s), logged "
-                        "only for an interval in which a step ran (0: off)")
+                        "only for an interval in which a step ran, and between lines saying "
+                        "what the scheduler waits for while no executor is attached (0: off)")
     p.add_argument("--stream-interval", type=int, default=_env_number("STREAM_INTERVAL", int, 0),
                    help="hand each stream its tokens every N steps (its first token and its end "
                         "at once); 0: adaptive, every step while a step samples up to 256 "
@@ -155,6 +167,10 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
     if not a.executor_keepalive >= 1:
         p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
+    for flag, value in (("--executor-connect-timeout", a.executor_connect_timeout),
+                        ("--executor-retry-interval", a.executor_retry_interval)):
+        if not value > 0:
+            p.error(f"{flag} must be > 0 seconds, got {value}")
     admin_token = _token(p, a.admin_token, a.admin_token_file, "--admin-token")
     if admin_token is None and not _is_loopback(a.admin_host):
         p.error(f"--admin-host {a.admin_host} is not a loopback address: set --admin-token "
@@ -182,6 +198,8 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         security=LinkSecurity(tls_ca=a.executor_tls_ca, tls_server_name=a.executor_tls_server_name,
                               auth_token=executor_token, takeover=a.executor_takeover),
         executor_keepalive_s=a.executor_keepalive,
+        executor_connect_timeout_s=a.executor_connect_timeout,
+        executor_retry_interval_s=a.executor_retry_interval,
         log_level=a.log_level)
 
 
@@ -234,16 +252,24 @@ async def _reload_executors(path: str, engine) -> None:
         log.error("SIGHUP: executors in %s not taken: %s", path, err)
 
 
+def executor_client(config: ServiceConfig):
+    """The link to the executors, with every timing the flags set."""
+    from scheduler_svc.executor_client import ExecutorClient
+
+    return ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s,
+                          describe_timeout_s=config.executor_connect_timeout_s,
+                          max_backoff_s=config.executor_retry_interval_s,
+                          security=config.security, keepalive_s=config.executor_keepalive_s)
+
+
 async def serve(config: ServiceConfig) -> None:
     from scheduler_svc.engine import Engine
-    from scheduler_svc.executor_client import ExecutorClient
     from scheduler_svc.metrics import Metrics
     from scheduler_svc.openai_server import OpenAIConfig, OpenAIServer
     from scheduler_svc.server import Listeners, build_servers
     from scheduler_svc.vllm_metrics import VllmCollector
 
-    client = ExecutorClient(list(config.executor_addresses), step_timeout_s=config.step_timeout_s,
-                            security=config.security, keepalive_s=config.executor_keepalive_s)
+    client = executor_client(config)
     metrics = Metrics()
     engine = Engine(config.engine, client, metrics)
     limits = config.engine.limits
@@ -281,13 +307,30 @@ async def serve(config: ServiceConfig) -> None:
             task.add_done_callback(reloads.discard)
         loop.add_signal_handler(signal.SIGHUP, on_hup)
     await engine.start()
+    detached = (asyncio.create_task(_log_while_detached(engine, config.engine.log_stats_interval_s))
+                if config.engine.log_stats_interval_s > 0 else None)
     ready = asyncio.create_task(engine.wait_ready())
     await asyncio.wait({ready, asyncio.create_task(stop.wait())},
                        return_when=asyncio.FIRST_COMPLETED)
     if ready.done():
         log.info("scheduler ready: serving %s", client.description.model_name)
         await stop.wait()
+    if detached is not None:
+        detached.cancel()
     await _shutdown(config, engine, (public, admin), http, reporter)
+
+
+async def _log_while_detached(engine, interval_s: float) -> None:
+    """Every `interval_s` without an executor attached (the first one may take minutes to load
+    its model; a lost one may never come back), a line saying what the scheduler waits for."""
+    num_intervals = 0
+    while True:
+        await asyncio.sleep(interval_s)
+        status = engine.status()
+        num_intervals = 0 if status.attached else num_intervals + 1
+        if num_intervals:
+            log.info("still no executor attached after %gs: %s", num_intervals * interval_s,
+                     status.attach_error or "waiting for one")
 
 
 async def _shutdown(config: ServiceConfig, engine, servers, http, reporter) -> None:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -27,17 +28,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, timeout: float = START_TIMEOUT_S, service: str = "") -> None:
-    """Blocks until the health service at `address` reports SERVING (streams status changes)."""
+class ProcessExited(RuntimeError):
+    """A process that had to keep running while something was awaited ended."""
+
+
+def wait_serving(address: str, timeout: float = START_TIMEOUT_S, service: str = "",
+                 procs: dict[str, subprocess.Popen] | None = None) -> None:
+    """Blocks until the health service at `address` reports SERVING (streams status changes).
+    If one of `procs` ({name: process}) exits first, raises ProcessExited at once rather than
+    waiting out `timeout`."""
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
                             wait_for_ready=True)
-        for reply in stream:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                stream.cancel()
-                return
+        exited = _cancel_when_one_exits(stream, procs or {})
+        try:
+            for reply in stream:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    stream.cancel()
+                    return
+        except grpc.RpcError as err:
+            if exited:
+                name, proc = exited[0]
+                raise ProcessExited(f"the {name} exited with status {proc.returncode} while "
+                                    f"{address} was awaited") from None
+            raise TimeoutError(f"{address} never reported SERVING: {err.code().name}") from err
     raise TimeoutError(f"{address} never reported SERVING")
+
+
+def _cancel_when_one_exits(stream, procs: dict[str, subprocess.Popen]) -> list:
+    """Cancels `stream` when any of `procs` exits; the list it returns then holds (name, proc).
+    One thread per process, blocked in its wait (they end with their processes)."""
+    exited: list = []
+
+    def watch(name: str, proc: subprocess.Popen) -> None:
+        proc.wait()
+        exited.append((name, proc))
+        stream.cancel()
+
+    for name, proc in procs.items():
+        threading.Thread(target=watch, args=(name, proc), daemon=True,
+                         name=f"watch-{name}").start()
+    return exited
 
 
 @dataclass
@@ -155,17 +187,29 @@ def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: li
 
 
 def wait_started(services: Services) -> None:
-    """Blocks until the scheduler serves; if it never does, or what serves at its address is not
-    this scheduler, stops both and raises with their logs."""
+    """Blocks until the scheduler serves; if it never does, one of the processes exits first, or
+    what serves at its address is not this scheduler, stops them all and raises with their logs
+    (an executor that fails at start ends the wait at once, not after START_TIMEOUT_S)."""
     try:
-        wait_serving(services.scheduler_address)
+        wait_serving(services.scheduler_address, procs=dict(services.procs))
         problem = _not_this_scheduler(services)
-    except Exception:
-        problem = "services did not start"
+    except ProcessExited as err:
+        problem = f"services did not start: {err}"
+    except Exception as err:  # noqa: BLE001 - reported with the logs below
+        problem = f"services did not start: {err!r}"
     if problem:
         services.stop()
-        raise RuntimeError(f"{problem}:\n" + services.log_of("executor")[-3000:] + "\n"
-                           + services.log_of("scheduler")[-3000:])
+        raise RuntimeError(f"{problem}:\n" + "\n".join(
+            _tail(path) for path in services.logs.values()))
+
+
+def _tail(path: str, num_chars: int = 3000) -> str:
+    """The end of a log file, or a line saying there is none (a process never started)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-num_chars:]
+    except FileNotFoundError:
+        return f"({path}: no log)"
 
 
 def _not_this_scheduler(services: Services) -> str | None:

@@ -1,15 +1,17 @@
 """Start errors of both services are one line (what is wrong, which flag, what to do) and exit 2;
-the traceback shows only at --log-level debug. Runs the mains in-process (no model loads)."""
+the traceback shows only at --log-level debug. Runs the mains in-process (no model loads), but
+for the harness's start of real processes that cannot start."""
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
 from executor_svc import main as executor_main
 from scheduler_svc import main as scheduler_main
-from tests.integration.harness import free_port
+from tests.integration.harness import START_TIMEOUT_S, free_port, start_services
 
 
 def executor_error(capsys, *args: str) -> str:
@@ -140,9 +142,40 @@ def test_out_of_range_link_timings_are_refused(capsys):
     for main, args, flag in ((executor_main.parse_config, ["--hello-timeout", "-1"], "--hello-timeout"),
                              (executor_main.parse_config, ["--hello-timeout", "0"], "--hello-timeout"),
                              (scheduler_main.parse_config, ["--executor-keepalive", "0.1"],
-                              "--executor-keepalive")):
+                              "--executor-keepalive"),
+                             (scheduler_main.parse_config, ["--executor-connect-timeout", "0"],
+                              "--executor-connect-timeout"),
+                             (scheduler_main.parse_config, ["--executor-retry-interval", "-1"],
+                              "--executor-retry-interval")):
         with pytest.raises(SystemExit) as exit_info:
             main(args)
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert flag in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_start_services_fails_at_once_when_the_executor_exits(tmp_path):
+    """The harness (tests, bench_serving) stops waiting when a process it started exits, and
+    says why, rather than waiting START_TIMEOUT_S for a scheduler that can never serve."""
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        start_services(tmp_path, ["--model", str(tmp_path / "nope")])
+    assert time.monotonic() - started < START_TIMEOUT_S / 4
+    message = str(err.value)
+    assert "the executor exited with status 2" in message
+    assert f"pagedserve-executor: error: --model {tmp_path / 'nope'}: no such file" in message
+
+
+def test_executor_link_timings_reach_the_client(monkeypatch):
+    """--step-timeout, --executor-connect-timeout and --executor-retry-interval (flag or
+    environment) are what the scheduler's link to the executor uses."""
+    monkeypatch.setenv("PAGEDSERVE_SCHEDULER_EXECUTOR_RETRY_INTERVAL", "0.5")
+    default = scheduler_main.executor_client(scheduler_main.parse_config([]))
+    assert (default.step_timeout_s, default.describe_timeout_s, default.max_backoff_s) == (
+        60.0, 5.0, 0.5)
+    client = scheduler_main.executor_client(scheduler_main.parse_config(
+        ["--step-timeout", "7", "--executor-connect-timeout", "30",
+         "--executor-retry-interval", "10"]))
+    assert (client.step_timeout_s, client.describe_timeout_s, client.max_backoff_s) == (
+        7.0, 30.0, 10.0)

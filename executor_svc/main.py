@@ -168,18 +168,32 @@ def main(argv: list[str] | None = None) -> None:
 
 def _start(config: ExecutorConfig, transport: TransportConfig):
     """(started server, its port, the runner's Describe info): checks, loads, binds."""
-    from executor_svc.model_loader import check_model_source
+    # transformers' own bar (a second or two of de-quantizing a GGUF file, plain tqdm) would
+    # tear the progress line apart on a terminal and fill a log file with carriage returns; tqdm
+    # reads this when it is first imported, which is below
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from executor_svc.model_loader import check_model_source, default_model_source, model_name
     from executor_svc.server import build_server
     from executor_svc.worker import Worker
 
     check_can_listen(config.host, config.port)  # before minutes of loading, not after
-    if config.model:
-        check_model_source(config.model)  # before torch and transformers get to it
-    runner = Worker(config).runner
+    source = config.model or default_model_source()
+    check_model_source(source)  # before torch and transformers get to it
+    with _load_progress(config, source, model_name(source)):
+        runner = Worker(config).runner
     server, port = build_server(runner, f"{config.host}:{config.port}", transport,
                                 config.overlap_steps)
     server.start()
     return server, port, runner.info
+
+
+def _load_progress(config: ExecutorConfig, source: str, name: str):
+    """The loading line, and progress until the worker is built (on stderr: a terminal gets a
+    status line redrawn in place, anything else a log line every few seconds)."""
+    from executor_svc.load_progress import LoadProgress, model_size
+
+    where = f"{config.backend}, {config.resolved_dtype()}"
+    return LoadProgress(name, model_size(source), where, sys.stderr, sys.stderr.isatty())
 
 
 def _start_failed(err: Exception, config: ExecutorConfig, log_level: str) -> NoReturn:

@@ -1,6 +1,7 @@
-"""What an operator of real processes sees: the scheduler's periodic stats line while it serves,
-preemptions and swapped pages as Prometheus counters, the executor's KV pages named by device,
-and server reflection as current grpcurl asks for it (v1) on both services."""
+"""What an operator of real processes sees: the scheduler's line while it waits for an executor
+and its periodic stats line while it serves, preemptions and swapped pages as Prometheus
+counters, the executor's loading lines and its KV pages named by device, and server reflection as
+current grpcurl asks for it (v1) on both services."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import urllib.request
 import grpc
 import pytest
 
-from tests.integration.harness import generate, start_services
+from tests.integration.harness import generate, start_services, wait_started
 from tests.test_reflection import v1_services
 
 pytestmark = pytest.mark.slow
@@ -17,8 +18,17 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    s = start_services(tmp_path_factory.mktemp("observability"), ["--model", "preset:tiny"],
-                       ["--log-stats-interval", "0.2"])
+    """The scheduler first, alone until it said what it waits for; then its executor."""
+    s = start_services(tmp_path_factory.mktemp("observability"), None,
+                       ["--log-stats-interval", "0.2"], wait=False)
+    try:
+        wait_for_line(s, "scheduler", "still no executor attached after ")
+        s.add_executor("executor", ["--model", "preset:tiny"],
+                       port=int(s.executor_address.rsplit(":", 1)[1]), wait=False)
+        wait_started(s)
+    except BaseException:
+        s.stop()
+        raise
     yield s
     s.stop()
 
@@ -32,6 +42,13 @@ def wait_for_line(services, name: str, text: str, timeout_s: float = 30.0) -> st
             return lines[0]
         time.sleep(0.05)
     raise AssertionError(f"no {text!r} in the {name} log:\n{services.log_of(name)[-3000:]}")
+
+
+def test_the_scheduler_says_what_it_waits_for(services):
+    log = services.log_of("scheduler")
+    waiting = log.index("INFO scheduler_svc: still no executor attached after 0.2s: waiting for "
+                        f"an executor at {services.executor_address}\n")
+    assert waiting < log.index(f"attached executor {services.executor_address} ")
 
 
 def test_the_stats_line_appears_while_serving(services):
@@ -70,6 +87,14 @@ def test_the_executor_names_its_kv_pages_by_device(services):
     line = wait_for_line(services, "executor", "executor ready on")
     assert "KV pages (cpu)" in line and "GPU" not in line
     assert "GPU blocks" not in services.log_of("executor")
+
+
+def test_the_executor_says_what_it_loads_and_how_long_it_took(services):
+    log = services.log_of("executor")
+    loading = log.index("executor_svc: loading model preset:tiny (random weights) on cpu, float32")
+    loaded = log.index("executor_svc: loaded model preset:tiny in ")
+    assert loading < loaded < log.index("executor ready on")
+    assert "\r" not in log  # no progress bar's carriage returns in a log file
 
 
 def test_v1_reflection_on_both_services(services):

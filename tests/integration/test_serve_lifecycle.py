@@ -1,18 +1,23 @@
 """`make serve`'s launcher (scripts/serve.py) as a real process: Ctrl-C and SIGTERM drain the
-scheduler before the executor stops, and an executor that fails at start ends it with its error."""
+scheduler before the executor stops, and an executor that fails at start ends it with its error.
+And what the pair does when its executor hangs (SIGSTOP) and then resumes (SIGCONT)."""
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generate_pb2, generate_pb2_grpc
-from tests.integration.harness import free_port, wait_serving
+from tests.integration.harness import free_port, start_services, wait_serving
+from tests.integration.test_end_to_end import TINY, assert_pools_whole, random_prompts
+from tests.integration.test_resilience import Load
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +91,48 @@ def test_executor_start_error_ends_launcher(tmp_path):
     assert "pagedserve-executor: error: --model" in text and "no such file or folder" in text
     assert "the executor exited while starting (status 2)" in text
     assert "Traceback" not in text
+
+
+def wait_not_serving(address: str, timeout: float) -> None:
+    """Blocks until the health service at `address` reports NOT_SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(),
+                                                           timeout=timeout)
+        for reply in stream:
+            if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                stream.cancel()
+                return
+
+
+def test_a_hung_executor_is_noticed_and_taken_back_when_it_resumes(tmp_path):
+    """SIGSTOP (hung, not dead): within --step-timeout the scheduler counts the executor as lost
+    (health NOT_SERVING) and keeps trying it; after SIGCONT it attaches the same executor again
+    and every stream completes with transformers' tokens, none duplicated or missing."""
+    step_timeout_s = 2.0
+    services = start_services(tmp_path, ["--model", TINY],
+                              ["--step-timeout", str(step_timeout_s),
+                               "--executor-connect-timeout", "1",
+                               "--executor-retry-interval", "0.5"])
+    executor = services.procs["executor"]
+    try:
+        load = Load(services.scheduler_address, random_prompts(8, seed=11), max_tokens=48,
+                    reference=TINY)
+        load.wait_tokens(40)
+        executor.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            wait_not_serving(services.scheduler_address, timeout=60)
+            noticed_after = time.monotonic() - stopped_at
+            tokens_while_hung = load.tokens
+        finally:
+            executor.send_signal(signal.SIGCONT)
+        wait_serving(services.scheduler_address, timeout=60)
+        load.check_against_reference()
+        status = services.status()
+        assert status.executor_address == services.executor_address and status.resyncs >= 1
+        assert tokens_while_hung < 8 * 48  # it was noticed with streams still running
+        assert noticed_after < step_timeout_s + 10, noticed_after
+        assert "no result for step" in services.log_of("scheduler")
+        assert_pools_whole(services)
+    finally:
+        services.stop()

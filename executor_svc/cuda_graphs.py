@@ -8,11 +8,13 @@ kernels are reached through the model's backend (a capture asks kernels.attentio
 tensors it must keep).
 
 Capture: 29 sizes x (greedy, sampled) + 17 sizes (<= 256) x controlled = 75 graphs, against 29
-forward-only ones before: at ~30 ms a forward graph on the H200 (the sampling adds ~40-60 kernels
-to the forward's hundreds) about 2.5 s at start instead of 0.9 s (an estimate: not measured on a
-GPU yet). Memory: all graphs share one pool, captured largest first, so the pool holds the peak of
-one graph: the sampled variant at 1,024 rows (its sort and noise, ~30 bytes a logit: ~4 GB at a
-128k vocabulary), which the memory profile reserves (memory_profile.graph_reserve_bytes).
+forward-only ones before. The sampling adds 10 / 73 / 115 aten ops (greedy / sampled /
+controlled, counted on CPU) to a forward of some 600 kernels (a guess: ~20 a layer, 30-32
+layers): ~83 forward-graph equivalents, about 2.5 s at start instead of 0.9 s at ~30 ms a graph
+on the H200 (an estimate: not yet measured on a GPU). Memory: all graphs share one pool, captured
+largest first, so the pool holds the peak of one graph: the sampled variant at 1,024 rows (its
+sort and noise, ~30 bytes a logit: ~4 GB at a 128k vocabulary), which the memory profile
+measures and reserves (memory_profile.graph_reserve_bytes).
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """`make serve`'s launcher (scripts/serve.py) as a real process: Ctrl-C and SIGTERM drain the
-scheduler before the executor stops, and an executor that fails at start ends it with its error.
-And what the pair does when its executor hangs (SIGSTOP) and then resumes (SIGCONT)."""
+scheduler before the executor stops (SIGTERM also through `make serve`), and an executor that
+fails at start ends it with its error. And what the pair does when its executor hangs (SIGSTOP),
+then resumes (SIGCONT)."""
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,20 +23,27 @@ from tests.integration.test_resilience import Load
 
 pytestmark = pytest.mark.slow
 
-LAUNCHER = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "scripts" / "serve.py"
 MAX_TOKENS = 400
 
 
-def start_launcher(tmp_path, executor_args: str) -> tuple[subprocess.Popen, str, Path]:
-    """(launcher process, scheduler address, log file with everything the three printed)."""
+def start_launcher(tmp_path, executor_args: str,
+                   through_make: bool = False) -> tuple[subprocess.Popen, str, Path]:
+    """(launcher process, or `make serve` running it, scheduler address, log file with
+    everything they printed). `make` gets `-o .venv/bin/.installed`: it installs nothing."""
     ex_port, sch_port, admin_port = free_port(), free_port(), free_port()
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, str(LAUNCHER),
-           "--executor-args", f"--port {ex_port} --backend cpu --fingerprint-cache-dir none "
-                              f"{executor_args}",
-           "--scheduler-args", f"--port {sch_port} --admin-port {admin_port} --http-port 0 "
-                               f"--executor 127.0.0.1:{ex_port} --shutdown-timeout 60"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    executor_args = f"--port {ex_port} --backend cpu --fingerprint-cache-dir none {executor_args}"
+    scheduler_args = (f"--port {sch_port} --admin-port {admin_port} --http-port 0 "
+                      f"--executor 127.0.0.1:{ex_port} --shutdown-timeout 60")
+    if through_make:
+        cmd = ["make", "-s", "-o", ".venv/bin/.installed", "serve",
+               f"EXECUTOR_ARGS={executor_args}", f"SCHEDULER_ARGS={scheduler_args}"]
+    else:
+        cmd = [sys.executable, str(LAUNCHER), "--executor-args", executor_args,
+               "--scheduler-args", scheduler_args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     return proc, f"127.0.0.1:{sch_port}", log
 
 
@@ -54,9 +63,14 @@ def stream_tokens(address: str, first_token: threading.Event, out: dict) -> None
                 first_token.set()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_signal_drains_then_stops_executor(tmp_path, sig):
-    proc, address, log = start_launcher(tmp_path, "--model preset:tiny")
+@pytest.mark.parametrize("sig,through_make", [(signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["ctrl-c", "sigterm-to-make"])
+def test_signal_drains_then_stops_executor(tmp_path, sig, through_make):
+    """SIGINT to the launcher (a terminal's Ctrl-C reaches make's whole group: the first five
+    minutes' test); SIGTERM to make's pid alone, which make passes on to the launcher."""
+    if through_make and shutil.which("make") is None:
+        pytest.skip("no make")
+    proc, address, log = start_launcher(tmp_path, "--model preset:tiny", through_make)
     try:
         wait_serving(address)
         first_token, out = threading.Event(), {}
@@ -65,7 +79,8 @@ def test_signal_drains_then_stops_executor(tmp_path, sig):
         assert first_token.wait(60)
         proc.send_signal(sig)
         reader.join(120)
-        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        # make, killed by the signal it passed on, ends by it once the launcher has exited
+        assert proc.wait(60) == (-sig if through_make else 0), log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -29,7 +29,9 @@ def model_size(source: str) -> str:
 
 
 def _bytes(num_bytes: float) -> str:
-    return f"{num_bytes / _MIB:.0f} MiB" if num_bytes < 1024 * _MIB else f"{num_bytes / _MIB / 1024:.1f} GiB"
+    if num_bytes < 1024 * _MIB:
+        return f"{num_bytes / _MIB:.0f} MiB"
+    return f"{num_bytes / _MIB / 1024:.1f} GiB"
 
 
 def _resident_bytes() -> int | None:
@@ -55,7 +57,7 @@ class LoadProgress:
         self._thread = threading.Thread(target=self._report_until_done, daemon=True,
                                         name="load-progress")
         self._started = 0.0
-        self._handlers: list[logging.Handler] = []  # on a terminal: clear the line before a log line
+        self._handlers: list[logging.Handler] = []  # a terminal's: each clears the status line
 
     def __enter__(self) -> "LoadProgress":
         self._started = time.monotonic()

@@ -44,6 +44,40 @@ def test_compose_declares_what_the_deployment_needs(compose):
         assert (ROOT / dockerfile).exists()
 
 
+def _with_dependencies(services: dict, names: list[str]) -> set[str]:
+    started, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in started:
+            started.add(name)
+            todo += list(services[name].get("depends_on", {}))
+    return started
+
+
+@pytest.mark.parametrize("started", [None, ["scheduler", "executor-cpu"]],
+                         ids=["up", "cpu-profile-up"])
+def test_every_image_is_built_here(compose, started):
+    """README's `docker compose up` and `docker compose --profile cpu up scheduler executor-cpu`
+    build every image they run (compose would pull one that none of the services it starts
+    builds, and no registry has these)."""
+    services = compose["services"]
+    names = started or [n for n, svc in services.items() if "profiles" not in svc]
+    running = [services[name] for name in _with_dependencies(services, names)]
+    built = {svc["image"] for svc in running if "build" in svc}
+    assert {svc["image"] for svc in running} <= built
+    for svc in running:
+        if "build" in svc:
+            assert (ROOT / svc["build"]["dockerfile"]).exists()
+
+
+def test_healthchecks_need_no_prompt(compose):
+    for name, service in compose["services"].items():
+        if "healthcheck" in service:
+            test = service["healthcheck"]["test"]
+            assert test[:3] == ["CMD", "pagedserve-client", "--health"], name
+            assert test[3:5] == ["--address", test[4]] and len(test) == 5, name
+
+
 def test_compose_executors_require_the_shared_secret(compose):
     """An executor listening beyond loopback must require the secret the scheduler presents, and
     the scheduler's Admin API must not be published."""

@@ -14,7 +14,7 @@ class ExecutorConfig:
     swap_space_gib: float = 1.0  # CPU swap space (pinned on cuda)
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory weights + KV + activations may use
     max_num_batched_tokens: int = 2048  # the largest step the memory profile must leave room for
-    enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps
+    enforce_eager: bool = False  # cuda: no CUDA graphs (decode and small steps)
     overlap_steps: bool = True  # launch step N+1 (if its plan is there) before finishing step N
     max_model_len: int | None = None  # None = min(model max positions, 4096)
     seed: int = 0

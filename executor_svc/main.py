@@ -68,7 +68,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                    help="largest step the cuda memory profile leaves room for (match the scheduler's)")
     p.add_argument("--enforce-eager", action="store_true",
                    default=_env("ENFORCE_EAGER", "") not in ("", "0", "false"),
-                   help="cuda: run decode steps eagerly instead of replaying CUDA graphs")
+                   help="cuda: launch every step eagerly instead of replaying CUDA graphs")
     p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
                    default=_env("NO_OVERLAP_STEPS", "") in ("", "0", "false"),
                    help="finish each step before launching the next (by default step N+1 is "

@@ -165,9 +165,10 @@ class ExecutorClient:
         if previous is not None and previous.instance_id != description.instance_id:
             log.warning("executor %s restarted (instance %016x, was %016x): it lost the state of "
                         "every sequence", address, description.instance_id, previous.instance_id)
-        log.info("attached executor %s (%s, %s backend, %d GPU / %d CPU blocks)", address,
-                 description.model_name, description.backend, description.num_gpu_blocks,
-                 description.num_cpu_blocks)
+        # "GPU blocks" would be wrong on the cpu backend: the pages are the backend device's.
+        log.info("attached executor %s (%s, %s backend, %d KV pages (%s), %d CPU swap pages)",
+                 address, description.model_name, description.backend,
+                 description.num_gpu_blocks, description.backend, description.num_cpu_blocks)
 
     async def _open_leased_stream(self, stub, metadata, address: str):
         """Opens the Execute stream and presents the lease hello; the stream once the executor

@@ -48,7 +48,10 @@ def test_the_scheduler_says_what_it_waits_for(services):
     log = services.log_of("scheduler")
     waiting = log.index("INFO scheduler_svc: still no executor attached after 0.2s: waiting for "
                         f"an executor at {services.executor_address}\n")
-    assert waiting < log.index(f"attached executor {services.executor_address} ")
+    attached = log.index(f"attached executor {services.executor_address} ")
+    assert waiting < attached
+    line = log[attached:log.index("\n", attached)]
+    assert "KV pages (cpu)" in line and "GPU" not in line  # the cpu backend has no GPU blocks
 
 
 def test_the_stats_line_appears_while_serving(services):

@@ -69,6 +69,10 @@ class StaticPath:
         """CUDA graphs of sample_into for every (variant, bs), after an eager warm-up."""
         pool, self.graphs = torch.cuda.graph_pool_handle(), {}
         sizes = (1, 2, 4, 8, 16)
+        # The warm-up and capture run every variant on what the buffers hold: neutral parameters,
+        # not the poison (its indices are out of range: a device-side assert on the GPU).
+        poisoned = self.params[:self.gs.starts[SAMPLED]].clone()
+        self.params.copy_(torch.from_numpy(self.host))
         for bs in sizes:
             for v in self.gs.variants(bs):
                 self.gs.sample_into(self.logits[:bs], v)
@@ -79,6 +83,8 @@ class StaticPath:
                 with torch.cuda.graph(graph, pool=pool):
                     self.gs.sample_into(self.logits[:bs], v)
                 self.graphs[(v, bs)] = graph
+        torch.cuda.synchronize()
+        self.params[:self.gs.starts[SAMPLED]] = poisoned
 
     def run(self, logits: torch.Tensor, step: StepSampling, bs: int):
         """logits [num_rows, vocab]; returns (variant, results) or (None, None) to fall back."""

@@ -220,7 +220,7 @@ class PeakSampler(threading.Thread):
 def _step_timing(executor_log: str) -> dict:
     """The executor's last cumulative 'step timing' lines (see executor_svc/step_timing.py)."""
     out = {}
-    for kind in ("decode", "other"):
+    for kind in ("decode", "other", "allocator"):
         lines = re.findall(rf"step timing {kind}: (.*)", executor_log)
         if lines:
             out[kind] = {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.e+-]+)", lines[-1])}

@@ -86,8 +86,18 @@ class StepTimer:
         if self.enabled and any(t.steps for t in self.totals.values()):
             for kind, t in self.totals.items():
                 log.info("step timing %s: %s", kind, t.line())
+            log.info("step timing allocator: %s", allocator_line(torch.cuda.memory_stats()))
 
     def reset(self) -> None:
         self.report()
         self.totals = {"decode": _Totals(), "other": _Totals()}
         self._last_end = None
+
+
+def allocator_line(stats: dict) -> str:
+    """The caching allocator's counts since start that can make a launch wait for the GPU: an
+    allocation retried after freeing the cache (cudaFree synchronizes the device), and the
+    device allocations and frees it made."""
+    return (f"alloc_retries={stats.get('num_alloc_retries', 0)} "
+            f"device_allocs={stats.get('num_device_alloc', 0)} "
+            f"device_frees={stats.get('num_device_free', 0)}")

@@ -57,3 +57,21 @@ def test_gap_is_gpu_idle_between_steps(timer, caplog):
     timer.reset()
     timer.finish(*step(timer, 60.0, 70.0))
     assert timer.totals["decode"].steps == 0  # no previous end after a reset
+
+
+def test_allocator_line_reads_the_counts_that_can_sync_a_launch():
+    from executor_svc.step_timing import allocator_line
+
+    stats = {"num_alloc_retries": 3, "num_device_alloc": 40, "num_device_free": 7, "other": 1}
+    assert allocator_line(stats) == "alloc_retries=3 device_allocs=40 device_frees=7"
+    assert allocator_line({}) == "alloc_retries=0 device_allocs=0 device_frees=0"
+
+
+def test_bench_serving_reads_the_allocator_line():
+    from benchmarks.bench_serving import _step_timing
+
+    log = ("INFO step timing decode: steps=3 wall_ms=1.000 gap_ms=0.1\n"
+           "INFO step timing allocator: alloc_retries=2 device_allocs=9 device_frees=1\n")
+    timing = _step_timing(log)
+    assert timing["allocator"] == {"alloc_retries": 2.0, "device_allocs": 9.0, "device_frees": 1.0}
+    assert timing["decode"]["steps"] == 3.0

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every GPU test file in a pytest process of its own (a device-side assert poisons the CUDA
+# context for the rest of its process, so one bad kernel would fail every later file), one log
+# per file under $OUT (or ./gpu_logs), a summary line per file. Run from the repository root on
+# the GPU machine, with the wheels it lacks on PYTHONPATH ($PYTHON: the interpreter, python3 by
+# default); exits non-zero if any file failed.
+set -u
+out=${OUT:-gpu_logs}
+mkdir -p "$out"
+files=(
+  tests/executor_svc/test_cuda_backend.py
+  tests/executor_svc/test_graph_sampler.py
+  tests/kernels/test_kernels_gpu.py
+  tests/kernels/test_ops_gpu.py
+  tests/integration/test_gpu_end_to_end.py
+)
+status=0
+for f in "${files[@]}"; do
+  name=$(basename "$f" .py)
+  start=$SECONDS
+  "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider -m gpu "$f" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  echo "$name: exit $rc in $((SECONDS - start))s: $(tail -n 1 "$out/$name.log")"
+  [ "$rc" -eq 0 ] || status=1
+done
+exit $status

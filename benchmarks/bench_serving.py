@@ -251,7 +251,8 @@ def _services(args, name: str, scheduler_extra: tuple[str, ...] = ()):
     if args.max_model_len:
         executor_args += ["--max-model-len", str(args.max_model_len)]
     scheduler_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                      "--max-num-seqs", str(args.max_num_seqs), *scheduler_extra]
+                      "--max-num-seqs", str(args.max_num_seqs),
+                      "--max-steps-in-flight", str(args.max_steps_in_flight), *scheduler_extra]
     t0 = time.perf_counter()
     services = start_services(tmp, executor_args, scheduler_args)
     run = Run(startup_s=time.perf_counter() - t0)
@@ -499,6 +500,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="executor swap space, GiB; default: 4 (W1, W2, W4), 32 (W3)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="the scheduler's flag (prefix-ttft runs with caching on and off anyway)")
+    p.add_argument("--max-steps-in-flight", type=int, default=2, choices=[1, 2, 3],
+                   help="the scheduler's flag: plans out at once (its default, 2)")
     p.add_argument("--time-limit", type=float, default=300.0,
                    help="seconds for the serving run; unfinished requests are cancelled")
     add_conversation_arguments(p)  # W4's; --system-tokens is prefix-ttft's prefix too

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import random
@@ -132,7 +133,7 @@ def _clients(address: str, num: int, prompt_len: int, max_tokens: int, out) -> N
     out.send(asyncio.run(run()))
 
 
-async def _serve_and_measure(args, num_streams: int, interval: int) -> dict:
+async def _serve_and_measure(args, num_streams: int, interval: int, depth: int = 2) -> dict:
     import grpc
 
     from scheduler_svc.server import _add_generator, GeneratorServicer
@@ -141,7 +142,7 @@ async def _serve_and_measure(args, num_streams: int, interval: int) -> dict:
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=max(num_streams, 1)),
-        stream_interval=interval, log_stats_interval_s=0.0)
+        stream_interval=interval, log_stats_interval_s=0.0, max_steps_in_flight=depth)
     engine = Engine(config, gpu)
     await engine.start()
     await engine.wait_ready()
@@ -165,7 +166,8 @@ async def _serve_and_measure(args, num_streams: int, interval: int) -> dict:
         await server.stop(None)
         await engine.stop()
     expected = num_streams * args.max_tokens
-    return {"streams": num_streams, "stream_interval": interval, "tokens": tokens,
+    return {"streams": num_streams, "stream_interval": interval, "steps_in_flight": depth,
+            "tokens": tokens,
             "expected_tokens": expected, "wall_s": wall, "tok_s": tokens / wall,
             "steps": gpu.num_steps, "gpu_busy_s": gpu.busy_s, "gpu_idle_s": gpu.idle_s,
             "gpu_idle_frac": gpu.idle_s / max(gpu.idle_s + gpu.busy_s, 1e-9),
@@ -174,16 +176,16 @@ async def _serve_and_measure(args, num_streams: int, interval: int) -> dict:
             "ttft_p50_s": statistics.median(t for t in ttfts if t is not None)}
 
 
-def _row(args, num_streams: int, interval: int, out) -> None:
-    out.send(asyncio.run(_serve_and_measure(args, num_streams, interval)))
+def _row(args, num_streams: int, interval: int, depth: int, out) -> None:
+    out.send(asyncio.run(_serve_and_measure(args, num_streams, interval, depth)))
 
 
-def measure(args, num_streams: int, interval: int) -> dict:
+def measure(args, num_streams: int, interval: int, depth: int = 2) -> dict:
     """One row in a fresh process: grpc aio keeps state per process that a second event loop
     may trip over."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_row, args=(args, num_streams, interval, sender))
+    proc = ctx.Process(target=_row, args=(args, num_streams, interval, depth, sender))
     proc.start()
     try:
         return receiver.recv()
@@ -202,22 +204,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base-ms", type=float, default=4.5, help="simulated step: fixed part")
     p.add_argument("--per-token-us", type=float, default=23.0,
                    help="simulated step: per scheduled token")
+    p.add_argument("--max-steps-in-flight", type=int, nargs="+", default=[2],
+                   help="the engine's plans out at once, values to compare (the executor "
+                        "launches two; a third waits in its inbox, as the simulated GPU's)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     rows = []
-    print("| streams | stream interval | tokens | steps | GPU idle (waiting for a plan) "
-          "| streamed tok/s | TTFT p50 | scheduler CPU per step: loop thread, process |")
-    print("|---|---|---|---|---|---|---|---|")
-    for num_streams in args.streams:
-        for interval in args.stream_interval:
-            row = measure(args, num_streams, interval)
-            rows.append(row)
-            print(f"| {num_streams} | {interval or 'adaptive'} | {row['tokens']} / "
-                  f"{row['expected_tokens']} | {row['steps']} | "
-                  f"{100 * row['gpu_idle_frac']:.1f}% ({row['gpu_idle_s']:.2f} s) | "
-                  f"{row['tok_s']:.0f} | {1e3 * row['ttft_p50_s']:.0f} ms | "
-                  f"{row['loop_cpu_ms_per_step']:.2f}, {row['process_cpu_ms_per_step']:.2f} ms |",
-                  flush=True)
+    print("| streams | stream interval | steps in flight | tokens | steps | GPU idle (waiting "
+          "for a plan) | streamed tok/s | TTFT p50 | scheduler CPU per step: loop thread, "
+          "process |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for num_streams, interval, depth in itertools.product(args.streams, args.stream_interval,
+                                                         args.max_steps_in_flight):
+        row = measure(args, num_streams, interval, depth)
+        rows.append(row)
+        print(f"| {num_streams} | {interval or 'adaptive'} | {depth} | {row['tokens']} / "
+              f"{row['expected_tokens']} | {row['steps']} | "
+              f"{100 * row['gpu_idle_frac']:.1f}% ({row['gpu_idle_s']:.2f} s) | "
+              f"{row['tok_s']:.0f} | {1e3 * row['ttft_p50_s']:.0f} ms | "
+              f"{row['loop_cpu_ms_per_step']:.2f}, {row['process_cpu_ms_per_step']:.2f} ms |",
+              flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

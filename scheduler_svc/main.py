@@ -103,9 +103,10 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    help="turn off automatic prefix caching (on by default: a request reuses "
                         "the cached KV pages of the longest prompt prefix already computed)")
     p.add_argument("--max-steps-in-flight", type=int,
-                   default=_env_number("MAX_STEPS_IN_FLIGHT", int, 2), choices=[1, 2],
+                   default=_env_number("MAX_STEPS_IN_FLIGHT", int, 2), choices=[1, 2, 3],
                    help="2: plan step N+1 while the executor runs step N (async scheduling); "
-                        "1: lockstep")
+                        "3: plan two steps ahead (the executor holds the third plan until a "
+                        "step ends); 1: lockstep")
     p.add_argument("--max-waiting", type=int, default=_env_number("MAX_WAITING", int, 4096))
     p.add_argument("--step-timeout", type=float, default=_env_number("STEP_TIMEOUT", float, 60.0),
                    help="seconds without a step result before the executor counts as hung")

@@ -125,7 +125,8 @@ def test_model_info(tiny_services, channel):
 
 
 def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
-                     device: str = "cpu", shared_prefix: int = 0) -> str:
+                     device: str = "cpu", shared_prefix: int = 0,
+                     scheduler_args: list[str] = ()) -> str:
     """Ten requests on a 24-page GPU pool: `mode` preemption must happen and every output stay
     identical to transformers' (weights drawn on `device`); returns the executor's log.
     With `shared_prefix` tokens common to all prompts (a request of the prefix first, so that
@@ -134,7 +135,7 @@ def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
     swap_space = "1" if mode == "swap" else "0"
     services = start_services(
         tmp_path, ["--model", TINY, "--num-gpu-blocks", "24", "--swap-space", swap_space,
-                   *executor_args], ["--max-num-seqs", "16"])
+                   *executor_args], ["--max-num-seqs", "16", *scheduler_args])
     try:
         prompts = random_prompts(10, seed=4, low=30, high=50)
         with grpc.insecure_channel(services.scheduler_address) as ch, ThreadPoolExecutor(10) as pool:
@@ -166,6 +167,13 @@ def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_outputs_identical(tmp_path, mode):
     check_preemption(tmp_path, mode)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_three_steps_in_flight_keep_outputs_identical(tmp_path, mode):
+    """--max-steps-in-flight 3: the scheduler plans two steps ahead (a seq may have two tokens
+    pending; the executor launches two and holds the third plan), through preemption."""
+    check_preemption(tmp_path, mode, scheduler_args=["--max-steps-in-flight", "3"])
 
 
 def test_swap_preemption_copies_a_shared_prefix_once(tmp_path):

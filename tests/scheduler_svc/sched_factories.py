@@ -243,14 +243,16 @@ class Loop:
 
 class PipelinedLoop(Loop):
     """Async scheduling: step N+1 is scheduled (and run by the executor, which is ahead) before
-    step N's result reaches the scheduler, as the engine does with two plans in flight."""
+    step N's result reaches the scheduler, as the engine does with two plans in flight (`depth`:
+    the engine's max_steps_in_flight)."""
 
-    def __init__(self, sched: Scheduler, token_fn=default_token) -> None:
+    def __init__(self, sched: Scheduler, token_fn=default_token, depth: int = 2) -> None:
         super().__init__(sched, token_fn)
+        self.depth = depth
         self.in_flight: list[tuple[StepPlan, dict[int, int]]] = []
 
     def fill(self) -> None:
-        while len(self.in_flight) < 2 and self.sched.has_unfinished():
+        while len(self.in_flight) < self.depth and self.sched.has_unfinished():
             plan = self.sched.schedule()
             if plan.is_empty:  # as the engine: a plan that only moves or drops pages still goes
                 return

@@ -12,14 +12,14 @@ def workload(seed: int, n: int = 24):
     return [(i, rng.randint(1, 40), rng.randint(1, 30)) for i in range(1, n + 1)]
 
 
-def run(loop_cls, seed, num_gpu_blocks, num_cpu_blocks, eos_every=None):
+def run(loop_cls, seed, num_gpu_blocks, num_cpu_blocks, eos_every=None, **loop_args):
     sched = make_scheduler(block_size=4, num_gpu_blocks=num_gpu_blocks,
                            num_cpu_blocks=num_cpu_blocks, max_num_batched_tokens=64,
                            max_num_seqs=8)
     token_fn = None
     if eos_every:  # some seqs hit EOS mid-way: the in-flight step's extra token must vanish
         token_fn = lambda seq_id, pos: 2 if (seq_id + pos) % eos_every == 0 else 100 + pos % 50
-    loop = loop_cls(sched, token_fn) if token_fn else loop_cls(sched)
+    loop = loop_cls(sched, token_fn, **loop_args) if token_fn else loop_cls(sched, **loop_args)
     for seq_id, prompt_len, max_tokens in workload(seed):
         sched.add_seq(make_seq(seq_id, prompt_len, max_tokens))
     loop.run_until_done()
@@ -31,9 +31,10 @@ def run(loop_cls, seed, num_gpu_blocks, num_cpu_blocks, eos_every=None):
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("num_cpu_blocks", [64, 0])  # swap, then recompute only
 @pytest.mark.parametrize("eos_every", [None, 23])
-def test_pipelined_outputs_equal_lockstep(seed, num_cpu_blocks, eos_every):
+@pytest.mark.parametrize("depth", [2, 3])  # the engine's max_steps_in_flight
+def test_pipelined_outputs_equal_lockstep(seed, num_cpu_blocks, eos_every, depth):
     lockstep, _ = run(Loop, seed, 24, num_cpu_blocks, eos_every)
-    pipelined, sched = run(PipelinedLoop, seed, 24, num_cpu_blocks, eos_every)
+    pipelined, sched = run(PipelinedLoop, seed, 24, num_cpu_blocks, eos_every, depth=depth)
     assert pipelined.outputs == lockstep.outputs
     assert pipelined.finished == lockstep.finished
     assert sched.num_preemptions_swap + sched.num_preemptions_recompute > 0

@@ -3,6 +3,7 @@ prefix caching on or off, some of n parallel samples), steps, aborts (also mid-f
 resets, with invariants after every rule and a drain at the end that must free every GPU and CPU
 block and give every unaborted seq its exact tokens."""
 
+import functools
 import random
 
 from hypothesis import settings, strategies as st
@@ -146,8 +147,16 @@ class PipelinedSchedulerMachine(SchedulerMachine):
     LOOP = PipelinedLoop
 
 
+class ThreeInFlightSchedulerMachine(SchedulerMachine):
+    """The same rules with three steps in flight (`--max-steps-in-flight 3`): a seq may have two
+    tokens pending when it is aborted, finished, preempted or reset."""
+    LOOP = functools.partial(PipelinedLoop, depth=3)
+
+
 _SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None, derandomize=True)
 SchedulerMachine.TestCase.settings = _SETTINGS
 PipelinedSchedulerMachine.TestCase.settings = _SETTINGS
+ThreeInFlightSchedulerMachine.TestCase.settings = _SETTINGS
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase
+TestThreeInFlightSchedulerMachine = ThreeInFlightSchedulerMachine.TestCase

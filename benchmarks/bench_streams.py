@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 from protos import executor_pb2  # noqa: E402
 from scheduler_svc import wire  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
-from scheduler_svc.engine import Engine, EngineConfig  # noqa: E402
+from scheduler_svc.engine import Engine, EngineConfig, freeze_startup_heap  # noqa: E402
 from scheduler_svc.executor_client import ExecutorLost  # noqa: E402
 from scheduler_svc.plan import StepPlan  # noqa: E402
 from scheduler_svc.request import RequestLimits  # noqa: E402
@@ -146,6 +146,7 @@ async def _serve_and_measure(args, num_streams: int, interval: int, depth: int =
     engine = Engine(config, gpu)
     await engine.start()
     await engine.wait_ready()
+    freeze_startup_heap()  # as scheduler_svc.main does once ready
     server = grpc.aio.server()
     _add_generator(GeneratorServicer(engine, RequestLimits()), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -6,6 +6,7 @@ Owns the Scheduler, the tokenizer and the per-request output mailboxes. Plain as
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import time
@@ -114,6 +115,18 @@ def can_prepare_inline(spec: GenerateSpec) -> bool:
     """Whether preparing `spec` is cheap and bounded enough to run on the event loop."""
     ids = spec.prompt_token_ids
     return ids is not None and len(ids) <= INLINE_PREPARE_MAX_IDS and not spec.stopping.stop
+
+
+def freeze_startup_heap() -> int:
+    """Moves every object alive now (modules, the tokenizer, the engine) out of the garbage
+    collector's reach, as vLLM does once it is ready: a full collection then scans only what
+    serving allocates. Measured with bench_streams at 256 streams, the GPU's idle share fell from
+    2.7-3.4% to 0.0-1.0% (a full collection is a pause of several ms on the step loop's thread,
+    enough to make a plan late). For a service process once it is ready; not for tests, which
+    would keep every engine they make. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def stream_interval(config_interval: int, num_sampled: int) -> int:

@@ -21,7 +21,8 @@ TOKEN = "admin-secret-for-tests"
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    s = start_services(tmp_path_factory.mktemp("security"), ["--model", "preset:tiny"],
+    s = start_services(tmp_path_factory.mktemp("security"),
+                       ["--model", "preset:tiny", "--log-level", "DEBUG"],
                        ["--log-level", "DEBUG"], admin_token=TOKEN)
     yield s
     s.stop()
@@ -143,6 +144,19 @@ def test_request_ids_are_logged(services):
     log = services.log_of("scheduler")
     assert "DEBUG scheduler_svc.engine: request req-logged-1 finished (length): 3 prompt + 3 " \
         "generated tokens" in log
+
+
+@pytest.mark.parametrize("name,ready", [("scheduler", "scheduler ready"),
+                                        ("executor", "executor ready on")])
+def test_both_services_freeze_their_startup_heap_once_ready(services, name, ready):
+    """(Not a security matter: this fixture is the one at DEBUG.) The objects alive when a
+    service is ready are out of the collector's scans, a full collection's pause with them."""
+    from tests.integration.test_observability import wait_for_line
+
+    line = wait_for_line(services, name, "frozen out of the garbage collector")
+    assert int(line.split(f"DEBUG {name}_svc: ")[1].split()[0]) > 10_000
+    log = services.log_of(name)
+    assert log.index(ready) < log.index(line)
 
 
 def test_not_ready_is_unavailable_with_a_reason(tmp_path):

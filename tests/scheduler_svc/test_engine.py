@@ -392,3 +392,15 @@ def test_an_out_of_vocab_id_prepared_inline_is_refused_and_others_go_on(undistur
     refused, served = run(_on_engine(EngineConfig(), body))
     assert isinstance(refused, InvalidArgument)
     assert served == undisturbed[0]
+
+
+def test_freeze_startup_heap_freezes_what_is_alive():
+    """In a process of its own: freezing is for a service once ready, never a test process."""
+    import subprocess
+    import sys
+
+    code = ("import gc; from scheduler_svc.engine import freeze_startup_heap; "
+            "n = freeze_startup_heap(); assert n == gc.get_freeze_count() > 1000, n; print(n)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert int(out.stdout) > 1000

@@ -170,3 +170,24 @@ def test_plain_batch_builds_no_control_tensors():
     params = SamplingTensors.build([SamplingOptions()] * 4, [0] * 4, VOCAB, torch.device("cpu"))
     assert params.logit_bias is None and params.penalties is None
     assert params.num_top_logprobs == 0
+
+
+def test_uniform_noise_is_the_splitmix64_stream_bit_for_bit():
+    """The in-place noise equals splitmix64 written out with fresh tensors (the form it had
+    before), bit for bit: seeded samples stay what they were, recomputed or not."""
+    from executor_svc.sampler import _GOLDEN, _MIX1, _MIX2, _shr, uniform_noise
+
+    def reference(row_seeds, vocab):
+        index = torch.arange(1, vocab + 1, dtype=torch.int64)
+        z = row_seeds.unsqueeze(1) + index.unsqueeze(0) * _GOLDEN
+        z = (z ^ _shr(z, 30)) * _MIX1
+        z = (z ^ _shr(z, 27)) * _MIX2
+        z = z ^ _shr(z, 31)
+        return (_shr(z, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+    gen = torch.Generator().manual_seed(5)
+    seeds = torch.randint(-2**63, 2**63 - 1, (9,), dtype=torch.int64, generator=gen)
+    seeds[:3] = torch.tensor([0, -1, 2**63 - 1])
+    got = uniform_noise(seeds, 1000)
+    assert torch.equal(got, reference(seeds, 1000))
+    assert got.dtype == torch.float32 and bool(((got > 0) & (got < 1)).all())

@@ -449,6 +449,16 @@ def _fmt(serving: dict, hf: dict | None) -> str:
         f"GPU {timing.get('gpu_ms', 0):.2f} ms -> GPU waits for host "
         f"{100 * timing.get('gpu_wait_frac', 0):.1f}% of each decode step",
     ]
+    other = serving["executor_step_timing"].get("other")
+    if other:
+        lines.append(f"other steps (executor) {other.get('steps', 0):.0f}: wall "
+                     f"{other.get('wall_ms', 0):.2f} ms, gap {other.get('gap_ms', 0):.2f} ms, "
+                     f"launch {other.get('launch_ms', 0):.2f} ms, GPU {other.get('gpu_ms', 0):.2f} ms")
+    allocator = serving["executor_step_timing"].get("allocator")
+    if allocator:  # a retry frees the cache (cudaFree syncs the device) inside a launch
+        lines.append(f"allocator              {allocator.get('alloc_retries', 0):.0f} retries, "
+                     f"{allocator.get('device_allocs', 0):.0f} device allocations, "
+                     f"{allocator.get('device_frees', 0):.0f} frees")
     if "round_wall_s" in serving:
         lines.insert(3, f"rounds                 {serving['rounds_done']} of {serving['turns']} "
                         f"({serving['conversations']} conversations): "

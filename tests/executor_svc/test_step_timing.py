@@ -75,3 +75,21 @@ def test_bench_serving_reads_the_allocator_line():
     timing = _step_timing(log)
     assert timing["allocator"] == {"alloc_retries": 2.0, "device_allocs": 9.0, "device_frees": 1.0}
     assert timing["decode"]["steps"] == 3.0
+
+
+def test_bench_serving_prints_the_other_steps_and_the_allocator():
+    from benchmarks.bench_serving import _fmt
+
+    serving = dict(complete=2, requests=2, timed_out=False, output_tokens=8,
+                   expected_output_tokens=8, wall_s=1.0, output_tok_s=8.0, ttft_p50_s=0.1,
+                   ttft_p99_s=0.2, itl_p50_ms=5.0, itl_p99_ms=9.0, peak_gpu_blocks=3,
+                   gpu_blocks_total=10, prefix_cache_hit_rate=0.0, prefix_cache_hits=0,
+                   prefix_cache_queries=8, preemptions_swap=0, preemptions_recompute=0,
+                   blocks_swapped_out=0, blocks_swapped_in=0, executor_step_timing={
+                       "decode": {"steps": 4.0, "wall_ms": 2.0},
+                       "other": {"steps": 1.0, "wall_ms": 9.0, "launch_ms": 7.5},
+                       "allocator": {"alloc_retries": 2.0, "device_allocs": 9.0,
+                                     "device_frees": 1.0}})
+    text = _fmt(serving, None)
+    assert "other steps (executor) 1: wall 9.00 ms, gap 0.00 ms, launch 7.50 ms" in text
+    assert "allocator              2 retries, 9 device allocations, 1 frees" in text

@@ -47,6 +47,7 @@ class ServiceConfig:
 
 _PROG = "pagedserve-scheduler"
 _ENV_PREFIX = "PAGEDSERVE_SCHEDULER_"
+_STEPS_IN_FLIGHT = (1, 2, 3)  # plans out at once: lockstep, async scheduling, two steps ahead
 
 
 def _env(name: str, default):
@@ -103,7 +104,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                    help="turn off automatic prefix caching (on by default: a request reuses "
                         "the cached KV pages of the longest prompt prefix already computed)")
     p.add_argument("--max-steps-in-flight", type=int,
-                   default=_env_number("MAX_STEPS_IN_FLIGHT", int, 2), choices=[1, 2, 3],
+                   default=_env_number("MAX_STEPS_IN_FLIGHT", int, 2), choices=_STEPS_IN_FLIGHT,
                    help="2: plan step N+1 while the executor runs step N (async scheduling); "
                         "3: plan two steps ahead (the executor holds the third plan until a "
                         "step ends); 1: lockstep")
@@ -164,6 +165,9 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                         "sequences, then every ceil(sampled / 256) steps (vLLM's "
                         "--stream-interval, made adaptive)")
     a = p.parse_args(argv)
+    if a.max_steps_in_flight not in _STEPS_IN_FLIGHT:  # argparse checks no environment default
+        p.error(f"--max-steps-in-flight must be one of {_STEPS_IN_FLIGHT} (from "
+                f"{_ENV_PREFIX}MAX_STEPS_IN_FLIGHT), got {a.max_steps_in_flight}")
     if a.stream_interval < 0:
         p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
     if not a.executor_keepalive >= 1:

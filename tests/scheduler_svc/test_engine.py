@@ -404,3 +404,24 @@ def test_freeze_startup_heap_freezes_what_is_alive():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert int(out.stdout) > 1000
+
+
+@pytest.mark.parametrize("value, ok", [("0", False), ("4", False), ("-1", False), ("x", False),
+                                       ("", False), ("99999999999999999999", False),
+                                       ("1", True), ("3", True)])
+def test_max_steps_in_flight_takes_only_the_supported_depths(value, ok, monkeypatch):
+    """From the flag and from its environment variable alike (argparse checks no default)."""
+    from scheduler_svc.main import parse_config
+
+    if ok:
+        assert parse_config(["--max-steps-in-flight", value]).engine.max_steps_in_flight == \
+            int(value)
+    else:
+        with pytest.raises(SystemExit):
+            parse_config(["--max-steps-in-flight", value])
+    monkeypatch.setenv("PAGEDSERVE_SCHEDULER_MAX_STEPS_IN_FLIGHT", value)
+    if ok:
+        assert parse_config([]).engine.max_steps_in_flight == int(value)
+    else:
+        with pytest.raises(SystemExit):
+            parse_config([])

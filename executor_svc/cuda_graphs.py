@@ -29,6 +29,7 @@ from executor_svc.device_tokens import DeviceTokens
 from executor_svc.graph_sampler import (
     GREEDY, MAX_CONTROLLED_BATCH, MAX_LOGIT_BIAS, GraphSampler, StepSampling,
 )
+from executor_svc.host_staging import HostStaging
 from executor_svc.token_counts import TokenCounts
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,6 @@ log = logging.getLogger(__name__)
 # one shared buffer, so the ladder's length costs capture time (~30 ms a size), not memory.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
                448, 512, 576, 640, 704, 768, 832, 896, 960, 1024)
-# Pinned host buffers used in turn: a step is packed while the previous one may still be queued
-# (launched, not finished), so its buffer may not have been copied out yet.
-_NUM_HOST_BUFFERS = 2
 _ROWS = 6  # rows of max_batch_size after the sampling parameters: see run()
 
 
@@ -72,19 +70,10 @@ class DecodeGraphs:
         self.sampler = GraphSampler(n, model.config.vocab_size, device,
                                     max_controlled_batch, max_logit_bias)
         self.sample_in_graphs = sample_in_graphs
-        # Pinned host buffers (the sampler's parameter region, _ROWS rows of n, then the block
-        # tables), taken in turn, each with an event recorded after its copy to the device twin;
-        # the twin is only read in stream order, so one suffices. The graphs read the sampling
-        # parameters straight from the twin.
-        cuda = device.type == "cuda"
+        # Staged inputs: the sampler's parameter region, _ROWS rows of n, then the block tables.
+        # The graphs read the sampling parameters straight from the device twin.
         self._base = self.sampler.num_slots  # where the input rows start
-        size = self._base + _ROWS * n + n * self.width
-        self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
-                      for _ in range(_NUM_HOST_BUFFERS)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._copied = [torch.cuda.Event() if cuda else None for _ in self._host]
-        self._turn = 0
-        self._staging = torch.zeros_like(self._host[0], device=device)
+        self.staging = HostStaging(self._base + _ROWS * n + n * self.width, device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # (variant, bs) ->
         # The graphs' logits, outside their pool and shared by all sizes: replays are ordered on
         # one stream, and a step's eager sampling reads its logits before the next replay writes.
@@ -100,9 +89,9 @@ class DecodeGraphs:
         """Binds the sampler to the static buffers and to `counts` (reserving its rows), with
         neutral parameters in every row. capture() calls it; on CPU, tests call it and run
         step() eagerly in place of replays."""
-        self.sampler.bind(self._staging[:self._base], counts)
-        self.sampler.pack_neutral(self._host_np[0][:self._base])
-        self._staging[:self._base].copy_(self._host[0][:self._base])
+        self.sampler.bind(self.staging.twin[:self._base], counts)
+        self.sampler.pack_neutral(self.staging.take()[:self._base])
+        self.staging.send(0, self._base)
 
     def step(self, variant: str, bs: int) -> None:
         """What graph (variant, bs) captures: the forward of the first bs static rows into the
@@ -169,17 +158,13 @@ class DecodeGraphs:
         if sampling is not None and self.sample_in_graphs:
             variant = self.sampler.variant(sampling, bs)
         replayed = variant or GREEDY
-        n, k, p = self.max_batch_size, self._take_host_buffer(), self._base
-        h = self._host_np[k]
+        n, p, h = self.max_batch_size, self._base, self.staging.take()
         if variant is not None:
             self.sampler.pack(h[:p], bs, sampling, variant)
         self._pack_inputs(h[p:], bs, input_ids, positions, slots, block_tables, device_tokens)
         start, used = self.sampler.starts[replayed], p + _ROWS * n + num_seqs * block_tables.shape[1]
-        self._staging[start:used].copy_(self._host[k][start:used], non_blocking=True)
-        if self._copied[k] is not None:
-            self._copied[k].record()
-        self._spread_inputs(self._staging[p:], bs, num_seqs, block_tables.shape[1],
-                            device_tokens)
+        staged = self.staging.send(start, used)
+        self._spread_inputs(staged[p:], bs, num_seqs, block_tables.shape[1], device_tokens)
         self.graphs[(replayed, bs)].replay()
         return self._logits_out[:num_seqs], variant is not None
 
@@ -214,13 +199,3 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(staged[3 * n:3 * n + bs])
         self.block_tables[:num_seqs, :width].copy_(
             staged[_ROWS * n:_ROWS * n + num_seqs * width].view(num_seqs, width))
-
-    def _take_host_buffer(self) -> int:
-        """The next pinned buffer, once the copy out of its last contents has run. With at most
-        two steps unfinished that copy is long done and nothing waits."""
-        k = self._turn
-        self._turn = (k + 1) % len(self._host)
-        event = self._copied[k]
-        if event is not None:
-            event.synchronize()  # returns at once when the copy is long done
-        return k

@@ -22,6 +22,7 @@ import torch
 
 from executor_svc.attention_metadata import AttentionMetadata
 from executor_svc.device_tokens import DeviceTokens
+from executor_svc.host_staging import HostStaging
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,6 @@ log = logging.getLogger(__name__)
 # hidden behind its GPU time).
 TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_SEQS = 32
-_NUM_HOST_BUFFERS = 2  # a step is packed while the previous one may still be queued
 
 
 class SmallStepGraphs:
@@ -56,16 +56,9 @@ class SmallStepGraphs:
         self.last_rows = torch.zeros(s, dtype=torch.int64, device=device)  # [s]
         self.block_tables = torch.zeros(s, self.width, dtype=torch.int32,
                                         device=device)  # [s, width]
-        # One pinned host buffer per turn, laid out as _offsets says, copied with one transfer.
+        # Staged inputs, laid out as _offsets says, copied with one transfer.
         self._offsets = _layout(t, s)
-        size = self._offsets["tables"] + s * self.width
-        cuda = device.type == "cuda"
-        self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
-                      for _ in range(_NUM_HOST_BUFFERS)]
-        self._host_np = [h.numpy() for h in self._host]
-        self._copied = [torch.cuda.Event() if cuda else None for _ in self._host]
-        self._turn = 0
-        self._staging = torch.zeros_like(self._host[0], device=device)
+        self.staging = HostStaging(self._offsets["tables"] + s * self.width, device)
         self._logits_out = torch.empty(s, model.config.vocab_size, dtype=torch.float32,
                                        device=device)  # [s, vocab], outside the graphs' pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -127,16 +120,12 @@ class SmallStepGraphs:
         num_tokens, num_seqs, num_sampled = len(input_ids), len(seq_lens), len(last_rows)
         size = self.padded_size(num_tokens)
         width = block_tables.shape[1]
-        self._pack(self._host_np[k := self._take_host_buffer()], input_ids, positions, slots,
-                   cu_seqlens_q, seq_lens, last_rows, device_tokens)
-        o = self._offsets
-        h = self._host_np[k]
+        h, o = self.staging.take(), self._offsets
+        self._pack(h, input_ids, positions, slots, cu_seqlens_q, seq_lens, last_rows,
+                   device_tokens)
         used = o["tables"] + num_seqs * width
         h[o["tables"]:used] = block_tables.reshape(-1)  # columns past a table's end: never read
-        self._staging[:used].copy_(self._host[k][:used], non_blocking=True)
-        if self._copied[k] is not None:
-            self._copied[k].record()
-        self._spread(size, num_seqs, width, device_tokens)
+        self._spread(self.staging.send(0, used), size, num_seqs, width, device_tokens)
         if size in self.graphs:
             self.graphs[size].replay()
             logits = self._logits_out
@@ -165,10 +154,10 @@ class SmallStepGraphs:
             h[o["src"]:o["src"] + d] = device_tokens.src_rows
             h[o["dst"]:o["dst"] + d] = device_tokens.dst_rows
 
-    def _spread(self, size: int, num_seqs: int, width: int,
+    def _spread(self, staged: torch.Tensor, size: int, num_seqs: int, width: int,
                 device_tokens: DeviceTokens | None) -> None:
         """The staged inputs into the graphs' static buffers (one device copy each)."""
-        o, staged, s = self._offsets, self._staging, self.max_seqs
+        o, s = self._offsets, self.max_seqs
         self.input_ids[:size].copy_(staged[o["ids"]:o["ids"] + size])
         if device_tokens is not None:
             d = len(device_tokens.src_rows)
@@ -181,15 +170,6 @@ class SmallStepGraphs:
         self.last_rows.copy_(staged[o["last"]:o["last"] + s])
         self.block_tables[:num_seqs, :width].copy_(
             staged[o["tables"]:o["tables"] + num_seqs * width].view(num_seqs, width))
-
-    def _take_host_buffer(self) -> int:
-        """The next pinned buffer, once the copy out of its last contents has run."""
-        k = self._turn
-        self._turn = (k + 1) % len(self._host)
-        event = self._copied[k]
-        if event is not None:
-            event.synchronize()  # returns at once when the copy is long done
-        return k
 
 
 def _layout(max_tokens: int, max_seqs: int) -> dict[str, int]:

@@ -218,3 +218,16 @@ def make_scheduler(info: ExecutorInfo, **config) -> Scheduler:
     """A scheduler sized from the executor's info (as Describe's answer sizes it)."""
     block_manager = BlockManager(info.block_size, info.num_gpu_blocks, info.num_cpu_blocks)
     return Scheduler(SchedulerConfig(**config), block_manager, rng=random.Random(0))
+
+
+def spy_on_graph_sampling(runner: ModelRunner) -> list[bool]:
+    """Wraps runner.decode_graphs.run; the list returned gets, per replay, whether the graph
+    sampled the step (else the runner sampled its logits eagerly)."""
+    sampled, run = [], runner.decode_graphs.run
+
+    def spy(*args):
+        out = run(*args)
+        sampled.append(out[1])
+        return out
+    runner.decode_graphs.run = spy
+    return sampled

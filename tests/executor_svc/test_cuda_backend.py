@@ -26,7 +26,7 @@ from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step import CachedSeq, ExecutorInfo, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import (
     PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, hf_greedy, hf_model,
-    make_runner, make_scheduler, random_prompt, with_eager_graphs,
+    make_runner, make_scheduler, random_prompt, spy_on_graph_sampling, with_eager_graphs,
 )
 from tests.gpu import gpu_ready
 
@@ -231,14 +231,7 @@ def test_decode_step_has_no_host_sync(variant):
     sampled the step (issue 13)."""
     hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
     runner = gpu_runner(hf, "bfloat16", max_model_len=512)
-    sampled_in_graph = []
-    run = runner.decode_graphs.run
-
-    def spy(*args):
-        out = run(*args)
-        sampled_in_graph.append(out[1])
-        return out
-    runner.decode_graphs.run = spy
+    sampled_in_graph = spy_on_graph_sampling(runner)
     driver = PlanDriver(runner)
     prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
     options = _VARIANT_OPTIONS[variant]

@@ -21,7 +21,8 @@ from executor_svc.sampler import Sampler, SamplingTensors
 from executor_svc.step import SamplingOptions, StepPlan
 from executor_svc.token_counts import TokenCounts
 from tests.executor_svc.helpers import (PlanDriver, execute, hf_model, make_runner,
-                                        random_prompt, with_eager_graphs)
+                                        random_prompt, spy_on_graph_sampling,
+                                        with_eager_graphs)
 from tests.gpu import gpu_ready
 
 VOCAB = 1000
@@ -283,13 +284,7 @@ def _driven(graphs, options, num_new):
     variants = []
     if graphs is not None:
         with_eager_graphs(runner, **graphs)
-        run = runner.decode_graphs.run
-
-        def spy(*args):
-            out = run(*args)
-            variants.append(out[1])
-            return out
-        runner.decode_graphs.run = spy
+        variants = spy_on_graph_sampling(runner)
     driver = PlanDriver(runner)
     rng = random.Random(21)
     prompts = {i: random_prompt(rng, 3 + i) for i in range(len(options))}

@@ -91,8 +91,12 @@ class TokenCounts:
         """Doubles the rows, or makes them `rows` (device copies, no host sync)."""
         old = self.num_rows
         new = rows or max(_FIRST_ROWS, 2 * old)
-        mask = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
-        counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)
+        # Normal tensors even when made under inference mode (the memory profile and the graph
+        # sampler reserve inside it): rows are then written outside it, which an inference
+        # tensor refuses.
+        with torch.inference_mode(False):
+            mask = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
+            counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)
         if old:
             mask[:old] = self.prompt_mask
             counts[:old] = self.output_counts

@@ -254,6 +254,23 @@ def test_token_counts_reserve_a_neutral_row():
     assert counts.neutral_row not in [counts.add([], []) for _ in range(counts.num_rows - 1)]
 
 
+def test_token_counts_reserved_under_inference_mode_take_rows_outside_it():
+    """The memory profile and the graph sampler reserve inside torch.inference_mode; the runner
+    then adds and counts rows outside it (an inference tensor refuses that: the H200 caught it)."""
+    counts = TokenCounts(VOCAB, torch.device("cpu"))
+    with torch.inference_mode():
+        counts.reserve(4)
+    row = counts.add([1, 2], [3, 3])
+    counts.count(torch.tensor([row]), torch.tensor([5]))
+    assert counts.prompt_mask[row, 1] and counts.output_counts[row, 3] == 2
+    assert counts.output_counts[row, 5] == 1
+    with torch.inference_mode():  # and inside it, as a graph's capture does
+        counts.count(torch.tensor([row]), torch.tensor([5]))
+        grown = [counts.add([], [7]) for _ in range(counts.num_rows)]  # grows under it too
+    assert counts.output_counts[row, 5] == 2 and counts.output_counts[grown[-1], 7] == 1
+    counts.add([4], [])  # a row added outside after growing inside
+
+
 # -- the runner: eager-replayed graphs against no graphs --------------------------------------
 
 def test_runner_through_graph_sampling_matches_the_eager_path():

@@ -128,6 +128,11 @@ class ModelRunner:
         """A held seq's tokens, those sampled by unfinished steps included."""
         return int(self.states.num_tokens[self.seqs[seq_id].row])
 
+    def idle(self) -> None:
+        """No step in flight and none coming for a while: logs the step timing of the steps
+        since its last line (the tail of a burst of work)."""
+        self.timer.report_new()
+
     def launch(self, step: StepPlan) -> PendingStep:
         """Checks the plan, applies it and queues the step's copies, forward and sampling on the
         device, and the copy of its sampled ids to the host; waits for none of it. Raises

@@ -84,7 +84,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             yield executor_pb2.StepResult(step_id=0)  # the lease is this stream's
             pipeline = StepPipeline(functools.partial(self._launch, generation),
                                     functools.partial(self._finish, generation),
-                                    self.max_steps_in_flight)
+                                    self.max_steps_in_flight, on_idle=self._idle)
             for result in pipeline.run(reader):
                 yield wire.result_to_proto(result)
         except StepFailed as failure:
@@ -151,6 +151,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         with self._lock:
             self._check_current(generation)
             return self.runner.finish(pending)
+
+    def _idle(self) -> None:
+        with self._lock:
+            self.runner.idle()
 
     def _check_current(self, generation: int) -> None:
         if not self.lease.is_current(generation):

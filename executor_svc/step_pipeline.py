@@ -29,11 +29,16 @@ class StepPipeline:
     pending step has `step_id`, `is_ready()` (finish would not wait) and `wait()` (blocks until
     it is ready). Plans have `step_id`."""
 
-    def __init__(self, launch: Callable, finish: Callable, max_in_flight: int = 2) -> None:
+    def __init__(self, launch: Callable, finish: Callable, max_in_flight: int = 2,
+                 on_idle: Callable[[], None] | None = None, idle_after_s: float = 0.5) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self._launch, self._finish = launch, finish
         self.max_in_flight = max_in_flight
+        # Called once each time no step is in flight and no plan has come for idle_after_s
+        # (the executor then logs its step timing: the steps since the last periodic line
+        # would otherwise go unreported at the end of a burst of work).
+        self._on_idle, self._idle_after_s = on_idle, idle_after_s
 
     def run(self, plans: "Iterable | PlanReader") -> Iterator:
         """The results of the plans' steps, in order. A step that fails raises StepFailed, after
@@ -78,7 +83,7 @@ class StepPipeline:
             if item is None:
                 if in_flight:
                     watcher.watch(in_flight[0])
-                item = inbox.get()
+                item = self._wait(inbox, idle=not in_flight)
             if item is _END:
                 ended = True
                 inbox.put(_END)  # stays the last item: later calls see it again
@@ -86,6 +91,15 @@ class StepPipeline:
                 raise item
             elif item is not _READY:
                 return item
+
+    def _wait(self, inbox: queue.SimpleQueue, idle: bool):
+        if not idle or self._on_idle is None:
+            return inbox.get()
+        try:
+            return inbox.get(timeout=self._idle_after_s)
+        except queue.Empty:
+            self._on_idle()
+            return inbox.get()
 
     @staticmethod
     def _call(fn: Callable, arg):

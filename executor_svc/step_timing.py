@@ -49,6 +49,7 @@ class StepTimer:
         self.log_every = log_every
         self.totals = {"decode": _Totals(), "other": _Totals()}
         self._last_end: torch.cuda.Event | None = None
+        self._reported = 0  # steps accounted at the last report
 
     def begin(self) -> StepMarks:
         if not self.enabled:
@@ -78,11 +79,20 @@ class StepTimer:
             t.step_ms += host_ms
             t.launch_ms += launch_ms
             t.gpu_ms += marks.start.elapsed_time(marks.end)
-            if sum(x.steps for x in self.totals.values()) % self.log_every == 0:
+            if self._accounted() % self.log_every == 0:
                 self.report()
         self._last_end = marks.end
 
+    def report_new(self) -> None:
+        """report(), if a step was accounted since the last report."""
+        if self._reported != self._accounted():
+            self.report()
+
+    def _accounted(self) -> int:
+        return sum(t.steps for t in self.totals.values())
+
     def report(self) -> None:
+        self._reported = self._accounted()
         if self.enabled and any(t.steps for t in self.totals.values()):
             for kind, t in self.totals.items():
                 log.info("step timing %s: %s", kind, t.line())
@@ -92,6 +102,7 @@ class StepTimer:
         self.report()
         self.totals = {"decode": _Totals(), "other": _Totals()}
         self._last_end = None
+        self._reported = 0
 
 
 def allocator_line(stats: dict) -> str:

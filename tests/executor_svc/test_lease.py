@@ -137,6 +137,9 @@ class FakeRunner:
     def reset(self) -> None:
         self.resets += 1
 
+    def idle(self) -> None:
+        pass
+
     def launch(self, step) -> _Done:
         return _Done(step.step_id, step)
 

@@ -175,3 +175,43 @@ def test_a_broken_plan_stream_is_raised_as_is():
 
     with pytest.raises(ConnectionResetError):
         list(pipeline(FakeRunner(slow=False)).run(plans()))
+
+
+def test_on_idle_runs_once_per_idle_spell_with_nothing_in_flight():
+    """The executor logs its step timing when idle: once after each spell of work that no plan
+    follows within idle_after_s, never while a step is in flight or plans keep coming."""
+    runner, plans, idles = FakeRunner(slow=False), Plans(), queue.SimpleQueue()
+    results = StepPipeline(runner.launch, runner.finish, idle_after_s=0.05,
+                           on_idle=lambda: idles.put(len(runner.calls))).run(plans)
+    with ThreadPoolExecutor(1) as pool:
+        plans.send(1, 2)
+        assert [next_within_timeout(results, pool) for _ in range(2)] == [1, 2]
+        waiting = pool.submit(next, results)
+        assert idles.get(timeout=TIMEOUT_S) == 4  # after L1 F1 L2 F2
+        with pytest.raises(queue.Empty):
+            idles.get(timeout=0.3)  # once, not every idle_after_s
+        plans.send(3)
+        assert waiting.result(timeout=TIMEOUT_S) == 3
+        waiting = pool.submit(next, results)
+        assert idles.get(timeout=TIMEOUT_S) == 6
+        plans.close()
+        with pytest.raises(StopIteration):
+            waiting.result(timeout=TIMEOUT_S)
+    assert idles.empty()
+
+
+def test_on_idle_is_not_called_while_a_step_runs():
+    runner, plans, idles = FakeRunner(slow=True), Plans(), []
+    results = StepPipeline(runner.launch, runner.finish, on_idle=lambda: idles.append(1),
+                           idle_after_s=0.01).run(plans)
+    with ThreadPoolExecutor(1) as pool:
+        plans.send(1)
+        result = pool.submit(next, results)
+        pending = runner.launched.get(timeout=TIMEOUT_S)
+        threading.Event().wait(0.2)  # step 1 runs, no plan comes: not idle
+        assert idles == [] and not result.done()
+        pending.done.set()
+        assert result.result(timeout=TIMEOUT_S) == 1
+        plans.close()
+        with pytest.raises(StopIteration):
+            next_within_timeout(results, pool)

@@ -260,6 +260,9 @@ def _services(args, name: str, scheduler_extra: tuple[str, ...] = ()):
     try:
         yield services, run
         run.metrics = services.metrics()
+        # The executor logs the step timing of a burst's last steps once it has been idle for
+        # 0.5 s (executor_svc/step_pipeline.py): wait for that line.
+        time.sleep(1.0)
         run.executor_log = services.log_of("executor")
     finally:
         services.stop()

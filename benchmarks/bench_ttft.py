@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -78,12 +79,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ttfts = asyncio.run(_time_requests(services.scheduler_address, [prefix] + prompts,
                                                  args.max_tokens))
+        time.sleep(1.0)  # the executor logs its step timing after 0.5 s idle
+        timing = re.findall(r"step timing (?:other|decode): .*", services.log_of("executor"))
     finally:
         services.stop()
     timed = ttfts[1 + args.warmup:]
     ms = [1e3 * t for t in timed]
     print(f"{ROOT}: {len(ms)} requests, TTFT median {statistics.median(ms):.2f} ms, "
           f"p10 {_pct(ms, 0.1):.2f}, p90 {_pct(ms, 0.9):.2f}, min {min(ms):.2f} ms", flush=True)
+    # On a GPU: the executor's own host time (step_ms) and GPU time (gpu_ms) per step, of all
+    # the steps (the prefix's and the warm-up's included); TTFT less step_ms is the services.
+    for line in timing[-2:]:
+        print(line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"root": str(ROOT), "ttft_s": timed}))
 

@@ -9,6 +9,13 @@ sequence, one-token ones included, goes through the prefill kernel: the graph's 
 fixed by the size, not by how many one-token seqs lead the step. Only for models whose attention
 the kernels cover (bf16/fp16): the torch prefill twin reads its metadata on the host.
 
+Sizes up to `per_token_max` tokens instead run attention per query token: each token is a
+one-token sequence of the decode kernel over its own context (its seq's block table row, its
+position + 1 keys: causal), which splits every context over many CTAs. The prefill kernel gives
+a 16-token chunk over a 2,000-token cached prefix one 128-row query tile per head: 32 CTAs for
+132 SMs, each walking the whole context (the H200 measured such a step 1.3 ms slower than a
+one-token decode step of the same seq). A pad token reads its seq's first key (position 0).
+
 On a device without CUDA, `capture` captures nothing and `run` calls the same forward on the same
 static buffers eagerly: tests check the packing and padding on the CPU against the eager path.
 """
@@ -31,6 +38,9 @@ log = logging.getLogger(__name__)
 # hidden behind its GPU time).
 TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_SEQS = 32
+# Per-token attention reads a seq's context once per query token (from L2 when it is one seq's
+# chunk): worth it while the tokens are few; a 64-token step fills a prefill tile anyway.
+PER_TOKEN_MAX = 32
 
 
 class SmallStepGraphs:
@@ -38,12 +48,14 @@ class SmallStepGraphs:
     `model` over `kv_caches` for steps of at most max(token_sizes) tokens and `max_seqs` seqs."""
 
     def __init__(self, model, kv_caches, max_blocks_per_seq: int,
-                 token_sizes: tuple[int, ...] = TOKEN_SIZES, max_seqs: int = MAX_SEQS) -> None:
+                 token_sizes: tuple[int, ...] = TOKEN_SIZES, max_seqs: int = MAX_SEQS,
+                 per_token_max: int = PER_TOKEN_MAX) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.token_sizes = tuple(sorted(token_sizes))
         self.max_tokens = self.token_sizes[-1]
         self.max_seqs = max_seqs
+        self.per_token_max = per_token_max  # sizes up to it: attention per query token
         self.width = max_blocks_per_seq  # block-table columns every graph was captured with
         self.device = kv_caches[0].device
         t, s, device = self.max_tokens, max_seqs, self.device
@@ -56,6 +68,8 @@ class SmallStepGraphs:
         self.last_rows = torch.zeros(s, dtype=torch.int64, device=device)  # [s]
         self.block_tables = torch.zeros(s, self.width, dtype=torch.int32,
                                         device=device)  # [s, width]
+        self.token_seq = torch.zeros(t, dtype=torch.int64, device=device)  # [t], pads: seq 0
+        self._token_cu = torch.arange(t + 1, dtype=torch.int32, device=device)  # [t + 1]
         # Staged inputs, laid out as _offsets says, copied with one transfer.
         self._offsets = _layout(t, s)
         self.staging = HostStaging(self._offsets["tables"] + s * self.width, device)
@@ -65,11 +79,22 @@ class SmallStepGraphs:
         self._keepalive: list[torch.Tensor] = []
 
     def _forward(self, num_tokens: int) -> torch.Tensor:
-        metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables,
-            cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens, max_seqlen_q=num_tokens,
-            max_seqlen_k=self.width * self.kv_caches[0].shape[3], is_decode_only=False,
-        )
+        max_seqlen_k = self.width * self.kv_caches[0].shape[3]
+        if num_tokens <= self.per_token_max:  # each token a one-token seq of the decode kernel
+            metadata = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:num_tokens],
+                block_tables=self.block_tables.index_select(
+                    0, self.token_seq[:num_tokens]),  # [num_tokens, width]
+                cu_seqlens_q=self._token_cu[:num_tokens + 1],
+                seq_lens=(self.positions[:num_tokens] + 1).to(torch.int32),  # [num_tokens]
+                max_seqlen_q=1, max_seqlen_k=max_seqlen_k, is_decode_only=True,
+            )
+        else:
+            metadata = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables,
+                cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens, max_seqlen_q=num_tokens,
+                max_seqlen_k=max_seqlen_k, is_decode_only=False,
+            )
         hidden = self.model.forward(self.input_ids[:num_tokens], self.positions[:num_tokens],
                                     metadata, self.kv_caches)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[self.last_rows],
@@ -149,6 +174,8 @@ class SmallStepGraphs:
         h[o["seq_lens"] + s:o["seq_lens"] + self.max_seqs] = 0
         m = len(last_rows)
         h[o["last"]:o["last"] + m], h[o["last"] + m:o["last"] + self.max_seqs] = last_rows, 0
+        h[o["seq"]:o["seq"] + n] = np.repeat(np.arange(s), np.diff(cu_seqlens_q))
+        h[o["seq"] + n:o["seq"] + t] = 0
         if device_tokens is not None:
             d = len(device_tokens.src_rows)
             h[o["src"]:o["src"] + d] = device_tokens.src_rows
@@ -164,6 +191,8 @@ class SmallStepGraphs:
             device_tokens.scatter_into(self.input_ids, (staged[o["src"]:o["src"] + d],
                                                         staged[o["dst"]:o["dst"] + d]))
         self.positions[:size].copy_(staged[o["positions"]:o["positions"] + size])
+        if size <= self.per_token_max:
+            self.token_seq[:size].copy_(staged[o["seq"]:o["seq"] + size])
         self.slot_mapping[:size].copy_(staged[o["slots"]:o["slots"] + size])
         self.cu_seqlens_q.copy_(staged[o["cu"]:o["cu"] + s + 1])
         self.seq_lens.copy_(staged[o["seq_lens"]:o["seq_lens"] + s])
@@ -173,11 +202,12 @@ class SmallStepGraphs:
 
 
 def _layout(max_tokens: int, max_seqs: int) -> dict[str, int]:
-    """Offsets of the pinned buffer's rows: five of max_tokens (ids, positions, slots, device
-    tokens' source and destination rows), cu_seqlens_q, seq_lens, last rows, block tables."""
+    """Offsets of the pinned buffer's rows: six of max_tokens (ids, positions, slots, device
+    tokens' source and destination rows, each token's seq), cu_seqlens_q, seq_lens, last rows,
+    block tables."""
     t, s = max_tokens, max_seqs
-    names = (("ids", t), ("positions", t), ("slots", t), ("src", t), ("dst", t), ("cu", s + 1),
-             ("seq_lens", s), ("last", s))
+    names = (("ids", t), ("positions", t), ("slots", t), ("src", t), ("dst", t), ("seq", t),
+             ("cu", s + 1), ("seq_lens", s), ("last", s))
     offsets, at = {}, 0
     for name, length in names:
         offsets[name], at = at, at + length

@@ -17,6 +17,11 @@ fakes is subtracted from launch. Cases:
   decode  N sequences in steady decode.
   mixed   as decode, but 2 sequences finish (EOS) and 2 new ones are admitted each step, their
           whole prompts prefilled in that step (an eager step, as in W2).
+  prefix  issue 12's cached-prefix request, one at a time (N is ignored): each step admits one
+          seq of a 2,000-token cached prefix + 16 new tokens (2,000 computed, 16 scheduled, a
+          126-page table), max_tokens 1, run through SmallStepGraphs with a replay that does
+          nothing; the seq finishes with its one token and is dropped by the next plan. One
+          step in flight, as bench_ttft's sequential requests.
 The scheduler's own work (schedule, update_from_output, plan encoding) is not timed.
 """
 from __future__ import annotations
@@ -42,6 +47,7 @@ from benchmarks.bench_scheduler import (BLOCK_SIZE, MAX_MODEL_LEN,  # noqa: E402
 from executor_svc import wire  # noqa: E402
 from executor_svc.cuda_graphs import DecodeGraphs  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
+from executor_svc.small_step_graphs import SmallStepGraphs  # noqa: E402
 from executor_svc.step import ExecutorInfo  # noqa: E402
 from protos import executor_pb2  # noqa: E402
 from scheduler_svc import wire as scheduler_wire  # noqa: E402
@@ -52,7 +58,8 @@ from scheduler_svc.scheduler import Scheduler  # noqa: E402
 from scheduler_svc.sequence import Sequence  # noqa: E402
 
 VOCAB, EOS = 128_256, 128_001  # Llama-3
-CASES = {"decode": 0, "mixed": 2}  # name: sequences finished and admitted per step
+CASES = {"decode": 0, "mixed": 2, "prefix": 0}  # name: seqs finished and admitted per step
+PREFIX_TOKENS, NEW_TOKENS = 2000, 16  # the prefix case's requests (bench_ttft's defaults)
 PHASES = ("parse", "launch", "finish", "encode")
 STEPS_IN_FLIGHT = 2
 
@@ -95,14 +102,20 @@ class _NoReplay:
         pass
 
 
-def make_runner(fakes: Fakes) -> ModelRunner:
-    """A runner with the fakes, and decode graphs whose replays do nothing."""
+def make_runner(fakes: Fakes, small_steps: bool = False) -> ModelRunner:
+    """A runner with the fakes, and decode graphs (and, if `small_steps`, small-step graphs)
+    whose replays do nothing: the inputs are packed and staged as on the GPU."""
     info = ExecutorInfo("bench", "fp", "bfloat16", BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS,
                         MAX_MODEL_LEN, VOCAB, "", "cpu")
     backend = dataclasses.make_dataclass("Backend", [("device", torch.device)])(
         torch.device("cpu"))
-    graphs = DecodeGraphs(fakes, fakes.kv_caches, -(-MAX_MODEL_LEN // BLOCK_SIZE))
-    runner = ModelRunner(fakes, backend, fakes, info, graphs)
+    max_blocks_per_seq = -(-MAX_MODEL_LEN // BLOCK_SIZE)
+    graphs = DecodeGraphs(fakes, fakes.kv_caches, max_blocks_per_seq)
+    small = None
+    if small_steps:
+        small = SmallStepGraphs(fakes, fakes.kv_caches, max_blocks_per_seq)
+        small.graphs = {size: _NoReplay() for size in small.token_sizes}
+    runner = ModelRunner(fakes, backend, fakes, info, graphs, small)
     graphs.prepare(runner.token_counts)
     graphs.graphs = {(variant, bs): _NoReplay()
                      for bs in graphs.batch_sizes for variant in graphs.variants(bs)}
@@ -192,12 +205,62 @@ class Bench:
         return {"parse": parse_ns, "launch": launch_ns, "finish": t1 - t0, "encode": t2 - t1}
 
 
+class PrefixBench(Bench):
+    """The prefix case: one request at a time, each a cached 2,000-token prefix + 16 new tokens
+    with max_tokens 1, so each step is one new seq of 2,000 computed and 16 scheduled tokens."""
+
+    def __init__(self, num_seqs: int, finish_per_step: int, seed: int,
+                 temperature: float = 0.0) -> None:
+        self.rng = random.Random(seed)
+        self.sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
+        config = SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=16)
+        bm = BlockManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, enable_prefix_caching=True)
+        self.sched = Scheduler(config, bm, rng=random.Random(seed))
+        self.fakes = Fakes(seed)
+        self.runner = make_runner(self.fakes, small_steps=True)
+        self.in_flight = deque()
+        self.step_id = self.next_seq_id = 0
+        self.kinds = {"decode": 0, "other": 0}
+        self.prefix = [self.rng.randrange(1, EOS) for _ in range(PREFIX_TOKENS)]
+        self.add_seq(self.prefix)  # setup, not measured: computes and caches the prefix
+        self.send()
+        for _ in range(4):
+            self.step()
+        self.kinds = {"decode": 0, "other": 0}
+
+    def add_seq(self, prompt: list[int] | None = None) -> None:
+        if prompt is None:
+            prompt = self.prefix + [self.rng.randrange(1, EOS) for _ in range(NEW_TOKENS)]
+        self.next_seq_id += 1
+        self.sched.add_seq(Sequence(
+            self.next_seq_id, prompt, self.sampling, StoppingParams(max_tokens=1),
+            eos_token_id=EOS, max_model_len=MAX_MODEL_LEN, arrival_time=float(self.next_seq_id)))
+
+    def step(self) -> dict[str, int]:
+        """Finishes the step in flight and encodes its result; the scheduler applies it and
+        drops the seq (not timed); the next request is admitted, planned (not timed), parsed and
+        launched."""
+        plan, pending = self.in_flight.popleft()
+        t0 = time.perf_counter_ns()
+        result = self.runner.finish(pending)
+        t1 = time.perf_counter_ns()
+        data = wire.result_to_proto(result).SerializeToString()
+        t2 = time.perf_counter_ns()
+        sampled = scheduler_wire.result_from_proto(executor_pb2.StepResult.FromString(data)).sampled
+        for update in self.sched.update_from_output(plan, sampled):
+            assert update.finish_reason is not None, "max_tokens 1: every seq finishes"
+        self.add_seq()
+        parse_ns, launch_ns = self.send()
+        return {"parse": parse_ns, "launch": launch_ns, "finish": t1 - t0, "encode": t2 - t1}
+
+
 def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1,
              temperature: float = 0.0) -> dict:
     """Medians and p90 over the steps of `repeat` fresh runs pooled; each run's median sum."""
     samples, run_sums, kinds = [], [], {"decode": 0, "other": 0}
     for _ in range(repeat):
-        bench = Bench(num_seqs, CASES[case], seed, temperature)
+        bench = (PrefixBench if case == "prefix" else Bench)(num_seqs, CASES[case], seed,
+                                                              temperature)
         run = [bench.step() for _ in range(steps)]
         samples += run
         run_sums.append(_summary([sum(s.values()) for s in run])["median_ms"])
@@ -236,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     results = []
     for case in args.cases:
-        for n in args.num_seqs:
+        for n in [1] if case == "prefix" else args.num_seqs:  # prefix: one seq at a time
             results.append(run_case(case, n, args.steps, args.seed, args.repeat,
                                     args.temperature))
             _print(results[-1])

@@ -1,11 +1,12 @@
 """bench_executor_host drives a real ModelRunner with the real scheduler's plans: decode steps go
 through the decode-graph path, mixed ones eagerly, and the runner's state follows the
-scheduler's."""
+scheduler's; the prefix case admits one cached-prefix seq a step through the small-step graphs."""
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_executor_host import PHASES, Bench, run_case
+from benchmarks.bench_executor_host import (NEW_TOKENS, PHASES, PREFIX_TOKENS, Bench,
+                                            PrefixBench, run_case)
 
 
 @pytest.mark.parametrize("case, kind", [("decode", "decode"), ("mixed", "other")])
@@ -26,3 +27,20 @@ def test_the_runner_holds_what_the_scheduler_holds():
     for seq in bench.sched.running:
         held = bench.runner.token_ids(seq.seq_id).tolist()
         assert held[:len(seq.token_ids)] == seq.token_ids
+
+
+def test_the_prefix_case_admits_one_cached_prefix_seq_a_step_through_the_small_step_graphs():
+    bench = PrefixBench(num_seqs=1, finish_per_step=0, seed=3)
+    graphs = bench.runner.small_step_graphs
+    num_runs = []
+    run = graphs.run
+    graphs.run = lambda *args, **kwargs: num_runs.append(len(args[0])) or run(*args, **kwargs)
+    for _ in range(5):
+        plan, _ = bench.in_flight[0]
+        bench.step()
+        (new,) = plan.new_seqs
+        assert (new.num_computed_tokens, new.num_scheduled_tokens) == (PREFIX_TOKENS, NEW_TOKENS)
+    assert num_runs == [NEW_TOKENS] * 5
+    assert len(bench.runner.seqs) == 1  # each seq dropped by the plan after its one token
+    result = run_case("prefix", num_seqs=1, steps=4, seed=1)
+    assert result["step_kinds"]["other"] == 4 and result["running_at_end"] == 1

@@ -2,7 +2,12 @@
 (embedding to float32 logits) for a batch of sequences mid-generation, timed with and without the
 fused elementwise kernels, and the kernels of one eager step grouped by kind (torch profiler).
 With --mixed N, also a mixed step as the executor runs it eagerly (the decodes plus one N-token
-prompt chunk): its host launch time, GPU time and kernels by kind.
+prompt chunk): its host launch time, GPU time and kernels by kind. With --chunk N --cached C, a
+step of one seq's N new tokens over C cached ones (a chat turn whose prefix is cached) through
+SmallStepGraphs, its attention per query token (the decode kernel) and through the prefill
+kernel, beside a one-token decode step of the same seq:
+
+    PYTHONPATH=. python3 benchmarks/profile_decode.py --skip-decode --batch --chunk 16 --cached 2000
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py --out decode_profile.json
     PYTHONPATH=. python3 benchmarks/profile_decode.py --batch 256 --mixed 1077 --skip-decode
@@ -19,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -164,6 +170,10 @@ def main() -> None:
                    help="also profile mixed steps: each batch's decodes plus one prompt chunk of "
                         "this many tokens (the executor's eager path)")
     p.add_argument("--skip-decode", action="store_true", help="only the mixed steps")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="also time a step of this many new tokens of one seq over --cached "
+                        "cached ones through SmallStepGraphs, attention per token and not")
+    p.add_argument("--cached", type=int, default=2000)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     backend = CudaBackend()
@@ -171,8 +181,10 @@ def main() -> None:
     width = 4096 // BLOCK_SIZE  # the executor's graph width at max_model_len 4096
     rng = random.Random(0)
     lens_of = {batch: [rng.randint(*args.context) for _ in range(batch)] for batch in args.batch}
-    num_blocks = max(sum(-(-n // BLOCK_SIZE) for n in lens) for lens in lens_of.values())
+    num_blocks = max((sum(-(-n // BLOCK_SIZE) for n in lens) for lens in lens_of.values()),
+                     default=0)
     num_blocks += -(-max(args.mixed, default=0) // BLOCK_SIZE)
+    num_blocks += -(-(args.cached + args.chunk) // BLOCK_SIZE) if args.chunk else 0
     engine = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                          num_blocks, 0, torch.bfloat16, backend)
     copy_bw = copy_bandwidth()
@@ -209,6 +221,9 @@ def main() -> None:
                          f"{100 * floor_ms / e['replay_ms']:.0f}%", str(e["kernels"])))
         backend.fused_ops = True
         results["batches"][batch] = entry
+    if args.chunk:
+        results["chunk"] = profile_chunk(model, engine, args.chunk, args.cached, width,
+                                         weight_bytes / copy_bw * 1e3)
     print("\n| decode step (graph replay) | time | floor | floor/time | kernels per eager step |")
     print("|---|---|---|---|---|")
     for row in rows:
@@ -260,3 +275,39 @@ def _weights(model) -> list[torch.Tensor]:
 
 if __name__ == "__main__":
     main()
+
+
+def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms: float) -> dict:
+    """GPU time of one step of `chunk` new tokens of one seq over `cached` cached ones through
+    SmallStepGraphs (inputs packed, copied and the graph replayed, as the runner does), with
+    attention per query token and through the prefill kernel; and of one decode step of the
+    same seq (one token over cached + chunk), for comparison. Median of 50 (ms)."""
+    from executor_svc.small_step_graphs import SmallStepGraphs
+
+    length = cached + chunk
+    pages = torch.randperm(engine.kv_caches[0].shape[1])[:-(-length // BLOCK_SIZE)].numpy()
+    table = np.zeros((1, width), dtype=np.int64)
+    table[0, :len(pages)] = pages
+    positions = np.arange(cached, length)
+    slots = table[0, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    ids = np.random.default_rng(0).integers(1, model.config.vocab_size, chunk)
+    out = {"chunk": chunk, "cached": cached, "weights_read_ms": weights_ms}
+    size = next(n for n in (16, 32, 64, 128, 256, 512) if n >= chunk)
+    for per_token in (True, False):
+        graphs = SmallStepGraphs(model, engine.kv_caches, width, token_sizes=(size,),
+                                 per_token_max=size if per_token else 0)
+        graphs.capture()
+        run = lambda i: graphs.run(ids, positions, slots, np.array([0, chunk]),  # noqa: E731
+                                   np.array([length]), table, np.array([chunk - 1]))
+        out["per_token" if per_token else "prefill_kernel"] = median_ms(run, iters=50)
+        del graphs
+    lens = [length]
+    step = DecodeStep(model, engine.kv_caches, lens, width)
+    with torch.inference_mode():
+        step.capture()
+    out["one_token_decode"] = step.replay_ms(iters=50)
+    print(f"{chunk} new tokens over {cached} cached (small-step graph of {size}): attention per "
+          f"token {out['per_token']:.2f} ms, prefill kernel {out['prefill_kernel']:.2f} ms; "
+          f"one-token decode of the same seq {out['one_token_decode']:.2f} ms; weights read at "
+          f"the copy rate {weights_ms:.2f} ms", flush=True)
+    return out

@@ -33,7 +33,7 @@ def plan_from_proto(plan: executor_pb2.StepPlan) -> StepPlan:
         swap_in=_pairs(plan.swap_in),
         copy=_pairs(plan.copy),
         new_seqs=[
-            NewSeq(seq_id=s.seq_id, token_ids=list(s.token_ids), block_table=list(s.block_table),
+            NewSeq(seq_id=s.seq_id, token_ids=_ints(s.token_ids), block_table=list(s.block_table),
                    num_computed_tokens=s.num_computed_tokens,
                    num_scheduled_tokens=s.num_scheduled_tokens, sampling=_sampling(s.sampling),
                    num_prompt_tokens=s.num_prompt_tokens or None)
@@ -43,6 +43,12 @@ def plan_from_proto(plan: executor_pb2.StepPlan) -> StepPlan:
         finished_seq_ids=list(plan.finished_seq_ids),
         preempted_seq_ids=list(plan.preempted_seq_ids),
     )
+
+
+def _ints(values) -> list[int]:
+    """A repeated integer field as a list: read through numpy (upb hands it over as one buffer),
+    twice as fast as list() for long fields (2,016 token ids: 28 us against 56 us)."""
+    return np.asarray(values).tolist()
 
 
 def _cached_seqs(plan: executor_pb2.StepPlan) -> CachedSeqs:
@@ -59,6 +65,9 @@ def _cached_seqs(plan: executor_pb2.StepPlan) -> CachedSeqs:
 
 def _cached_columns(cached: executor_pb2.CachedSeqs) -> CachedSeqs:
     """The columns of CachedSeqs as arrays; PlanMismatch if they do not line up."""
+    if not (cached.seq_ids or cached.num_scheduled_tokens or cached.num_computed_tokens
+            or cached.num_new_blocks or cached.new_block_ids):  # new seqs only: 13 -> 4 us
+        return CachedSeqs()
     columns = CachedSeqs(
         np.array(cached.seq_ids, dtype=np.uint64),
         np.array(cached.num_scheduled_tokens, dtype=np.int64),
@@ -84,8 +93,18 @@ def result_to_proto(result: StepResult) -> executor_pb2.StepResult:
         forward_ms=result.forward_ms,
         step_ms=result.step_ms,
     )
-    msg.MergeFromString(_sampled_field(result.seq_ids, result.token_ids))
+    if len(result.seq_ids) < _FEW_SAMPLED:
+        msg.sampled.extend(executor_pb2.SampledToken(seq_id=seq_id, token_id=token_id)
+                           for seq_id, token_id in zip(_ints(result.seq_ids),
+                                                       _ints(result.token_ids)))
+    else:
+        msg.MergeFromString(_sampled_field(result.seq_ids, result.token_ids))
     return msg
+
+
+# Below this many sampled seqs the messages built one by one (~0.6 us each) cost less than
+# _sampled_field's ~20 whole-array ops (~42 us at one seq, 49 us at 64).
+_FEW_SAMPLED = 64
 
 
 _SAMPLED_TAG = 2 << 3 | 2  # StepResult.sampled: field 2, length-delimited

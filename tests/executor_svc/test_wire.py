@@ -27,6 +27,7 @@ def test_cached_seq_messages_come_before_the_columns():
 @pytest.mark.parametrize("seq_ids, token_ids", [
     ([], []),
     ([0, 1, 127, 128, 16383, 16384, 2**63, 2**64 - 1], [0, 127, 128, 2**21, 5, 0, 1, 128255]),
+    (list(range(1000, 1063)), list(range(63))),  # the most encoded one message at a time
     (list(range(1000, 2024)), [(7 * i) % 128256 for i in range(1024)]),
 ])
 def test_sampled_tokens_encode_as_the_messages_would(seq_ids, token_ids):
@@ -45,3 +46,18 @@ def test_sampled_tokens_encode_as_the_messages_would(seq_ids, token_ids):
     assert msg == expected
     assert executor_pb2.StepResult.FromString(msg.SerializeToString()) == expected
     assert [(t.seq_id, t.token_id) for t in result.sampled] == list(zip(seq_ids, token_ids))
+
+
+def test_a_plan_of_new_seqs_reads_their_ids_as_ints_and_empty_cached_columns():
+    token_ids = [0, 1, 127, 128, 2**31 - 1, 2**32 - 1] + list(range(2000))
+    msg = executor_pb2.StepPlan(step_id=2, new_seqs=[executor_pb2.NewSeq(
+        seq_id=5, token_ids=token_ids, block_table=[0, 2**31 - 1], num_computed_tokens=2000,
+        num_scheduled_tokens=6)])
+    step = wire.plan_from_proto(msg)
+    (new,) = step.new_seqs
+    assert new.token_ids == token_ids and new.block_table == [0, 2**31 - 1]
+    assert all(type(t) is int for t in new.token_ids)
+    cached = step.cached_seqs
+    assert len(cached) == 0 and cached.seq_ids.dtype == np.uint64
+    assert all(len(getattr(cached, name)) == 0 for name in (
+        "num_scheduled_tokens", "num_computed_tokens", "num_new_blocks", "new_block_ids"))

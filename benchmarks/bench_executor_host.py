@@ -21,7 +21,8 @@ fakes is subtracted from launch. Cases:
           seq of a 2,000-token cached prefix + 16 new tokens (2,000 computed, 16 scheduled, a
           126-page table), max_tokens 1, run through SmallStepGraphs with a replay that does
           nothing; the seq finishes with its one token and is dropped by the next plan. One
-          step in flight, as bench_ttft's sequential requests.
+          step in flight, as bench_ttft's sequential requests. Also reported: to_replay, the
+          part of launch before the graph's replay is queued (on the GPU, the idle part).
 The scheduler's own work (schedule, update_from_output, plan encoding) is not timed.
 """
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Fakes:
 
     def __init__(self, seed: int) -> None:
         self.ns = 0
+        self.replayed: tuple[int, int] | None = None  # (perf_counter_ns, ns) at the last replay
         self.config = dataclasses.make_dataclass("Config", [("vocab_size", int)])(1)
         self.generator = torch.Generator().manual_seed(seed)
         self.kv_caches = (torch.zeros(1, 1, 1, BLOCK_SIZE, 1),) * 2  # shape[3]: block size
@@ -98,8 +100,12 @@ class Fakes:
 
 
 class _NoReplay:
+    def __init__(self, fakes: Fakes) -> None:
+        self.fakes = fakes
+
     def replay(self) -> None:
-        pass
+        """Notes when (and after how much time in fakes) the graph would have been queued."""
+        self.fakes.replayed = (time.perf_counter_ns(), self.fakes.ns)
 
 
 def make_runner(fakes: Fakes, small_steps: bool = False) -> ModelRunner:
@@ -114,10 +120,10 @@ def make_runner(fakes: Fakes, small_steps: bool = False) -> ModelRunner:
     small = None
     if small_steps:
         small = SmallStepGraphs(fakes, fakes.kv_caches, max_blocks_per_seq)
-        small.graphs = {size: _NoReplay() for size in small.token_sizes}
+        small.graphs = {size: _NoReplay(fakes) for size in small.token_sizes}
     runner = ModelRunner(fakes, backend, fakes, info, graphs, small)
     graphs.prepare(runner.token_counts)
-    graphs.graphs = {(variant, bs): _NoReplay()
+    graphs.graphs = {(variant, bs): _NoReplay(fakes)
                      for bs in graphs.batch_sizes for variant in graphs.variants(bs)}
     runner.sampler = fakes
     return runner
@@ -178,10 +184,14 @@ class Bench:
         step = wire.plan_from_proto(executor_pb2.StepPlan.FromString(data))
         t1 = time.perf_counter_ns()
         fake_ns = self.fakes.ns
+        self.fakes.replayed = None
         pending = self.runner.launch(step)
         t2 = time.perf_counter_ns()
         self.kinds[pending.kind] += 1
         self.in_flight.append((plan, pending))
+        if self.fakes.replayed is not None:  # launch's host time before its graph is queued
+            replay_ns, replay_fake_ns = self.fakes.replayed
+            self.to_replay_ns = replay_ns - t1 - (replay_fake_ns - fake_ns)
         return t1 - t0, t2 - t1 - (self.fakes.ns - fake_ns)
 
     def step(self) -> dict[str, int]:
@@ -251,7 +261,8 @@ class PrefixBench(Bench):
             assert update.finish_reason is not None, "max_tokens 1: every seq finishes"
         self.add_seq()
         parse_ns, launch_ns = self.send()
-        return {"parse": parse_ns, "launch": launch_ns, "finish": t1 - t0, "encode": t2 - t1}
+        return {"parse": parse_ns, "launch": launch_ns, "finish": t1 - t0, "encode": t2 - t1,
+                "to_replay": self.to_replay_ns}
 
 
 def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1,
@@ -263,10 +274,12 @@ def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1,
                                                               temperature)
         run = [bench.step() for _ in range(steps)]
         samples += run
-        run_sums.append(_summary([sum(s.values()) for s in run])["median_ms"])
+        run_sums.append(_summary([sum(s[p] for p in PHASES) for s in run])["median_ms"])
         kinds = {k: kinds[k] + v for k, v in bench.kinds.items()}
     phases = {p: _summary([s[p] for s in samples]) for p in PHASES}
-    phases["sum"] = _summary([sum(s.values()) for s in samples])
+    phases["sum"] = _summary([sum(s[p] for p in PHASES) for s in samples])
+    if case == "prefix":  # part of launch: with nothing else queued, the GPU idles through it
+        phases["to_replay"] = _summary([s["to_replay"] for s in samples])
     return {"case": case, "num_seqs": num_seqs, "steps": steps, "repeat": repeat,
             "temperature": temperature,
             "phases": phases, "run_median_sums_ms": run_sums, "step_kinds": kinds,

@@ -44,3 +44,4 @@ def test_the_prefix_case_admits_one_cached_prefix_seq_a_step_through_the_small_s
     assert len(bench.runner.seqs) == 1  # each seq dropped by the plan after its one token
     result = run_case("prefix", num_seqs=1, steps=4, seed=1)
     assert result["step_kinds"]["other"] == 4 and result["running_at_end"] == 1
+    assert 0 < result["phases"]["to_replay"]["median_ms"] < result["phases"]["launch"]["median_ms"]

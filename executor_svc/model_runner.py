@@ -192,7 +192,7 @@ class ModelRunner:
     def _check_new(self, new: NewSeq) -> np.ndarray:
         """Checks a new seq; returns its token ids [num_tokens] int64."""
         vocab_size = self.info.vocab_size
-        token_ids = np.asarray(new.token_ids, dtype=np.int64)
+        token_ids = np.fromiter(new.token_ids, np.int64, len(new.token_ids))  # asarray: +25%
         if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
             raise PlanMismatch(f"seq {new.seq_id}: token id out of vocabulary")
         if any(t < 0 or t >= vocab_size for t, _ in new.sampling.logit_bias):
@@ -347,8 +347,10 @@ class ModelRunner:
                 kind = "decode"
             elif (self.small_step_graphs is not None and self.small_step_graphs.can_run(
                     int(batch.num_scheduled.sum()), len(rows), tables.shape[1])):
-                params = self._sampling_tensors(sample_rows)  # before: copies never wait
                 logits = self._small_step_replay(batch, tables, to_sample)
+                # After the replay is queued: the GPU needs them only after the graph, and a
+                # short step's GPU idles until the replay (their build is ~0.1 ms when sampled).
+                params = self._sampling_tensors(sample_rows)
             else:
                 # Built before the forward: their host-to-device copies never wait for it.
                 params = self._sampling_tensors(sample_rows)

@@ -273,9 +273,6 @@ def _weights(model) -> list[torch.Tensor]:
     return tensors
 
 
-if __name__ == "__main__":
-    main()
-
 
 def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms: float) -> dict:
     """GPU time of one step of `chunk` new tokens of one seq over `cached` cached ones through
@@ -311,3 +308,7 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
           f"one-token decode of the same seq {out['one_token_decode']:.2f} ms; weights read at "
           f"the copy rate {weights_ms:.2f} ms", flush=True)
     return out
+
+
+if __name__ == "__main__":
+    main()

@@ -160,6 +160,25 @@ def eager_breakdown(step) -> dict:
     return {"ms_by_kind": totals, "kernels": count}
 
 
+def replay_breakdown(fn, iters: int = 10) -> dict:
+    """GPU time per call of fn (a graph replay, say) by kernel kind (ms), over `iters` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kind_of(evt.name)
+            totals[kind] = totals.get(kind, 0.0) + evt.time_range.elapsed_us() / 1e3 / iters
+    return totals
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="preset:llama3-8b")
@@ -278,7 +297,12 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
     """GPU time of one step of `chunk` new tokens of one seq over `cached` cached ones through
     SmallStepGraphs (inputs packed, copied and the graph replayed, as the runner does), with
     attention per query token and through the prefill kernel; and of one decode step of the
-    same seq (one token over cached + chunk), for comparison. Median of 50 (ms)."""
+    same seq (one token over cached + chunk), for comparison. Median of 50 (ms), and each one's
+    kernel time by kind (torch profiler, mean of 10).
+
+    Measured on the H200 (2026-12-01, 16 over 2,000): per token 5.97 ms, prefill kernel 6.13,
+    one-token decode 4.71; by kernel, the per-token step's decode attention 1.17 ms against the
+    one-token step's 0.25, its matrix products ~0.2 ms more (16 rows against 1)."""
     from executor_svc.small_step_graphs import SmallStepGraphs
 
     length = cached + chunk
@@ -296,17 +320,23 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
         graphs.capture()
         run = lambda i: graphs.run(ids, positions, slots, np.array([0, chunk]),  # noqa: E731
                                    np.array([length]), table, np.array([chunk - 1]))
-        out["per_token" if per_token else "prefill_kernel"] = median_ms(run, iters=50)
+        label = "per_token" if per_token else "prefill_kernel"
+        out[label] = median_ms(run, iters=50)
+        out[f"{label}_ms_by_kind"] = replay_breakdown(lambda: run(0))
         del graphs
     lens = [length]
     step = DecodeStep(model, engine.kv_caches, lens, width)
     with torch.inference_mode():
         step.capture()
     out["one_token_decode"] = step.replay_ms(iters=50)
+    out["one_token_decode_ms_by_kind"] = replay_breakdown(step.graph.replay)
     print(f"{chunk} new tokens over {cached} cached (small-step graph of {size}): attention per "
           f"token {out['per_token']:.2f} ms, prefill kernel {out['prefill_kernel']:.2f} ms; "
           f"one-token decode of the same seq {out['one_token_decode']:.2f} ms; weights read at "
           f"the copy rate {weights_ms:.2f} ms", flush=True)
+    for label in ("per_token", "prefill_kernel", "one_token_decode"):
+        print(f"  {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                         sorted(out[f"{label}_ms_by_kind"].items())), flush=True)
     return out
 
 

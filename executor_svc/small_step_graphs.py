@@ -13,8 +13,7 @@ Sizes up to `per_token_max` tokens instead run attention per query token: each t
 one-token sequence of the decode kernel over its own context (its seq's block table row, its
 position + 1 keys: causal), which splits every context over many CTAs. The prefill kernel gives
 a 16-token chunk over a 2,000-token cached prefix one 128-row query tile per head: 32 CTAs for
-132 SMs, each walking the whole context (the H200 measured such a step 1.3 ms slower than a
-one-token decode step of the same seq). A pad token reads its seq's first key (position 0).
+132 SMs, each walking the whole context. A pad token reads its seq's first key (position 0).
 
 On a device without CUDA, `capture` captures nothing and `run` calls the same forward on the same
 static buffers eagerly: tests check the packing and padding on the CPU against the eager path.
@@ -39,8 +38,12 @@ log = logging.getLogger(__name__)
 TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_SEQS = 32
 # Per-token attention reads a seq's context once per query token (from L2 when it is one seq's
-# chunk): worth it while the tokens are few; a 64-token step fills a prefill tile anyway.
-PER_TOKEN_MAX = 32
+# chunk): worth it only while the tokens are few. Measured on the H200 (Llama-3-8B shape, one
+# seq's new tokens over 2,000 cached, `profile_decode.py --chunk N`): 16 tokens 5.97 ms a step
+# against 6.13 through the prefill kernel, 32 tokens 6.72 against 6.14. The decode kernel then
+# takes 1.17 ms of the 16-token step (0.25 for one token): the 16 reads of the context are what
+# is left; a kernel that serves a seq's query tokens from one read would take it to ~0.25.
+PER_TOKEN_MAX = 16
 
 
 class SmallStepGraphs:

@@ -435,20 +435,20 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
     distribution (bf16, which the kernels cover; one-token seqs go through the prefill kernel in
     the graph, the decode kernel eagerly, hence a tolerance), and a graph step's launch syncs
     nothing: a prefill of three seqs (62 tokens), a mixed step of their decodes and a new prompt
-    (33), a 400-token chunk of a 420-token prompt (512-token graph), then its last 20 tokens
-    over the 400 cached beside four decodes (24 tokens: attention per query token, the decode
+    (33), a 400-token chunk of a 412-token prompt (512-token graph), then its last 12 tokens
+    over the 400 cached beside four decodes (16 tokens: attention per query token, the decode
     kernel over each token's own context)."""
     hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
     rng = random.Random(3)
     prompts = {1: random_prompt(rng, 5), 2: random_prompt(rng, 17), 3: random_prompt(rng, 40)}
-    late, long = random_prompt(rng, 30), random_prompt(rng, 420)
+    late, long = random_prompt(rng, 30), random_prompt(rng, 412)
     top = SamplingOptions(logprobs=5)
     outputs = {}
     for small in (False, True):
         runner = gpu_runner(hf, "bfloat16", max_model_len=512, small_graphs=small)
         replayed = []
         if small:
-            assert runner.small_step_graphs.per_token_max >= 32
+            assert runner.small_step_graphs.per_token_max >= 16
             real_run = runner.small_step_graphs.run
             runner.small_step_graphs.run = lambda *a: replayed.append(len(a[0])) or real_run(*a)
         driver = PlanDriver(runner)
@@ -458,7 +458,7 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
                          new_seqs=[driver.new_seq(4, late, sampling=top)]),
             lambda: dict(new_seqs=[driver.new_seq(5, long, num_scheduled=400, sampling=top)]),
             lambda: dict(cached_seqs=[driver.cached_seq(s) for s in (1, 2, 3, 4)]
-                         + [driver.cached_seq(5, num_scheduled=20)]),
+                         + [driver.cached_seq(5, num_scheduled=12)]),
         ]
         outputs[small] = []
         for step_id, fields in enumerate(steps, start=1):
@@ -475,7 +475,7 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
                 driver.tokens[t.seq_id].append(t.token_id)
             outputs[small].append(out)
         assert [len(o.sampled) for o in outputs[small]] == [3, 4, 0, 5]
-        assert replayed == ([62, 33, 400, 24] if small else [])  # every step took the graphs
+        assert replayed == ([62, 33, 400, 16] if small else [])  # every step took the graphs
         del runner
         torch.cuda.empty_cache()
     for eager, graphed in zip(outputs[False], outputs[True], strict=True):

@@ -476,12 +476,13 @@ class Engine:
         try:
             while num_open:
                 events = await mailbox.take()
-                failed = next((e for e in events if isinstance(e, EngineFailed)), None)
-                if failed is not None:  # what came before it still goes out
-                    if events[0] is not failed:
-                        yield events[:events.index(failed)]
-                    raise failed
-                num_open -= sum(isinstance(e, FinishEvent) for e in events)
+                if not all(type(e) is TokenEvent for e in events):  # rarely: an end in it
+                    failed = next((e for e in events if isinstance(e, EngineFailed)), None)
+                    if failed is not None:  # what came before it still goes out
+                        if events[0] is not failed:
+                            yield events[:events.index(failed)]
+                        raise failed
+                    num_open -= sum(isinstance(e, FinishEvent) for e in events)
                 yield events
         finally:
             for state in states:

@@ -61,9 +61,11 @@ class PreparedRequest:
     stoppers: tuple[StopStringMatcher | None, ...] = (None,)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenEvent:
-    """One generated token and the text it completed (possibly empty)."""
+    """One generated token and the text it completed (possibly empty). Not frozen: the step loop
+    makes one per token per stream, and a frozen dataclass's __init__ (object.__setattr__ per
+    field) cost 1.2 us of it against 0.16; nothing changes an event once made."""
 
     token_id: int
     text: str

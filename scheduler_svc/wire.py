@@ -87,6 +87,12 @@ def events_to_protos(events: list[TokenEvent | FinishEvent], request_id: str
                      ) -> list[generate_pb2.GenerateResponse]:
     """The messages for a batch of one request's events: each sample's consecutive tokens as one
     message (before that sample's final message, if the batch has it), in order of appearance."""
+    if len(events) == 1:  # one token, one message: the usual batch, made in one call
+        event = events[0]
+        if type(event) is TokenEvent and event.logprobs is None:
+            return [generate_pb2.GenerateResponse(
+                token_ids=(event.token_id,), text=event.text, index=event.index,
+                request_id=request_id, sample_index=event.sample_index)]
     out: list[generate_pb2.GenerateResponse] = []
     open_msgs: dict[int, generate_pb2.GenerateResponse] = {}  # sample -> its tokens so far
     for event in events:

@@ -28,6 +28,8 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "decode_bf16_hd64", "decode_bf16_hd128", "decode_fp16_hd64", "decode_fp16_hd128",
             "decode_s2_bf16_hd128",
             "decode_combine_bf16", "decode_combine_fp16",
+            "query_tiles", "decode_mq_bf16_hd64", "decode_mq_bf16_hd128", "decode_mq_fp16_hd64",
+            "decode_mq_fp16_hd128",
         ),
     ),
     "cache": ("cache.cu", ("reshape_and_cache_i64", "reshape_and_cache_i32", "copy_pages")),

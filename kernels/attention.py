@@ -146,24 +146,13 @@ def paged_prefill_attention(
     head_dim]. Launches a tile-list kernel then the attention kernel on torch's current stream.
     """
     out = _check_q(q, out)
-    _check_cache(k_cache, v_cache, q)
-    num_heads, num_kv_heads = _check_heads(q, k_cache)
-    device = q.device
-    num_seqs = seq_lens.shape[0]
-    _check_index("block_tables", block_tables, 2, device)
-    _check_index("cu_seqlens_q", cu_seqlens_q, 1, device)
-    _check_index("seq_lens", seq_lens, 1, device)
-    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
-                         f"{tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} disagree")
-    total = q.shape[0]
+    num_heads, num_kv_heads, num_seqs = _check_packed(q, k_cache, v_cache, block_tables,
+                                                      cu_seqlens_q, seq_lens)
+    total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
     head_dim, block_size = q.shape[2], k_cache.shape[2]
-    # Upper bound on query tiles: sum_s ceil(q_len_s / BM) <= total / BM + num_seqs.
-    num_entries = math.ceil(total / _PREFILL_BM) + num_seqs
-    if num_entries > 65535:
-        raise ValueError(f"too many query tiles for one launch ({num_entries} > 65535)")
+    num_entries = _num_tiles(total, num_seqs, _PREFILL_BM)
     tiles = _workspace("prefill_tiles", device, 2 * num_entries, torch.int32)
     _compile.launch("attention", "prefill_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(), _i32(num_entries)))
@@ -179,6 +168,94 @@ def paged_prefill_attention(
     _compile.launch("attention", kernel, device, (num_heads, num_entries, 1), (threads, 1, 1),
                     args, shared_mem=smem)
     return out
+
+
+# (dtype, head_dim) -> (multi-query decode kernel, its pipeline stages): as DECODE_KERNELS.
+DECODE_MQ_KERNELS = {(dt, hd): (f"decode_mq_{name}_hd{hd}", _DECODE_STAGES[hd])
+                     for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
+
+
+def paged_few_query_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_prefill_attention's semantics (same arguments, causal), for sequences with few query
+    tokens over long contexts, e.g. a cached prefix's new tokens: the decode kernel's split of
+    each context over CTAs, with up to 16 / group query tokens of one sequence in a CTA (their
+    query heads are the MMA's 16 rows) sharing one read of the context. Launch shapes follow from
+    the tensors' shapes only (capturable). Not yet used by the executor: its GPU test
+    (test_kernels_gpu.py) has not run on a GPU.
+    """
+    out = _check_q(q, out)
+    num_heads, num_kv_heads, num_seqs = _check_packed(q, k_cache, v_cache, block_tables,
+                                                      cu_seqlens_q, seq_lens)
+    group = num_heads // num_kv_heads
+    if group > _MAX_GROUP:
+        raise ValueError(f"at most {_MAX_GROUP} query heads per KV head, got {group}")
+    total, device = q.shape[0], q.device
+    if total == 0 or num_seqs == 0:
+        return out
+    head_dim, block_size = q.shape[2], k_cache.shape[2]
+    tpc = _MAX_GROUP // group  # query tokens per CTA
+    num_entries = _num_tiles(total, num_seqs, tpc)
+    tiles = _workspace("few_query_tiles", device, 2 * num_entries, torch.int32)
+    _compile.launch("attention", "query_tiles", device, (1, 1, 1), (1024, 1, 1),
+                    (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(),
+                     _i32(num_entries), _i32(tpc)))
+    splits, chunk_pages = decode_splits(num_entries, num_kv_heads, block_tables.shape[1],
+                                        block_size, _sm_count(device))
+    part_o = part_lse = 0
+    if splits > 1:
+        rows = total * num_heads * splits
+        part = _workspace("decode_partials", device, rows * (head_dim + 1), torch.float32)
+        part_o, part_lse = part.data_ptr(), part.data_ptr() + rows * head_dim * 4
+    kernel, stages = DECODE_MQ_KERNELS[(q.dtype, head_dim)]
+    smem = stages * 2 * _DECODE_BN * head_dim * q.element_size() + _DECODE_MAX_PAGES * 4
+    args = (
+        q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
+        _i32(tpc), _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
+        _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
+        _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
+        _f32(scale * math.log2(math.e)),
+    )
+    _compile.launch("attention", kernel, device, (splits, num_kv_heads, num_entries),
+                    (_THREADS, 1, 1), args, shared_mem=smem)
+    if splits > 1:
+        _compile.launch("attention", f"decode_combine_{_DTYPES[q.dtype]}", device,
+                        (total, num_heads, 1), (head_dim, 1, 1),
+                        (part_o, part_lse, out.data_ptr(), _i64(out.stride(0)),
+                         _i32(out.stride(1)), _i32(num_heads), _i32(splits), _i32(head_dim)))
+    return out
+
+
+def _check_packed(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens
+                  ) -> tuple[int, int, int]:
+    """Checks packed-query attention's arguments; returns (num_heads, num_kv_heads, num_seqs)."""
+    _check_cache(k_cache, v_cache, q)
+    num_heads, num_kv_heads = _check_heads(q, k_cache)
+    device, num_seqs = q.device, seq_lens.shape[0]
+    _check_index("block_tables", block_tables, 2, device)
+    _check_index("cu_seqlens_q", cu_seqlens_q, 1, device)
+    _check_index("seq_lens", seq_lens, 1, device)
+    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
+                         f"{tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} disagree")
+    return num_heads, num_kv_heads, num_seqs
+
+
+def _num_tiles(total: int, num_seqs: int, tile: int) -> int:
+    """Entries of a tile list: sum_s ceil(q_len_s / tile) <= total / tile + num_seqs."""
+    num_entries = math.ceil(total / tile) + num_seqs
+    if num_entries > 65535:
+        raise ValueError(f"too many query tiles for one launch ({num_entries} > 65535)")
+    return num_entries
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,

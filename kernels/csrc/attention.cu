@@ -17,18 +17,18 @@ constexpr int kPrefillBN = 64;
 constexpr int kDecodeBN = 64;  // keys per pipeline stage; each warp owns 16 of them
 
 // ---------------------------------------------------------------------------------------------
-// Tile list for prefill: for every sequence, its query tiles (seq, m_block), last tile first (the
-// last tiles see the most keys). Entries past the total are (-1, 0): those CTAs exit at once.
-// One CTA of 1024 threads; launched before the prefill kernel on the same stream.
+// Tile list for prefill: for every sequence, its query tiles of `bm` tokens (seq, m_block), last
+// tile first (the last tiles see the most keys). Entries past the total are (-1, 0): those CTAs
+// exit at once. One CTA of 1024 threads; launched before the attention kernel on the same stream.
 __device__ void prefill_tiles_impl(const int* __restrict__ cu_seqlens_q, int num_seqs,
-                                   int2* __restrict__ tiles, int num_entries) {
+                                   int2* __restrict__ tiles, int num_entries, int bm) {
   __shared__ int scan[1024];
   const int tid = threadIdx.x;
   int base = 0;
   for (int start = 0; start < num_seqs; start += 1024) {
     const int s = start + tid;
     int nt = 0;
-    if (s < num_seqs) nt = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + kPrefillBM - 1) / kPrefillBM;
+    if (s < num_seqs) nt = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bm - 1) / bm;
     scan[tid] = nt;
     __syncthreads();
     for (int off = 1; off < 1024; off <<= 1) {
@@ -510,14 +510,21 @@ __device__ __forceinline__ void prefill_wg_impl(
 }
 
 // ---------------------------------------------------------------------------------------------
-template <typename T, int HD, int STAGES>
+// MQ (few query tokens per sequence, e.g. a cached prefix's new tokens): blockIdx.z is an entry
+// of a tile list of `tpc` = 16 / group tokens (prefill_tiles_impl with bm = tpc); the MMA's 16
+// query rows are (token r / group, head r % group) of the tile's tokens, which share one read of
+// the context, each row masked at its own token's position (causal). Partials and outputs are
+// indexed by token as the one-token kernel indexes them by sequence: the combine is the same.
+// Without MQ the code is the one-token kernel's, unchanged.
+template <typename T, int HD, int STAGES, bool MQ = false>
 __device__ __forceinline__ void decode_impl(
     const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_lse, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, long long q_stride_tok,
     int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads,
     int block_size_log2, int max_blocks_per_seq, int chunk_pages, int num_splits,
-    float scale_log2) {
+    float scale_log2, const int* __restrict__ cu_seqlens_q = nullptr,
+    const int2* __restrict__ tiles = nullptr, int tpc = 1) {
   constexpr int BN = kDecodeBN;
   constexpr int CH = HD / 8;
   constexpr int ROW_STEP = kThreads / CH;
@@ -528,23 +535,45 @@ __device__ __forceinline__ void decode_impl(
   T* stages = reinterpret_cast<T*>(smem_raw);
   int* s_pages = reinterpret_cast<int*>(smem_raw + (size_t)STAGES * STAGE_ELEMS * sizeof(T));
 
-  const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int split = blockIdx.x, kv_head = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int group = num_heads / num_kv_heads;
   const int head0 = kv_head * group;
-  const int seq_len = seq_lens[seq];
+  int seq = blockIdx.z;
+  int seq_len, tok0 = 0, rows = group, first_lim = 0;
+  if constexpr (MQ) {
+    const int2 tile = tiles[blockIdx.z];
+    if (tile.x < 0) return;  // past the list's end
+    seq = tile.x;
+    const int q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
+    tok0 = cu_seqlens_q[seq] + tile.y * tpc;
+    const int count = min(tpc, q_len - tile.y * tpc);
+    rows = count * group;
+    first_lim = seq_lens[seq] - q_len + tile.y * tpc + 1;  // keys the tile's first token sees
+    seq_len = first_lim + count - 1;                        // and its last
+  } else {
+    seq_len = seq_lens[seq];
+  }
   const int begin = (split * chunk_pages) << block_size_log2;
   const int end = min(seq_len, begin + (chunk_pages << block_size_log2));
   const long long row_base = (long long)seq * num_heads + head0;  // partial index of (seq, head0)
+  // Row r's partial index and output offset: (seq, head0 + r), or MQ's (token, head).
+  auto prow = [&](int r) -> long long {
+    if constexpr (MQ) return (long long)(tok0 + r / group) * num_heads + head0 + r % group;
+    else return row_base + r;
+  };
+  auto orow = [&](int r) -> long long {
+    if constexpr (MQ)
+      return (long long)(tok0 + r / group) * o_stride_tok + (long long)(head0 + r % group) * o_stride_head;
+    else return (long long)seq * o_stride_tok + (long long)(head0 + r) * o_stride_head;
+  };
 
   if (begin >= end) {  // nothing to attend to in this split
     if (num_splits > 1) {
-      for (int h = tid; h < group; h += kThreads) part_lse[(row_base + h) * num_splits + split] = -INFINITY;
+      for (int h = tid; h < rows; h += kThreads) part_lse[prow(h) * num_splits + split] = -INFINITY;
     } else {
-      for (int i = tid; i < group * HD; i += kThreads)
-        out[(long long)seq * o_stride_tok + (long long)(head0 + i / HD) * o_stride_head + i % HD] =
-            T(0.f);
+      for (int i = tid; i < rows * HD; i += kThreads) out[orow(i / HD) + i % HD] = T(0.f);
     }
     return;
   }
@@ -588,7 +617,8 @@ __device__ __forceinline__ void decode_impl(
     cp_async_commit();
   }
 
-  // Q of the group as the A operand: row r = head0 + r for r < group (rows past it are zero).
+  // Q of the group as the A operand: row r = head0 + r for r < group (rows past it are zero);
+  // MQ: row r = token tok0 + r / group, head head0 + r % group, for r < rows.
   // Loaded after the first stages are issued, so its latency hides behind theirs.
   unsigned int qa[HD / 16][4];
   {
@@ -598,12 +628,29 @@ __device__ __forceinline__ void decode_impl(
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t4;
-        qa[kk][e] = r < group ? *reinterpret_cast<const unsigned int*>(
-                                    qs + (long long)(head0 + r) * q_stride_head + col)
-                              : 0u;
+        if constexpr (MQ) {
+          qa[kk][e] = r < rows ? *reinterpret_cast<const unsigned int*>(
+                                     q + (long long)(tok0 + r / group) * q_stride_tok +
+                                     (long long)(head0 + r % group) * q_stride_head + col)
+                               : 0u;
+        } else {
+          qa[kk][e] = r < group ? *reinterpret_cast<const unsigned int*>(
+                                      qs + (long long)(head0 + r) * q_stride_head + col)
+                                : 0u;
+        }
       }
     }
   }
+  // MQ: the keys each of this thread's two rows (g, g + 8) sees; one-token: all up to `end`.
+  int lim[2] = {end, end};
+  if constexpr (MQ) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = g + h * 8;
+      if (r < rows) lim[h] = min(end, first_lim + r / group);
+    }
+  }
+  const int lim_min = min(lim[0], lim[1]);
 
   float o[DT][4];
 #pragma unroll
@@ -633,7 +680,15 @@ __device__ __forceinline__ void decode_impl(
       mma16816<T>(s[0], qa[kk], kb[0], kb[1]);
       mma16816<T>(s[1], qa[kk], kb[2], kb[3]);
     }
-    if (kbase + 16 > end) {
+    if constexpr (MQ) {
+      if (kbase + 16 > lim_min) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (kbase + nt * 8 + 2 * t4 + (e & 1) >= lim[e >> 1]) s[nt][e] = -INFINITY;
+      }
+    } else if (kbase + 16 > end) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -700,7 +755,7 @@ __device__ __forceinline__ void decode_impl(
           make_float2(o[dt][2 * h], o[dt][2 * h + 1]);
   }
   __syncthreads();
-  for (int i = tid; i < group * HD; i += kThreads) {
+  for (int i = tid; i < rows * HD; i += kThreads) {
     const int row = i / HD, d = i % HD;
     float mw[4], mx = -INFINITY;
 #pragma unroll
@@ -717,9 +772,9 @@ __device__ __forceinline__ void decode_impl(
     }
     const float val = l > 0.f ? acc / l : 0.f;
     if (num_splits == 1) {
-      out[(long long)seq * o_stride_tok + (long long)(head0 + row) * o_stride_head + d] = T(val);
+      out[orow(row) + d] = T(val);
     } else {
-      const long long pidx = (row_base + row) * num_splits + split;
+      const long long pidx = prow(row) * num_splits + split;
       part_o[pidx * HD + d] = val;
       if (d == 0) part_lse[pidx] = l > 0.f ? mx + __log2f(l) : -INFINITY;
     }
@@ -759,7 +814,13 @@ __device__ __forceinline__ void decode_combine_impl(const float* __restrict__ pa
 // Entry points (extern "C": plain names for cupy.RawModule.get_function).
 extern "C" __global__ void __launch_bounds__(1024)
     prefill_tiles(const int* cu_seqlens_q, int num_seqs, int2* tiles, int num_entries) {
-  ps::prefill_tiles_impl(cu_seqlens_q, num_seqs, tiles, num_entries);
+  ps::prefill_tiles_impl(cu_seqlens_q, num_seqs, tiles, num_entries, ps::kPrefillBM);
+}
+
+// The same list in tiles of `tile` tokens (the multi-query decode kernel's).
+extern "C" __global__ void __launch_bounds__(1024)
+    query_tiles(const int* cu_seqlens_q, int num_seqs, int2* tiles, int num_entries, int tile) {
+  ps::prefill_tiles_impl(cu_seqlens_q, num_seqs, tiles, num_entries, tile);
 }
 
 #define PS_PREFILL(NAME, T, HD, MIN_CTAS)                                                         \
@@ -820,6 +881,27 @@ PS_DECODE(decode_bf16_hd128, __nv_bfloat16, 128, 3, 2)
 PS_DECODE(decode_fp16_hd64, __half, 64, 4, 1)
 PS_DECODE(decode_fp16_hd128, __half, 128, 3, 2)
 PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
+
+#define PS_DECODE_MQ(NAME, T, HD, STAGES, MIN_CTAS)                                              \
+  extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                           \
+      NAME(const T* q, T* out, float* part_o, float* part_lse, const T* k_cache,                 \
+           const T* v_cache, const int* block_tables, const int* cu_seqlens_q,                   \
+           const int* seq_lens, const int2* tiles, int tpc, long long q_stride_tok,              \
+           int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads,          \
+           int num_kv_heads, int block_size_log2, int max_blocks_per_seq, int chunk_pages,       \
+           int num_splits, float scale_log2) {                                                   \
+    ps::decode_impl<T, HD, STAGES, true>(q, out, part_o, part_lse, k_cache, v_cache,             \
+                                         block_tables, seq_lens, q_stride_tok, q_stride_head,    \
+                                         o_stride_tok, o_stride_head, num_heads, num_kv_heads,   \
+                                         block_size_log2, max_blocks_per_seq, chunk_pages,       \
+                                         num_splits, scale_log2, cu_seqlens_q, tiles, tpc);      \
+  }
+// Few query tokens per sequence over its context (not yet used by the executor: its GPU test,
+// test_kernels_gpu.py's multi-query cases, has not run yet).
+PS_DECODE_MQ(decode_mq_bf16_hd64, __nv_bfloat16, 64, 4, 1)
+PS_DECODE_MQ(decode_mq_bf16_hd128, __nv_bfloat16, 128, 3, 2)
+PS_DECODE_MQ(decode_mq_fp16_hd64, __half, 64, 4, 1)
+PS_DECODE_MQ(decode_mq_fp16_hd128, __half, 128, 3, 2)
 
 #define PS_COMBINE(NAME, T)                                                                      \
   extern "C" __global__ void NAME(const float* part_o, const float* part_lse, T* out,            \

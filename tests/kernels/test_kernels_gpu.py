@@ -178,6 +178,39 @@ def test_prefill_strided_q_and_empty_sequences(kern):
     check_attention(out, q, k_cache, v_cache, tables, cu, lens, 0.1)
 
 
+FEW_QUERY_CASES = {
+    # name: (seq_lens, q_lens): tiles of 16 / group tokens, ragged at both ends of a seq
+    "cached_prefix": ([2016], [16]),
+    "mixed": ([300, 1, 57, 2016, 129, 5000], [1, 1, 5, 16, 17, 3]),
+    "short_contexts": ([1, 2, 3, 4, 5, 9, 16, 17, 33], [1, 2, 3, 4, 5, 9, 16, 17, 33]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2), (16, 1)])  # 1 to 16 tokens a CTA
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("case", list(FEW_QUERY_CASES))
+def test_few_query_attention_matches_reference(kern, dtype, head_dim, heads, kv_heads, block_size,
+                                              case):
+    """paged_few_query_attention against float64 with paged_prefill_attention's semantics, q as a
+    strided view (as the model passes it), outputs poisoned with NaN."""
+    attention, _ = kern
+    seq_lens, q_lens = FEW_QUERY_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("few", case, dtype, head_dim, heads,
+                                                             block_size))
+    k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen,
+                                           width_extra=3)
+    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim, generator=gen, device="cuda")
+    q = qkv.to(dtype)[:, :heads]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    attention.paged_few_query_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out)
+    check_attention(out, q, k_cache, v_cache, tables, cu, lens, scale)
+
+
 DECODE_CASES = {
     # name: context lengths
     "few_long": [16384, 5000, 1],

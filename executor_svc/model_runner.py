@@ -95,9 +95,6 @@ class ModelRunner:
         self.timer = StepTimer(backend.device)
         self.seqs: dict[int, SeqState] = {}
         self._index = RowIndex()  # seq_id -> row, for the plans' columns
-        # (seq_id, row or None: dropped) in plan order, applied to _index once the step's GPU
-        # work is queued: only later plans' cached seqs are looked up in it
-        self._index_changes: list[tuple[int, int | None]] = []
         self._by_row: list[SeqState | None] = []  # row -> its seq's state
         self.tables = BlockTables(-(-info.max_model_len // info.block_size))
         self.states = SeqStates(info.max_model_len)
@@ -111,7 +108,6 @@ class ModelRunner:
         stream). GPU work already queued still runs; later steps queue behind it."""
         self.seqs.clear()
         self._index = RowIndex()
-        self._index_changes = []
         self._by_row = []
         self.tables.clear()
         self.token_counts.clear()
@@ -144,12 +140,9 @@ class ModelRunner:
         start = time.perf_counter()
         cached_rows, new_token_ids = self._validate(step)
         marks = self.timer.begin()
-        try:
-            batch = self._apply(step, cached_rows, new_token_ids)
-            forward_start = time.perf_counter()
-            pending = self._run(step.step_id, batch, marks)
-        finally:  # even when a step fails, _index follows self.seqs
-            self._update_index()
+        batch = self._apply(step, cached_rows, new_token_ids)
+        forward_start = time.perf_counter()
+        pending = self._run(step.step_id, batch, marks)
         pending.forward_ms = (time.perf_counter() - forward_start) * 1e3
         self.timer.end_gpu(marks)  # also what finish() waits for
         pending.launch_ms = (time.perf_counter() - start) * 1e3
@@ -308,7 +301,7 @@ class ModelRunner:
         state = self.seqs.pop(seq_id, None)
         if state is None:
             return
-        self._index_changes.append((seq_id, None))
+        self._index.remove(seq_id)
         self._by_row[state.row] = None
         self.tables.free(state.row)
         if state.count_row is not None:
@@ -328,21 +321,11 @@ class ModelRunner:
         self._num_controlled += new.sampling.has_controls
         state = SeqState(row, new.sampling, count_row)
         self.seqs[new.seq_id] = state
-        self._index_changes.append((new.seq_id, row))
+        self._index.add(new.seq_id, row)
         if row >= len(self._by_row):
             self._by_row += [None] * (row + 1 - len(self._by_row))
         self._by_row[row] = state
         return row
-
-    def _update_index(self) -> None:
-        """The plan's drops and admissions into _index (~4 us each: after the forward is
-        queued, a short step's GPU does not idle through them)."""
-        for seq_id, row in self._index_changes:
-            if row is None:
-                self._index.remove(seq_id)
-            else:
-                self._index.add(seq_id, row)
-        self._index_changes.clear()
 
     # -- forward and sampling ---------------------------------------------------------------------
 

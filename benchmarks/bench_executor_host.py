@@ -197,13 +197,7 @@ class Bench:
     def step(self) -> dict[str, int]:
         """Finishes the oldest step and encodes its result; the scheduler applies it (not
         timed), admits replacements and plans the next step, which is parsed and launched."""
-        plan, pending = self.in_flight.popleft()
-        t0 = time.perf_counter_ns()
-        result = self.runner.finish(pending)
-        t1 = time.perf_counter_ns()
-        data = wire.result_to_proto(result).SerializeToString()
-        t2 = time.perf_counter_ns()
-        sampled = scheduler_wire.result_from_proto(executor_pb2.StepResult.FromString(data)).sampled
+        plan, sampled, finish_ns, encode_ns = self.finish_oldest()
         alive = [i for i in sampled if i not in self.doomed]
         for seq_id in self.rng.sample(alive, min(self.finish_per_step, len(alive))):
             sampled[seq_id] = EOS
@@ -212,7 +206,19 @@ class Bench:
             if update.finish_reason is not None:
                 self.add_seq()
         parse_ns, launch_ns = self.send()
-        return {"parse": parse_ns, "launch": launch_ns, "finish": t1 - t0, "encode": t2 - t1}
+        return {"parse": parse_ns, "launch": launch_ns, "finish": finish_ns, "encode": encode_ns}
+
+    def finish_oldest(self) -> tuple:
+        """Finishes the oldest step and encodes its result (timed), then decodes it as the
+        scheduler does (not timed): (plan, sampled, finish ns, encode ns)."""
+        plan, pending = self.in_flight.popleft()
+        t0 = time.perf_counter_ns()
+        result = self.runner.finish(pending)
+        t1 = time.perf_counter_ns()
+        data = wire.result_to_proto(result).SerializeToString()
+        t2 = time.perf_counter_ns()
+        sampled = scheduler_wire.result_from_proto(executor_pb2.StepResult.FromString(data)).sampled
+        return plan, sampled, t1 - t0, t2 - t1
 
 
 class PrefixBench(Bench):
@@ -250,18 +256,12 @@ class PrefixBench(Bench):
         """Finishes the step in flight and encodes its result; the scheduler applies it and
         drops the seq (not timed); the next request is admitted, planned (not timed), parsed and
         launched."""
-        plan, pending = self.in_flight.popleft()
-        t0 = time.perf_counter_ns()
-        result = self.runner.finish(pending)
-        t1 = time.perf_counter_ns()
-        data = wire.result_to_proto(result).SerializeToString()
-        t2 = time.perf_counter_ns()
-        sampled = scheduler_wire.result_from_proto(executor_pb2.StepResult.FromString(data)).sampled
+        plan, sampled, finish_ns, encode_ns = self.finish_oldest()
         for update in self.sched.update_from_output(plan, sampled):
             assert update.finish_reason is not None, "max_tokens 1: every seq finishes"
         self.add_seq()
         parse_ns, launch_ns = self.send()
-        return {"parse": parse_ns, "launch": launch_ns, "finish": t1 - t0, "encode": t2 - t1,
+        return {"parse": parse_ns, "launch": launch_ns, "finish": finish_ns, "encode": encode_ns,
                 "to_replay": self.to_replay_ns}
 
 

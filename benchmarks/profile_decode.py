@@ -141,30 +141,16 @@ class MixedStep:
 
 def eager_breakdown(step) -> dict:
     """GPU time of one eager step by kernel kind (ms) and its kernel count."""
-    from torch.profiler import ProfilerActivity, profile
-
     with torch.inference_mode():
-        step.forward()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step.forward()
-            torch.cuda.synchronize()
-    totals: dict = {}
-    count = 0
-    for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        count += 1
-        kind = kind_of(evt.name)
-        totals[kind] = totals.get(kind, 0.0) + evt.time_range.elapsed_us() / 1e3
-    return {"ms_by_kind": totals, "kernels": count}
+        return kernel_breakdown(step.forward, warmup=1, iters=1)
 
 
-def replay_breakdown(fn, iters: int = 10) -> dict:
-    """GPU time per call of fn (a graph replay, say) by kernel kind (ms), over `iters` calls."""
+def kernel_breakdown(fn, warmup: int = 3, iters: int = 10) -> dict:
+    """GPU time per call of fn by kernel kind (ms) and kernels per call, over `iters` calls
+    (torch profiler) after `warmup` untimed ones."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -172,11 +158,14 @@ def replay_breakdown(fn, iters: int = 10) -> dict:
             fn()
         torch.cuda.synchronize()
     totals: dict = {}
+    count = 0
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            kind = kind_of(evt.name)
-            totals[kind] = totals.get(kind, 0.0) + evt.time_range.elapsed_us() / 1e3 / iters
-    return totals
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        count += 1
+        kind = kind_of(evt.name)
+        totals[kind] = totals.get(kind, 0.0) + evt.time_range.elapsed_us() / 1e3 / iters
+    return {"ms_by_kind": totals, "kernels": count // iters}
 
 
 def main() -> None:
@@ -322,14 +311,14 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
                                    np.array([length]), table, np.array([chunk - 1]))
         label = "per_token" if per_token else "prefill_kernel"
         out[label] = median_ms(run, iters=50)
-        out[f"{label}_ms_by_kind"] = replay_breakdown(lambda: run(0))
+        out[f"{label}_ms_by_kind"] = kernel_breakdown(lambda: run(0))["ms_by_kind"]
         del graphs
     lens = [length]
     step = DecodeStep(model, engine.kv_caches, lens, width)
     with torch.inference_mode():
         step.capture()
     out["one_token_decode"] = step.replay_ms(iters=50)
-    out["one_token_decode_ms_by_kind"] = replay_breakdown(step.graph.replay)
+    out["one_token_decode_ms_by_kind"] = kernel_breakdown(step.graph.replay)["ms_by_kind"]
     print(f"{chunk} new tokens over {cached} cached (small-step graph of {size}): attention per "
           f"token {out['per_token']:.2f} ms, prefill kernel {out['prefill_kernel']:.2f} ms; "
           f"one-token decode of the same seq {out['one_token_decode']:.2f} ms; weights read at "

@@ -151,6 +151,10 @@ class SmallStepGraphs:
         h, o = self.staging.take(), self._offsets
         self._pack(h, input_ids, positions, slots, cu_seqlens_q, seq_lens, last_rows,
                    device_tokens)
+        if size <= self.per_token_max:  # each token's seq, read by attention per token only
+            h[o["seq"]:o["seq"] + num_tokens] = np.repeat(np.arange(num_seqs),
+                                                          np.diff(cu_seqlens_q))
+            h[o["seq"] + num_tokens:o["seq"] + size] = 0
         used = o["tables"] + num_seqs * width
         h[o["tables"]:used] = block_tables.reshape(-1)  # columns past a table's end: never read
         self._spread(self.staging.send(0, used), size, num_seqs, width, device_tokens)
@@ -177,8 +181,6 @@ class SmallStepGraphs:
         h[o["seq_lens"] + s:o["seq_lens"] + self.max_seqs] = 0
         m = len(last_rows)
         h[o["last"]:o["last"] + m], h[o["last"] + m:o["last"] + self.max_seqs] = last_rows, 0
-        h[o["seq"]:o["seq"] + n] = np.repeat(np.arange(s), np.diff(cu_seqlens_q))
-        h[o["seq"] + n:o["seq"] + t] = 0
         if device_tokens is not None:
             d = len(device_tokens.src_rows)
             h[o["src"]:o["src"] + d] = device_tokens.src_rows

@@ -178,9 +178,9 @@ def main() -> None:
                    help="also profile mixed steps: each batch's decodes plus one prompt chunk of "
                         "this many tokens (the executor's eager path)")
     p.add_argument("--skip-decode", action="store_true", help="only the mixed steps")
-    p.add_argument("--chunk", type=int, default=0,
+    p.add_argument("--chunk", type=int, nargs="*", default=[],
                    help="also time a step of this many new tokens of one seq over --cached "
-                        "cached ones through SmallStepGraphs, attention per token and not")
+                        "cached ones through SmallStepGraphs, each attention path (one per N)")
     p.add_argument("--cached", type=int, default=2000)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -192,7 +192,7 @@ def main() -> None:
     num_blocks = max((sum(-(-n // BLOCK_SIZE) for n in lens) for lens in lens_of.values()),
                      default=0)
     num_blocks += -(-max(args.mixed, default=0) // BLOCK_SIZE)
-    num_blocks += -(-(args.cached + args.chunk) // BLOCK_SIZE) if args.chunk else 0
+    num_blocks += -(-(args.cached + max(args.chunk, default=0)) // BLOCK_SIZE)
     engine = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                          num_blocks, 0, torch.bfloat16, backend)
     copy_bw = copy_bandwidth()
@@ -229,9 +229,8 @@ def main() -> None:
                          f"{100 * floor_ms / e['replay_ms']:.0f}%", str(e["kernels"])))
         backend.fused_ops = True
         results["batches"][batch] = entry
-    if args.chunk:
-        results["chunk"] = profile_chunk(model, engine, args.chunk, args.cached, width,
-                                         weight_bytes / copy_bw * 1e3)
+    results["chunks"] = [profile_chunk(model, engine, chunk, args.cached, width,
+                                       weight_bytes / copy_bw * 1e3) for chunk in args.chunk]
     print("\n| decode step (graph replay) | time | floor | floor/time | kernels per eager step |")
     print("|---|---|---|---|---|")
     for row in rows:
@@ -303,16 +302,21 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
     ids = np.random.default_rng(0).integers(1, model.config.vocab_size, chunk)
     out = {"chunk": chunk, "cached": cached, "weights_read_ms": weights_ms}
     size = next(n for n in (16, 32, 64, 128, 256, 512) if n >= chunk)
-    for per_token in (True, False):
+    backend = model.backend
+    default_few = backend.few_query_max
+    variants = {  # label: (per_token_max, few_query_max)
+        "few_query": (0, size), "per_token": (size, 0), "prefill_kernel": (0, 0)}
+    for label, (per_token_max, few_query_max) in variants.items():
+        backend.few_query_max = few_query_max
         graphs = SmallStepGraphs(model, engine.kv_caches, width, token_sizes=(size,),
-                                 per_token_max=size if per_token else 0)
+                                 per_token_max=per_token_max)
         graphs.capture()
         run = lambda i: graphs.run(ids, positions, slots, np.array([0, chunk]),  # noqa: E731
                                    np.array([length]), table, np.array([chunk - 1]))
-        label = "per_token" if per_token else "prefill_kernel"
         out[label] = median_ms(run, iters=50)
         out[f"{label}_ms_by_kind"] = kernel_breakdown(lambda: run(0))["ms_by_kind"]
         del graphs
+    backend.few_query_max = default_few
     lens = [length]
     step = DecodeStep(model, engine.kv_caches, lens, width)
     with torch.inference_mode():
@@ -320,10 +324,11 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
     out["one_token_decode"] = step.replay_ms(iters=50)
     out["one_token_decode_ms_by_kind"] = kernel_breakdown(step.graph.replay)["ms_by_kind"]
     print(f"{chunk} new tokens over {cached} cached (small-step graph of {size}): attention per "
-          f"token {out['per_token']:.2f} ms, prefill kernel {out['prefill_kernel']:.2f} ms; "
+          f"token {out['per_token']:.2f} ms, prefill kernel {out['prefill_kernel']:.2f} ms, "
+          f"few-query kernel {out['few_query']:.2f} ms; "
           f"one-token decode of the same seq {out['one_token_decode']:.2f} ms; weights read at "
           f"the copy rate {weights_ms:.2f} ms", flush=True)
-    for label in ("per_token", "prefill_kernel", "one_token_decode"):
+    for label in (*variants, "one_token_decode"):
         print(f"  {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in
                                          sorted(out[f"{label}_ms_by_kind"].items())), flush=True)
     return out

@@ -43,7 +43,7 @@ MAX_SEQS = 32
 # against 6.13 through the prefill kernel, 32 tokens 6.72 against 6.14. The decode kernel then
 # takes 1.17 ms of the 16-token step (0.25 for one token): the 16 reads of the context are what
 # is left; a kernel that serves a seq's query tokens from one read would take it to ~0.25.
-PER_TOKEN_MAX = 16
+PER_TOKEN_MAX = 0  # off: the CUDA backend's few-query kernel serves small steps (FEW_QUERY_MAX)
 
 
 class SmallStepGraphs:

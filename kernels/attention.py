@@ -18,7 +18,7 @@ _PREFILL_BM, _PREFILL_BN = 128, 64
 _DECODE_BN = 64
 _DECODE_STAGES = {64: 4, 128: 3}  # pipeline stages of the default decode kernels (attention.cu)
 _DECODE_MAX_PAGES = 256  # pages one decode split may span: bounds its smem page list
-_MAX_GROUP = 16          # query heads per KV head served by one decode CTA (the MMA's M)
+MAX_GROUP = 16          # query heads per KV head served by one decode CTA (the MMA's M)
 _HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -189,20 +189,20 @@ def paged_few_query_attention(
     tokens over long contexts, e.g. a cached prefix's new tokens: the decode kernel's split of
     each context over CTAs, with up to 16 / group query tokens of one sequence in a CTA (their
     query heads are the MMA's 16 rows) sharing one read of the context. Launch shapes follow from
-    the tensors' shapes only (capturable). Not yet used by the executor: its GPU test
-    (test_kernels_gpu.py) has not run on a GPU.
+    the tensors' shapes only (capturable). The CUDA backend's prefill attention takes it for
+    packed steps of few tokens (backends/cuda.py, FEW_QUERY_MAX).
     """
     out = _check_q(q, out)
     num_heads, num_kv_heads, num_seqs = _check_packed(q, k_cache, v_cache, block_tables,
                                                       cu_seqlens_q, seq_lens)
     group = num_heads // num_kv_heads
-    if group > _MAX_GROUP:
-        raise ValueError(f"at most {_MAX_GROUP} query heads per KV head, got {group}")
+    if group > MAX_GROUP:
+        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, got {group}")
     total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
     head_dim, block_size = q.shape[2], k_cache.shape[2]
-    tpc = _MAX_GROUP // group  # query tokens per CTA
+    tpc = MAX_GROUP // group  # query tokens per CTA
     num_entries = _num_tiles(total, num_seqs, tpc)
     tiles = _workspace("few_query_tiles", device, 2 * num_entries, torch.int32)
     _compile.launch("attention", "query_tiles", device, (1, 1, 1), (1024, 1, 1),
@@ -296,8 +296,8 @@ def paged_decode_attention(
     out = _check_q(q, out)
     _check_cache(k_cache, v_cache, q)
     num_heads, num_kv_heads = _check_heads(q, k_cache)
-    if num_heads // num_kv_heads > _MAX_GROUP:
-        raise ValueError(f"at most {_MAX_GROUP} query heads per KV head, got "
+    if num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, got "
                          f"{num_heads // num_kv_heads}")
     device = q.device
     num_seqs = q.shape[0]

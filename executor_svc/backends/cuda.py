@@ -22,6 +22,12 @@ log = logging.getLogger(__name__)
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL_HEAD_DIMS = (64, 128)
+# Packed steps of at most this many query tokens take the few-query kernel (the decode kernel's
+# split of each context over CTAs, a seq's query tokens sharing one read of it) in place of the
+# prefill kernel, which gives each head one 128-row tile: 32 CTAs for 132 SMs on a 16-token chunk
+# of Llama-3-8B, each walking the whole context. The same semantics; the choice follows from the
+# tensors' shapes only, so it is fixed inside a captured graph. Measured: benchmarks/RESULTS.md.
+FEW_QUERY_MAX = 16
 
 
 class CudaBackend:
@@ -46,6 +52,7 @@ class CudaBackend:
         torch.cuda.set_device(self.device)
         self._attention, self._cache_ops, self._ops = attention, cache_ops, ops
         self.fused_ops = fused_ops
+        self.few_query_max = FEW_QUERY_MAX  # packed steps up to it: the few-query kernel
         # Compile and load every kernel now: a compile error stops the executor before it serves.
         self.compile_seconds = warmup(self.device)
         log.info("CuPy kernels ready in %.2fs (%s)", self.compile_seconds["total"],
@@ -72,6 +79,10 @@ class CudaBackend:
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                 scale, out=None) -> torch.Tensor:
         if self.kernels_cover(q.dtype, q.shape[-1]):
+            if (q.shape[0] <= self.few_query_max
+                    and q.shape[1] // k_cache.shape[1] <= self._attention.MAX_GROUP):
+                return self._attention.paged_few_query_attention(
+                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
             return self._attention.paged_prefill_attention(
                 q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
         return reference.paged_prefill_attention(

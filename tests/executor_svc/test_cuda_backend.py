@@ -436,8 +436,8 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
     the graph, the decode kernel eagerly, hence a tolerance), and a graph step's launch syncs
     nothing: a prefill of three seqs (62 tokens), a mixed step of their decodes and a new prompt
     (33), a 400-token chunk of a 412-token prompt (512-token graph), then its last 12 tokens
-    over the 400 cached beside four decodes (16 tokens: attention per query token, the decode
-    kernel over each token's own context)."""
+    over the 400 cached beside four decodes (16 tokens: the few-query kernel, each seq's query
+    tokens sharing one read of its context)."""
     hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
     rng = random.Random(3)
     prompts = {1: random_prompt(rng, 5), 2: random_prompt(rng, 17), 3: random_prompt(rng, 40)}
@@ -448,7 +448,7 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
         runner = gpu_runner(hf, "bfloat16", max_model_len=512, small_graphs=small)
         replayed = []
         if small:
-            assert runner.small_step_graphs.per_token_max >= 16
+            assert runner.backend.few_query_max >= 16
             real_run = runner.small_step_graphs.run
             runner.small_step_graphs.run = lambda *a: replayed.append(len(a[0])) or real_run(*a)
         driver = PlanDriver(runner)

@@ -183,6 +183,8 @@ FEW_QUERY_CASES = {
     "cached_prefix": ([2016], [16]),
     "mixed": ([300, 1, 57, 2016, 129, 5000], [1, 1, 5, 16, 17, 3]),
     "short_contexts": ([1, 2, 3, 4, 5, 9, 16, 17, 33], [1, 2, 3, 4, 5, 9, 16, 17, 33]),
+    # SmallStepGraphs' padding: seqs with no query tokens, with or without a context
+    "padded": ([2016, 0, 40, 0, 0], [16, 0, 0, 0, 0]),
 }
 
 

@@ -38,7 +38,7 @@ from bench_kernels import copy_bandwidth, median_ms  # noqa: E402  (this script'
 
 BLOCK_SIZE = 16
 KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("attention", ("decode_", "prefill_")),
+    ("attention", ("decode_", "prefill_", "query_tiles")),
     ("cache write", ("reshape_and_cache",)),
     ("fused elementwise", ("rms_norm", "rotary", "silu_and_mul")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "splitk", "sm90")),
@@ -146,8 +146,8 @@ def eager_breakdown(step) -> dict:
 
 
 def kernel_breakdown(fn, warmup: int = 3, iters: int = 10) -> dict:
-    """GPU time per call of fn by kernel kind (ms) and kernels per call, over `iters` calls
-    (torch profiler) after `warmup` untimed ones."""
+    """GPU time per call of fn by kernel kind (ms), the attention kernels' by name, and kernels
+    per call, over `iters` calls (torch profiler) after `warmup` untimed ones."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -158,14 +158,17 @@ def kernel_breakdown(fn, warmup: int = 3, iters: int = 10) -> dict:
             fn()
         torch.cuda.synchronize()
     totals: dict = {}
+    attention: dict = {}
     count = 0
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         count += 1
-        kind = kind_of(evt.name)
-        totals[kind] = totals.get(kind, 0.0) + evt.time_range.elapsed_us() / 1e3 / iters
-    return {"ms_by_kind": totals, "kernels": count // iters}
+        kind, ms = kind_of(evt.name), evt.time_range.elapsed_us() / 1e3 / iters
+        totals[kind] = totals.get(kind, 0.0) + ms
+        if kind == "attention":
+            attention[evt.name] = attention.get(evt.name, 0.0) + ms
+    return {"ms_by_kind": totals, "attention_ms_by_kernel": attention, "kernels": count // iters}
 
 
 def main() -> None:
@@ -314,7 +317,9 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
         run = lambda i: graphs.run(ids, positions, slots, np.array([0, chunk]),  # noqa: E731
                                    np.array([length]), table, np.array([chunk - 1]))
         out[label] = median_ms(run, iters=50)
-        out[f"{label}_ms_by_kind"] = kernel_breakdown(lambda: run(0))["ms_by_kind"]
+        kernels = kernel_breakdown(lambda: run(0))
+        out[f"{label}_ms_by_kind"] = kernels["ms_by_kind"]
+        out[f"{label}_attention_ms_by_kernel"] = kernels["attention_ms_by_kernel"]
         del graphs
     backend.few_query_max = default_few
     lens = [length]
@@ -322,7 +327,9 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
     with torch.inference_mode():
         step.capture()
     out["one_token_decode"] = step.replay_ms(iters=50)
-    out["one_token_decode_ms_by_kind"] = kernel_breakdown(step.graph.replay)["ms_by_kind"]
+    kernels = kernel_breakdown(step.graph.replay)
+    out["one_token_decode_ms_by_kind"] = kernels["ms_by_kind"]
+    out["one_token_decode_attention_ms_by_kernel"] = kernels["attention_ms_by_kernel"]
     print(f"{chunk} new tokens over {cached} cached (small-step graph of {size}): attention per "
           f"token {out['per_token']:.2f} ms, prefill kernel {out['prefill_kernel']:.2f} ms, "
           f"few-query kernel {out['few_query']:.2f} ms; "
@@ -330,7 +337,10 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
           f"the copy rate {weights_ms:.2f} ms", flush=True)
     for label in (*variants, "one_token_decode"):
         print(f"  {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in
-                                         sorted(out[f"{label}_ms_by_kind"].items())), flush=True)
+                                         sorted(out[f"{label}_ms_by_kind"].items()))
+              + "; attention: " + ", ".join(
+                  f"{k} {v:.3f}" for k, v in
+                  sorted(out[f"{label}_attention_ms_by_kernel"].items())), flush=True)
     return out
 
 

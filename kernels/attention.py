@@ -203,13 +203,18 @@ def paged_few_query_attention(
         return out
     head_dim, block_size = q.shape[2], k_cache.shape[2]
     tpc = MAX_GROUP // group  # query tokens per CTA
-    num_entries = _num_tiles(total, num_seqs, tpc)
+    # Every entry has a token: at most `total` of them, whatever the padding of seqs (a small-
+    # step graph's 32 seqs would otherwise give 16 tokens 36 entries).
+    num_entries = min(total, _num_tiles(total, num_seqs, tpc))
     tiles = _workspace("few_query_tiles", device, 2 * num_entries, torch.int32)
     _compile.launch("attention", "query_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(),
                      _i32(num_entries), _i32(tpc)))
-    splits, chunk_pages = decode_splits(num_entries, num_kv_heads, block_tables.shape[1],
-                                        block_size, _sm_count(device))
+    # Splits as for one seq's tokens (a cached prefix's new tokens, the common case): short ones
+    # (256 keys) over the whole width. Sized by the bound on entries instead, a 16-token step of
+    # 32 padded seqs got 6 splits of 1,408 keys: one CTA walked most of a 2,000-token context.
+    splits, chunk_pages = decode_splits(math.ceil(total / tpc), num_kv_heads,
+                                        block_tables.shape[1], block_size, _sm_count(device))
     part_o = part_lse = 0
     if splits > 1:
         rows = total * num_heads * splits

@@ -207,18 +207,14 @@ def paged_few_query_attention(
     # step graph's 32 seqs would otherwise give 16 tokens 36 entries).
     num_entries = min(total, _num_tiles(total, num_seqs, tpc))
     tiles = _workspace("few_query_tiles", device, 2 * num_entries, torch.int32)
-    _compile.launch("attention", "query_tiles", device, (1, 1, 1),
-                    (min(1024, 32 * math.ceil(num_seqs / 32)), 1, 1),
+    _compile.launch("attention", "query_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(),
                      _i32(num_entries), _i32(tpc)))
-    # Sized for one seq's tokens (a cached prefix's new tokens, the common case): that many CTAs
-    # along z, each looping over entries z, z + its count, ... (the rest of a graph's bound on
-    # entries costs nothing), and short splits (256 keys) over the width. Sized by the bound
-    # instead, a 16-token step of 32 padded seqs got 36 entries (32 of them past the list's end,
-    # yet a CTA each) and 6 splits of 1,408 keys: one CTA walked most of a 2,000-token context.
-    usual = min(num_entries, math.ceil(total / tpc))
-    splits, chunk_pages = decode_splits(usual, num_kv_heads, block_tables.shape[1], block_size,
-                                        _sm_count(device))
+    # Splits as for one seq's tokens (a cached prefix's new tokens, the common case): short ones
+    # (256 keys) over the whole width. Sized by the bound on entries instead, a 16-token step of
+    # 32 padded seqs got 6 splits of 1,408 keys: one CTA walked most of a 2,000-token context.
+    splits, chunk_pages = decode_splits(math.ceil(total / tpc), num_kv_heads,
+                                        block_tables.shape[1], block_size, _sm_count(device))
     part_o = part_lse = 0
     if splits > 1:
         rows = total * num_heads * splits
@@ -232,9 +228,9 @@ def paged_few_query_attention(
         _i32(tpc), _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
         _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
-        _f32(scale * math.log2(math.e)), _i32(num_entries),
+        _f32(scale * math.log2(math.e)),
     )
-    _compile.launch("attention", kernel, device, (splits, num_kv_heads, usual),
+    _compile.launch("attention", kernel, device, (splits, num_kv_heads, num_entries),
                     (_THREADS, 1, 1), args, shared_mem=smem)
     if splits > 1:
         _compile.launch("attention", f"decode_combine_{_DTYPES[q.dtype]}", device,

@@ -22,16 +22,16 @@ constexpr int kDecodeBN = 64;  // keys per pipeline stage; each warp owns 16 of 
 // exit at once. One CTA of 1024 threads; launched before the attention kernel on the same stream.
 __device__ void prefill_tiles_impl(const int* __restrict__ cu_seqlens_q, int num_seqs,
                                    int2* __restrict__ tiles, int num_entries, int bm) {
-  __shared__ int scan[1024];  // blockDim.x <= 1024 (a launch of fewer threads for few seqs)
-  const int tid = threadIdx.x, width = blockDim.x;
+  __shared__ int scan[1024];
+  const int tid = threadIdx.x;
   int base = 0;
-  for (int start = 0; start < num_seqs; start += width) {
+  for (int start = 0; start < num_seqs; start += 1024) {
     const int s = start + tid;
     int nt = 0;
     if (s < num_seqs) nt = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bm - 1) / bm;
     scan[tid] = nt;
     __syncthreads();
-    for (int off = 1; off < width; off <<= 1) {
+    for (int off = 1; off < 1024; off <<= 1) {
       const int v = tid >= off ? scan[tid - off] : 0;
       __syncthreads();
       scan[tid] += v;
@@ -39,10 +39,10 @@ __device__ void prefill_tiles_impl(const int* __restrict__ cu_seqlens_q, int num
     }
     const int first = base + scan[tid] - nt;
     for (int k = 0; k < nt && first + k < num_entries; ++k) tiles[first + k] = make_int2(s, nt - 1 - k);
-    base += scan[width - 1];
+    base += scan[1023];
     __syncthreads();
   }
-  for (int i = base + tid; i < num_entries; i += width) tiles[i] = make_int2(-1, 0);
+  for (int i = base + tid; i < num_entries; i += 1024) tiles[i] = make_int2(-1, 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -510,21 +510,21 @@ __device__ __forceinline__ void prefill_wg_impl(
 }
 
 // ---------------------------------------------------------------------------------------------
-// MQ (few query tokens per sequence, e.g. a cached prefix's new tokens): an entry of a tile list
-// of `tpc` = 16 / group tokens (prefill_tiles_impl with bm = tpc); the MMA's 16 query rows are
-// (token r / group, head r % group) of the tile's tokens, which share one read of the context,
-// each row masked at its own token's position (causal). Partials and outputs are indexed by token
-// as the one-token kernel indexes them by sequence: the combine is the same. Without MQ the code
-// is the one-token kernel's, unchanged. decode_split_impl is one (split, KV head) of one seq or
-// entry: `rows` query rows, keys [0, seq_len), MQ row r seeing first_lim + r / group of them.
-template <typename T, int HD, int STAGES, bool MQ>
-__device__ __forceinline__ void decode_split_impl(
+// MQ (few query tokens per sequence, e.g. a cached prefix's new tokens): blockIdx.z is an entry
+// of a tile list of `tpc` = 16 / group tokens (prefill_tiles_impl with bm = tpc); the MMA's 16
+// query rows are (token r / group, head r % group) of the tile's tokens, which share one read of
+// the context, each row masked at its own token's position (causal). Partials and outputs are
+// indexed by token as the one-token kernel indexes them by sequence: the combine is the same.
+// Without MQ the code is the one-token kernel's, unchanged.
+template <typename T, int HD, int STAGES, bool MQ = false>
+__device__ __forceinline__ void decode_impl(
     const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_lse, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int* __restrict__ block_tables, long long q_stride_tok, int q_stride_head,
-    long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, long long q_stride_tok,
+    int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads,
     int block_size_log2, int max_blocks_per_seq, int chunk_pages, int num_splits,
-    float scale_log2, int seq, int seq_len, int tok0, int rows, int first_lim) {
+    float scale_log2, const int* __restrict__ cu_seqlens_q = nullptr,
+    const int2* __restrict__ tiles = nullptr, int tpc = 1) {
   constexpr int BN = kDecodeBN;
   constexpr int CH = HD / 8;
   constexpr int ROW_STEP = kThreads / CH;
@@ -540,6 +540,21 @@ __device__ __forceinline__ void decode_split_impl(
   const int g = lane >> 2, t4 = lane & 3;
   const int group = num_heads / num_kv_heads;
   const int head0 = kv_head * group;
+  int seq = blockIdx.z;
+  int seq_len, tok0 = 0, rows = group, first_lim = 0;
+  if constexpr (MQ) {
+    const int2 tile = tiles[blockIdx.z];
+    if (tile.x < 0) return;  // past the list's end
+    seq = tile.x;
+    const int q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
+    tok0 = cu_seqlens_q[seq] + tile.y * tpc;
+    const int count = min(tpc, q_len - tile.y * tpc);
+    rows = count * group;
+    first_lim = seq_lens[seq] - q_len + tile.y * tpc + 1;  // keys the tile's first token sees
+    seq_len = first_lim + count - 1;                        // and its last
+  } else {
+    seq_len = seq_lens[seq];
+  }
   const int begin = (split * chunk_pages) << block_size_log2;
   const int end = min(seq_len, begin + (chunk_pages << block_size_log2));
   const long long row_base = (long long)seq * num_heads + head0;  // partial index of (seq, head0)
@@ -766,43 +781,6 @@ __device__ __forceinline__ void decode_split_impl(
   }
 }
 
-template <typename T, int HD, int STAGES, bool MQ = false>
-__device__ __forceinline__ void decode_impl(
-    const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,
-    float* __restrict__ part_lse, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, long long q_stride_tok,
-    int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads,
-    int block_size_log2, int max_blocks_per_seq, int chunk_pages, int num_splits,
-    float scale_log2, const int* __restrict__ cu_seqlens_q = nullptr,
-    const int2* __restrict__ tiles = nullptr, int tpc = 1, int num_entries = 0) {
-  if constexpr (MQ) {
-    const int group = num_heads / num_kv_heads;
-    // Entries blockIdx.z, + gridDim.z, ...: the launcher sizes gridDim.z for the usual case (one
-    // seq's tokens), so a graph's bound on entries costs no CTA that only finds the list's end.
-    for (int e = blockIdx.z; e < num_entries; e += gridDim.z) {
-      const int2 tile = tiles[e];
-      if (tile.x < 0) return;  // the list's end: every later entry is past it too
-      const int seq = tile.x;
-      const int q_len = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
-      const int count = min(tpc, q_len - tile.y * tpc);
-      const int first_lim = seq_lens[seq] - q_len + tile.y * tpc + 1;  // the first token's keys
-      decode_split_impl<T, HD, STAGES, true>(
-          q, out, part_o, part_lse, k_cache, v_cache, block_tables, q_stride_tok, q_stride_head,
-          o_stride_tok, o_stride_head, num_heads, num_kv_heads, block_size_log2,
-          max_blocks_per_seq, chunk_pages, num_splits, scale_log2, seq,
-          first_lim + count - 1, cu_seqlens_q[seq] + tile.y * tpc, count * group, first_lim);
-      __syncthreads();  // shared memory is the next entry's
-    }
-  } else {
-    const int seq = blockIdx.z;
-    decode_split_impl<T, HD, STAGES, false>(
-        q, out, part_o, part_lse, k_cache, v_cache, block_tables, q_stride_tok, q_stride_head,
-        o_stride_tok, o_stride_head, num_heads, num_kv_heads, block_size_log2,
-        max_blocks_per_seq, chunk_pages, num_splits, scale_log2, seq, seq_lens[seq], 0,
-        num_heads / num_kv_heads, 0);
-  }
-}
-
 // Merge the splits of one (seq, head): weights 2^(lse_s - max lse); empty splits carry -inf.
 template <typename T>
 __device__ __forceinline__ void decode_combine_impl(const float* __restrict__ part_o,
@@ -911,15 +889,15 @@ PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
            const int* seq_lens, const int2* tiles, int tpc, long long q_stride_tok,              \
            int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads,          \
            int num_kv_heads, int block_size_log2, int max_blocks_per_seq, int chunk_pages,       \
-           int num_splits, float scale_log2, int num_entries) {                                  \
+           int num_splits, float scale_log2) {                                                   \
     ps::decode_impl<T, HD, STAGES, true>(q, out, part_o, part_lse, k_cache, v_cache,             \
                                          block_tables, seq_lens, q_stride_tok, q_stride_head,    \
                                          o_stride_tok, o_stride_head, num_heads, num_kv_heads,   \
                                          block_size_log2, max_blocks_per_seq, chunk_pages,       \
-                                         num_splits, scale_log2, cu_seqlens_q, tiles, tpc,       \
-                                         num_entries);                                           \
+                                         num_splits, scale_log2, cu_seqlens_q, tiles, tpc);      \
   }
-// Few query tokens per sequence over its context (paged_few_query_attention).
+// Few query tokens per sequence over its context (not yet used by the executor: its GPU test,
+// test_kernels_gpu.py's multi-query cases, has not run yet).
 PS_DECODE_MQ(decode_mq_bf16_hd64, __nv_bfloat16, 64, 4, 1)
 PS_DECODE_MQ(decode_mq_bf16_hd128, __nv_bfloat16, 128, 3, 2)
 PS_DECODE_MQ(decode_mq_fp16_hd64, __half, 64, 4, 1)

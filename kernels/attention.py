@@ -207,7 +207,8 @@ def paged_few_query_attention(
     # step graph's 32 seqs would otherwise give 16 tokens 36 entries).
     num_entries = min(total, _num_tiles(total, num_seqs, tpc))
     tiles = _workspace("few_query_tiles", device, 2 * num_entries, torch.int32)
-    _compile.launch("attention", "query_tiles", device, (1, 1, 1), (1024, 1, 1),
+    _compile.launch("attention", "query_tiles", device, (1, 1, 1),
+                    (min(1024, 32 * math.ceil(num_seqs / 32)), 1, 1),  # a thread per seq
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(),
                      _i32(num_entries), _i32(tpc)))
     # Splits as for one seq's tokens (a cached prefix's new tokens, the common case): short ones

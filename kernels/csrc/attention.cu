@@ -22,16 +22,16 @@ constexpr int kDecodeBN = 64;  // keys per pipeline stage; each warp owns 16 of 
 // exit at once. One CTA of 1024 threads; launched before the attention kernel on the same stream.
 __device__ void prefill_tiles_impl(const int* __restrict__ cu_seqlens_q, int num_seqs,
                                    int2* __restrict__ tiles, int num_entries, int bm) {
-  __shared__ int scan[1024];
-  const int tid = threadIdx.x;
+  __shared__ int scan[1024];  // blockDim.x <= 1024 (a launch of fewer threads for few seqs)
+  const int tid = threadIdx.x, width = blockDim.x;
   int base = 0;
-  for (int start = 0; start < num_seqs; start += 1024) {
+  for (int start = 0; start < num_seqs; start += width) {
     const int s = start + tid;
     int nt = 0;
     if (s < num_seqs) nt = (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + bm - 1) / bm;
     scan[tid] = nt;
     __syncthreads();
-    for (int off = 1; off < 1024; off <<= 1) {
+    for (int off = 1; off < width; off <<= 1) {
       const int v = tid >= off ? scan[tid - off] : 0;
       __syncthreads();
       scan[tid] += v;
@@ -39,10 +39,10 @@ __device__ void prefill_tiles_impl(const int* __restrict__ cu_seqlens_q, int num
     }
     const int first = base + scan[tid] - nt;
     for (int k = 0; k < nt && first + k < num_entries; ++k) tiles[first + k] = make_int2(s, nt - 1 - k);
-    base += scan[1023];
+    base += scan[width - 1];
     __syncthreads();
   }
-  for (int i = base + tid; i < num_entries; i += 1024) tiles[i] = make_int2(-1, 0);
+  for (int i = base + tid; i < num_entries; i += width) tiles[i] = make_int2(-1, 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -896,8 +896,7 @@ PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
                                          block_size_log2, max_blocks_per_seq, chunk_pages,       \
                                          num_splits, scale_log2, cu_seqlens_q, tiles, tpc);      \
   }
-// Few query tokens per sequence over its context (not yet used by the executor: its GPU test,
-// test_kernels_gpu.py's multi-query cases, has not run yet).
+// Few query tokens per sequence over its context (paged_few_query_attention).
 PS_DECODE_MQ(decode_mq_bf16_hd64, __nv_bfloat16, 64, 4, 1)
 PS_DECODE_MQ(decode_mq_bf16_hd128, __nv_bfloat16, 128, 3, 2)
 PS_DECODE_MQ(decode_mq_fp16_hd64, __half, 64, 4, 1)

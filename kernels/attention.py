@@ -187,10 +187,11 @@ def paged_few_query_attention(
 ) -> torch.Tensor:
     """paged_prefill_attention's semantics (same arguments, causal), for sequences with few query
     tokens over long contexts, e.g. a cached prefix's new tokens: the decode kernel's split of
-    each context over CTAs, with up to 16 / group query tokens of one sequence in a CTA (their
-    query heads are the MMA's 16 rows) sharing one read of the context. Launch shapes follow from
-    the tensors' shapes only (capturable). The CUDA backend's prefill attention takes it for
-    packed steps of few tokens (backends/cuda.py, FEW_QUERY_MAX).
+    each context over CTAs, with up to 64 / group query tokens of one sequence in a CTA (their
+    query heads are 16 MMA rows per warp, each warp over all of a stage's keys) sharing one read
+    of the context. Launch shapes follow from the tensors' shapes only (capturable). The CUDA
+    backend's prefill attention takes it for packed steps of few tokens (backends/cuda.py,
+    FEW_QUERY_MAX).
     """
     out = _check_q(q, out)
     num_heads, num_kv_heads, num_seqs = _check_packed(q, k_cache, v_cache, block_tables,
@@ -202,7 +203,7 @@ def paged_few_query_attention(
     if total == 0 or num_seqs == 0:
         return out
     head_dim, block_size = q.shape[2], k_cache.shape[2]
-    tpc = MAX_GROUP // group  # query tokens per CTA
+    tpc = _THREADS // 32 * 16 // group  # query tokens per CTA: 16 rows per warp
     # Every entry has a token: at most `total` of them, whatever the padding of seqs (a small-
     # step graph's 32 seqs would otherwise give 16 tokens 36 entries).
     num_entries = min(total, _num_tiles(total, num_seqs, tpc))

@@ -511,11 +511,13 @@ __device__ __forceinline__ void prefill_wg_impl(
 
 // ---------------------------------------------------------------------------------------------
 // MQ (few query tokens per sequence, e.g. a cached prefix's new tokens): blockIdx.z is an entry
-// of a tile list of `tpc` = 16 / group tokens (prefill_tiles_impl with bm = tpc); the MMA's 16
-// query rows are (token r / group, head r % group) of the tile's tokens, which share one read of
-// the context, each row masked at its own token's position (causal). Partials and outputs are
-// indexed by token as the one-token kernel indexes them by sequence: the combine is the same.
-// Without MQ the code is the one-token kernel's, unchanged.
+// of a tile list of `tpc` = 64 / group tokens (prefill_tiles_impl with bm = tpc); its query rows
+// are (token r / group, head r % group), 16 of them per warp (the MMA's rows), and every warp
+// walks all keys of a stage for its own rows, so the tile's tokens share one read of the context
+// and no merge across warps is needed; each row is masked at its own token's position (causal).
+// Partials and outputs are indexed by token as the one-token kernel indexes them by sequence:
+// the combine is the same. Without MQ the code is the one-token kernel's, unchanged (its warps
+// split each stage's keys and merge at the end).
 template <typename T, int HD, int STAGES, bool MQ = false>
 __device__ __forceinline__ void decode_impl(
     const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,
@@ -618,7 +620,8 @@ __device__ __forceinline__ void decode_impl(
   }
 
   // Q of the group as the A operand: row r = head0 + r for r < group (rows past it are zero);
-  // MQ: row r = token tok0 + r / group, head head0 + r % group, for r < rows.
+  // MQ: this warp's row r (warp * 16 + MMA row) = token tok0 + r / group, head head0 + r % group,
+  // for r < rows.
   // Loaded after the first stages are issued, so its latency hides behind theirs.
   unsigned int qa[HD / 16][4];
   {
@@ -627,7 +630,7 @@ __device__ __forceinline__ void decode_impl(
     for (int kk = 0; kk < HD / 16; ++kk) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t4;
+        const int r = (MQ ? warp * 16 : 0) + g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t4;
         if constexpr (MQ) {
           qa[kk][e] = r < rows ? *reinterpret_cast<const unsigned int*>(
                                      q + (long long)(tok0 + r / group) * q_stride_tok +
@@ -646,7 +649,7 @@ __device__ __forceinline__ void decode_impl(
   if constexpr (MQ) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = g + h * 8;
+      const int r = warp * 16 + g + h * 8;
       if (r < rows) lim[h] = min(end, first_lim + r / group);
     }
   }
@@ -665,9 +668,13 @@ __device__ __forceinline__ void decode_impl(
     if (st + STAGES - 1 < n_stages) issue(st + STAGES - 1);
     cp_async_commit();
 
-    const int kbase = begin + st * BN + warp * 16;
-    if (kbase >= end) continue;
-    const unsigned int k_base = stage_base + (st % STAGES) * STAGE_ELEMS * 2 + warp * 16 * HD * 2;
+    // One-token: this warp's 16 keys of the stage. MQ: all four 16-key blocks, for its own rows
+    // (a warp with none left idles).
+    const int kb_first = MQ ? 0 : warp, kb_last = MQ ? (warp * 16 < rows ? BN / 16 : 0) : warp + 1;
+    for (int kb = kb_first; kb < kb_last; ++kb) {
+    const int kbase = begin + st * BN + kb * 16;
+    if (kbase >= end) break;
+    const unsigned int k_base = stage_base + (st % STAGES) * STAGE_ELEMS * 2 + kb * 16 * HD * 2;
     float s[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -732,8 +739,36 @@ __device__ __forceinline__ void decode_impl(
       mma16816<T>(o[2 * dp], pa, vb[0], vb[1]);
       mma16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
     }
+    }  // kb
   }
   cp_async_wait<0>();
+  if constexpr (MQ) {  // each warp's rows are whole: normalise and store them
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = warp * 16 + g + h * 8;
+      if (row >= rows) continue;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      if (num_splits == 1) {
+        T* dst = out + orow(row);
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+          *reinterpret_cast<unsigned int*>(dst + dt * 8 + 2 * t4) =
+              Pack<T>::two(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+      } else {
+        const long long pidx = prow(row) * num_splits + split;
+        float* dst = part_o + pidx * HD;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+          *reinterpret_cast<float2*>(dst + dt * 8 + 2 * t4) =
+              make_float2(o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+        if (t4 == 0) part_lse[pidx] = l > 0.f ? m_run[h] + __log2f(l) : -INFINITY;
+      }
+    }
+    return;
+  }
   __syncthreads();  // pipeline buffers are free: reuse them to merge the 4 warps
 
   float* sm_o = reinterpret_cast<float*>(smem_raw);  // [4][16][HD]

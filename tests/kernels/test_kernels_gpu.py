@@ -183,6 +183,8 @@ FEW_QUERY_CASES = {
     "cached_prefix": ([2016], [16]),
     "mixed": ([300, 1, 57, 2016, 129, 5000], [1, 1, 5, 16, 17, 3]),
     "short_contexts": ([1, 2, 3, 4, 5, 9, 16, 17, 33], [1, 2, 3, 4, 5, 9, 16, 17, 33]),
+    # several tiles a seq at every group (tiles of 64 / group tokens)
+    "long_chunks": ([3000, 700, 90], [100, 70, 65]),
     # SmallStepGraphs' padding: seqs with no query tokens, with or without a context
     "padded": ([2016, 0, 40, 0, 0], [16, 0, 0, 0, 0]),
 }
@@ -190,7 +192,7 @@ FEW_QUERY_CASES = {
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2), (16, 1)])  # 1 to 16 tokens a CTA
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2), (16, 1)])  # 64 to 4 tokens a CTA
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", list(FEW_QUERY_CASES))
 def test_few_query_attention_matches_reference(kern, dtype, head_dim, heads, kv_heads, block_size,

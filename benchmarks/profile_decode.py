@@ -4,8 +4,8 @@ fused elementwise kernels, and the kernels of one eager step grouped by kind (to
 With --mixed N, also a mixed step as the executor runs it eagerly (the decodes plus one N-token
 prompt chunk): its host launch time, GPU time and kernels by kind. With --chunk N --cached C, a
 step of one seq's N new tokens over C cached ones (a chat turn whose prefix is cached) through
-SmallStepGraphs, its attention per query token (the decode kernel) and through the prefill
-kernel, beside a one-token decode step of the same seq:
+SmallStepGraphs, its attention through the few-query kernel (at its split size and at 256-key
+splits) and through the prefill kernel, beside a one-token decode step of the same seq:
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py --skip-decode --batch --chunk 16 --cached 2000
 
@@ -287,13 +287,10 @@ def _weights(model) -> list[torch.Tensor]:
 def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms: float) -> dict:
     """GPU time of one step of `chunk` new tokens of one seq over `cached` cached ones through
     SmallStepGraphs (inputs packed, copied and the graph replayed, as the runner does), with
-    attention per query token and through the prefill kernel; and of one decode step of the
-    same seq (one token over cached + chunk), for comparison. Median of 50 (ms), and each one's
-    kernel time by kind (torch profiler, mean of 10).
-
-    Measured on the H200 (2026-12-01, 16 over 2,000): per token 5.97 ms, prefill kernel 6.13,
-    one-token decode 4.71; by kernel, the per-token step's decode attention 1.17 ms against the
-    one-token step's 0.25, its matrix products ~0.2 ms more (16 rows against 1)."""
+    attention through the few-query kernel (FEW_QUERY_SPLIT_KEYS and 256-key splits) and
+    through the prefill kernel; and of one decode step of the same seq (one token over cached +
+    chunk), for comparison. Median of 50 (ms), and each one's kernel time by kind (torch
+    profiler, mean of 10). Figures: RESULTS.md."""
     from executor_svc.small_step_graphs import SmallStepGraphs
 
     length = cached + chunk
@@ -305,14 +302,15 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
     ids = np.random.default_rng(0).integers(1, model.config.vocab_size, chunk)
     out = {"chunk": chunk, "cached": cached, "weights_read_ms": weights_ms}
     size = next(n for n in (16, 32, 64, 128, 256, 512) if n >= chunk)
+    from kernels import attention
+
     backend = model.backend
-    default_few = backend.few_query_max
-    variants = {  # label: (per_token_max, few_query_max)
-        "few_query": (0, size), "per_token": (size, 0), "prefill_kernel": (0, 0)}
-    for label, (per_token_max, few_query_max) in variants.items():
-        backend.few_query_max = few_query_max
-        graphs = SmallStepGraphs(model, engine.kv_caches, width, token_sizes=(size,),
-                                 per_token_max=per_token_max)
+    defaults = backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS
+    variants = {  # label: (few_query_max, few-query split keys)
+        "few_query": (size, defaults[1]), "few_query_256": (size, 256), "prefill_kernel": (0, 0)}
+    for label, (few_query_max, split_keys) in variants.items():
+        backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS = few_query_max, split_keys or 256
+        graphs = SmallStepGraphs(model, engine.kv_caches, width, token_sizes=(size,))
         graphs.capture()
         run = lambda i: graphs.run(ids, positions, slots, np.array([0, chunk]),  # noqa: E731
                                    np.array([length]), table, np.array([chunk - 1]))
@@ -321,7 +319,7 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
         out[f"{label}_ms_by_kind"] = kernels["ms_by_kind"]
         out[f"{label}_attention_ms_by_kernel"] = kernels["attention_ms_by_kernel"]
         del graphs
-    backend.few_query_max = default_few
+    backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS = defaults
     lens = [length]
     step = DecodeStep(model, engine.kv_caches, lens, width)
     with torch.inference_mode():
@@ -330,9 +328,9 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
     kernels = kernel_breakdown(step.graph.replay)
     out["one_token_decode_ms_by_kind"] = kernels["ms_by_kind"]
     out["one_token_decode_attention_ms_by_kernel"] = kernels["attention_ms_by_kernel"]
-    print(f"{chunk} new tokens over {cached} cached (small-step graph of {size}): attention per "
-          f"token {out['per_token']:.2f} ms, prefill kernel {out['prefill_kernel']:.2f} ms, "
-          f"few-query kernel {out['few_query']:.2f} ms; "
+    print(f"{chunk} new tokens over {cached} cached (small-step graph of {size}): "
+          f"few-query kernel {out['few_query']:.2f} ms (256-key splits "
+          f"{out['few_query_256']:.2f}), prefill kernel {out['prefill_kernel']:.2f} ms; "
           f"one-token decode of the same seq {out['one_token_decode']:.2f} ms; weights read at "
           f"the copy rate {weights_ms:.2f} ms", flush=True)
     for label in (*variants, "one_token_decode"):

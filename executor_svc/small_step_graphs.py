@@ -4,16 +4,16 @@ sequences, replayed from CUDA graphs captured at a ladder of token counts, so th
 Imports torch only; attention is reached through the model's backend.
 
 A step is padded up to the nearest captured size: pad tokens write no slot (-1) and belong to no
-sequence, pad sequences have no query tokens, so the prefill kernel gives them no work. Every
-sequence, one-token ones included, goes through the prefill kernel: the graph's launch grid is
-fixed by the size, not by how many one-token seqs lead the step. Only for models whose attention
-the kernels cover (bf16/fp16): the torch prefill twin reads its metadata on the host.
+sequence, pad sequences have no query tokens, so attention gives them no work. Every sequence,
+one-token ones included, goes through the backend's prefill attention: the graph's launch grid
+is fixed by the size, not by how many one-token seqs lead the step. Only for models whose
+attention the kernels cover (bf16/fp16): the torch prefill twin reads its metadata on the host.
 
-Sizes up to `per_token_max` tokens instead run attention per query token: each token is a
-one-token sequence of the decode kernel over its own context (its seq's block table row, its
-position + 1 keys: causal), which splits every context over many CTAs. The prefill kernel gives
-a 16-token chunk over a 2,000-token cached prefix one 128-row query tile per head: 32 CTAs for
-132 SMs, each walking the whole context. A pad token reads its seq's first key (position 0).
+On the CUDA backend that attention is the few-query kernel for sizes up to its FEW_QUERY_MAX
+tokens (the decode kernel's split of each context over many CTAs, a seq's query tokens sharing
+one read of it), the prefill kernel above: for a 16-token chunk over a 2,000-token cached prefix
+the prefill kernel has one 128-row query tile per head, 32 CTAs for 132 SMs, each walking the
+whole context.
 
 On a device without CUDA, `capture` captures nothing and `run` calls the same forward on the same
 static buffers eagerly: tests check the packing and padding on the CPU against the eager path.
@@ -37,13 +37,6 @@ log = logging.getLogger(__name__)
 # hidden behind its GPU time).
 TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_SEQS = 32
-# Per-token attention reads a seq's context once per query token (from L2 when it is one seq's
-# chunk): worth it only while the tokens are few. Measured on the H200 (Llama-3-8B shape, one
-# seq's new tokens over 2,000 cached, `profile_decode.py --chunk N`): 16 tokens 5.97 ms a step
-# against 6.13 through the prefill kernel, 32 tokens 6.72 against 6.14. The decode kernel then
-# takes 1.17 ms of the 16-token step (0.25 for one token): the 16 reads of the context are what
-# is left; a kernel that serves a seq's query tokens from one read would take it to ~0.25.
-PER_TOKEN_MAX = 0  # off: the CUDA backend's few-query kernel serves small steps (FEW_QUERY_MAX)
 
 
 class SmallStepGraphs:
@@ -51,14 +44,12 @@ class SmallStepGraphs:
     `model` over `kv_caches` for steps of at most max(token_sizes) tokens and `max_seqs` seqs."""
 
     def __init__(self, model, kv_caches, max_blocks_per_seq: int,
-                 token_sizes: tuple[int, ...] = TOKEN_SIZES, max_seqs: int = MAX_SEQS,
-                 per_token_max: int = PER_TOKEN_MAX) -> None:
+                 token_sizes: tuple[int, ...] = TOKEN_SIZES, max_seqs: int = MAX_SEQS) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.token_sizes = tuple(sorted(token_sizes))
         self.max_tokens = self.token_sizes[-1]
         self.max_seqs = max_seqs
-        self.per_token_max = per_token_max  # sizes up to it: attention per query token
         self.width = max_blocks_per_seq  # block-table columns every graph was captured with
         self.device = kv_caches[0].device
         t, s, device = self.max_tokens, max_seqs, self.device
@@ -71,8 +62,6 @@ class SmallStepGraphs:
         self.last_rows = torch.zeros(s, dtype=torch.int64, device=device)  # [s]
         self.block_tables = torch.zeros(s, self.width, dtype=torch.int32,
                                         device=device)  # [s, width]
-        self.token_seq = torch.zeros(t, dtype=torch.int64, device=device)  # [t], pads: seq 0
-        self._token_cu = torch.arange(t + 1, dtype=torch.int32, device=device)  # [t + 1]
         # Staged inputs, laid out as _offsets says, copied with one transfer.
         self._offsets = _layout(t, s)
         self.staging = HostStaging(self._offsets["tables"] + s * self.width, device)
@@ -83,21 +72,11 @@ class SmallStepGraphs:
 
     def _forward(self, num_tokens: int) -> torch.Tensor:
         max_seqlen_k = self.width * self.kv_caches[0].shape[3]
-        if num_tokens <= self.per_token_max:  # each token a one-token seq of the decode kernel
-            metadata = AttentionMetadata(
-                slot_mapping=self.slot_mapping[:num_tokens],
-                block_tables=self.block_tables.index_select(
-                    0, self.token_seq[:num_tokens]),  # [num_tokens, width]
-                cu_seqlens_q=self._token_cu[:num_tokens + 1],
-                seq_lens=(self.positions[:num_tokens] + 1).to(torch.int32),  # [num_tokens]
-                max_seqlen_q=1, max_seqlen_k=max_seqlen_k, is_decode_only=True,
-            )
-        else:
-            metadata = AttentionMetadata(
-                slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables,
-                cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens, max_seqlen_q=num_tokens,
-                max_seqlen_k=max_seqlen_k, is_decode_only=False,
-            )
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables,
+            cu_seqlens_q=self.cu_seqlens_q, seq_lens=self.seq_lens, max_seqlen_q=num_tokens,
+            max_seqlen_k=max_seqlen_k, is_decode_only=False,
+        )
         hidden = self.model.forward(self.input_ids[:num_tokens], self.positions[:num_tokens],
                                     metadata, self.kv_caches)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[self.last_rows],
@@ -151,10 +130,6 @@ class SmallStepGraphs:
         h, o = self.staging.take(), self._offsets
         self._pack(h, input_ids, positions, slots, cu_seqlens_q, seq_lens, last_rows,
                    device_tokens)
-        if size <= self.per_token_max:  # each token's seq, read by attention per token only
-            h[o["seq"]:o["seq"] + num_tokens] = np.repeat(np.arange(num_seqs),
-                                                          np.diff(cu_seqlens_q))
-            h[o["seq"] + num_tokens:o["seq"] + size] = 0
         used = o["tables"] + num_seqs * width
         h[o["tables"]:used] = block_tables.reshape(-1)  # columns past a table's end: never read
         self._spread(self.staging.send(0, used), size, num_seqs, width, device_tokens)
@@ -196,8 +171,6 @@ class SmallStepGraphs:
             device_tokens.scatter_into(self.input_ids, (staged[o["src"]:o["src"] + d],
                                                         staged[o["dst"]:o["dst"] + d]))
         self.positions[:size].copy_(staged[o["positions"]:o["positions"] + size])
-        if size <= self.per_token_max:
-            self.token_seq[:size].copy_(staged[o["seq"]:o["seq"] + size])
         self.slot_mapping[:size].copy_(staged[o["slots"]:o["slots"] + size])
         self.cu_seqlens_q.copy_(staged[o["cu"]:o["cu"] + s + 1])
         self.seq_lens.copy_(staged[o["seq_lens"]:o["seq_lens"] + s])
@@ -207,11 +180,10 @@ class SmallStepGraphs:
 
 
 def _layout(max_tokens: int, max_seqs: int) -> dict[str, int]:
-    """Offsets of the pinned buffer's rows: six of max_tokens (ids, positions, slots, device
-    tokens' source and destination rows, each token's seq), cu_seqlens_q, seq_lens, last rows,
-    block tables."""
+    """Offsets of the pinned buffer's rows: five of max_tokens (ids, positions, slots, device
+    tokens' source and destination rows), cu_seqlens_q, seq_lens, last rows, block tables."""
     t, s = max_tokens, max_seqs
-    names = (("ids", t), ("positions", t), ("slots", t), ("src", t), ("dst", t), ("seq", t),
+    names = (("ids", t), ("positions", t), ("slots", t), ("src", t), ("dst", t),
              ("cu", s + 1), ("seq_lens", s), ("last", s))
     offsets, at = {}, 0
     for name, length in names:

@@ -170,6 +170,10 @@ def paged_prefill_attention(
     return out
 
 
+# Keys a few-query split keeps at least: its CTA walks four 16-key blocks a stage per warp (the
+# one-token kernel's warps split them), so shorter splits than decode's 256 keys; measured in
+# profile_decode.py --chunk (RESULTS.md).
+FEW_QUERY_SPLIT_KEYS = 128
 # (dtype, head_dim) -> (multi-query decode kernel, its pipeline stages): as DECODE_KERNELS.
 DECODE_MQ_KERNELS = {(dt, hd): (f"decode_mq_{name}_hd{hd}", _DECODE_STAGES[hd])
                      for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
@@ -216,7 +220,8 @@ def paged_few_query_attention(
     # (256 keys) over the whole width. Sized by the bound on entries instead, a 16-token step of
     # 32 padded seqs got 6 splits of 1,408 keys: one CTA walked most of a 2,000-token context.
     splits, chunk_pages = decode_splits(math.ceil(total / tpc), num_kv_heads,
-                                        block_tables.shape[1], block_size, _sm_count(device))
+                                        block_tables.shape[1], block_size, _sm_count(device),
+                                        min_keys=FEW_QUERY_SPLIT_KEYS)
     part_o = part_lse = 0
     if splits > 1:
         rows = total * num_heads * splits
@@ -266,18 +271,19 @@ def _num_tiles(total: int, num_seqs: int, tile: int) -> int:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                  num_sms: int, ctas_per_sm: int | None = None) -> tuple[int, int]:
+                  num_sms: int, ctas_per_sm: int | None = None,
+                  min_keys: int = 256) -> tuple[int, int]:
     """(num_splits, pages per split) from host-known shapes only (capturable).
 
     Splits bound each CTA's page list and, when sequences are few, spread one sequence over
     enough CTAs for about 12 per SM (6 waves of 2 resident CTAs: a short tail); each split keeps
-    at least 256 keys."""
+    at least `min_keys` keys."""
     align = max(1, _DECODE_BN // block_size)  # split boundaries on stage boundaries
     max_pages = max(1, max_blocks_per_seq)
     splits = math.ceil(max_pages / _DECODE_MAX_PAGES)
     ctas_per_sm = ctas_per_sm or DECODE_CTAS_PER_SM
     want = math.ceil(ctas_per_sm * num_sms / max(1, num_seqs * num_kv_heads))
-    splits = max(splits, min(want, math.ceil(max_pages * block_size / 256)))
+    splits = max(splits, min(want, math.ceil(max_pages * block_size / min_keys)))
     chunk = math.ceil(math.ceil(max_pages / splits) / align) * align
     chunk = min(chunk, _DECODE_MAX_PAGES)
     return math.ceil(max_pages / chunk), chunk

@@ -27,7 +27,7 @@ _KERNEL_HEAD_DIMS = (64, 128)
 # prefill kernel, which gives each head one 128-row tile: 32 CTAs for 132 SMs on a 16-token chunk
 # of Llama-3-8B, each walking the whole context. The same semantics; the choice follows from the
 # tensors' shapes only, so it is fixed inside a captured graph. Measured: benchmarks/RESULTS.md.
-FEW_QUERY_MAX = 16
+FEW_QUERY_MAX = 32
 
 
 class CudaBackend:

@@ -28,26 +28,22 @@ class CountingGraphs(SmallStepGraphs):
                            last_rows, device_tokens)
 
 
-def scheduled_run(overlap: bool, num_cpu_blocks: int, graphs: bool, per_token_max: int = 0):
+def scheduled_run(overlap: bool, num_cpu_blocks: int, graphs: bool):
     runner = make_runner(hf_model("tiny"), num_gpu_blocks=12, num_cpu_blocks=num_cpu_blocks)
     if graphs:  # sizes small enough that some steps do not fit and run eagerly
         runner.small_step_graphs = CountingGraphs(
             runner.model, runner.cache_engine.kv_caches, runner.info.num_gpu_blocks,
-            token_sizes=(2, 4, 8), max_seqs=4, per_token_max=per_token_max)
+            token_sizes=(2, 4, 8), max_seqs=4)
     sched = make_scheduler(runner.info, max_num_batched_tokens=16, max_num_seqs=6)
     prompts = add_workload(sched, seed=4)
     run = ScheduledRun(sched, RunnerLink(runner, overlap)).run()
     return run, runner, sched, prompts
 
 
-# per_token_max: 0, every size through the prefill path; 4, sizes 2 and 4 through attention per
-# query token (the decode path), size 8 through the prefill path.
-@pytest.mark.parametrize("per_token_max", [0, 4])
 @pytest.mark.parametrize("num_cpu_blocks", [16, 0])  # preemption by swap, then by recompute
-def test_small_step_path_gives_the_eager_tokens_and_logprobs(num_cpu_blocks, per_token_max):
+def test_small_step_path_gives_the_eager_tokens_and_logprobs(num_cpu_blocks):
     eager, _, _, _ = scheduled_run(True, num_cpu_blocks, graphs=False)
-    graphed, runner, sched, prompts = scheduled_run(True, num_cpu_blocks, graphs=True,
-                                                    per_token_max=per_token_max)
+    graphed, runner, sched, prompts = scheduled_run(True, num_cpu_blocks, graphs=True)
     graphs = runner.small_step_graphs
     assert graphed.outputs == eager.outputs
     num_logprobs = 0
@@ -81,11 +77,10 @@ def test_can_run_bounds_tokens_seqs_and_table_width():
     assert [graphs.padded_size(n) for n in (1, 4, 5, 16)] == [4, 4, 16, 16]
 
 
-@pytest.mark.parametrize("per_token_max", [0, 8])
-def test_padding_writes_no_slot_and_gives_pad_seqs_no_query_tokens(per_token_max):
+def test_padding_writes_no_slot_and_gives_pad_seqs_no_query_tokens():
     runner = make_runner(hf_model("tiny"), num_gpu_blocks=12)
     graphs = SmallStepGraphs(runner.model, runner.cache_engine.kv_caches, 6,
-                             token_sizes=(8,), max_seqs=3, per_token_max=per_token_max)
+                             token_sizes=(8,), max_seqs=3)
     # The cache starts uninitialised: it may hold NaN (unequal to its copy) or, in memory freed
     # by the test's other case, the very values this step writes (no change to see).
     for c in runner.cache_engine.kv_caches:
@@ -102,6 +97,4 @@ def test_padding_writes_no_slot_and_gives_pad_seqs_no_query_tokens(per_token_max
     changed = {int(b) for c, c0 in zip(runner.cache_engine.kv_caches, before)
                for b in torch.nonzero((c != c0).flatten(2).any(-1).any(0)).flatten()}
     assert changed == {3, 7}  # the two seqs' first blocks (slots 12-14 and 28-29), nothing else
-    if per_token_max:  # each token's seq (pads: seq 0, whose position-0 key is theirs to read)
-        assert graphs.token_seq.tolist() == [0, 0, 0, 1, 1, 0, 0, 0]
-    assert _layout(8, 3)["tables"] == 6 * 8 + 4 + 3 + 3
+    assert _layout(8, 3)["tables"] == 5 * 8 + 4 + 3 + 3

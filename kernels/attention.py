@@ -170,9 +170,12 @@ def paged_prefill_attention(
     return out
 
 
-# Keys a few-query split keeps at least: its CTA walks four 16-key blocks a stage per warp (the
-# one-token kernel's warps split them), so shorter splits than decode's 256 keys; measured in
-# profile_decode.py --chunk (RESULTS.md).
+# Keys a few-query split keeps at least when a seq's tokens fill one CTA: its warps walk all four
+# 16-key blocks of a stage (the one-token kernel's warps split them), so it takes shorter splits
+# than decode's 256 keys. Measured on the H200 (profile_decode.py --chunk, 2,000 cached): 16
+# tokens 5.60 ms a step with 128-key splits against 5.85 with 256; at 32 and 64 tokens (two and
+# four CTAs a head) 128-key splits were slower (6.27 against 6.17, 7.33 against 6.75), so from
+# two CTAs on splits keep 256 keys.
 FEW_QUERY_SPLIT_KEYS = 128
 # (dtype, head_dim) -> (multi-query decode kernel, its pipeline stages): as DECODE_KERNELS.
 DECODE_MQ_KERNELS = {(dt, hd): (f"decode_mq_{name}_hd{hd}", _DECODE_STAGES[hd])
@@ -219,9 +222,10 @@ def paged_few_query_attention(
     # Splits as for one seq's tokens (a cached prefix's new tokens, the common case): short ones
     # (256 keys) over the whole width. Sized by the bound on entries instead, a 16-token step of
     # 32 padded seqs got 6 splits of 1,408 keys: one CTA walked most of a 2,000-token context.
-    splits, chunk_pages = decode_splits(math.ceil(total / tpc), num_kv_heads,
-                                        block_tables.shape[1], block_size, _sm_count(device),
-                                        min_keys=FEW_QUERY_SPLIT_KEYS)
+    usual = math.ceil(total / tpc)
+    splits, chunk_pages = decode_splits(usual, num_kv_heads, block_tables.shape[1], block_size,
+                                        _sm_count(device),
+                                        min_keys=FEW_QUERY_SPLIT_KEYS if usual == 1 else 256)
     part_o = part_lse = 0
     if splits > 1:
         rows = total * num_heads * splits

@@ -26,8 +26,10 @@ _KERNEL_HEAD_DIMS = (64, 128)
 # split of each context over CTAs, a seq's query tokens sharing one read of it) in place of the
 # prefill kernel, which gives each head one 128-row tile: 32 CTAs for 132 SMs on a 16-token chunk
 # of Llama-3-8B, each walking the whole context. The same semantics; the choice follows from the
-# tensors' shapes only, so it is fixed inside a captured graph. Measured: benchmarks/RESULTS.md.
-FEW_QUERY_MAX = 32
+# tensors' shapes only, so it is fixed inside a captured graph. Measured on the H200 (small-step
+# graph, a seq's N new tokens over 2,000 cached): few-query against prefill kernel 5.60 / 6.56 ms
+# at 16, 6.17 / 7.00 at 32, 6.75 / 7.17 at 64 (benchmarks/RESULTS.md); larger sizes unmeasured.
+FEW_QUERY_MAX = 64
 
 
 class CudaBackend:

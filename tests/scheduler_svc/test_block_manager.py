@@ -2,6 +2,7 @@
 test_parallel_sampling.py)."""
 
 import itertools
+import random
 
 import pytest
 
@@ -440,3 +441,20 @@ def test_invariants_catch_a_shared_partial_page_and_one_sided_peers():
     del bm._cpu.peers[cpu]
     with pytest.raises(AssertionError, match="peers"):
         bm.check_invariants()
+
+
+def test_the_hash_chain_is_hash_block_page_after_page_however_it_grows():
+    """The chain packs a prompt's pages at once; it must equal hash_block applied page by page
+    (the hashes that name cached pages), grown in one go or a page at a time."""
+    from scheduler_svc.block_manager import hash_block
+    rng = random.Random(5)
+    tokens = [rng.randrange(0, 2**40) for _ in range(4 * 9 + 3)]  # nine full pages of 4, 3 over
+    want, parent = [], _caching_bm()._salt
+    for i in range(9):
+        parent = hash_block(parent, tokens[4 * i:4 * i + 4])
+        want.append(parent)
+    at_once, bit_by_bit = _caching_bm(), _caching_bm()
+    assert at_once._hash_chain(1, tokens, 9) == want
+    for n in (0, 1, 2, 2, 5, 9):  # the seq's tokens grow; a call for fewer pages changes nothing
+        assert bit_by_bit._hash_chain(1, tokens[:4 * n + 1], n) == want[:n]
+    assert bit_by_bit._hash_chain(1, tokens, 3) == want

@@ -4,10 +4,13 @@ fused elementwise kernels, and the kernels of one eager step grouped by kind (to
 With --mixed N, also a mixed step as the executor runs it eagerly (the decodes plus one N-token
 prompt chunk): its host launch time, GPU time and kernels by kind. With --chunk N --cached C, a
 step of one seq's N new tokens over C cached ones (a chat turn whose prefix is cached) through
-SmallStepGraphs, its attention through the few-query kernel (at its split size and at 256-key
-splits) and through the prefill kernel, beside a one-token decode step of the same seq:
+SmallStepGraphs, its attention through the few-query kernel (at its split size, at 256-key
+splits, and the key-split candidate) and through the prefill kernel, beside a one-token decode
+step of the same seq; with --decodes D, the chunk beside D one-token seqs (a mixed small step):
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py --skip-decode --batch --chunk 16 --cached 2000
+    PYTHONPATH=. python3 benchmarks/profile_decode.py --skip-decode --batch --chunk 8 32 \
+        --decodes 8 24 --cached 2000
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py --out decode_profile.json
     PYTHONPATH=. python3 benchmarks/profile_decode.py --batch 256 --mixed 1077 --skip-decode
@@ -185,6 +188,9 @@ def main() -> None:
                    help="also time a step of this many new tokens of one seq over --cached "
                         "cached ones through SmallStepGraphs, each attention path (one per N)")
     p.add_argument("--cached", type=int, default=2000)
+    p.add_argument("--decodes", type=int, nargs="*", default=[0],
+                   help="with --chunk: also each chunk beside this many one-token seqs "
+                        "(a mixed small step)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     backend = CudaBackend()
@@ -196,6 +202,7 @@ def main() -> None:
                      default=0)
     num_blocks += -(-max(args.mixed, default=0) // BLOCK_SIZE)
     num_blocks += -(-(args.cached + max(args.chunk, default=0)) // BLOCK_SIZE)
+    num_blocks += max(args.decodes) * -(-2 * args.cached // BLOCK_SIZE) if args.chunk else 0
     engine = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                          num_blocks, 0, torch.bfloat16, backend)
     copy_bw = copy_bandwidth()
@@ -233,7 +240,8 @@ def main() -> None:
         backend.fused_ops = True
         results["batches"][batch] = entry
     results["chunks"] = [profile_chunk(model, engine, chunk, args.cached, width,
-                                       weight_bytes / copy_bw * 1e3) for chunk in args.chunk]
+                                       weight_bytes / copy_bw * 1e3, decodes)
+                         for decodes in args.decodes for chunk in args.chunk]
     print("\n| decode step (graph replay) | time | floor | floor/time | kernels per eager step |")
     print("|---|---|---|---|---|")
     for row in rows:
@@ -284,55 +292,72 @@ def _weights(model) -> list[torch.Tensor]:
 
 
 
-def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms: float) -> dict:
-    """GPU time of one step of `chunk` new tokens of one seq over `cached` cached ones through
-    SmallStepGraphs (inputs packed, copied and the graph replayed, as the runner does), with
-    attention through the few-query kernel (FEW_QUERY_SPLIT_KEYS and 256-key splits) and
-    through the prefill kernel; and of one decode step of the same seq (one token over cached +
-    chunk), for comparison. Median of 50 (ms), and each one's kernel time by kind (torch
-    profiler, mean of 10). Figures: RESULTS.md."""
+def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms: float,
+                  decodes: int = 0) -> dict:
+    """GPU time of one step of `chunk` new tokens of one seq over `cached` cached ones, beside
+    `decodes` one-token seqs (contexts of `cached` + 1 to 2 x `cached`: a mixed small step),
+    through SmallStepGraphs (inputs packed, copied and the graph replayed, as the runner does),
+    with attention through the few-query kernel (as configured, at 256-key splits, and the
+    key-split candidate FEW_QUERY_KEY_SPLIT) and through the prefill kernel; and of one decode
+    step of the same seqs (one token each), for comparison. Median of 50 (ms), and each one's
+    kernel time by kind (torch profiler, mean of 10). Figures: RESULTS.md."""
     from executor_svc.small_step_graphs import SmallStepGraphs
-
-    length = cached + chunk
-    pages = torch.randperm(engine.kv_caches[0].shape[1])[:-(-length // BLOCK_SIZE)].numpy()
-    table = np.zeros((1, width), dtype=np.int64)
-    table[0, :len(pages)] = pages
-    positions = np.arange(cached, length)
-    slots = table[0, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    ids = np.random.default_rng(0).integers(1, model.config.vocab_size, chunk)
-    out = {"chunk": chunk, "cached": cached, "weights_read_ms": weights_ms}
-    size = next(n for n in (16, 32, 64, 128, 256, 512) if n >= chunk)
     from kernels import attention
 
+    rng = np.random.default_rng(0)
+    # (new tokens, cached tokens) per seq: the decodes first, as the scheduler orders them
+    seqs = [(1, int(c)) for c in rng.integers(cached, 2 * cached, decodes)] + [(chunk, cached)]
+    perm = torch.randperm(engine.kv_caches[0].shape[1]).numpy()
+    table = np.zeros((len(seqs), width), dtype=np.int64)
+    positions, slots, used = [], [], 0
+    for row, (new, old) in enumerate(seqs):
+        count = -(-(old + new) // BLOCK_SIZE)
+        table[row, :count] = perm[used:used + count]
+        used += count
+        pos = np.arange(old, old + new)
+        positions.append(pos)
+        slots.append(table[row, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+    positions, slots = np.concatenate(positions), np.concatenate(slots)
+    num_tokens = len(positions)
+    ids = rng.integers(1, model.config.vocab_size, num_tokens)
+    cu = np.concatenate([[0], np.cumsum([new for new, _ in seqs])])
+    seq_lens = np.array([new + old for new, old in seqs])
+    last_rows = cu[1:] - 1
+    out = {"chunk": chunk, "cached": cached, "decodes": decodes, "weights_read_ms": weights_ms}
+    size = next(n for n in (16, 32, 64, 128, 256, 512) if n >= num_tokens)
     backend = model.backend
-    defaults = backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS
-    variants = {  # label: (few_query_max, few-query split keys)
-        "few_query": (size, defaults[1]), "few_query_256": (size, 256), "prefill_kernel": (0, 0)}
-    for label, (few_query_max, split_keys) in variants.items():
-        backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS = few_query_max, split_keys or 256
+    defaults = backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS, attention.FEW_QUERY_KEY_SPLIT
+    variants = {  # label: (few_query_max, few-query split keys, key split)
+        "few_query": (size, defaults[1], False), "few_query_256": (size, 256, False),
+        "few_query_ks": (size, defaults[1], True), "prefill_kernel": (0, 256, False)}
+    for label, settings in variants.items():
+        (backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS,
+         attention.FEW_QUERY_KEY_SPLIT) = settings
         graphs = SmallStepGraphs(model, engine.kv_caches, width, token_sizes=(size,))
         graphs.capture()
-        run = lambda i: graphs.run(ids, positions, slots, np.array([0, chunk]),  # noqa: E731
-                                   np.array([length]), table, np.array([chunk - 1]))
+        run = lambda i: graphs.run(ids, positions, slots, cu, seq_lens, table,  # noqa: E731
+                                   last_rows)
         out[label] = median_ms(run, iters=50)
         kernels = kernel_breakdown(lambda: run(0))
         out[f"{label}_ms_by_kind"] = kernels["ms_by_kind"]
         out[f"{label}_attention_ms_by_kernel"] = kernels["attention_ms_by_kernel"]
         del graphs
-    backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS = defaults
-    lens = [length]
-    step = DecodeStep(model, engine.kv_caches, lens, width)
+    (backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS,
+     attention.FEW_QUERY_KEY_SPLIT) = defaults
+    step = DecodeStep(model, engine.kv_caches, list(seq_lens), width)
     with torch.inference_mode():
         step.capture()
     out["one_token_decode"] = step.replay_ms(iters=50)
     kernels = kernel_breakdown(step.graph.replay)
     out["one_token_decode_ms_by_kind"] = kernels["ms_by_kind"]
     out["one_token_decode_attention_ms_by_kernel"] = kernels["attention_ms_by_kernel"]
-    print(f"{chunk} new tokens over {cached} cached (small-step graph of {size}): "
+    beside = f" beside {decodes} decodes" if decodes else ""
+    print(f"{chunk} new tokens over {cached} cached{beside} (small-step graph of {size}): "
           f"few-query kernel {out['few_query']:.2f} ms (256-key splits "
-          f"{out['few_query_256']:.2f}), prefill kernel {out['prefill_kernel']:.2f} ms; "
-          f"one-token decode of the same seq {out['one_token_decode']:.2f} ms; weights read at "
-          f"the copy rate {weights_ms:.2f} ms", flush=True)
+          f"{out['few_query_256']:.2f}, key split {out['few_query_ks']:.2f}), prefill kernel "
+          f"{out['prefill_kernel']:.2f} ms; a one-token decode step of the same seqs "
+          f"{out['one_token_decode']:.2f} ms; weights read at the copy rate {weights_ms:.2f} ms",
+          flush=True)
     for label in (*variants, "one_token_decode"):
         print(f"  {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in
                                          sorted(out[f"{label}_ms_by_kind"].items()))

@@ -180,6 +180,13 @@ FEW_QUERY_SPLIT_KEYS = 128
 # (dtype, head_dim) -> (multi-query decode kernel, its pipeline stages): as DECODE_KERNELS.
 DECODE_MQ_KERNELS = {(dt, hd): (f"decode_mq_{name}_hd{hd}", _DECODE_STAGES[hd])
                      for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
+# A candidate, not yet run on a GPU: entries of at most 16 query rows (a one-token seq of a mixed
+# small step, a chunk's last few tokens) with their warps splitting the keys, as the one-token
+# kernel does, where the default gives them one warp and leaves three idle.
+# profile_decode.py --mixed-small times both; the tests cover both.
+FEW_QUERY_KEY_SPLIT = False
+DECODE_MQKS_KERNELS = {(dt, hd): (f"decode_mqks_{name}_hd{hd}", _DECODE_STAGES[hd])
+                       for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
 
 
 def paged_few_query_attention(
@@ -231,7 +238,8 @@ def paged_few_query_attention(
         rows = total * num_heads * splits
         part = _workspace("decode_partials", device, rows * (head_dim + 1), torch.float32)
         part_o, part_lse = part.data_ptr(), part.data_ptr() + rows * head_dim * 4
-    kernel, stages = DECODE_MQ_KERNELS[(q.dtype, head_dim)]
+    kernels = DECODE_MQKS_KERNELS if FEW_QUERY_KEY_SPLIT else DECODE_MQ_KERNELS
+    kernel, stages = kernels[(q.dtype, head_dim)]
     smem = stages * 2 * _DECODE_BN * head_dim * q.element_size() + _DECODE_MAX_PAGES * 4
     args = (
         q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),

@@ -517,8 +517,10 @@ __device__ __forceinline__ void prefill_wg_impl(
 // and no merge across warps is needed; each row is masked at its own token's position (causal).
 // Partials and outputs are indexed by token as the one-token kernel indexes them by sequence:
 // the combine is the same. Without MQ the code is the one-token kernel's, unchanged (its warps
-// split each stage's keys and merge at the end).
-template <typename T, int HD, int STAGES, bool MQ = false>
+// split each stage's keys and merge at the end). KS (a candidate, decode_mqks_*): an entry of at
+// most 16 rows (a one-token seq, a chunk's last few tokens) is served as the one-token kernel
+// serves a seq, its warps splitting the keys, rather than by one warp with three idle.
+template <typename T, int HD, int STAGES, bool MQ = false, bool KS = false>
 __device__ __forceinline__ void decode_impl(
     const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_lse, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -557,6 +559,8 @@ __device__ __forceinline__ void decode_impl(
   } else {
     seq_len = seq_lens[seq];
   }
+  const bool ks = !MQ || (KS && rows <= 16);  // warps split the keys (one 16-row MMA tile)
+  const int row0 = ks ? 0 : warp * 16;       // this warp's first query row
   const int begin = (split * chunk_pages) << block_size_log2;
   const int end = min(seq_len, begin + (chunk_pages << block_size_log2));
   const long long row_base = (long long)seq * num_heads + head0;  // partial index of (seq, head0)
@@ -630,7 +634,7 @@ __device__ __forceinline__ void decode_impl(
     for (int kk = 0; kk < HD / 16; ++kk) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = (MQ ? warp * 16 : 0) + g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t4;
+        const int r = row0 + g + (e & 1) * 8, col = kk * 16 + (e >> 1) * 8 + 2 * t4;
         if constexpr (MQ) {
           qa[kk][e] = r < rows ? *reinterpret_cast<const unsigned int*>(
                                      q + (long long)(tok0 + r / group) * q_stride_tok +
@@ -649,7 +653,7 @@ __device__ __forceinline__ void decode_impl(
   if constexpr (MQ) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = warp * 16 + g + h * 8;
+      const int r = row0 + g + h * 8;
       if (r < rows) lim[h] = min(end, first_lim + r / group);
     }
   }
@@ -670,7 +674,7 @@ __device__ __forceinline__ void decode_impl(
 
     // One-token: this warp's 16 keys of the stage. MQ: all four 16-key blocks, for its own rows
     // (a warp with none left idles).
-    const int kb_first = MQ ? 0 : warp, kb_last = MQ ? (warp * 16 < rows ? BN / 16 : 0) : warp + 1;
+    const int kb_first = ks ? warp : 0, kb_last = ks ? warp + 1 : (row0 < rows ? BN / 16 : 0);
     for (int kb = kb_first; kb < kb_last; ++kb) {
     const int kbase = begin + st * BN + kb * 16;
     if (kbase >= end) break;
@@ -742,13 +746,13 @@ __device__ __forceinline__ void decode_impl(
     }  // kb
   }
   cp_async_wait<0>();
-  if constexpr (MQ) {  // each warp's rows are whole: normalise and store them
+  if (!ks) {  // MQ: each warp's rows are whole: normalise and store them
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = l_run[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int row = warp * 16 + g + h * 8;
+      const int row = row0 + g + h * 8;
       if (row >= rows) continue;
       const float inv = l > 0.f ? 1.f / l : 0.f;
       if (num_splits == 1) {
@@ -917,7 +921,7 @@ PS_DECODE(decode_fp16_hd64, __half, 64, 4, 1)
 PS_DECODE(decode_fp16_hd128, __half, 128, 3, 2)
 PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
 
-#define PS_DECODE_MQ(NAME, T, HD, STAGES, MIN_CTAS)                                              \
+#define PS_DECODE_MQ(NAME, T, HD, STAGES, MIN_CTAS, KS)                                          \
   extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                           \
       NAME(const T* q, T* out, float* part_o, float* part_lse, const T* k_cache,                 \
            const T* v_cache, const int* block_tables, const int* cu_seqlens_q,                   \
@@ -925,17 +929,23 @@ PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
            int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads,          \
            int num_kv_heads, int block_size_log2, int max_blocks_per_seq, int chunk_pages,       \
            int num_splits, float scale_log2) {                                                   \
-    ps::decode_impl<T, HD, STAGES, true>(q, out, part_o, part_lse, k_cache, v_cache,             \
-                                         block_tables, seq_lens, q_stride_tok, q_stride_head,    \
-                                         o_stride_tok, o_stride_head, num_heads, num_kv_heads,   \
-                                         block_size_log2, max_blocks_per_seq, chunk_pages,       \
-                                         num_splits, scale_log2, cu_seqlens_q, tiles, tpc);      \
+    ps::decode_impl<T, HD, STAGES, true, KS>(q, out, part_o, part_lse, k_cache, v_cache,         \
+                                             block_tables, seq_lens, q_stride_tok,               \
+                                             q_stride_head, o_stride_tok, o_stride_head,         \
+                                             num_heads, num_kv_heads, block_size_log2,           \
+                                             max_blocks_per_seq, chunk_pages, num_splits,        \
+                                             scale_log2, cu_seqlens_q, tiles, tpc);              \
   }
-// Few query tokens per sequence over its context (paged_few_query_attention).
-PS_DECODE_MQ(decode_mq_bf16_hd64, __nv_bfloat16, 64, 4, 1)
-PS_DECODE_MQ(decode_mq_bf16_hd128, __nv_bfloat16, 128, 3, 2)
-PS_DECODE_MQ(decode_mq_fp16_hd64, __half, 64, 4, 1)
-PS_DECODE_MQ(decode_mq_fp16_hd128, __half, 128, 3, 2)
+// Few query tokens per sequence over its context (paged_few_query_attention); the _mqks_
+// candidates split the keys of entries of at most 16 rows (FEW_QUERY_KEY_SPLIT, not yet run).
+PS_DECODE_MQ(decode_mq_bf16_hd64, __nv_bfloat16, 64, 4, 1, false)
+PS_DECODE_MQ(decode_mq_bf16_hd128, __nv_bfloat16, 128, 3, 2, false)
+PS_DECODE_MQ(decode_mq_fp16_hd64, __half, 64, 4, 1, false)
+PS_DECODE_MQ(decode_mq_fp16_hd128, __half, 128, 3, 2, false)
+PS_DECODE_MQ(decode_mqks_bf16_hd64, __nv_bfloat16, 64, 4, 1, true)
+PS_DECODE_MQ(decode_mqks_bf16_hd128, __nv_bfloat16, 128, 3, 2, true)
+PS_DECODE_MQ(decode_mqks_fp16_hd64, __half, 64, 4, 1, true)
+PS_DECODE_MQ(decode_mqks_fp16_hd128, __half, 128, 3, 2, true)
 
 #define PS_COMBINE(NAME, T)                                                                      \
   extern "C" __global__ void NAME(const float* part_o, const float* part_lse, T* out,            \

@@ -195,11 +195,13 @@ FEW_QUERY_CASES = {
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 2), (16, 1)])  # 64 to 4 tokens a CTA
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", list(FEW_QUERY_CASES))
+@pytest.mark.parametrize("key_split", [False, True])  # the default kernels, then the candidates
 def test_few_query_attention_matches_reference(kern, dtype, head_dim, heads, kv_heads, block_size,
-                                              case):
+                                              case, key_split, monkeypatch):
     """paged_few_query_attention against float64 with paged_prefill_attention's semantics, q as a
     strided view (as the model passes it), outputs poisoned with NaN."""
     attention, _ = kern
+    monkeypatch.setattr(attention, "FEW_QUERY_KEY_SPLIT", key_split)
     seq_lens, q_lens = FEW_QUERY_CASES[case]
     gen = torch.Generator(device="cuda").manual_seed(seed_of("few", case, dtype, head_dim, heads,
                                                              block_size))

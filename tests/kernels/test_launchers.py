@@ -90,3 +90,15 @@ def test_ops_module_lists_every_kernel_of_ops_cu():
     dtypes = re.findall(r"^PS_OPS\((\w+),", src, re.MULTILINE)
     assert sorted(_compile.MODULES["ops"][1]) == sorted(f"{o}_{d}" for o in ops_names for d in dtypes)
     assert len(ops_names) == 4 and dtypes == ["bf16", "fp16"]
+
+
+@pytest.mark.parametrize("module", ["attention", "cache"])
+def test_module_lists_every_entry_point_of_its_source(module):
+    """warmup compiles what MODULES lists: every extern "C" kernel of the source, instantiated
+    by a PS_ macro or written out, and nothing else."""
+    filename, listed = _compile.MODULES[module]
+    src = _compile.load_source(filename)
+    by_macro = re.findall(r"^PS_\w+\((\w+),", src, re.MULTILINE)
+    written = re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(',
+                         src, re.MULTILINE)
+    assert sorted(listed) == sorted(by_macro + written)

@@ -18,7 +18,7 @@ _PREFILL_BM, _PREFILL_BN = 128, 64
 _DECODE_BN = 64
 _DECODE_STAGES = {64: 4, 128: 3}  # pipeline stages of the default decode kernels (attention.cu)
 _DECODE_MAX_PAGES = 256  # pages one decode split may span: bounds its smem page list
-MAX_GROUP = 16          # query heads per KV head served by one decode CTA (the MMA's M)
+MAX_GROUP = 16  # query heads per KV head served by one decode CTA (the MMA's M)
 _HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -183,7 +183,7 @@ DECODE_MQ_KERNELS = {(dt, hd): (f"decode_mq_{name}_hd{hd}", _DECODE_STAGES[hd])
 # A candidate, not yet run on a GPU: entries of at most 16 query rows (a one-token seq of a mixed
 # small step, a chunk's last few tokens) with their warps splitting the keys, as the one-token
 # kernel does, where the default gives them one warp and leaves three idle.
-# profile_decode.py --mixed-small times both; the tests cover both.
+# profile_decode.py --chunk ... --decodes D times both; the GPU test covers both.
 FEW_QUERY_KEY_SPLIT = False
 DECODE_MQKS_KERNELS = {(dt, hd): (f"decode_mqks_{name}_hd{hd}", _DECODE_STAGES[hd])
                        for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
@@ -227,8 +227,9 @@ def paged_few_query_attention(
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(),
                      _i32(num_entries), _i32(tpc)))
     # Splits as for one seq's tokens (a cached prefix's new tokens, the common case): short ones
-    # (256 keys) over the whole width. Sized by the bound on entries instead, a 16-token step of
-    # 32 padded seqs got 6 splits of 1,408 keys: one CTA walked most of a 2,000-token context.
+    # (FEW_QUERY_SPLIT_KEYS or 256 keys) over the whole width. Sized by the bound on entries
+    # instead, a 16-token step of 32 padded seqs got 6 splits of 1,408 keys: one CTA walked most
+    # of a 2,000-token context.
     usual = math.ceil(total / tpc)
     splits, chunk_pages = decode_splits(usual, num_kv_heads, block_tables.shape[1], block_size,
                                         _sm_count(device),

@@ -432,12 +432,13 @@ def test_mixed_step_split_matches_the_prefill_kernel_alone(preset, num_layers):
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_small_step_graphs_match_the_eager_forward_on_gpu():
     """Steps with prompt tokens replayed from SmallStepGraphs give the eager forward's
-    distribution (bf16, which the kernels cover; one-token seqs go through the prefill kernel in
-    the graph, the decode kernel eagerly, hence a tolerance), and a graph step's launch syncs
+    distribution (bf16, which the kernels cover; one-token seqs go through the graph's prefill
+    attention, the decode kernel eagerly, hence a tolerance), and a graph step's launch syncs
     nothing: a prefill of three seqs (62 tokens), a mixed step of their decodes and a new prompt
     (33), a 400-token chunk of a 412-token prompt (512-token graph), then its last 12 tokens
-    over the 400 cached beside four decodes (16 tokens: the few-query kernel, each seq's query
-    tokens sharing one read of its context)."""
+    over the 400 cached beside four decodes (16 tokens). Steps of up to FEW_QUERY_MAX tokens
+    take the few-query kernel (each seq's query tokens sharing one read of its context), the
+    512-token one the prefill kernel."""
     hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
     rng = random.Random(3)
     prompts = {1: random_prompt(rng, 5), 2: random_prompt(rng, 17), 3: random_prompt(rng, 40)}

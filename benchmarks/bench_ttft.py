@@ -54,24 +54,35 @@ def _pct(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_request_arguments(p: argparse.ArgumentParser, requests: int, warmup: int) -> None:
+    """The services' model and backend, and the shape and count of the single requests."""
     p.add_argument("--model", default="preset:tiny")
     p.add_argument("--backend", default="cpu")
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--requests", type=int, default=100)
-    p.add_argument("--max-tokens", type=int, default=1,
-                   help="tokens each timed request generates (above 1, the executor has the "
-                        "next step's plan while it runs the first)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed requests after the prefix")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--json", default=None, help="write the TTFTs here")
-    args = p.parse_args(argv)
+    p.add_argument("--requests", type=int, default=requests)
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed requests after the prefix")
+
+
+def make_prompts(args) -> tuple[list[int], list[list[int]]]:
+    """The shared prefix, and the warm-up and timed prompts: the prefix and tokens of their own."""
     rng = random.Random(2)
     prefix = [rng.randrange(1, 30_000) for _ in range(args.prefix_tokens)]
     prompts = [prefix + [rng.randrange(1, 30_000) for _ in range(args.new_tokens)]
                for _ in range(args.warmup + args.requests)]
+    return prefix, prompts
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_request_arguments(p, requests=100, warmup=10)
+    p.add_argument("--max-tokens", type=int, default=1,
+                   help="tokens each timed request generates (above 1, the executor has the "
+                        "next step's plan while it runs the first)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--json", default=None, help="write the TTFTs here")
+    args = p.parse_args(argv)
+    prefix, prompts = make_prompts(args)
     extra = ("--no-prefix-caching",) if args.no_prefix_caching else ()
     tmp = Path(tempfile.mkdtemp(prefix="bench_ttft_"))
     services = start_services(tmp, ["--model", args.model, "--backend", args.backend],

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import collections
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -162,20 +161,13 @@ def breakdown(marks: list[tuple[int, str]], skip: int) -> tuple[list[tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from benchmarks.bench_ttft import add_request_arguments, make_prompts
     from scripts.local_services import start_services
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="preset:tiny")
-    p.add_argument("--backend", default="cpu")
-    p.add_argument("--prefix-tokens", type=int, default=2000)
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--warmup", type=int, default=50)
+    add_request_arguments(p, requests=1000, warmup=50)
     args = p.parse_args(argv)
-    rng = random.Random(2)
-    prefix = [rng.randrange(1, 30_000) for _ in range(args.prefix_tokens)]
-    prompts = [prefix + [rng.randrange(1, 30_000) for _ in range(args.new_tokens)]
-               for _ in range(args.warmup + args.requests)]
+    prefix, prompts = make_prompts(args)
     tmp = Path(tempfile.mkdtemp(prefix="trace_ttft_"))
     (tmp / "site").mkdir()
     (tmp / "site" / "sitecustomize.py").write_text(_SITECUSTOMIZE % (TRACE_POINTS,))

@@ -1,8 +1,10 @@
 """The transport's share of a request (issue 12): the round trip of one StepPlan and its
-StepResult over the Execute stream, as the scheduler's grpc.aio client sees it, against an echo
-server of each kind the executor could be (the sync server it is, with a thread pool, and a
-grpc.aio one), each in its own process on a local port. No model and no step: what is left is
-gRPC's C core, its Python glue and the thread or event-loop hops on both sides.
+StepResult over the Execute stream, as the scheduler's grpc.aio client sees it (with its channel
+options), against an echo server of each kind the executor could be (the sync server it is, with
+a thread pool, and a grpc.aio one), and against the executor's own arrangement with a no-op step
+(its server options and stream limit, its plan-reader thread and StepPipeline), each in its own
+process on a local port. No model: what is left is gRPC's C core, its Python glue and the thread
+or event-loop hops on both sides.
 
     python -m benchmarks.bench_grpc_roundtrip --round-trips 3000
 
@@ -27,7 +29,11 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
+from executor_svc.server import SERVER_OPTIONS, STREAM_LIMITS  # noqa: E402
+from executor_svc.step_pipeline import StepPipeline  # noqa: E402
+from executor_svc.transport import StreamLimits  # noqa: E402
 from protos import executor_pb2, executor_pb2_grpc  # noqa: E402
+from scheduler_svc.executor_client import channel_options  # noqa: E402
 
 
 class _SyncEcho(executor_pb2_grpc.ExecutorServicer):
@@ -42,9 +48,40 @@ class _AioEcho(executor_pb2_grpc.ExecutorServicer):
             yield executor_pb2.StepResult(step_id=plan.step_id)
 
 
+class _Done:
+    """A launched no-op step: ready at once, as the CPU backend's steps are."""
+
+    def __init__(self, plan) -> None:
+        self.step_id = plan.step_id
+
+    def is_ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class _PipelinedEcho(executor_pb2_grpc.ExecutorServicer):
+    """The executor's Execute without a model: its plan-reader thread and StepPipeline."""
+
+    def Execute(self, request_iterator, context):
+        pipeline = StepPipeline(_Done, lambda done: done, on_idle=lambda: None)
+        for done in pipeline.run(request_iterator):
+            yield executor_pb2.StepResult(step_id=done.step_id)
+
+
 def _serve_sync(port: int) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     executor_pb2_grpc.add_ExecutorServicer_to_server(_SyncEcho(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
+def _serve_executor_like(port: int) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS,
+                         interceptors=[StreamLimits(STREAM_LIMITS)], maximum_concurrent_rpcs=8)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(_PipelinedEcho(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     server.wait_for_termination()
@@ -63,7 +100,8 @@ def _serve_aio(port: int) -> None:
 
 async def _round_trips(port: int, count: int, warmup: int) -> list[float]:
     """Seconds from each plan's write to its result's read, after `warmup` untimed ones."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                         options=channel_options(10.0)) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
         call = executor_pb2_grpc.ExecutorStub(channel).Execute()
         times = []
@@ -91,8 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--round-trips", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=200)
     args = p.parse_args(argv)
-    for name, serve in (("sync server (the executor's)", _serve_sync),
-                        ("grpc.aio server", _serve_aio)):
+    for name, serve in (("sync server (the executor's kind)", _serve_sync),
+                        ("grpc.aio server", _serve_aio),
+                        ("the executor's options, reader thread and pipeline",
+                         _serve_executor_like)):
         port = _free_port()
         proc = multiprocessing.Process(target=serve, args=(port,), daemon=True)
         proc.start()

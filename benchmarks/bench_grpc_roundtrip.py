@@ -34,6 +34,7 @@ from executor_svc.step_pipeline import StepPipeline  # noqa: E402
 from executor_svc.transport import StreamLimits  # noqa: E402
 from protos import executor_pb2, executor_pb2_grpc  # noqa: E402
 from scheduler_svc.executor_client import channel_options  # noqa: E402
+from scripts.local_services import free_port  # noqa: E402
 
 
 class _SyncEcho(executor_pb2_grpc.ExecutorServicer):
@@ -116,14 +117,6 @@ async def _round_trips(port: int, count: int, warmup: int) -> list[float]:
     return times[warmup:]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--round-trips", type=int, default=3000)
@@ -133,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                         ("grpc.aio server", _serve_aio),
                         ("the executor's options, reader thread and pipeline",
                          _serve_executor_like)):
-        port = _free_port()
+        port = free_port()
         proc = multiprocessing.Process(target=serve, args=(port,), daemon=True)
         proc.start()
         try:

@@ -126,6 +126,14 @@ def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]:
     return num_heads, num_kv_heads
 
 
+def _check_group(num_heads: int, num_kv_heads: int) -> int:
+    """The query heads per KV head, at most the decode kernels' MMA rows (MAX_GROUP)."""
+    group = num_heads // num_kv_heads
+    if group > MAX_GROUP:
+        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, got {group}")
+    return group
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -210,9 +218,7 @@ def paged_few_query_attention(
     out = _check_q(q, out)
     num_heads, num_kv_heads, num_seqs = _check_packed(q, k_cache, v_cache, block_tables,
                                                       cu_seqlens_q, seq_lens)
-    group = num_heads // num_kv_heads
-    if group > MAX_GROUP:
-        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, got {group}")
+    group = _check_group(num_heads, num_kv_heads)
     total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
@@ -322,9 +328,7 @@ def paged_decode_attention(
     out = _check_q(q, out)
     _check_cache(k_cache, v_cache, q)
     num_heads, num_kv_heads = _check_heads(q, k_cache)
-    if num_heads // num_kv_heads > MAX_GROUP:
-        raise ValueError(f"at most {MAX_GROUP} query heads per KV head, got "
-                         f"{num_heads // num_kv_heads}")
+    _check_group(num_heads, num_kv_heads)
     device = q.device
     num_seqs = q.shape[0]
     _check_index("block_tables", block_tables, 2, device)

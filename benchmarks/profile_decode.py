@@ -202,7 +202,7 @@ def main() -> None:
                      default=0)
     num_blocks += -(-max(args.mixed, default=0) // BLOCK_SIZE)
     num_blocks += -(-(args.cached + max(args.chunk, default=0)) // BLOCK_SIZE)
-    num_blocks += max(args.decodes) * -(-2 * args.cached // BLOCK_SIZE) if args.chunk else 0
+    num_blocks += max(args.decodes, default=0) * -(-2 * args.cached // BLOCK_SIZE)
     engine = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                          num_blocks, 0, torch.bfloat16, backend)
     copy_bw = copy_bandwidth()

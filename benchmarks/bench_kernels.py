@@ -197,6 +197,62 @@ def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, h
     return result
 
 
+RAGGED_BATCHES = (8, 16, 32, 64, 96, 128, 192, 256)
+# (pages a split may span, CTAs per SM the splits aim for) of the decode launcher before 2026-12-01
+# (seventh session), timed beside the defaults.
+DECODE_POLICY_BEFORE = (256, 12)
+
+
+def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), width=512,
+                        rounds=5, heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
+    """The decode kernel as a W1 decode graph runs it: contexts uniform in `context`, tables
+    `width` pages wide (the graph's, from max_model_len 8192); the launcher's split policy
+    against DECODE_POLICY_BEFORE, interleaved in rounds; medians of rounds."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rng = torch.Generator().manual_seed(5)
+    policies = {"default": (attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM),
+                "before": DECODE_POLICY_BEFORE}
+    result = {}
+    try:
+        for bs in batches:
+            lens_list = torch.randint(context[0], context[1] + 1, (bs,), generator=rng).tolist()
+            pages = [-(-n // block_size) for n in lens_list]
+            num_blocks = sum(pages)
+            g = torch.Generator(device="cuda").manual_seed(bs)
+            shape = (num_blocks, kv_heads, block_size, head_dim)
+            k_cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+            v_cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+            perm = torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32)
+            tables = torch.zeros(bs, width, dtype=torch.int32, device="cuda")
+            at = 0
+            for i, p in enumerate(pages):
+                tables[i, :p] = perm[at:at + p]
+                at += p
+            lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+            q = torch.randn(bs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            times: dict = {name: [] for name in policies}
+            for r in range(rounds):
+                for name, policy in policies.items():
+                    attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policy
+                    times[name].append(median_ms(lambda i: attention.paged_decode_attention(
+                        q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out),
+                        iters=40, warmup=5 if r == 0 else 2))
+            kv_bytes = 2 * sum(lens_list) * kv_heads * head_dim * 2
+            row = {"mean_context": sum(lens_list) / bs}
+            for name, ts in times.items():
+                attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policies[name]
+                ms = statistics.median(ts)
+                row[f"{name}_us"] = ms * 1e3
+                row[f"{name}_frac_copy_bw"] = kv_bytes / (ms * 1e-3) / copy_bw
+                row[f"{name}_splits"] = attention.decode_splits(bs, kv_heads, width, block_size,
+                                                                sms)[0]
+            result[bs] = row
+    finally:
+        attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policies["default"]
+    return result
+
+
 def bench_swap_and_copy(copy_bw, layers=32, kv_heads=8, block_size=16, head_dim=128,
                         gpu_blocks=8192, pairs=1024):
     import cupy
@@ -442,7 +498,7 @@ def main() -> None:
                              "(e.g. /tmp/vllm_site) on the prefill and decode shapes")
     parser.add_argument("--fa3-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: prefill decode swap compile fusions matmul")
+                        help="subset of: prefill decode ragged swap compile fusions matmul")
     args = parser.parse_args()
     if args.fa3_worker:
         return fa3_worker(args.fa3_worker)
@@ -497,6 +553,16 @@ def main() -> None:
                              f"splits {r['splits']}, rounds {r['round_ms_min'] * 1e3:.0f}-"
                              f"{r['round_ms_max'] * 1e3:.0f} us",
                              f"{100 * r['frac_copy_bw']:.0f}% of copy bw"))
+    if "ragged" in only:
+        r = bench_decode_ragged(copy_bw)
+        results["decode ragged"] = r
+        for bs, row in r.items():
+            print(f"decode ragged {bs}", json.dumps(row), flush=True)
+            rows.append((f"decode {bs} seqs, contexts 64-1792, 512-page tables",
+                         f"{row['default_us']:.0f} us (splits {row['default_splits']})",
+                         f"before: {row['before_us']:.0f} us (splits {row['before_splits']})",
+                         f"{row['before_us'] / row['default_us']:.2f}x",
+                         f"{100 * row['default_frac_copy_bw']:.0f}% of copy bw"))
     if "swap" in only:
         r = bench_swap_and_copy(copy_bw)
         results["swap"] = r

@@ -198,20 +198,43 @@ def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, h
 
 
 RAGGED_BATCHES = (8, 16, 32, 64, 96, 128, 192, 256)
-# (pages a split may span, CTAs per SM the splits aim for) of the decode launcher before 2026-12-01
-# (seventh session), timed beside the defaults.
-DECODE_POLICY_BEFORE = (256, 12)
+# Decode split policies timed beside the launcher's default: (pages a split may span, CTAs per
+# SM the splits aim for), set through kernels.attention's _DECODE_MAX_PAGES and
+# DECODE_CTAS_PER_SM.
+DECODE_POLICY_CANDIDATES = {"1024 pages, 12/SM": (1024, 12), "1024 pages, 4/SM": (1024, 4)}
+
+
+def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
+    """Per-call GPU time of fn() (a few kernel launches) from a CUDA graph of `calls` of them,
+    median of `replays` replays: no host launch time between the kernels, as in a decode graph."""
+    fn()  # workspaces allocated (and kernels loaded) before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), width=512,
                         rounds=5, heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
     """The decode kernel as a W1 decode graph runs it: contexts uniform in `context`, tables
-    `width` pages wide (the graph's, from max_model_len 8192); the launcher's split policy
-    against DECODE_POLICY_BEFORE, interleaved in rounds; medians of rounds."""
+    `width` pages wide (the graph's, from max_model_len 8192), timed inside CUDA graphs; the
+    launcher's split policy against DECODE_POLICY_CANDIDATES, interleaved in rounds (a graph
+    captured per policy and round: a policy may regrow the partials' workspace); medians."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rng = torch.Generator().manual_seed(5)
     policies = {"default": (attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM),
-                "before": DECODE_POLICY_BEFORE}
+                **DECODE_POLICY_CANDIDATES}
     result = {}
     try:
         for bs in batches:
@@ -232,21 +255,20 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
             q = torch.randn(bs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(q)
             times: dict = {name: [] for name in policies}
-            for r in range(rounds):
+            for _ in range(rounds):
                 for name, policy in policies.items():
                     attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policy
-                    times[name].append(median_ms(lambda i: attention.paged_decode_attention(
-                        q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out),
-                        iters=40, warmup=5 if r == 0 else 2))
+                    times[name].append(graph_ms(lambda: attention.paged_decode_attention(
+                        q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)))
             kv_bytes = 2 * sum(lens_list) * kv_heads * head_dim * 2
-            row = {"mean_context": sum(lens_list) / bs}
+            row = {"mean_context": sum(lens_list) / bs, "policies": {}}
             for name, ts in times.items():
                 attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policies[name]
                 ms = statistics.median(ts)
-                row[f"{name}_us"] = ms * 1e3
-                row[f"{name}_frac_copy_bw"] = kv_bytes / (ms * 1e-3) / copy_bw
-                row[f"{name}_splits"] = attention.decode_splits(bs, kv_heads, width, block_size,
-                                                                sms)[0]
+                row["policies"][name] = {
+                    "us": ms * 1e3, "frac_copy_bw": kv_bytes / (ms * 1e-3) / copy_bw,
+                    "splits": attention.decode_splits(bs, kv_heads, width, block_size, sms)[0],
+                    "round_us_min": min(ts) * 1e3, "round_us_max": max(ts) * 1e3}
             result[bs] = row
     finally:
         attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policies["default"]
@@ -558,11 +580,11 @@ def main() -> None:
         results["decode ragged"] = r
         for bs, row in r.items():
             print(f"decode ragged {bs}", json.dumps(row), flush=True)
-            rows.append((f"decode {bs} seqs, contexts 64-1792, 512-page tables",
-                         f"{row['default_us']:.0f} us (splits {row['default_splits']})",
-                         f"before: {row['before_us']:.0f} us (splits {row['before_splits']})",
-                         f"{row['before_us'] / row['default_us']:.2f}x",
-                         f"{100 * row['default_frac_copy_bw']:.0f}% of copy bw"))
+            for name, p in row["policies"].items():
+                rows.append((f"decode {bs} seqs, contexts 64-1792, 512-page tables [{name}]",
+                             f"{p['us']:.0f} us", f"splits {p['splits']}",
+                             f"rounds {p['round_us_min']:.0f}-{p['round_us_max']:.0f} us",
+                             f"{100 * p['frac_copy_bw']:.0f}% of copy bw"))
     if "swap" in only:
         r = bench_swap_and_copy(copy_bw)
         results["swap"] = r

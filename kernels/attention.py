@@ -17,10 +17,11 @@ _THREADS = 128
 _PREFILL_BM, _PREFILL_BN = 128, 64
 _DECODE_BN = 64
 _DECODE_STAGES = {64: 4, 128: 3}  # pipeline stages of the default decode kernels (attention.cu)
-# Pages one decode split may span: its smem page list (4 KiB; hd128's 96 KiB of stages still
-# fit 2 CTAs per SM). 1,024 pages (16,384 tokens at 16 a page) keep a decode graph of
-# max_model_len 8,192 unsplit; 256 forced 2 splits and a combine on every seq.
-_DECODE_MAX_PAGES = 1024
+# Pages one decode split may span: bounds its smem page list (1 KiB beside hd128's 96 KiB of
+# stages). A decode graph of max_model_len 8,192 has 512-page tables, so every seq gets at
+# least 2 splits and a combine; 1,024 pages is a candidate (bench_kernels --only ragged),
+# timed once (RESULTS.md), not adopted.
+_DECODE_MAX_PAGES = 256
 MAX_GROUP = 16  # query heads per KV head served by one decode CTA (the MMA's M)
 _HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -31,11 +32,7 @@ PREFILL_KERNELS = {(dt, hd): f"prefill_wg_{name}_hd{hd}" for dt, name in _DTYPES
 # (dtype, head_dim) -> (decode kernel, its pipeline stages); the benchmark swaps in candidates.
 DECODE_KERNELS = {(dt, hd): (f"decode_{name}_hd{hd}", _DECODE_STAGES[hd])
                   for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
-# Decode splits aim for about this many CTAs per SM (see decode_splits). 4 rather than 12 (the
-# H200, bench_kernels --only ragged: W1's ragged contexts in a decode graph's 512-page tables):
-# from 66 seqs up a seq is one CTA and no combine runs; 5-10% faster at 192-256 seqs, the same
-# within noise below (1-64 seqs, 2,000-4,096 keys).
-DECODE_CTAS_PER_SM = 4
+DECODE_CTAS_PER_SM = 12  # decode splits aim for about this many CTAs per SM (see decode_splits)
 PREFILL_KERNELS_MMA_SYNC = {(dt, hd): f"prefill_{name}_hd{hd}" for dt, name in _DTYPES.items()
                             for hd in _HEAD_DIMS}
 _WG_THREADS, _WG_BN = 256, 128
@@ -302,8 +299,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, blo
     """(num_splits, pages per split) from host-known shapes only (capturable).
 
     Splits bound each CTA's page list and, when sequences are few, spread one sequence over
-    enough CTAs for about DECODE_CTAS_PER_SM per SM; each split keeps at least `min_keys`
-    keys."""
+    enough CTAs for about 12 per SM (6 waves of 2 resident CTAs: a short tail); each split keeps
+    at least `min_keys` keys."""
     align = max(1, _DECODE_BN // block_size)  # split boundaries on stage boundaries
     max_pages = max(1, max_blocks_per_seq)
     splits = math.ceil(max_pages / _DECODE_MAX_PAGES)

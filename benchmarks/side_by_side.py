@@ -9,6 +9,12 @@ request whose 2,000-token prefix is cached, against caching off (pagedserve only
 
 On the GPU machine, after the three staging calls of ../shared/bench/vllm/README.md, in the call
 that brings .vllm04: `bash .vllm04/install_on_gpu.sh && python3 benchmarks/side_by_side.py ...`.
+The ceilings run first, then each run; after each, `summary.json` and `table.md` in --out-dir
+are rewritten with everything so far (every run's own JSON and log go under `runs/`): a call cut
+off by its time limit still brings back what finished, in two files. W1-W3 with vLLM's
+install take 560-600 s, at the device's 600 s limit per call: run `--skip-vllm` in one call and
+`--skip-pagedserve` in the next while the machine is held, then here `--merge
+A/summary.json B/summary.json --out-dir D` for the one table.
 The same requests on both sides (lengths from random.Random(0), ids from random.Random(1), EOS
 ignored, every request its full output). Runs one after the other, pagedserve first; each side
 gets the whole GPU. The floor is a bound from the measured ceilings, not a reachable rate.
@@ -78,28 +84,37 @@ def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float | Non
     return proc.returncode
 
 
-def run_pagedserve(workloads: list[str], out: Path, extra: list[str]) -> dict:
-    results = {}
+def run_pagedserve(workloads: list[str], out: Path, extra: list[str], results: dict,
+                   report) -> dict:
+    """bench_serving on each workload into `results` (workload -> its JSON); report() after
+    each."""
     for w in workloads:
         path = out / f"pagedserve_{w}.json"
         run([sys.executable, "benchmarks/bench_serving.py", "--workload", w, "--skip-hf",
              "--out", str(path), "--log-dir", str(out / "logs"), *extra], out / f"pagedserve_{w}.log")
         if path.exists():
             results[w] = json.loads(path.read_text())
+        report()
     return results
 
 
-def run_vllm(workloads: list[str], out: Path, vllm_dir: Path) -> dict:
+def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, report) -> dict:
+    """vLLM's offline runs, then W4's, into `results` (load_vllm's layout); report() after
+    each."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own site only
     offline = [w for w in workloads if w in WORKLOADS]
     if offline:
         run([sys.executable, str(vllm_dir / "offline_bench.py"), "--workloads", ",".join(offline),
              "--out", str(out / "vllm.json")], out / "vllm.log", env=env)
+        results.update(load_vllm(out, workloads))
+        report()
     for w in workloads:
         if w in CONVERSATION_WORKLOADS:
             run([sys.executable, "benchmarks/vllm_w4.py", "--out", str(out / f"vllm_{w}.json")],
                 out / f"vllm_{w}.log", env=env)
-    return load_vllm(out, workloads)
+            results.update(load_vllm(out, workloads))
+            report()
+    return results
 
 
 def load_vllm(out: Path, workloads: list[str]) -> dict:
@@ -123,10 +138,13 @@ def run_prefix_ttft(out: Path, extra: list[str]) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def ceilings(out: Path) -> dict:
+def ceilings(out: Path) -> dict | None:
+    """The GPU's bf16 matmul rate and copy bandwidth (bench_kernels), or None if it failed."""
     path = out / "ceilings.json"
     run([sys.executable, "benchmarks/bench_kernels.py", "--only", "matmul", "--skip-compile",
          "--json", str(path)], out / "ceilings.log")
+    if not path.exists():
+        return None
     r = json.loads(path.read_text())
     return {"matmul_tflops": r["matmul"]["peak_tflops"], "copy_GBps": r["copy_bw_GBps"],
             "matmul_by_tokens": {k: v for k, v in r["matmul"].items() if k != "peak_tflops"}}
@@ -178,23 +196,73 @@ def prefix_ttft_line(result: dict | None) -> str:
             + (f"{r['ratio']:.1f}x" if r["ratio"] else "n/a"))
 
 
-def gather(args, workloads: list[str], out: Path) -> tuple[dict, dict, dict | None, dict | None]:
-    """Both sides' results, the ceilings and prefix-ttft's: run now, or read from --from-dir."""
-    prefix_path = out / f"pagedserve_{PREFIX_TTFT}.json"
-    if args.from_dir:
-        ours = {w: json.loads((out / f"pagedserve_{w}.json").read_text()) for w in workloads
-                if (out / f"pagedserve_{w}.json").exists()}
-        ceil = json.loads((out / "ceilings_summary.json").read_text()) \
-            if (out / "ceilings_summary.json").exists() else None
-        prefix = json.loads(prefix_path.read_text()) if prefix_path.exists() else None
-        return ours, load_vllm(out, workloads), ceil, prefix
-    ours = {} if args.skip_pagedserve else run_pagedserve(workloads, out, args.pagedserve_args)
-    prefix = (run_prefix_ttft(out, args.pagedserve_args)
-              if args.prefix_ttft and not args.skip_pagedserve else None)
-    vllm = {} if args.skip_vllm else run_vllm(workloads, out, args.vllm_dir)
-    ceil = ceilings(out)
-    (out / "ceilings_summary.json").write_text(json.dumps(ceil, indent=1))
+def summary(workloads: list[str], ours: dict, vllm: dict, ceil: dict | None,
+            prefix: dict | None) -> dict:
+    """The figures the table is made of, small enough to travel back alone."""
+    keys = ("output_tok_s", "complete", "full_outputs", "requests", "wall_s", "ttft_p50_s",
+            "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "prefix_cache_hit_rate",
+            "preemptions_swap", "preemptions_recompute", "executor_step_timing")
+    pick = (lambda r: {k: r[k] for k in keys if k in r})
+    return {"ceilings": ceil, "vllm_version": vllm.get("vllm"), "gpu": vllm.get("gpu"),
+            "pagedserve": {w: pick(ours[w].get("serving", {})) for w in workloads if w in ours},
+            "vllm": {w: pick(r) for w, r in vllm.get("workloads", {}).items()},
+            "prefix_ttft": prefix and {k: v for k, v in prefix["serving"].items()
+                                       if not isinstance(v, (list, dict)) or k in
+                                       ("cached", "uncached")}}
+
+
+def merge_summaries(paths: list[Path]) -> tuple[dict, dict, dict | None, dict | None]:
+    """(ours, vllm, ceilings, prefix) from summary.json files of calls on one lease (e.g. one
+    call --skip-vllm, the next --skip-pagedserve); a later file fills only what earlier ones
+    lack."""
+    ours: dict = {}
+    vllm: dict = {"workloads": {}}
+    ceil = prefix = None
+    for path in paths:
+        s = json.loads(path.read_text())
+        for w, r in s["pagedserve"].items():
+            ours.setdefault(w, {"serving": r})
+        for w, r in s["vllm"].items():
+            vllm["workloads"].setdefault(w, r)
+        for key, value in (("vllm", s["vllm_version"]), ("gpu", s["gpu"])):
+            if value and key not in vllm:
+                vllm[key] = value
+        ceil = ceil or s["ceilings"]
+        prefix = prefix or (s["prefix_ttft"] and {"serving": s["prefix_ttft"]})
     return ours, vllm, ceil, prefix
+
+
+def gather(args, workloads: list[str], out: Path, runs: Path, report
+           ) -> tuple[dict, dict, dict | None, dict | None]:
+    """Both sides' results, the ceilings and prefix-ttft's: run now (report(ours, vllm, ceil,
+    prefix) after each run), or read from --from-dir."""
+    prefix_path = runs / f"pagedserve_{PREFIX_TTFT}.json"
+    if args.merge:
+        return merge_summaries(args.merge)
+    if args.from_dir:
+        ours = {w: json.loads((runs / f"pagedserve_{w}.json").read_text()) for w in workloads
+                if (runs / f"pagedserve_{w}.json").exists()}
+        ceil = json.loads((runs / "ceilings_summary.json").read_text()) \
+            if (runs / "ceilings_summary.json").exists() else None
+        prefix = json.loads(prefix_path.read_text()) if prefix_path.exists() else None
+        return ours, load_vllm(runs, workloads), ceil, prefix
+    ours: dict = {}
+    vllm: dict = {}
+    state: dict = {"ceil": None, "prefix": None}
+
+    def progress() -> None:
+        report(ours, vllm, state["ceil"], state["prefix"])
+
+    state["ceil"] = ceilings(runs)  # first: cheap, and never the run a time limit cuts off
+    (runs / "ceilings_summary.json").write_text(json.dumps(state["ceil"], indent=1))
+    if not args.skip_pagedserve:
+        run_pagedserve(workloads, runs, args.pagedserve_args, ours, progress)
+        if args.prefix_ttft:
+            state["prefix"] = run_prefix_ttft(runs, args.pagedserve_args)
+            progress()
+    if not args.skip_vllm:
+        run_vllm(workloads, runs, args.vllm_dir, vllm, progress)
+    return ours, vllm, state["ceil"], state["prefix"]
 
 
 def main() -> None:
@@ -209,6 +277,9 @@ def main() -> None:
     p.add_argument("--skip-pagedserve", action="store_true")
     p.add_argument("--from-dir", type=Path, default=None,
                    help="print the table from an earlier --out-dir without running anything")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="SUMMARY",
+                   help="print the table from summary.json files of calls on one lease (one "
+                        "--skip-vllm, one --skip-pagedserve) into --out-dir, running nothing")
     p.add_argument("pagedserve_args", nargs="*",
                    help="after --: extra bench_serving flags for every workload")
     args = p.parse_args()
@@ -218,18 +289,25 @@ def main() -> None:
     if unknown:
         p.error(f"unknown workload(s) {unknown}; choose from {known}")
     out = args.from_dir or args.out_dir
-    out.mkdir(parents=True, exist_ok=True)
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    ours, vllm, ceil, prefix = gather(args, workloads, out)
-    text = table(workloads, ours, vllm, ceil)
-    if args.prefix_ttft:
-        text += "\n\n" + prefix_ttft_line(prefix)
-    header = (f"side by side, {time.strftime('%Y-%m-%d')}, {vllm.get('gpu', 'GPU n/a')}, "
-              f"vLLM {vllm.get('vllm', 'n/a')}; ceilings: "
-              + (f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_GBps']:.0f} GB/s"
-                 if ceil else "n/a") + f"; {time.perf_counter() - start:.0f} s")
-    (out / "table.md").write_text(header + "\n\n" + text + "\n")
-    print("\n" + header + "\n\n" + text, flush=True)
+
+    def report(ours: dict, vllm: dict, ceil: dict | None, prefix: dict | None) -> None:
+        text = table(workloads, ours, vllm, ceil)
+        if args.prefix_ttft:
+            text += "\n\n" + prefix_ttft_line(prefix)
+        header = (f"side by side, {time.strftime('%Y-%m-%d')}, {vllm.get('gpu', 'GPU n/a')}, "
+                  f"vLLM {vllm.get('vllm', 'n/a')}; ceilings: "
+                  + (f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy "
+                     f"{ceil['copy_GBps']:.0f} GB/s" if ceil else "n/a")
+                  + f"; {time.perf_counter() - start:.0f} s")
+        (out / "table.md").write_text(header + "\n\n" + text + "\n")
+        (out / "summary.json").write_text(json.dumps(
+            summary(workloads, ours, vllm, ceil, prefix), indent=1))
+        print("\n" + header + "\n\n" + text + "\n", flush=True)
+
+    report(*gather(args, workloads, out, runs, report))
 
 
 if __name__ == "__main__":

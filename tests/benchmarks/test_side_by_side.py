@@ -1,5 +1,10 @@
-"""side_by_side's floor model: W4 counts only what a perfect prefix cache would leave to compute."""
+"""side_by_side's floor model (W4 counts only what a perfect prefix cache would leave to compute)
+and its reports."""
 from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 import side_by_side
 from conversations import ConversationsSpec, turn_lengths
@@ -23,3 +28,79 @@ def test_w4_sizes_compute_each_token_once():
 def test_w1_to_w3_share_nothing():
     assert all(c == 0 for c, _, _ in side_by_side.request_sizes("W1"))
     assert side_by_side.floor_seconds("W4", 790e12, 4.2e12) > 0
+
+
+def test_every_run_rewrites_the_summary_and_a_cut_off_call_keeps_what_finished(
+        tmp_path, monkeypatch):
+    """Stand-in runs (each writes the JSON its real command would): after every run the two
+    top-level files hold everything so far; vLLM's W2 never finishing leaves it n/a, not the
+    rest lost; every run's own files sit under runs/."""
+    import json
+    import sys
+
+    seen = []
+
+    def fake_run(cmd, log, env=None, timeout=None):
+        flag = "--out" if "--out" in cmd else "--json"
+        out = Path(cmd[cmd.index(flag) + 1])
+        log.write_text("ok\n")
+        if "bench_kernels.py" in cmd[1]:
+            out.write_text(json.dumps({"copy_bw_GBps": 4000.0,
+                                       "matmul": {"peak_tflops": 760.0, "8192": {}}}))
+        elif "bench_serving.py" in cmd[1]:
+            w = cmd[cmd.index("--workload") + 1]
+            out.write_text(json.dumps({"serving": {
+                "output_tok_s": {"W1": 8100.0, "W2": 9800.0}[w], "complete": 1, "requests": 1,
+                "ttft_p50_s": 2.0, "itl_p50_ms": 11.0}}))
+        else:  # vLLM's offline bench: W1 only, as if cut off before W2 finished
+            out.write_text(json.dumps({"vllm": "0.26.0", "gpu": "H200", "workloads": {
+                "W1": {"output_tok_s": 8000.0, "full_outputs": 1, "requests": 1}}}))
+        seen.append((Path(cmd[1]).name, json.loads((tmp_path / "o" / "summary.json").read_text())
+                     if (tmp_path / "o" / "summary.json").exists() else None))
+        return 0
+
+    monkeypatch.setattr(side_by_side, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--workloads", "W1,W2", "--out-dir",
+                                      str(tmp_path / "o"), "--vllm-dir", str(tmp_path)])
+    side_by_side.main()
+    top = sorted(p.name for p in (tmp_path / "o").iterdir())
+    assert top == ["runs", "summary.json", "table.md"]
+    assert {p.name for p in (tmp_path / "o" / "runs").iterdir()} >= {
+        "ceilings.json", "pagedserve_W1.json", "pagedserve_W2.json", "vllm.json"}
+    # The ceilings ran first; before vLLM's run the summary already had both of ours.
+    assert [name for name, _ in seen] == ["bench_kernels.py", "bench_serving.py",
+                                          "bench_serving.py", "offline_bench.py"]
+    before_vllm = seen[3][1]
+    assert before_vllm["pagedserve"]["W2"]["output_tok_s"] == 9800.0 and before_vllm["vllm"] == {}
+    final = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert final["vllm"]["W1"]["output_tok_s"] == 8000.0
+    assert final["ceilings"]["copy_GBps"] == 4000.0
+    table = (tmp_path / "o" / "table.md").read_text()
+    assert "| W1 | 8,100 | 8,000 | 1.01x |" in table
+    assert "| W2 | 9,800 | n/a | n/a |" in table
+
+
+def test_merge_joins_the_summaries_of_two_calls(tmp_path, monkeypatch, capsys):
+    """One call's pagedserve figures and the next call's vLLM ones make one table; the first
+    file wins where both have a figure."""
+    import json
+    import sys
+
+    first = {"ceilings": {"matmul_tflops": 760.0, "copy_GBps": 4000.0}, "vllm_version": None,
+             "gpu": None, "prefix_ttft": None, "vllm": {},
+             "pagedserve": {"W1": {"output_tok_s": 8100.0, "complete": 256, "requests": 256,
+                                   "ttft_p50_s": 2.0, "itl_p50_ms": 11.0}}}
+    second = {"ceilings": {"matmul_tflops": 1.0, "copy_GBps": 1.0}, "vllm_version": "0.26.0",
+              "gpu": "H200", "prefix_ttft": None, "pagedserve": {},
+              "vllm": {"W1": {"output_tok_s": 7900.0, "full_outputs": 256, "requests": 256}}}
+    paths = []
+    for i, s in enumerate((first, second)):
+        paths.append(tmp_path / f"s{i}.json")
+        paths[-1].write_text(json.dumps(s))
+    monkeypatch.setattr(side_by_side, "run", lambda *a, **k: pytest.fail("ran something"))
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--workloads", "W1", "--out-dir",
+                                      str(tmp_path / "m"), "--merge", *map(str, paths)])
+    side_by_side.main()
+    table = (tmp_path / "m" / "table.md").read_text()
+    assert "| W1 | 8,100 | 7,900 | 1.03x |" in table and "256/256, 256/256" in table
+    assert "matmul 760 TFLOP/s" in table and "vLLM 0.26.0" in table

@@ -276,7 +276,8 @@ def main() -> None:
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--skip-pagedserve", action="store_true")
     p.add_argument("--from-dir", type=Path, default=None,
-                   help="print the table from an earlier --out-dir without running anything")
+                   help="print the table from an earlier --out-dir (its runs/, or the folder "
+                        "itself) without running anything")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="SUMMARY",
                    help="print the table from summary.json files of calls on one lease (one "
                         "--skip-vllm, one --skip-pagedserve) into --out-dir, running nothing")
@@ -290,6 +291,8 @@ def main() -> None:
         p.error(f"unknown workload(s) {unknown}; choose from {known}")
     out = args.from_dir or args.out_dir
     runs = out / "runs"
+    if args.from_dir and not runs.is_dir():  # a folder written before runs/ existed
+        runs = out
     runs.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 

@@ -229,12 +229,16 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
                         rounds=5, heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
     """The decode kernel as a W1 decode graph runs it: contexts uniform in `context`, tables
     `width` pages wide (the graph's, from max_model_len 8192), timed inside CUDA graphs; the
-    launcher's split policy against DECODE_POLICY_CANDIDATES, interleaved in rounds (a graph
-    captured per policy and round: a policy may regrow the partials' workspace); medians."""
+    launcher's split policy against DECODE_POLICY_CANDIDATES, and the seqs in the order
+    model_runner's DECODE_LONGEST_FIRST gives them; interleaved in rounds (a graph captured per
+    variant and round: a policy may regrow the partials' workspace); medians."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rng = torch.Generator().manual_seed(5)
-    policies = {"default": (attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM),
-                **DECODE_POLICY_CANDIDATES}
+    default = (attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM)
+    # name -> (policy, seqs by descending context: model_runner's DECODE_LONGEST_FIRST)
+    variants = {"default": (default, False), **{name: (policy, False) for name, policy
+                                                 in DECODE_POLICY_CANDIDATES.items()},
+                "default, longest first": (default, True)}
     result = {}
     try:
         for bs in batches:
@@ -254,16 +258,21 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
             lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
             q = torch.randn(bs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(q)
-            times: dict = {name: [] for name in policies}
+            longest = torch.argsort(lens, descending=True)
+            inputs = {False: (q, tables, lens),
+                      True: (q[longest].contiguous(), tables[longest].contiguous(),
+                             lens[longest].contiguous())}
+            times: dict = {name: [] for name in variants}
             for _ in range(rounds):
-                for name, policy in policies.items():
+                for name, (policy, ordered) in variants.items():
                     attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policy
+                    q_in, tables_in, lens_in = inputs[ordered]
                     times[name].append(graph_ms(lambda: attention.paged_decode_attention(
-                        q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)))
+                        q_in, k_cache, v_cache, tables_in, lens_in, head_dim**-0.5, out=out)))
             kv_bytes = 2 * sum(lens_list) * kv_heads * head_dim * 2
             row = {"mean_context": sum(lens_list) / bs, "policies": {}}
             for name, ts in times.items():
-                attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policies[name]
+                attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = variants[name][0]
                 ms = statistics.median(ts)
                 row["policies"][name] = {
                     "us": ms * 1e3, "frac_copy_bw": kv_bytes / (ms * 1e-3) / copy_bw,
@@ -271,7 +280,7 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
                     "round_us_min": min(ts) * 1e3, "round_us_max": max(ts) * 1e3}
             result[bs] = row
     finally:
-        attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policies["default"]
+        attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = default
     return result
 
 

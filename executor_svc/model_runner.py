@@ -40,6 +40,12 @@ class SeqState:
     count_row: int | None = None  # of the runner's TokenCounts, if the seq uses a penalty
 
 
+# A candidate, off until timed on the GPU (kernels/NOTES.md): a step's seqs by descending
+# context, so the decode kernel's CTAs (launched seq by seq) start the longest first and the
+# last wave is short ones, not one long seq's CTA that the rest of the GPU waits for.
+DECODE_LONGEST_FIRST = False
+
+
 @dataclass(frozen=True)
 class _Batch:
     """The seqs that compute tokens in a step, one-token seqs first."""
@@ -293,7 +299,10 @@ class ModelRunner:
                                            dtype=np.uint64), cached.seq_ids])
         # One-token seqs first (a stable sort keeps the plan's order otherwise): the attention
         # of a mixed step then runs them through the decode kernel in one launch.
-        order = np.argsort(num_scheduled != 1, kind="stable")
+        if DECODE_LONGEST_FIRST:  # and among them (and the rest) the longest contexts first
+            order = np.lexsort((-self.states.num_computed[rows], num_scheduled != 1))
+        else:
+            order = np.argsort(num_scheduled != 1, kind="stable")
         order = order[num_scheduled[order] > 0]
         return _Batch(rows[order], num_scheduled[order], seq_ids[order])
 

@@ -99,3 +99,46 @@ def test_recompute_after_reset_gives_the_same_tokens():
     for _ in range(3):
         fresh.run(cached_seqs=[fresh.cached_seq(1)])
     assert fresh.tokens[1][len(prompt):] == hf_greedy(hf, prompt, 8)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_longest_first_batches_keep_every_seqs_output(monkeypatch, graphs):
+    """DECODE_LONGEST_FIRST (a candidate): one-token seqs lead the batch by descending context,
+    a mixed step's prompt chunk after them, and every seq's greedy output is transformers'."""
+    from executor_svc import model_runner
+    from tests.executor_svc.helpers import with_eager_graphs
+
+    monkeypatch.setattr(model_runner, "DECODE_LONGEST_FIRST", True)
+    hf = hf_model("tiny")
+    runner = make_runner(hf)
+    if graphs:
+        with_eager_graphs(runner)
+    orders = []
+    real_run = runner._run
+
+    def spy(step_id, batch, marks):
+        orders.append([(int(n), int(runner.states.num_computed[r]))
+                       for r, n in zip(batch.rows, batch.num_scheduled)])
+        return real_run(step_id, batch, marks)
+
+    runner._run = spy
+    driver = PlanDriver(runner)
+    rng = random.Random(11)
+    prompts = {1: random_prompt(rng, 3), 2: random_prompt(rng, 14), 3: random_prompt(rng, 7),
+               4: random_prompt(rng, 9)}
+    driver.run(new_seqs=[driver.new_seq(s, prompts[s]) for s in (1, 2, 3)])
+    # seq 4 arrives beside three decodes: a mixed step
+    driver.run(new_seqs=[driver.new_seq(4, prompts[4])],
+               cached_seqs=[driver.cached_seq(s) for s in (1, 2, 3)])
+    while min(len(driver.tokens[s]) - len(prompts[s]) for s in prompts) < NUM_NEW:
+        driver.run(cached_seqs=[driver.cached_seq(s) for s in prompts
+                                if len(driver.tokens[s]) - len(prompts[s]) < NUM_NEW])
+    for seq_id, prompt in prompts.items():
+        assert driver.tokens[seq_id][len(prompt):] == hf_greedy(hf, prompt, NUM_NEW), seq_id
+    mixed = orders[1]
+    assert [n for n, _ in mixed] == [1, 1, 1, 9]
+    for order in orders[1:]:
+        ones = [c for n, c in order if n == 1]
+        assert ones == sorted(ones, reverse=True)
+    # the first step of four decodes: the plan lists seqs 1-4, the batch runs 2, 4, 3, 1
+    assert [c for _, c in orders[2]] == [15, 9, 8, 4]

@@ -196,21 +196,27 @@ class ModelRunner:
         return self._check_cached(step.cached_seqs, dropped | seen), new_token_ids
 
     def _check_new(self, new: NewSeq) -> np.ndarray:
-        """Checks a new seq; returns its token ids [num_tokens] int64."""
+        """Checks a new seq; returns its token ids from first_token on [n] int64."""
         vocab_size = self.info.vocab_size
         token_ids = np.fromiter(new.token_ids, np.int64, len(new.token_ids))  # asarray: +25%
         if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
             raise PlanMismatch(f"seq {new.seq_id}: token id out of vocabulary")
         if any(t < 0 or t >= vocab_size for t, _ in new.sampling.logit_bias):
             raise PlanMismatch(f"seq {new.seq_id}: logit_bias token id out of vocabulary")
+        num_tokens = new.num_tokens
+        if not 0 <= new.first_token <= new.num_computed_tokens:
+            raise PlanMismatch(f"seq {new.seq_id}: first_token {new.first_token} outside "
+                               f"[0, {new.num_computed_tokens}] (its computed tokens)")
+        if new.first_token and new.sampling.uses_penalties:
+            raise PlanMismatch(f"seq {new.seq_id}: a penalty counts every token: first_token "
+                               f"must be 0")
         num_prompt = new.num_prompt_tokens
-        if num_prompt is not None and not 0 < num_prompt <= len(new.token_ids):
+        if num_prompt is not None and not 0 < num_prompt <= num_tokens:
             raise PlanMismatch(f"seq {new.seq_id}: num_prompt_tokens {new.num_prompt_tokens} "
-                               f"outside [1, {len(new.token_ids)}]")
-        if len(new.token_ids) > self.states.width:
-            raise PlanMismatch(f"seq {new.seq_id}: {len(new.token_ids)} tokens exceed "
-                               f"max_model_len")
-        self._check_counts(new.seq_id, len(new.token_ids), new.num_computed_tokens,
+                               f"outside [1, {num_tokens}]")
+        if num_tokens > self.states.width:
+            raise PlanMismatch(f"seq {new.seq_id}: {num_tokens} tokens exceed max_model_len")
+        self._check_counts(new.seq_id, num_tokens, new.num_computed_tokens,
                            new.num_scheduled_tokens, len(new.block_table), new.block_table)
         return token_ids
 
@@ -318,10 +324,11 @@ class ModelRunner:
         self._num_controlled -= state.sampling.has_controls
 
     def _register(self, new: NewSeq, token_ids: np.ndarray) -> int:
-        """Holds a new seq (token_ids: new.token_ids as an array); returns its row."""
+        """Holds a new seq (token_ids: new.token_ids as an array, from new.first_token on);
+        returns its row."""
         row = self.tables.add(new.block_table)
         self.states.add(row, token_ids, new.num_computed_tokens,
-                        new.sampling.temperature <= 0.0)
+                        new.sampling.temperature <= 0.0, first=new.first_token)
         count_row = None
         if new.sampling.uses_penalties:  # counts rebuilt from the plan's ids, prompt apart
             num_prompt = new.num_prompt_tokens or len(new.token_ids)

@@ -24,12 +24,15 @@ class SeqStates:
         self._next_generation = 1
 
     def add(self, row: int, token_ids: list[int] | np.ndarray, num_computed: int,
-            greedy: bool) -> None:
-        """Row `row` (of BlockTables) now holds a new seq with these tokens."""
+            greedy: bool, first: int = 0) -> None:
+        """Row `row` (of BlockTables) now holds a new seq with these tokens from position
+        `first` on (those before it, in the KV cache already, are never read: 0 stands for
+        them)."""
         if row >= len(self.num_known):
             self._grow(row + 1)
-        n = len(token_ids)
-        self.token_ids[row, :n] = token_ids
+        n = first + len(token_ids)
+        self.token_ids[row, :first] = 0
+        self.token_ids[row, first:n] = token_ids
         self.num_known[row] = self.num_tokens[row] = n
         self.num_computed[row] = num_computed
         self.greedy[row] = greedy

@@ -40,10 +40,12 @@ class SamplingOptions:
 
 @dataclass(frozen=True)
 class NewSeq:
-    """A sequence the executor has not seen (or must forget and rebuild): sent in full."""
+    """A sequence the executor has not seen (or must forget and rebuild): sent whole but for the
+    tokens before `first_token`, which a cached prefix holds (never past num_computed_tokens;
+    0 when the seq uses a penalty, which counts them)."""
 
     seq_id: int
-    token_ids: list[int]
+    token_ids: list[int]  # the seq's tokens from position first_token on
     block_table: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
@@ -51,6 +53,11 @@ class NewSeq:
     # token_ids[:num_prompt_tokens] are the prompt, the rest were generated (presence and
     # frequency penalties count those); None: all of them are prompt
     num_prompt_tokens: int | None = None
+    first_token: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.first_token + len(self.token_ids)
 
 
 @dataclass(frozen=True)

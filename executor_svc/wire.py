@@ -36,7 +36,7 @@ def plan_from_proto(plan: executor_pb2.StepPlan) -> StepPlan:
             NewSeq(seq_id=s.seq_id, token_ids=_ints(s.token_ids), block_table=list(s.block_table),
                    num_computed_tokens=s.num_computed_tokens,
                    num_scheduled_tokens=s.num_scheduled_tokens, sampling=_sampling(s.sampling),
-                   num_prompt_tokens=s.num_prompt_tokens or None)
+                   num_prompt_tokens=s.num_prompt_tokens or None, first_token=s.first_token)
             for s in plan.new_seqs
         ],
         cached_seqs=_cached_seqs(plan),

@@ -71,7 +71,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class NewSeq(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens")
+    __slots__ = ("seq_id", "token_ids", "block_table", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens", "first_token")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class NewSeq(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_table: _containers.RepeatedScalarFieldContainer[int]
@@ -86,7 +87,8 @@ class NewSeq(_message.Message):
     num_scheduled_tokens: int
     sampling: SamplingOptions
     num_prompt_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    first_token: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class CachedSeq(_message.Message):
     __slots__ = ("seq_id", "num_scheduled_tokens", "num_computed_tokens", "new_block_ids")

@@ -11,7 +11,8 @@ from scheduler_svc.sequence import FinishReason, Sequence
 
 @dataclass(frozen=True)
 class NewSeqPlan:
-    """A sequence the executor does not know: sent in full with its whole block table."""
+    """A sequence the executor does not know: sent with its whole block table and its tokens
+    (on the wire from wire.first_token on: not a cached prefix's)."""
 
     seq_id: int
     token_ids: list[int]

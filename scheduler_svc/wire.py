@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos import executor_pb2, generate_pb2
-from scheduler_svc.plan import CachedSeqs, StepPlan, StepResult
+from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan, StepResult
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, TokenEvent,
                                    check_request_id)
@@ -133,18 +133,19 @@ def _pairs(pairs: list[tuple[int, int]]) -> list[executor_pb2.BlockPair]:
 
 
 def plan_to_proto(plan: StepPlan) -> executor_pb2.StepPlan:
-    new_seqs = [
-        executor_pb2.NewSeq(
+    new_seqs = []
+    for s in plan.new_seqs:
+        first = first_token(s)
+        new_seqs.append(executor_pb2.NewSeq(
             seq_id=s.seq_id,
-            token_ids=s.token_ids,
+            token_ids=s.token_ids[first:] if first else s.token_ids,
             block_table=s.block_table,
             num_computed_tokens=s.num_computed_tokens,
             num_scheduled_tokens=s.num_scheduled_tokens,
             sampling=_sampling_options(s.sampling, s.seed),
             num_prompt_tokens=s.num_prompt_tokens or 0,
-        )
-        for s in plan.new_seqs
-    ]
+            first_token=first,
+        ))
     msg = executor_pb2.StepPlan(
         step_id=plan.step_id,
         swap_out=_pairs(plan.swap_out),
@@ -156,6 +157,17 @@ def plan_to_proto(plan: StepPlan) -> executor_pb2.StepPlan:
     )
     _fill_cached_seqs(plan.cached_seqs, msg.cached)
     return msg
+
+
+def first_token(s: NewSeqPlan) -> int:
+    """Where a new seq's tokens on the wire start: past its computed ones (a cached prefix's:
+    the KV cache holds them and the executor never reads them), unless a penalty counts every
+    token. A chat turn over a 2,000-token conversation then sends its new tokens, not 2,000 ids
+    encoded, sent and parsed again."""
+    p = s.sampling
+    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        return 0
+    return s.num_computed_tokens
 
 
 def _sampling_options(p: SamplingParams, seed: int) -> executor_pb2.SamplingOptions:

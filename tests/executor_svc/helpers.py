@@ -138,10 +138,13 @@ class RunnerLink:
     def __init__(self, runner: ModelRunner, overlap: bool) -> None:
         self.runner, self.overlap = runner, overlap
         self.launched_with_pending = 0  # launches while an earlier step was unfinished
+        self.tokens_sent = self.tokens_omitted = 0  # new seqs' token ids on the wire, and not
         self._handles: deque = deque()  # PendingStep (overlap) or StepResult
 
     def send(self, message) -> None:
         step = executor_wire.plan_from_proto(message)
+        self.tokens_sent += sum(len(s.token_ids) for s in message.new_seqs)
+        self.tokens_omitted += sum(s.first_token for s in message.new_seqs)
         if self.overlap:
             self.launched_with_pending += self.runner.num_pending_steps > 0
             self._handles.append(self.runner.launch(step))

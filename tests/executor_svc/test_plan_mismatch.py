@@ -71,6 +71,11 @@ def test_bad_new_seqs(driver):
         NewSeq(2, [5, 6], table, 1, 2, SamplingOptions()),  # computed + scheduled > tokens
         NewSeq(2, list(range(3, 12)), table[:1], 0, 9, SamplingOptions()),  # table too short
         NewSeq(2, [5, 10**6], table, 0, 2, SamplingOptions()),  # token out of vocabulary
+        # tokens omitted past the computed ones (they must come: the executor reads them)
+        NewSeq(2, [7], table, 2, 1, SamplingOptions(), first_token=3),
+        # tokens omitted though a penalty counts every token
+        NewSeq(2, [7], table, 2, 1, SamplingOptions(presence_penalty=0.5), first_token=2),
+        NewSeq(2, [7] * 600, table, 4, 1, SamplingOptions(), first_token=4),  # 604 tokens > 512
     ]
     for new in cases:
         _assert_rejected(driver, StepPlan(2, new_seqs=[new]))

@@ -49,8 +49,15 @@ def system_prompt_run(caching: bool, num_cpu_blocks: int, overlap: bool = True):
     for seq_id in range(1, 65):
         prompts[seq_id] = system + random_prompt(rng, rng.randint(1, 6))
         sched.add_seq(greedy_seq(seq_id, prompts[seq_id], rng.randint(2, 10)))
-    run = ScheduledRun(sched, RunnerLink(runner, overlap)).run()
+    link = RunnerLink(runner, overlap)
+    run = ScheduledRun(sched, link).run()
     assert_pools_whole(sched)
+    # A new seq whose prefix is cached (or whose pages came back from a swap) sends only the
+    # tokens past it: the KV holds the rest. Without either, every token travels.
+    if caching:
+        assert link.tokens_omitted > link.tokens_sent
+    elif not num_cpu_blocks:
+        assert link.tokens_omitted == 0
     return run, sched, prompts
 
 

@@ -133,3 +133,21 @@ def test_queued_events_go_out_as_one_message_per_sample():
     assert [len(m.logprobs) for m in msgs] == [3, 2, 0]
     assert msgs[0].logprobs[1].logprob == -0.25 and msgs[0].logprobs[1].top[0].token_id == 5
     assert all(m.request_id == "r" for m in msgs)
+
+
+@pytest.mark.parametrize("params, first", [
+    (SamplingParams(), 8),  # a cached prefix: only the tokens past it travel
+    (SamplingParams(temperature=0.7, repetition_penalty=1.2), 0),  # a penalty counts them all
+    (SamplingParams(presence_penalty=0.5), 0),
+])
+def test_a_new_seq_sends_its_tokens_past_a_cached_prefix(params, first):
+    tokens = list(range(100, 111))  # 11 tokens, 8 of them cached (two pages of 4)
+    plan = StepPlan(3, new_seqs=[NewSeqPlan(7, tokens, [4, 5, 6], 8, 3, params, seed=1)])
+    msg = executor_pb2.StepPlan.FromString(wire.plan_to_proto(plan).SerializeToString())
+    assert msg.new_seqs[0].first_token == first and list(msg.new_seqs[0].token_ids) == tokens[first:]
+    step = executor_wire.plan_from_proto(msg)
+    new = step.new_seqs[0]
+    assert (new.first_token, new.num_tokens, new.token_ids) == (first, 11, tokens[first:])
+    fresh = NewSeqPlan(8, tokens, [4, 5, 6], 0, 11, params, seed=1)  # nothing cached: all
+    msg = wire.plan_to_proto(StepPlan(4, new_seqs=[fresh]))
+    assert msg.new_seqs[0].first_token == 0 and list(msg.new_seqs[0].token_ids) == tokens

@@ -331,7 +331,7 @@ class ModelRunner:
                         new.sampling.temperature <= 0.0, first=new.first_token)
         count_row = None
         if new.sampling.uses_penalties:  # counts rebuilt from the plan's ids, prompt apart
-            num_prompt = new.num_prompt_tokens or len(new.token_ids)
+            num_prompt = new.num_prompt_tokens or new.num_tokens  # first_token is 0 here
             count_row = self.token_counts.add(new.token_ids[:num_prompt],
                                               new.token_ids[num_prompt:])
         self._num_controlled += new.sampling.has_controls

@@ -192,10 +192,12 @@ FEW_QUERY_SPLIT_KEYS = 128
 # (dtype, head_dim) -> (multi-query decode kernel, its pipeline stages): as DECODE_KERNELS.
 DECODE_MQ_KERNELS = {(dt, hd): (f"decode_mq_{name}_hd{hd}", _DECODE_STAGES[hd])
                      for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
-# A candidate, not yet run on a GPU: entries of at most 16 query rows (a one-token seq of a mixed
-# small step, a chunk's last few tokens) with their warps splitting the keys, as the one-token
-# kernel does, where the default gives them one warp and leaves three idle.
-# profile_decode.py --chunk ... --decodes D times both; the GPU test covers both.
+# A candidate, off: entries of at most 16 query rows (a one-token seq of a mixed small step, a
+# chunk's last few tokens) with their warps splitting the keys, as the one-token kernel does,
+# where the default gives them one warp and leaves three idle. On the H200 (profile_decode.py
+# --chunk 8 16 32 --decodes 0 8 24, RESULTS.md): 0.3 ms less attention with 24 decodes beside a
+# chunk, 0.1 ms more with 8, the same for a chunk alone; such steps are rare. The GPU test
+# covers both kernels.
 FEW_QUERY_KEY_SPLIT = False
 DECODE_MQKS_KERNELS = {(dt, hd): (f"decode_mqks_{name}_hd{hd}", _DECODE_STAGES[hd])
                        for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}

@@ -1,7 +1,8 @@
 """Llama-3-8B's four layer products through each cuBLAS path torch offers, at decode and
 prefill row counts: F.linear on [out, in] weights (what the model runs) or torch.mm on
 [in, out] copies, with torch's default BLAS library or cuBLASLt preferred. 32 layers of distinct
-weights (14 GB, no L2 reuse) in one CUDA graph per (path, rows); median of 10 replays.
+weights (14 GB, no L2 reuse) in one CUDA graph per (path, rows) (bench_kernels.graph_ms);
+median of 10 replays.
 
     python3 benchmarks/bench_gemm_paths.py [ROWS ...]
 
@@ -9,12 +10,12 @@ Needs CUDA and about 30 GB of GPU memory (both weight layouts)."""
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+from bench_kernels import MATMUL_SHAPES as SHAPES, graph_ms  # (this script's folder)
+
 LAYERS = 32
 ROWS = (16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192)
 PATHS = ("linear", "mm_transposed", "linear_lt", "mm_transposed_lt")
@@ -44,21 +45,9 @@ def main() -> None:
         torch.backends.cuda.preferred_blas_library("cublaslt" if path.endswith("_lt")
                                                    else default_lib)
         x = {n: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for n, _, k in SHAPES}
-        stack(x, path)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            stack(x, path)
-        times = []
-        for _ in range(12):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        ms = graph_ms(lambda: stack(x, path), calls=1, replays=10)
         torch.backends.cuda.preferred_blas_library(default_lib)
-        return statistics.median(times[2:])
+        return ms
 
     print(f"default BLAS library: {default_lib}; weights {weight_bytes / 1e9:.1f} GB")
     print("| rows | " + " | ".join(f"{path} ms" for path in PATHS) + " | best | linear TFLOP/s |")

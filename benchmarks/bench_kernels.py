@@ -213,16 +213,7 @@ def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return median_ms(lambda i: graph.replay(), iters=replays, warmup=1) / calls
 
 
 def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), width=512,

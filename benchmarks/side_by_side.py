@@ -85,7 +85,7 @@ def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float | Non
 
 
 def run_pagedserve(workloads: list[str], out: Path, extra: list[str], results: dict,
-                   report) -> dict:
+                   report) -> None:
     """bench_serving on each workload into `results` (workload -> its JSON); report() after
     each."""
     for w in workloads:
@@ -95,10 +95,9 @@ def run_pagedserve(workloads: list[str], out: Path, extra: list[str], results: d
         if path.exists():
             results[w] = json.loads(path.read_text())
         report()
-    return results
 
 
-def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, report) -> dict:
+def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, report) -> None:
     """vLLM's offline runs, then W4's, into `results` (load_vllm's layout); report() after
     each."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own site only
@@ -114,7 +113,6 @@ def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, rep
                 out / f"vllm_{w}.log", env=env)
             results.update(load_vllm(out, workloads))
             report()
-    return results
 
 
 def load_vllm(out: Path, workloads: list[str]) -> dict:
@@ -248,21 +246,21 @@ def gather(args, workloads: list[str], out: Path, runs: Path, report
         return ours, load_vllm(runs, workloads), ceil, prefix
     ours: dict = {}
     vllm: dict = {}
-    state: dict = {"ceil": None, "prefix": None}
+    prefix = None
 
-    def progress() -> None:
-        report(ours, vllm, state["ceil"], state["prefix"])
+    def progress() -> None:  # reads ceil and prefix as they are when called
+        report(ours, vllm, ceil, prefix)
 
-    state["ceil"] = ceilings(runs)  # first: cheap, and never the run a time limit cuts off
-    (runs / "ceilings_summary.json").write_text(json.dumps(state["ceil"], indent=1))
+    ceil = ceilings(runs)  # first: cheap, and never the run a time limit cuts off
+    (runs / "ceilings_summary.json").write_text(json.dumps(ceil, indent=1))
     if not args.skip_pagedserve:
         run_pagedserve(workloads, runs, args.pagedserve_args, ours, progress)
         if args.prefix_ttft:
-            state["prefix"] = run_prefix_ttft(runs, args.pagedserve_args)
+            prefix = run_prefix_ttft(runs, args.pagedserve_args)
             progress()
     if not args.skip_vllm:
         run_vllm(workloads, runs, args.vllm_dir, vllm, progress)
-    return ours, vllm, state["ceil"], state["prefix"]
+    return ours, vllm, ceil, prefix
 
 
 def main() -> None:

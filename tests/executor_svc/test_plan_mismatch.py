@@ -76,6 +76,8 @@ def test_bad_new_seqs(driver):
         # tokens omitted though a penalty counts every token
         NewSeq(2, [7], table, 2, 1, SamplingOptions(presence_penalty=0.5), first_token=2),
         NewSeq(2, [7] * 600, table, 4, 1, SamplingOptions(), first_token=4),  # 604 tokens > 512
+        NewSeq(2, [7], table, 2**32 - 2, 1, SamplingOptions(), first_token=2**32 - 2),  # huge
+        NewSeq(2, [], table, 3, 1, SamplingOptions(), first_token=3),  # nothing left to compute
     ]
     for new in cases:
         _assert_rejected(driver, StepPlan(2, new_seqs=[new]))

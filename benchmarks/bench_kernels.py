@@ -171,7 +171,8 @@ def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, h
     k_cache, v_cache, tables, qs, lens, out = decode_inputs(num_seqs, ctx, heads, kv_heads,
                                                             head_dim, block_size)
     key = (torch.bfloat16, head_dim)
-    saved = attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM
+    saved = (attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM,
+             attention.DECODE_CTAS_PER_SM_MANY)
     candidates = [(kernel, ctas) for kernel in (saved[0], ("decode_s2_bf16_hd128", 2))
                   for ctas in (4, 8, 12, 16, 24)]
     times: dict = {c: [] for c in candidates}
@@ -179,12 +180,14 @@ def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, h
     try:
         for r in range(rounds):
             for c in candidates:
-                attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM = c
+                attention.DECODE_KERNELS[key] = c[0]
+                attention.DECODE_CTAS_PER_SM = attention.DECODE_CTAS_PER_SM_MANY = c[1]
                 times[c].append(median_ms(lambda i: attention.paged_decode_attention(
                     qs[i % 2], k_cache, v_cache, tables[i % 2], lens, head_dim**-0.5, out=out),
                     iters=40, warmup=5 if r == 0 else 2))
     finally:
-        attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM = saved
+        (attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM,
+         attention.DECODE_CTAS_PER_SM_MANY) = saved
     kv_bytes = 2 * num_seqs * ctx * kv_heads * head_dim * 2
     result = {}
     for (kernel, ctas), ts in times.items():
@@ -197,11 +200,18 @@ def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, h
     return result
 
 
-RAGGED_BATCHES = (8, 16, 32, 64, 96, 128, 192, 256)
+RAGGED_BATCHES = (8, 16, 32, 48, 64, 96, 128, 192, 256)
 # Decode split policies timed beside the launcher's default: (pages a split may span, CTAs per
-# SM the splits aim for), set through kernels.attention's _DECODE_MAX_PAGES and
-# DECODE_CTAS_PER_SM.
-DECODE_POLICY_CANDIDATES = {"1024 pages, 12/SM": (1024, 12), "1024 pages, 4/SM": (1024, 4)}
+# SM the splits aim for with few seqs, and with many), set through kernels.attention's
+# _DECODE_MAX_PAGES, DECODE_CTAS_PER_SM and DECODE_CTAS_PER_SM_MANY.
+DECODE_POLICY_CANDIDATES = {"256 pages, 12/SM (before)": (256, 12, 12),
+                            "1024 pages, 12/SM": (1024, 12, 12), "1024 pages, 4/SM": (1024, 4, 4)}
+_POLICY_KNOBS = ("_DECODE_MAX_PAGES", "DECODE_CTAS_PER_SM", "DECODE_CTAS_PER_SM_MANY")
+
+
+def _set_decode_policy(policy: tuple) -> None:
+    for name, value in zip(_POLICY_KNOBS, policy):
+        setattr(attention, name, value)
 
 
 def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
@@ -225,11 +235,11 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
     variant and round: a policy may regrow the partials' workspace); medians."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rng = torch.Generator().manual_seed(5)
-    default = (attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM)
+    default = tuple(getattr(attention, name) for name in _POLICY_KNOBS)
     # name -> (policy, seqs by descending context: model_runner's DECODE_LONGEST_FIRST)
-    variants = {"default": (default, False), **{name: (policy, False) for name, policy
-                                                 in DECODE_POLICY_CANDIDATES.items()},
-                "default, longest first": (default, True)}
+    policies = {"default": default, **DECODE_POLICY_CANDIDATES}
+    variants = {f"{name}{', longest first' * ordered}": (policy, ordered)
+                for ordered in (True, False) for name, policy in policies.items()}
     result = {}
     try:
         for bs in batches:
@@ -256,14 +266,14 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
             times: dict = {name: [] for name in variants}
             for _ in range(rounds):
                 for name, (policy, ordered) in variants.items():
-                    attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = policy
+                    _set_decode_policy(policy)
                     q_in, tables_in, lens_in = inputs[ordered]
                     times[name].append(graph_ms(lambda: attention.paged_decode_attention(
                         q_in, k_cache, v_cache, tables_in, lens_in, head_dim**-0.5, out=out)))
             kv_bytes = 2 * sum(lens_list) * kv_heads * head_dim * 2
             row = {"mean_context": sum(lens_list) / bs, "policies": {}}
             for name, ts in times.items():
-                attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = variants[name][0]
+                _set_decode_policy(variants[name][0])
                 ms = statistics.median(ts)
                 row["policies"][name] = {
                     "us": ms * 1e3, "frac_copy_bw": kv_bytes / (ms * 1e-3) / copy_bw,
@@ -271,7 +281,7 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
                     "round_us_min": min(ts) * 1e3, "round_us_max": max(ts) * 1e3}
             result[bs] = row
     finally:
-        attention._DECODE_MAX_PAGES, attention.DECODE_CTAS_PER_SM = default
+        _set_decode_policy(default)
     return result
 
 

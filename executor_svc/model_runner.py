@@ -40,10 +40,11 @@ class SeqState:
     count_row: int | None = None  # of the runner's TokenCounts, if the seq uses a penalty
 
 
-# A candidate, off until timed on the GPU (kernels/NOTES.md): a step's seqs by descending
-# context, so the decode kernel's CTAs (launched seq by seq) start the longest first and the
-# last wave is short ones, not one long seq's CTA that the rest of the GPU waits for.
-DECODE_LONGEST_FIRST = False
+# A step's seqs by descending context, so the decode kernel's CTAs (launched seq by seq) start
+# the longest first and the last wave is short ones, not one long seq's CTA that the rest of the
+# GPU waits for. On the H200 inside CUDA graphs, W1's ragged contexts (bench_kernels --only
+# ragged, RESULTS.md): the kernel 1-14% faster at 32-256 seqs, never slower; one lexsort a step.
+DECODE_LONGEST_FIRST = True
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ _THREADS = 128
 _PREFILL_BM, _PREFILL_BN = 128, 64
 _DECODE_BN = 64
 _DECODE_STAGES = {64: 4, 128: 3}  # pipeline stages of the default decode kernels (attention.cu)
-# Pages one decode split may span: bounds its smem page list (1 KiB beside hd128's 96 KiB of
-# stages). A decode graph of max_model_len 8,192 has 512-page tables, so every seq gets at
-# least 2 splits and a combine; 1,024 pages is a candidate (bench_kernels --only ragged),
-# timed once (RESULTS.md), not adopted.
-_DECODE_MAX_PAGES = 256
+# Pages one decode split may span: bounds its smem page list (4 KiB beside hd128's 96 KiB of
+# stages, 2 CTAs per SM either way). 1,024 pages (16,384 tokens at 16 a page) let a decode graph
+# of max_model_len 8,192 (512-page tables) give each seq one split when seqs are many; 256 gave
+# every seq two and a combine (half the CTAs empty on W1's contexts).
+_DECODE_MAX_PAGES = 1024
 MAX_GROUP = 16  # query heads per KV head served by one decode CTA (the MMA's M)
 _HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -32,7 +32,15 @@ PREFILL_KERNELS = {(dt, hd): f"prefill_wg_{name}_hd{hd}" for dt, name in _DTYPES
 # (dtype, head_dim) -> (decode kernel, its pipeline stages); the benchmark swaps in candidates.
 DECODE_KERNELS = {(dt, hd): (f"decode_{name}_hd{hd}", _DECODE_STAGES[hd])
                   for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
-DECODE_CTAS_PER_SM = 12  # decode splits aim for about this many CTAs per SM (see decode_splits)
+# Decode splits aim for about DECODE_CTAS_PER_SM CTAs per SM while the (seq, kv head) pairs are
+# fewer than DECODE_MANY_PAIRS_PER_SM per SM, and for DECODE_CTAS_PER_SM_MANY from there on
+# (see decode_splits). Measured on the H200 inside CUDA graphs, W1's ragged contexts (64-1,792
+# keys) in 512-page tables, seqs longest first (bench_kernels --only ragged, RESULTS.md): 4 per
+# SM is 3-16% faster than 12 from 64 seqs up (one split, no combine from 66 seqs), 12 is 5-35%
+# faster at 8-32 seqs.
+DECODE_CTAS_PER_SM = 12
+DECODE_CTAS_PER_SM_MANY = 4
+DECODE_MANY_PAIRS_PER_SM = 3
 PREFILL_KERNELS_MMA_SYNC = {(dt, hd): f"prefill_{name}_hd{hd}" for dt, name in _DTYPES.items()
                             for hd in _HEAD_DIMS}
 _WG_THREADS, _WG_BN = 256, 128
@@ -301,12 +309,15 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, blo
     """(num_splits, pages per split) from host-known shapes only (capturable).
 
     Splits bound each CTA's page list and, when sequences are few, spread one sequence over
-    enough CTAs for about 12 per SM (6 waves of 2 resident CTAs: a short tail); each split keeps
-    at least `min_keys` keys."""
+    enough CTAs for about `ctas_per_sm` per SM (by default DECODE_CTAS_PER_SM, or
+    DECODE_CTAS_PER_SM_MANY once the (seq, kv head) pairs alone reach DECODE_MANY_PAIRS_PER_SM
+    per SM); each split keeps at least `min_keys` keys."""
     align = max(1, _DECODE_BN // block_size)  # split boundaries on stage boundaries
     max_pages = max(1, max_blocks_per_seq)
     splits = math.ceil(max_pages / _DECODE_MAX_PAGES)
-    ctas_per_sm = ctas_per_sm or DECODE_CTAS_PER_SM
+    if not ctas_per_sm:
+        many = num_seqs * num_kv_heads >= DECODE_MANY_PAIRS_PER_SM * num_sms
+        ctas_per_sm = DECODE_CTAS_PER_SM_MANY if many else DECODE_CTAS_PER_SM
     want = math.ceil(ctas_per_sm * num_sms / max(1, num_seqs * num_kv_heads))
     splits = max(splits, min(want, math.ceil(max_pages * block_size / min_keys)))
     chunk = math.ceil(math.ceil(max_pages / splits) / align) * align

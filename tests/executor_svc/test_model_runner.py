@@ -103,7 +103,7 @@ def test_recompute_after_reset_gives_the_same_tokens():
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_longest_first_batches_keep_every_seqs_output(monkeypatch, graphs):
-    """DECODE_LONGEST_FIRST (a candidate): one-token seqs lead the batch by descending context,
+    """DECODE_LONGEST_FIRST (the default): one-token seqs lead the batch by descending context,
     a mixed step's prompt chunk after them, and every seq's greedy output is transformers'."""
     from executor_svc import model_runner
     from tests.executor_svc.helpers import with_eager_graphs

@@ -263,15 +263,18 @@ def test_decode_candidate_kernel_and_split_policies(kern, case, ctas_per_sm):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device="cuda")
     key = (torch.bfloat16, 128)
-    saved = attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM
+    saved = (attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM,
+             attention.DECODE_CTAS_PER_SM_MANY)
     for variant in (saved[0], ("decode_s2_bf16_hd128", 2)):
         attention.DECODE_KERNELS[key] = variant
-        attention.DECODE_CTAS_PER_SM = ctas_per_sm or saved[1]
+        if ctas_per_sm:  # few seqs or many alike
+            attention.DECODE_CTAS_PER_SM = attention.DECODE_CTAS_PER_SM_MANY = ctas_per_sm
         try:
             out = torch.full_like(q, float("nan"))
             attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, out=out)
         finally:
-            attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM = saved
+            (attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM,
+             attention.DECODE_CTAS_PER_SM_MANY) = saved
         check_attention(out, q, k_cache, v_cache, tables, cu, lens, 128**-0.5)
 
 

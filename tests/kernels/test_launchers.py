@@ -53,7 +53,24 @@ def test_workspaces_are_the_current_scratch_tensors(monkeypatch):
 def test_decode_split_plan_covers_every_page(num_seqs, max_blocks, block_size):
     splits, chunk = attention.decode_splits(num_seqs, 8, max_blocks, block_size, num_sms=132)
     assert splits * chunk >= max_blocks > (splits - 1) * chunk
-    assert chunk <= 256 and (chunk * block_size) % 64 == 0 or chunk * block_size >= max_blocks * block_size
+    assert chunk <= attention._DECODE_MAX_PAGES
+    assert (chunk * block_size) % 64 == 0 or chunk * block_size >= max_blocks * block_size
+
+
+def test_decode_splits_aim_fewer_ctas_per_sm_once_seqs_are_many():
+    """Few seqs: splits for ~DECODE_CTAS_PER_SM CTAs per SM; from DECODE_MANY_PAIRS_PER_SM (seq,
+    kv head) pairs per SM up, DECODE_CTAS_PER_SM_MANY: a W1 decode graph's 512-page tables then
+    give one split a seq, however wide the table."""
+    sms, kv = 132, 8
+    edge = -(-attention.DECODE_MANY_PAIRS_PER_SM * sms // kv)  # fewest seqs counted as many
+    few = attention.decode_splits(edge - 1, kv, 512, 16, sms)[0]
+    assert few == -(-attention.DECODE_CTAS_PER_SM * sms // ((edge - 1) * kv)) > 1
+    assert attention.decode_splits(edge, kv, 512, 16, sms)[0] == \
+        -(-attention.DECODE_CTAS_PER_SM_MANY * sms // (edge * kv))
+    assert attention.decode_splits(256, kv, 512, 16, sms) == (1, 512)
+    assert attention.decode_splits(128, kv, 512, 16, sms) == (1, 512)
+    assert attention.decode_splits(128, kv, 512, 16, sms, ctas_per_sm=12)[0] == 2  # explicit
+    assert attention.decode_splits(256, kv, 2048, 16, sms) == (2, 1024)  # the page-list bound
 
 
 def test_sources_inline_local_headers_once():

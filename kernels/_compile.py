@@ -50,7 +50,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _lock = threading.Lock()
 _modules: dict[tuple[str, int], Any] = {}
 _functions: dict[tuple[str, str, int], Any] = {}
-_smem_set: set[tuple[str, int, int]] = set()
+_smem_limit: dict[tuple[str, int], int] = {}  # (kernel, device) -> dynamic shared memory allowed
 _streams: dict[tuple[int, int], Any] = {}
 _arch_used: dict[int, str] = {}
 
@@ -119,16 +119,19 @@ def get_module(name: str, device: torch.device | int | None = None) -> Any:
 
 def get_function(module: str, kernel: str, device: torch.device | int | None = None,
                  shared_mem: int = 0) -> Any:
-    """A kernel handle; raises its dynamic shared-memory limit once when above 48 KiB."""
+    """A kernel handle; raises its dynamic shared-memory limit when shared_mem passes it (48 KiB
+    until then)."""
     index = _device_index(device)
     key = (module, kernel, index)
     fn = _functions.get(key)
     if fn is None:
         fn = get_module(module, index).get_function(kernel)
         _functions[key] = fn
-    if shared_mem > 48 * 1024 and (kernel, index, shared_mem) not in _smem_set:
+    # Only ever raised: a limit set to each size asked for would fail a later, larger launch
+    # whose size had been set before (97 KiB, then 100, then 97: the 100 KiB launch is refused).
+    if shared_mem > _smem_limit.get((kernel, index), 48 * 1024):
         fn.max_dynamic_shared_size_bytes = shared_mem
-        _smem_set.add((kernel, index, shared_mem))
+        _smem_limit[(kernel, index)] = shared_mem
     return fn
 
 

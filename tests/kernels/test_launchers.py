@@ -119,3 +119,19 @@ def test_module_lists_every_entry_point_of_its_source(module):
     written = re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(',
                          src, re.MULTILINE)
     assert sorted(listed) == sorted(by_macro + written)
+
+
+def test_shared_memory_limit_is_only_raised(monkeypatch):
+    """A kernel launched with 100 KiB, then 97, then 100 again keeps the 100 KiB limit (a limit
+    set to each new size asked for refused the second 100 KiB launch of bench_kernels'
+    policies)."""
+    class Fn:
+        max_dynamic_shared_size_bytes = 48 * 1024
+
+    fn = Fn()
+    monkeypatch.setattr(_compile, "_functions", {("attention", "k", 0): fn})
+    monkeypatch.setattr(_compile, "_smem_limit", {})
+    for size, limit in ((1024, 48 * 1024), (100 << 10, 100 << 10), (97 << 10, 100 << 10),
+                        (100 << 10, 100 << 10), (101 << 10, 101 << 10)):
+        assert _compile.get_function("attention", "k", 0, size) is fn
+        assert fn.max_dynamic_shared_size_bytes == limit

@@ -155,13 +155,24 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
 
     # Teacher-forced: feed transformers' tokens; every decode step is a graph replay (3 -> 4).
     recorder = runner.sampler = _RecordingSampler(runner.sampler)
+    sampled_ids, run = [], runner._run  # each step's sampling seqs in row order (longest first)
+
+    def recording_run(step_id, batch, marks):
+        pending = run(step_id, batch, marks)
+        sampled_ids.append([int(s) for s in pending.seq_ids])
+        return pending
+
+    runner._run = recording_run
     driver = PlanDriver(runner)
     driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
     for k in range(1, NUM_NEW):
         for s in prompts:
             runner.token_ids(s)[-1] = hf_tokens[s][k - 1]
         driver.run(cached_seqs=[driver.cached_seq(s) for s in prompts])
-    ours = torch.stack(recorder.logits, dim=1)  # [seqs, NUM_NEW, vocab]
+    runner._run = run
+    assert len(sampled_ids) == len(recorder.logits) == NUM_NEW
+    ours = torch.stack([logits[[ids.index(s) for s in prompts]]  # rows by seq, as prompts
+                        for logits, ids in zip(recorder.logits, sampled_ids)], dim=1)
     tolerance, within = {}, {}
     for row, (s, ref) in enumerate(hf_logits.items()):
         ours_vs_hf, hf_vs_fp32 = _rel(ours[row], ref), _rel(ref, fp32_logits[s])

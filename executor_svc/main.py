@@ -78,7 +78,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     p.add_argument("--seed", type=int, default=_env_number("SEED", int, 0),
                    help="seed of random weights for preset models")
     p.add_argument("--fingerprint-cache-dir", default=_env("FINGERPRINT_CACHE_DIR", None),
-                   help="where weight-file digests of the model fingerprint are cached (default "
+                   help="where weight-file digests of the model fingerprint and the GEMM "
+                        "algorithms chosen on this GPU are cached (default "
                         "$XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve; '' or none: no cache)")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env_number("PORT", int, 50052))

@@ -43,6 +43,8 @@ class Worker:
         if max_model_len > mc.max_context:
             raise ValueError(f"max_model_len {max_model_len} > the model's {mc.max_context} "
                              "(max positions, or its sliding window: attention here is full)")
+        if self.backend.name == "cuda":
+            self._tune_linears()
         self.memory_profile = None
         num_gpu_blocks = config.num_gpu_blocks
         if num_gpu_blocks is None and self.backend.name == "cuda":
@@ -104,6 +106,16 @@ class Worker:
         fingerprint = model_fingerprint(model_config, identity.result(), self.config.seed,
                                         self.backend.device, dtype)
         return model, model_config, tokenizer, name, fingerprint
+
+    def _tune_linears(self) -> None:
+        """GEMM algorithms for the rows a step has: every decode-graph batch size (all products),
+        and a full step of max_num_batched_tokens (all but lm_head, which sees only the rows
+        that sample); chosen once per GPU and library version, then read from the cache folder."""
+        groups = self.model.linear_groups()
+        self.backend.gemm.cache_dir = self.config.fingerprint_cache_dir
+        self.backend.tune_linears(groups, list(BATCH_SIZES))
+        body = {name: weights for name, weights in groups.items() if name != "lm_head"}
+        self.backend.tune_linears(body, [self.config.max_num_batched_tokens])
 
     def _warm_up(self) -> None:
         """A prefill, then a batched decode (graph replay) launched before the prefill finished

@@ -1,6 +1,7 @@
 """The backend seam: the model and cache engine call these ops, never kernels directly.
 A backend owns a device and nine ops with the signatures of `kernels.reference`: five for
-attention and the KV cache, four elementwise ones of the forward pass.
+attention and the KV cache, four elementwise ones of the forward pass; and `linear`, F.linear's
+contract (the CUDA backend's may run a tuned cuBLASLt algorithm, kernels.gemm).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class Backend(Protocol):
     def rotary_embedding(self, positions, q, k, cos_table, sin_table) -> None: ...
 
     def silu_and_mul(self, x, out=None) -> torch.Tensor: ...
+
+    def linear(self, x, weight, bias=None) -> torch.Tensor: ...
 
 
 def get_backend(name: str) -> Backend:

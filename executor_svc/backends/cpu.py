@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference
 
@@ -20,3 +21,4 @@ class CpuBackend:
     fused_add_rms_norm = staticmethod(reference.fused_add_rms_norm)
     rotary_embedding = staticmethod(reference.rotary_embedding)
     silu_and_mul = staticmethod(reference.silu_and_mul)
+    linear = staticmethod(F.linear)

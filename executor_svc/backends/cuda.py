@@ -13,6 +13,7 @@ for other dtypes (float32 stays bit-identical to transformers) or when `fused_op
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -55,6 +56,9 @@ class CudaBackend:
         self._attention, self._cache_ops, self._ops = attention, cache_ops, ops
         self.fused_ops = fused_ops
         self.few_query_max = FEW_QUERY_MAX  # packed steps up to it: the few-query kernel
+        from kernels.gemm import LinearTuner
+
+        self.gemm = LinearTuner(self.device)  # F.linear until tune_linears() chooses
         # Compile and load every kernel now: a compile error stops the executor before it serves.
         self.compile_seconds = warmup(self.device)
         log.info("CuPy kernels ready in %.2fs (%s)", self.compile_seconds["total"],
@@ -116,6 +120,25 @@ class CudaBackend:
 
     def silu_and_mul(self, x, out=None) -> torch.Tensor:
         return self._elementwise(x.dtype).silu_and_mul(x, out)
+
+    # -- matrix products --------------------------------------------------------------------------
+
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        return self.gemm.linear(x, weight, bias)
+
+    def tune_linears(self, groups: dict[str, list[torch.Tensor]], rows: list[int],
+                     force_lt: bool = False) -> list[dict]:
+        """Chooses, for each row count and each group of same-shape weights (a model's
+        linear_groups()), F.linear or the fastest cuBLASLt algorithm (kernels.gemm.LinearTuner;
+        choices kept in self.gemm.cache_dir per GPU and cuBLASLt version). Call before capturing
+        graphs: a graph keeps the kernels it was captured with."""
+        start = time.perf_counter()
+        report = self.gemm.tune(rows, groups, force_lt=force_lt)
+        log.info("GEMMs for %d row counts x %d products in %.2fs (%d timed, the rest from %s); "
+                 "cuBLASLt algorithms in use: %d", len(rows), len(groups),
+                 time.perf_counter() - start, len(report), self.gemm.cache_dir,
+                 len(self.gemm.algos))
+        return report
 
 
 def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):

@@ -1,6 +1,7 @@
 """A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache,
-gpt-fast style: weights as plain tensors, GEMMs in torch; attention, cache writes, RMSNorm (fused
-with the residual add, vLLM style), RoPE and SiLU-and-mul through a backend's ops.
+gpt-fast style: weights as plain tensors; GEMMs (the backend's `linear`: F.linear, or a tuned
+cuBLASLt algorithm), attention, cache writes, RMSNorm (fused with the residual add, vLLM style),
+RoPE and SiLU-and-mul through a backend's ops.
 Imports torch only (plus the backend protocol for typing).
 """
 from __future__ import annotations
@@ -9,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from executor_svc.attention_metadata import AttentionMetadata
 from executor_svc.model_config import ModelConfig, RopeScaling
@@ -96,14 +96,14 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to sample) -> logits [n, vocab] float32, into `out`
         when given (its cast from the model's dtype is the copy that .float() would make)."""
-        logits = F.linear(hidden, self.lm_head)  # [n, vocab], the model's dtype
+        logits = self.backend.linear(hidden, self.lm_head)  # [n, vocab], the model's dtype
         return logits.float() if out is None else out.copy_(logits)
 
     def _attention(self, x, layer, positions, md, k_cache, v_cache) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
+        qkv = self.backend.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         # Views into qkv (strided): RoPE rotates q and k where they lie.
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, heads, hd]
@@ -121,7 +121,7 @@ class LlamaModel:
             out = self.backend.paged_prefill_attention(
                 q, k_cache, v_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, self.scale
             )  # [T, heads, hd]
-        return F.linear(out.reshape(num_tokens, q_size), layer.o_proj)  # [T, hidden]
+        return self.backend.linear(out.reshape(num_tokens, q_size), layer.o_proj)  # [T, hidden]
 
     def _mixed_attention(self, q, md, k_cache, v_cache) -> torch.Tensor:
         """q: [T, heads, hd]; its first md.num_decodes rows are one token of their own seq."""
@@ -134,8 +134,16 @@ class LlamaModel:
         return out
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate], gate | up
-        return F.linear(self.backend.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+        gate_up = self.backend.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate], gate | up
+        return self.backend.linear(self.backend.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+
+    def linear_groups(self) -> dict[str, list[torch.Tensor]]:
+        """The weights of each GEMM of the forward, one list per product (a tuner's groups)."""
+        return {"qkv": [layer.qkv_proj for layer in self.layers],
+                "o": [layer.o_proj for layer in self.layers],
+                "gate_up": [layer.gate_up_proj for layer in self.layers],
+                "down": [layer.down_proj for layer in self.layers],
+                "lm_head": [self.lm_head]}
 
 
 def _layer_weights(weights: dict[str, torch.Tensor], i: int, cfg: ModelConfig) -> LayerWeights:

@@ -65,11 +65,16 @@ def _backend():
 
 def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: int = 16,
                max_model_len: int = 1024, graphs: bool = True,
-               small_graphs: bool = False, **graph_options) -> ModelRunner:
-    """graph_options go to DecodeGraphs (e.g. sample_in_graphs=False)."""
+               small_graphs: bool = False, lt_rows: list[int] | None = None,
+               **graph_options) -> ModelRunner:
+    """graph_options go to DecodeGraphs (e.g. sample_in_graphs=False). lt_rows: every product of
+    these row counts runs a cuBLASLt algorithm (kernels.gemm, the fastest even where F.linear
+    is faster), in this runner's backend."""
     backend = _backend()
     config = ModelConfig.from_hf_config(hf.config)
     model = model_from_hf(hf, config, backend)
+    if lt_rows:
+        backend.tune_linears(model.linear_groups(), lt_rows, force_lt=True)
     cache = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
                         num_gpu_blocks, num_cpu_blocks, model.embed_tokens.dtype, backend)
     info = ExecutorInfo("test", "fp", dtype_name, BLOCK_SIZE, num_gpu_blocks, num_cpu_blocks,
@@ -151,7 +156,12 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
                        for s, ids in forced.items()}
         del hf32
     torch.cuda.empty_cache()
-    runner = gpu_runner(hf, "bfloat16", sample_in_graphs=False)  # the recorder sees the logits
+    # The recorder sees the logits; every product runs a cuBLASLt algorithm (prefill: 246 rows,
+    # decode graph: 4, sampled rows: 3), as a tuned executor's may.
+    runner = gpu_runner(hf, "bfloat16", sample_in_graphs=False, lt_rows=[3, 4, 246])
+    algos = runner.model.backend.gemm.algos
+    assert all((4, *group[0].shape, torch.bfloat16) in algos
+               for group in runner.model.linear_groups().values())  # the decode graph's
 
     # Teacher-forced: feed transformers' tokens; every decode step is a graph replay (3 -> 4).
     recorder = runner.sampler = _RecordingSampler(runner.sampler)

@@ -1,0 +1,318 @@
+"""F.linear's product (y = x @ w^T, bf16/fp16) through cuBLASLt with an algorithm chosen by timing
+on the model's own weights, for the row counts a step is known to have (`LinearTuner`); any other
+product stays F.linear. cuBLASLt is reached through ctypes (the library torch itself loaded).
+Choices are kept in a JSON file per GPU and library version, so a restarted executor runs the
+same kernels (the same bf16 roundings) as the one it replaces. Imports torch only.
+
+On the H200, Llama-3-8B's products over 32 distinct weights (benchmarks/bench_cublaslt_algos.py,
+RESULTS.md): the best of cuBLASLt's heuristic algorithms beats F.linear's by 0.11-0.33 ms a decode
+step at 64-256 rows and by 3.4 ms an 8,192-token step (the `o` product 7%); elsewhere it ties.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import statistics
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+# cuBLAS / cuBLASLt enums (library_types.h, cublas_api.h, cublasLt.h)
+_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
+_DATA_TYPES = {torch.float16: _CUDA_R_16F, torch.bfloat16: _CUDA_R_16BF}
+_COMPUTE_32F = 68
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_OP_N, _OP_T = 0, 1
+_PREF_MAX_WORKSPACE_BYTES = 1
+_CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "stages": 6}
+_REDUCTION_INPLACE = 1  # split-k parts added up in the output: order not fixed, never chosen
+WORKSPACE_BYTES = 32 << 20
+MAX_ALGOS = 16  # heuristic candidates asked for (the H200 offers 8 for these shapes)
+MARGIN = 0.03  # a cuBLASLt algorithm replaces F.linear only when this much faster
+TIMED_WEIGHTS = 4  # weights of a group timed together (distinct: no L2 reuse); at most
+TIMED_REPLAYS = 3  # graph replays timed per candidate (median)
+
+
+class Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]  # cublasLtMatmulAlgo_t
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _loaded_cublaslt() -> str:
+    """The path of the libcublasLt torch loaded (after a bf16 matmul on the GPU)."""
+    a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+    a @ a
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "libcublasLt" in line})
+    if not paths:
+        raise RuntimeError("libcublasLt is not loaded in this process")
+    return paths[0]
+
+
+class CublasLt:
+    """The few cuBLASLt calls F.linear's product needs: in cuBLAS's column-major terms
+    D[N, M] = op_T(W)[N, K] . X[K, M], W stored as a K x N column-major matrix (torch's [N, K]
+    row-major weight), X as K x M (the [M, K] input), D as N x M (the [M, N] output)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.lib = ctypes.CDLL(_loaded_cublaslt())
+        self.lib.cublasLtGetVersion.restype = ctypes.c_size_t
+        self.version = int(self.lib.cublasLtGetVersion())
+        self.handle = ctypes.c_void_p()
+        _check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._plans: dict[tuple, tuple] = {}
+
+    def plan(self, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
+        """(operation, W, X, D descriptors) of one product shape, made once."""
+        key = (m, n, k, dtype)
+        if key not in self._plans:
+            lib, desc = self.lib, ctypes.c_void_p()
+            _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F),
+                   "cublasLtMatmulDescCreate")
+            for attr, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+                value = ctypes.c_int32(op)
+                _check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value),
+                                                          ctypes.c_size_t(4)),
+                       "cublasLtMatmulDescSetAttribute")
+            layouts = []
+            for rows, cols in ((k, n), (k, m), (n, m)):  # W, X, D; leading dimension = rows
+                layout = ctypes.c_void_p()
+                _check(lib.cublasLtMatrixLayoutCreate(
+                    ctypes.byref(layout), _DATA_TYPES[dtype], ctypes.c_uint64(rows),
+                    ctypes.c_uint64(cols), ctypes.c_int64(rows)), "cublasLtMatrixLayoutCreate")
+                layouts.append(layout)
+            self._plans[key] = (desc, *layouts)
+        return self._plans[key]
+
+    def algos(self, m: int, n: int, k: int, dtype: torch.dtype,
+              count: int = MAX_ALGOS) -> list[Algo]:
+        """The heuristic's algorithms for the shape, best guess first, that fit the workspace."""
+        desc, w, x, d = self.plan(m, n, k, dtype)
+        pref = ctypes.c_void_p()
+        _check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
+               "cublasLtMatmulPreferenceCreate")
+        try:
+            size = ctypes.c_uint64(WORKSPACE_BYTES)
+            _check(self.lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.c_size_t(8)),
+                "cublasLtMatmulPreferenceSetAttribute")
+            results = (_HeuristicResult * count)()
+            returned = ctypes.c_int(0)
+            _check(self.lib.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, desc, w, x, d, d, pref, count, results, ctypes.byref(returned)),
+                "cublasLtMatmulAlgoGetHeuristic")
+        finally:
+            self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [results[i].algo for i in range(returned.value)
+                if results[i].state == 0 and results[i].workspace_size <= WORKSPACE_BYTES]
+
+    def config(self, algo: Algo) -> dict[str, int]:
+        """The algorithm's id, tile, split-k, split-k reduction scheme and stages."""
+        out = {}
+        for name, attr in _CONFIG_ATTRS.items():
+            value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+            self.lib.cublasLtMatmulAlgoConfigGetAttribute(
+                ctypes.byref(algo), attr, ctypes.byref(value), ctypes.c_size_t(4),
+                ctypes.byref(written))
+            out[name] = int(value.value)
+        return out
+
+    def matmul(self, algo: Algo, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """out[M, N] = x[M, K] @ w[N, K]^T on torch's current stream (capturable)."""
+        (m, k), n = x.shape, w.shape[0]
+        desc, wl, xl, dl = self.plan(m, n, k, x.dtype)
+        _check(self.lib.cublasLtMatmul(
+            self.handle, desc, ctypes.byref(self._one), ctypes.c_void_p(w.data_ptr()), wl,
+            ctypes.c_void_p(x.data_ptr()), xl, ctypes.byref(self._zero),
+            ctypes.c_void_p(out.data_ptr()), dl, ctypes.c_void_p(out.data_ptr()), dl,
+            ctypes.byref(algo), ctypes.c_void_p(self.workspace.data_ptr()),
+            ctypes.c_size_t(WORKSPACE_BYTES),
+            ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)), "cublasLtMatmul")
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed: cuBLAS status {status}")
+
+
+def _key(m: int, n: int, k: int, dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {m} {n} {k}"
+
+
+class GemmChoices:
+    """What was chosen per product shape ("bfloat16 M N K" -> 8 ints of a cuBLASLt algorithm, or
+    None for F.linear), read from and written to `path` (None: kept in memory only). A file that
+    does not parse is ignored (and replaced on the next save)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.entries: dict[str, list[int] | None] = {}
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+                if not isinstance(data, dict) or not all(
+                        v is None or (isinstance(v, list) and len(v) == 8
+                                      and all(isinstance(i, int) and 0 <= i < 2**64 for i in v))
+                        for v in data.values()):
+                    raise ValueError("not a map of shapes to 8 integers or null")
+                self.entries = data
+            except (OSError, ValueError) as err:
+                log.warning("ignoring GEMM choices in %s: %s", path, err)
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path) or ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.entries, f, indent=0, sort_keys=True)
+        os.replace(tmp, self.path)  # whole or not at all, even with two executors writing
+
+
+class LinearTuner:
+    """F.linear, or for a tuned (rows, weight shape, dtype) the cuBLASLt algorithm found fastest.
+    tune() chooses; linear() dispatches on the product's shape alone, so a captured graph keeps
+    the kernel chosen before its capture."""
+
+    def __init__(self, device: torch.device, cache_dir: str | None = None) -> None:
+        self.device = device
+        self.cache_dir = cache_dir  # where the choices file lives; None: memory only
+        self._lt: CublasLt | None = None
+        self._store: GemmChoices | None = None
+        self.algos: dict[tuple, Algo] = {}  # (m, n, k, dtype) -> algorithm; absent: F.linear
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [M, K], w: [N, K] -> [M, N] (F.linear's contract)."""
+        if bias is None and self.algos and x.dim() == 2:
+            algo = self.algos.get((x.shape[0], w.shape[0], w.shape[1], x.dtype))
+            if algo is not None and _lt_ready(x, w):
+                out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+                self._lt.matmul(algo, x, w, out)  # type: ignore[union-attr]
+                return out
+        return F.linear(x, w, bias)
+
+    def tune(self, rows: list[int], groups: dict[str, list[torch.Tensor]],
+             force_lt: bool = False) -> list[dict]:
+        """For each row count and each group of same-shape weights (a model's layers), time
+        F.linear against cuBLASLt's heuristic algorithms over the group (inside a CUDA graph) and
+        keep the fastest if it beats F.linear by MARGIN (force_lt: keep it anyway; tests). Shapes
+        the choices file already holds are not timed again. Returns one report row per timed
+        product."""
+        report = []
+        for name, weights in groups.items():
+            w0 = weights[0]
+            if w0.dtype not in _DATA_TYPES or not all(w.is_contiguous() for w in weights):
+                continue
+            n, k = w0.shape
+            for m in rows:
+                key = _key(m, n, k, w0.dtype)
+                store = self._choices()
+                if key in store.entries and not force_lt:
+                    self._adopt(m, n, k, w0.dtype, store.entries[key])
+                    continue
+                row = self.time_choices(name, m, weights[:TIMED_WEIGHTS])
+                best = row["best"]
+                keep = best is not None and (force_lt or best["us"] < (1 - MARGIN) * row["linear_us"])
+                store.entries[key] = list(best["algo"]) if keep else None
+                self._adopt(m, n, k, w0.dtype, store.entries[key])
+                report.append(row)
+        self._choices().save()
+        return report
+
+    def _adopt(self, m: int, n: int, k: int, dtype: torch.dtype, data: list[int] | None) -> None:
+        if data is None:
+            self.algos.pop((m, n, k, dtype), None)
+        else:
+            self.algos[(m, n, k, dtype)] = Algo((ctypes.c_uint64 * 8)(*data))
+
+    def choices_path(self) -> str | None:
+        """The choices file of this GPU and cuBLASLt version in cache_dir (None without one)."""
+        if not self.cache_dir:
+            return None
+        gpu = torch.cuda.get_device_name(self.device).replace(" ", "_").replace("/", "_")
+        return os.path.join(self.cache_dir, f"gemm-{gpu}-cublaslt{self._cublaslt().version}.json")
+
+    def _choices(self) -> GemmChoices:
+        path = self.choices_path()
+        if self._store is None or self._store.path != path:  # read once per file
+            self._store = GemmChoices(path)
+        return self._store
+
+    def _cublaslt(self) -> CublasLt:
+        if self._lt is None:
+            self._lt = CublasLt(self.device)
+        return self._lt
+
+    def time_choices(self, name: str, m: int, weights: list[torch.Tensor]) -> dict:
+        """Per-product µs of F.linear and of each heuristic algorithm (`candidates`, in the
+        heuristic's order) over `weights` (repeated to at least 4 products), each checked
+        against F.linear's result; `best`: the fastest algorithm, with its 8 integers."""
+        lt, w0 = self._cublaslt(), weights[0]
+        (n, k), dtype = w0.shape, w0.dtype
+        calls = weights * -(-4 // len(weights))
+        x = torch.randn(m, k, dtype=dtype, device=self.device)
+        out = torch.empty(m, n, dtype=dtype, device=self.device)
+        ref = F.linear(x, w0).float()
+        scale = float(ref.abs().max()) or 1.0
+
+        def run_linear():
+            for w in calls:
+                torch.mm(x, w.t(), out=out)
+
+        row = {"product": name, "m": m, "n": n, "k": k,
+               "linear_us": graph_us(run_linear, TIMED_REPLAYS) / len(calls), "best": None,
+               "algos": 0,
+               "candidates": []}
+        for rank, algo in enumerate(lt.algos(m, n, k, dtype)):
+            config = lt.config(algo)
+            if config["splitk"] > 1 and config["reduction"] == _REDUCTION_INPLACE:
+                continue  # a restarted executor must get the same bits
+            lt.matmul(algo, x, w0, out)
+            if float((out.float() - ref).abs().max()) > 0.02 * scale:
+                continue  # not the product F.linear computes: never chosen
+            us = graph_us(lambda: [lt.matmul(algo, x, w, out) for w in calls],
+                          TIMED_REPLAYS) / len(calls)
+            row["algos"] += 1
+            row["candidates"].append({"rank": rank, "us": us, **config})
+            if row["best"] is None or us < row["best"]["us"]:
+                row["best"] = {"us": us, "rank": rank, "algo": [int(v) for v in algo.data],
+                               **config}
+        return row
+
+
+def _lt_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """cuBLASLt's layouts here: dense row-major [M, K] and [N, K], 16-byte aligned, one dtype."""
+    return (x.dtype == w.dtype and x.is_contiguous() and w.is_contiguous()
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and x.device == w.device)
+
+
+def graph_us(fn, replays: int = 5) -> float:
+    """GPU µs of fn() (launches only) captured in a CUDA graph, median of `replays` replays."""
+    fn()  # loads kernels, sizes workspaces, before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)

@@ -1,0 +1,96 @@
+"""kernels.gemm on the CPU: which products LinearTuner sends to cuBLASLt (a stand-in records the
+calls), and the choices file (read, validated, rewritten whole). The GPU side (every algorithm
+against F.linear, inside graphs, across a restart) is in test_gemm_gpu.py."""
+from __future__ import annotations
+
+import ctypes
+import json
+
+import torch
+import torch.nn.functional as F
+
+from kernels import gemm
+
+
+class FakeLt:
+    """Records matmul calls and writes F.linear's product, as cuBLASLt would."""
+
+    version = 1
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def matmul(self, algo, x, w, out) -> None:
+        self.calls.append((tuple(algo.data), tuple(x.shape), tuple(w.shape)))
+        out.copy_(F.linear(x, w))
+
+
+def tuner_with(entries: dict) -> tuple[gemm.LinearTuner, FakeLt]:
+    tuner = gemm.LinearTuner(torch.device("cpu"))
+    tuner._lt = lt = FakeLt()
+    tuner._store = gemm.GemmChoices(None)
+    tuner._store.entries.update(entries)
+    return tuner, lt
+
+
+def test_tuned_shapes_go_to_cublaslt_and_everything_else_to_f_linear():
+    w = torch.randn(48, 32, dtype=torch.bfloat16)
+    other = torch.randn(16, 32, dtype=torch.bfloat16)
+    tuner, lt = tuner_with({"bfloat16 8 48 32": [7] * 8, "bfloat16 4 48 32": None})
+    report = tuner.tune([8, 4], {"qkv": [w, w.clone()]})
+    assert report == []  # both shapes came from the choices file: nothing timed
+    assert list(tuner.algos) == [(8, 48, 32, torch.bfloat16)]
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    assert torch.equal(tuner.linear(x, w), F.linear(x, w)) and len(lt.calls) == 1
+    assert lt.calls[0] == ((7,) * 8, (8, 32), (48, 32))
+    # F.linear: another row count, a chosen-F.linear shape, a bias, a strided input, another
+    # weight shape, another dtype
+    tuner.linear(torch.randn(4, 32, dtype=torch.bfloat16), w)
+    tuner.linear(torch.randn(5, 32, dtype=torch.bfloat16), w)
+    tuner.linear(x, w, torch.zeros(48, dtype=torch.bfloat16))
+    wide = torch.randn(8, 64, dtype=torch.bfloat16)
+    assert torch.equal(tuner.linear(wide[:, ::2], w), F.linear(wide[:, ::2], w))
+    tuner.linear(x, other)
+    tuner.linear(x.float(), w.float())
+    assert len(lt.calls) == 1
+
+
+def test_an_untuned_tuner_is_f_linear():
+    tuner = gemm.LinearTuner(torch.device("cpu"))
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    assert torch.equal(tuner.linear(x, w, b), F.linear(x, w, b))
+    assert tuner._lt is None  # no library loaded for that
+
+
+def test_float32_weights_are_never_tuned():
+    tuner, _ = tuner_with({})
+    assert tuner.tune([8], {"o": [torch.randn(16, 16)]}) == [] and not tuner.algos
+
+
+def test_choices_file_round_trip_and_bad_files(tmp_path):
+    path = tmp_path / "sub" / "gemm.json"
+    store = gemm.GemmChoices(str(path))
+    assert store.entries == {}
+    store.entries = {"bfloat16 8 48 32": [2**64 - 1, 0, 1, 2, 3, 4, 5, 6], "bfloat16 4 48 32": None}
+    store.save()
+    assert gemm.GemmChoices(str(path)).entries == store.entries
+    assert [p.name for p in path.parent.iterdir()] == ["gemm.json"]  # no temporary left
+    for bad in ("{not json", json.dumps({"bfloat16 8 48 32": [1, 2]}),
+                json.dumps({"k": [2**64] + [0] * 7}), json.dumps([1, 2]),
+                json.dumps({"k": ["1"] * 8})):
+        path.write_text(bad)
+        assert gemm.GemmChoices(str(path)).entries == {}, bad
+
+
+def test_an_algorithm_survives_the_file_bit_for_bit(tmp_path):
+    data = [2**63 + 5, 1, 0, 2**40, 9, 8, 7, 6]
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps({"float16 16 32 64": data}))
+    tuner = gemm.LinearTuner(torch.device("cpu"))
+    tuner._lt = FakeLt()
+    tuner.choices_path = lambda: str(path)
+    tuner.tune([16], {"down": [torch.zeros(32, 64, dtype=torch.float16)]})
+    algo = tuner.algos[(16, 32, 64, torch.float16)]
+    assert isinstance(algo, gemm.Algo) and list(algo.data) == data
+    assert ctypes.sizeof(gemm.Algo) == 64 and ctypes.sizeof(gemm._HeuristicResult) == 96
+

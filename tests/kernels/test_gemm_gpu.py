@@ -1,0 +1,76 @@
+"""kernels.gemm on the GPU: every cuBLASLt algorithm the heuristic offers computes F.linear's
+product (within bf16/fp16 rounding of a float64 reference), a tuned product replays from a CUDA
+graph as it runs eagerly, and a tuner reading the choices file runs the same algorithm, bit for
+bit, as the one that wrote it (a restarted executor)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.gpu import gpu_ready
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")]
+
+SHAPES = [(1, 6144, 4096), (7, 576, 576), (64, 4096, 14336), (200, 28672, 4096), (8192, 4096, 4096)]
+
+
+def _inputs(m, n, k, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(dtype)
+    return x, w
+
+
+def _bound(x, w):
+    """F.linear's own distance from float64, doubled, plus a little: what an algorithm may show."""
+    exact = F.linear(x.double(), w.double())
+    return exact, 2 * float((F.linear(x, w).double() - exact).abs().max()) + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_every_heuristic_algorithm_computes_f_linears_product(dtype, m, n, k):
+    from kernels.gemm import CublasLt
+
+    lt = CublasLt(torch.device("cuda"))
+    x, w = _inputs(m, n, k, dtype, m + n + k)
+    exact, bound = _bound(x, w)
+    algos = lt.algos(m, n, k, dtype)
+    assert algos, "the heuristic offered nothing"
+    for algo in algos:
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        lt.matmul(algo, x, w, out)
+        err = float((out.double() - exact).abs().max())
+        assert err <= bound, (lt.config(algo), err, bound)
+
+
+def test_tuned_products_replay_from_graphs_and_survive_a_restart(tmp_path):
+    from kernels.gemm import LinearTuner
+
+    device = torch.device("cuda")
+    weights = {"o": [_inputs(1, 4096, 4096, torch.bfloat16, s)[1] for s in range(3)],
+               "down": [_inputs(1, 4096, 14336, torch.bfloat16, 10 + s)[1] for s in range(2)]}
+    rows = [16, 96]
+    first = LinearTuner(device, cache_dir=str(tmp_path))
+    report = first.tune(rows, weights, force_lt=True)  # cuBLASLt for every shape, timed
+    assert len(report) == 4 and len(first.algos) == 4
+    assert all(r["best"] is not None and r["algos"] >= 1 for r in report)
+    second = LinearTuner(device, cache_dir=str(tmp_path))  # a restart: reads the file
+    assert second.tune(rows, weights) == [] and second.algos.keys() == first.algos.keys()
+    for (m, n, k, _), algo in first.algos.items():
+        assert list(second.algos[(m, n, k, torch.bfloat16)].data) == list(algo.data)
+        w = next(ws[0] for ws in weights.values() if ws[0].shape == (n, k))
+        x = _inputs(m, 1, k, torch.bfloat16, m)[0]
+        exact, bound = _bound(x, w)
+        eager = first.linear(x, w)
+        assert float((eager.double() - exact).abs().max()) <= bound
+        assert torch.equal(second.linear(x, w), eager)  # the same kernel, bit for bit
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = first.linear(static_x, w)
+        static_x.copy_(x.flip(0))  # new inputs, replayed
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, first.linear(x.flip(0), w))

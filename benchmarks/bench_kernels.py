@@ -228,8 +228,9 @@ def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
 
 def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), width=512,
                         rounds=5, heads=32, kv_heads=8, head_dim=128, block_size=16) -> dict:
-    """The decode kernel as a W1 decode graph runs it: contexts uniform in `context`, tables
-    `width` pages wide (the graph's, from max_model_len 8192), timed inside CUDA graphs; the
+    """The decode kernel as a decode graph runs it: contexts uniform in `context`, tables
+    `width` pages wide (the graph's: max_model_len / block size, 512 for W4's 8,192; W1-W3 run
+    the default 4,096, 256 pages), timed inside CUDA graphs; the
     launcher's split policy against DECODE_POLICY_CANDIDATES, and the seqs in the order
     model_runner's DECODE_LONGEST_FIRST gives them; interleaved in rounds (a graph captured per
     variant and round: a policy may regrow the partials' workspace); medians."""
@@ -531,6 +532,12 @@ def main() -> None:
     parser.add_argument("--fa3-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", default=None,
                         help="subset of: prefill decode ragged swap compile fusions matmul")
+    parser.add_argument("--ragged-context", type=int, nargs=2, default=[64, 1792],
+                        metavar=("LO", "HI"), help="ragged: contexts drawn uniformly in LO..HI")
+    parser.add_argument("--ragged-width", type=int, default=512,
+                        help="ragged: block-table width in pages (a decode graph's: "
+                             "max_model_len / 16; W1-W3 run 256, W4 512)")
+    parser.add_argument("--ragged-batches", type=int, nargs="*", default=list(RAGGED_BATCHES))
     args = parser.parse_args()
     if args.fa3_worker:
         return fa3_worker(args.fa3_worker)
@@ -586,12 +593,14 @@ def main() -> None:
                              f"{r['round_ms_max'] * 1e3:.0f} us",
                              f"{100 * r['frac_copy_bw']:.0f}% of copy bw"))
     if "ragged" in only:
-        r = bench_decode_ragged(copy_bw)
+        lo, hi = args.ragged_context
+        r = bench_decode_ragged(copy_bw, args.ragged_batches, (lo, hi), args.ragged_width)
         results["decode ragged"] = r
         for bs, row in r.items():
             print(f"decode ragged {bs}", json.dumps(row), flush=True)
             for name, p in row["policies"].items():
-                rows.append((f"decode {bs} seqs, contexts 64-1792, 512-page tables [{name}]",
+                rows.append((f"decode {bs} seqs, contexts {lo}-{hi}, {args.ragged_width}-page "
+                             f"tables [{name}]",
                              f"{p['us']:.0f} us", f"splits {p['splits']}",
                              f"rounds {p['round_us_min']:.0f}-{p['round_us_max']:.0f} us",
                              f"{100 * p['frac_copy_bw']:.0f}% of copy bw"))

@@ -43,7 +43,7 @@ class SeqState:
 # A step's seqs by descending context, so the decode kernel's CTAs (launched seq by seq) start
 # the longest first and the last wave is short ones, not one long seq's CTA that the rest of the
 # GPU waits for. On the H200 inside CUDA graphs, W1's ragged contexts (bench_kernels --only
-# ragged, RESULTS.md): the kernel 1-14% faster at 32-256 seqs, never slower; one lexsort a step.
+# ragged, RESULTS.md): the kernel 2-12% faster at 8-256 seqs, never slower; one lexsort a step.
 DECODE_LONGEST_FIRST = True
 
 

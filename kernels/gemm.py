@@ -36,6 +36,7 @@ MAX_ALGOS = 16  # heuristic candidates asked for (the H200 offers 8 for these sh
 MARGIN = 0.03  # a cuBLASLt algorithm replaces F.linear only when this much faster
 TIMED_WEIGHTS = 4  # weights of a group timed together (distinct: no L2 reuse); at most
 TIMED_REPLAYS = 3  # graph replays timed per candidate (median)
+_MISMATCH = 0.02  # beyond this (of the output's largest magnitude) not F.linear's product
 
 
 class Algo(ctypes.Structure):
@@ -221,22 +222,42 @@ class LinearTuner:
                 key = _key(m, n, k, w0.dtype)
                 store = self._choices()
                 if key in store.entries and not force_lt:
-                    self._adopt(m, n, k, w0.dtype, store.entries[key])
-                    continue
+                    if self._adopt(m, n, k, w0.dtype, store.entries[key], w0):
+                        continue
+                    log.warning("GEMM choice %s from %s fails or differs: timing it again", key,
+                                store.path)
                 row = self.time_choices(name, m, weights[:TIMED_WEIGHTS])
                 best = row["best"]
                 keep = best is not None and (force_lt or best["us"] < (1 - MARGIN) * row["linear_us"])
                 store.entries[key] = list(best["algo"]) if keep else None
-                self._adopt(m, n, k, w0.dtype, store.entries[key])
+                self._adopt(m, n, k, w0.dtype, store.entries[key], None)
                 report.append(row)
         self._choices().save()
         return report
 
-    def _adopt(self, m: int, n: int, k: int, dtype: torch.dtype, data: list[int] | None) -> None:
+    def _adopt(self, m: int, n: int, k: int, dtype: torch.dtype, data: list[int] | None,
+               check: torch.Tensor | None) -> bool:
+        """Uses `data` (None: F.linear) for the shape. With a weight to `check` on (a choice read
+        from the file, whoever wrote it), the algorithm runs once first: refused by cuBLASLt or
+        not F.linear's product, it is not used and False is returned."""
         if data is None:
             self.algos.pop((m, n, k, dtype), None)
-        else:
-            self.algos[(m, n, k, dtype)] = Algo((ctypes.c_uint64 * 8)(*data))
+            return True
+        algo = Algo((ctypes.c_uint64 * 8)(*data))
+        if check is not None and not self._computes_linear(algo, m, check):
+            return False
+        self.algos[(m, n, k, dtype)] = algo
+        return True
+
+    def _computes_linear(self, algo: Algo, m: int, w: torch.Tensor) -> bool:
+        x = torch.randn(m, w.shape[1], dtype=w.dtype, device=self.device)
+        out = torch.empty(m, w.shape[0], dtype=w.dtype, device=self.device)
+        try:
+            self._cublaslt().matmul(algo, x, w, out)
+        except RuntimeError:
+            return False
+        ref = F.linear(x, w).float()
+        return float((out.float() - ref).abs().max()) <= _MISMATCH * (float(ref.abs().max()) or 1.0)
 
     def choices_path(self) -> str | None:
         """The choices file of this GPU and cuBLASLt version in cache_dir (None without one)."""
@@ -281,7 +302,7 @@ class LinearTuner:
             if config["splitk"] > 1 and config["reduction"] == _REDUCTION_INPLACE:
                 continue  # a restarted executor must get the same bits
             lt.matmul(algo, x, w0, out)
-            if float((out.float() - ref).abs().max()) > 0.02 * scale:
+            if float((out.float() - ref).abs().max()) > _MISMATCH * scale:
                 continue  # not the product F.linear computes: never chosen
             us = graph_us(lambda: [lt.matmul(algo, x, w, out) for w in calls],
                           TIMED_REPLAYS) / len(calls)

@@ -17,12 +17,15 @@ class FakeLt:
 
     version = 1
 
-    def __init__(self) -> None:
-        self.calls = []
+    def __init__(self, refused=(), wrong=()) -> None:
+        self.calls, self.refused, self.wrong = [], set(refused), set(wrong)
 
     def matmul(self, algo, x, w, out) -> None:
-        self.calls.append((tuple(algo.data), tuple(x.shape), tuple(w.shape)))
-        out.copy_(F.linear(x, w))
+        data = tuple(algo.data)
+        self.calls.append((data, tuple(x.shape), tuple(w.shape)))
+        if data in self.refused:
+            raise RuntimeError("cublasLtMatmul failed: cuBLAS status 7")
+        out.copy_(F.linear(x, w) if data not in self.wrong else torch.zeros_like(out))
 
 
 def tuner_with(entries: dict) -> tuple[gemm.LinearTuner, FakeLt]:
@@ -41,8 +44,9 @@ def test_tuned_shapes_go_to_cublaslt_and_everything_else_to_f_linear():
     assert report == []  # both shapes came from the choices file: nothing timed
     assert list(tuner.algos) == [(8, 48, 32, torch.bfloat16)]
     x = torch.randn(8, 32, dtype=torch.bfloat16)
-    assert torch.equal(tuner.linear(x, w), F.linear(x, w)) and len(lt.calls) == 1
-    assert lt.calls[0] == ((7,) * 8, (8, 32), (48, 32))
+    assert len(lt.calls) == 1  # the file's choice, run once against F.linear before its use
+    assert torch.equal(tuner.linear(x, w), F.linear(x, w)) and len(lt.calls) == 2
+    assert lt.calls[1] == ((7,) * 8, (8, 32), (48, 32))
     # F.linear: another row count, a chosen-F.linear shape, a bias, a strided input, another
     # weight shape, another dtype
     tuner.linear(torch.randn(4, 32, dtype=torch.bfloat16), w)
@@ -52,7 +56,27 @@ def test_tuned_shapes_go_to_cublaslt_and_everything_else_to_f_linear():
     assert torch.equal(tuner.linear(wide[:, ::2], w), F.linear(wide[:, ::2], w))
     tuner.linear(x, other)
     tuner.linear(x.float(), w.float())
-    assert len(lt.calls) == 1
+    assert len(lt.calls) == 2
+
+
+def test_a_file_choice_that_fails_or_differs_is_timed_again():
+    """A choices file is trusted no further than one run: an algorithm cuBLASLt refuses, or one
+    whose product is not F.linear's, is timed again (here: F.linear wins) and never used."""
+    w = torch.randn(48, 32, dtype=torch.bfloat16)
+    tuner, lt = tuner_with({"bfloat16 8 48 32": [9] * 8, "bfloat16 4 48 32": [3] * 8,
+                            "bfloat16 2 48 32": [5] * 8})
+    lt.refused, lt.wrong = {(9,) * 8}, {(3,) * 8}
+    timed = []
+
+    def time_choices(name, m, weights):
+        timed.append(m)
+        return {"best": None, "linear_us": 1.0}
+
+    tuner.time_choices = time_choices
+    assert len(tuner.tune([8, 4, 2], {"qkv": [w]})) == 2
+    assert timed == [8, 4] and list(tuner.algos) == [(2, 48, 32, torch.bfloat16)]
+    assert tuner._store.entries["bfloat16 8 48 32"] is None  # F.linear from now on
+    assert tuner._store.entries["bfloat16 4 48 32"] is None
 
 
 def test_an_untuned_tuner_is_f_linear():

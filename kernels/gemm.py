@@ -173,13 +173,23 @@ class GemmChoices:
                 log.warning("ignoring GEMM choices in %s: %s", path, err)
 
     def save(self) -> None:
+        """Writes the file whole (a temporary, then a rename: two executors writing at once
+        leave one's file, never a mix); a folder that cannot be written only costs the next
+        start its timing (a warning, not an error)."""
         if not self.path:
             return
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path) or ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.entries, f, indent=0, sort_keys=True)
-        os.replace(tmp, self.path)  # whole or not at all, even with two executors writing
+        folder = os.path.dirname(self.path) or "."
+        tmp = None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.entries, f, indent=0, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as err:
+            log.warning("GEMM choices not saved to %s: %s", self.path, err)
+            if tmp and os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 class LinearTuner:

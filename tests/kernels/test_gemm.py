@@ -118,3 +118,11 @@ def test_an_algorithm_survives_the_file_bit_for_bit(tmp_path):
     assert isinstance(algo, gemm.Algo) and list(algo.data) == data
     assert ctypes.sizeof(gemm.Algo) == 64 and ctypes.sizeof(gemm._HeuristicResult) == 96
 
+
+def test_a_folder_that_cannot_be_written_is_a_warning(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = gemm.GemmChoices(str(blocker / "sub" / "gemm.json"))  # its folder is a file
+    store.entries = {"bfloat16 1 2 3": None}
+    store.save()  # (root writes through permissions, so a file stands in the folder's way)
+    assert "not saved" in caplog.text and [p.name for p in tmp_path.iterdir()] == ["file"]

@@ -108,12 +108,14 @@ class Worker:
         return model, model_config, tokenizer, name, fingerprint
 
     def _tune_linears(self) -> None:
-        """GEMM algorithms for the rows a step has: every decode-graph batch size (all products),
-        and a full step of max_num_batched_tokens (all but lm_head, which sees only the rows
-        that sample); chosen once per GPU and library version, then read from the cache folder."""
+        """GEMM algorithms for the rows a step has: every decode-graph batch size (all products;
+        not with enforce_eager, whose decode steps have any number of rows), and a full step of
+        max_num_batched_tokens (all but lm_head, which sees only the rows that sample); chosen
+        once per GPU and library version, then read from the cache folder."""
         groups = self.model.linear_groups()
         self.backend.gemm.cache_dir = self.config.fingerprint_cache_dir
-        self.backend.tune_linears(groups, list(BATCH_SIZES))
+        if not self.config.enforce_eager:
+            self.backend.tune_linears(groups, list(BATCH_SIZES))
         body = {name: weights for name, weights in groups.items() if name != "lm_head"}
         self.backend.tune_linears(body, [self.config.max_num_batched_tokens])
 

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels import _compile, attention, cache_ops, ops, reference  # noqa: E402
+from kernels.gemm import graph_us  # noqa: E402
 
 GIB = 1 << 30
 
@@ -216,14 +217,9 @@ def _set_decode_policy(policy: tuple) -> None:
 
 def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
     """Per-call GPU time of fn() (a few kernel launches) from a CUDA graph of `calls` of them,
-    median of `replays` replays: no host launch time between the kernels, as in a decode graph."""
-    fn()  # workspaces allocated (and kernels loaded) before the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return median_ms(lambda i: graph.replay(), iters=replays, warmup=1) / calls
+    median of `replays` replays (kernels.gemm.graph_us): no host launch time between the
+    kernels, as in a decode graph."""
+    return graph_us(lambda: [fn() for _ in range(calls)], replays) / 1e3 / calls
 
 
 def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), width=512,

@@ -48,6 +48,12 @@ class SamplingParams:
     # distribution, vLLM's default "raw_logprobs")
     logprobs: int | None = None
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling counts the seq's tokens (the executor's SamplingOptions' rule)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidArgument naming the first out-of-range field; logit_bias ids must be
         < vocab_size when it is given."""

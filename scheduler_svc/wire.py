@@ -164,10 +164,7 @@ def first_token(s: NewSeqPlan) -> int:
     the KV cache holds them and the executor never reads them), unless a penalty counts every
     token. A chat turn over a 2,000-token conversation then sends its new tokens, not 2,000 ids
     encoded, sent and parsed again."""
-    p = s.sampling
-    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-        return 0
-    return s.num_computed_tokens
+    return 0 if s.sampling.uses_penalties else s.num_computed_tokens
 
 
 def _sampling_options(p: SamplingParams, seed: int) -> executor_pb2.SamplingOptions:

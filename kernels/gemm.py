@@ -222,7 +222,7 @@ class LinearTuner:
         keep the fastest if it beats F.linear by MARGIN (force_lt: keep it anyway; tests). Shapes
         the choices file already holds are not timed again. Returns one report row per timed
         product."""
-        report = []
+        report, store = [], self._choices()
         for name, weights in groups.items():
             w0 = weights[0]
             if w0.dtype not in _DATA_TYPES or not all(w.is_contiguous() for w in weights):
@@ -230,7 +230,6 @@ class LinearTuner:
             n, k = w0.shape
             for m in rows:
                 key = _key(m, n, k, w0.dtype)
-                store = self._choices()
                 if key in store.entries and not force_lt:
                     if self._adopt(m, n, k, w0.dtype, store.entries[key], w0):
                         continue
@@ -242,7 +241,7 @@ class LinearTuner:
                 store.entries[key] = list(best["algo"]) if keep else None
                 self._adopt(m, n, k, w0.dtype, store.entries[key], None)
                 report.append(row)
-        self._choices().save()
+        store.save()
         return report
 
     def _adopt(self, m: int, n: int, k: int, dtype: torch.dtype, data: list[int] | None,

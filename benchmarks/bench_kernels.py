@@ -228,12 +228,12 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
     `width` pages wide (the graph's: max_model_len / block size, 512 for W4's 8,192; W1-W3 run
     the default 4,096, 256 pages), timed inside CUDA graphs; the
     launcher's split policy against DECODE_POLICY_CANDIDATES, and the seqs in the order
-    model_runner's DECODE_LONGEST_FIRST gives them; interleaved in rounds (a graph captured per
+    ModelRunner._apply gives them (longest first); interleaved in rounds (a graph captured per
     variant and round: a policy may regrow the partials' workspace); medians."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rng = torch.Generator().manual_seed(5)
     default = tuple(getattr(attention, name) for name in _POLICY_KNOBS)
-    # name -> (policy, seqs by descending context: model_runner's DECODE_LONGEST_FIRST)
+    # name -> (policy, seqs by descending context, as model_runner orders a step's)
     policies = {"default": default, **DECODE_POLICY_CANDIDATES}
     variants = {f"{name}{', longest first' * ordered}": (policy, ordered)
                 for ordered in (True, False) for name, policy in policies.items()}

@@ -40,13 +40,6 @@ class SeqState:
     count_row: int | None = None  # of the runner's TokenCounts, if the seq uses a penalty
 
 
-# A step's seqs by descending context, so the decode kernel's CTAs (launched seq by seq) start
-# the longest first and the last wave is short ones, not one long seq's CTA that the rest of the
-# GPU waits for. On the H200 inside CUDA graphs, W1's ragged contexts (bench_kernels --only
-# ragged, RESULTS.md): the kernel 2-12% faster at 8-256 seqs, never slower; one lexsort a step.
-DECODE_LONGEST_FIRST = True
-
-
 @dataclass(frozen=True)
 class _Batch:
     """The seqs that compute tokens in a step, one-token seqs first."""
@@ -304,12 +297,13 @@ class ModelRunner:
             cached.num_scheduled_tokens])
         seq_ids = np.concatenate([np.array([new.seq_id for new in step.new_seqs],
                                            dtype=np.uint64), cached.seq_ids])
-        # One-token seqs first (a stable sort keeps the plan's order otherwise): the attention
-        # of a mixed step then runs them through the decode kernel in one launch.
-        if DECODE_LONGEST_FIRST:  # and among them (and the rest) the longest contexts first
-            order = np.lexsort((-self.states.num_computed[rows], num_scheduled != 1))
-        else:
-            order = np.argsort(num_scheduled != 1, kind="stable")
+        # One-token seqs first: the attention of a mixed step then runs them through the decode
+        # kernel in one launch. Among them (and the rest) the longest contexts first, so the
+        # decode kernel's CTAs (launched seq by seq) start the longest and its last wave is short
+        # ones, not one long seq's that the rest of the GPU waits for: on the H200 inside CUDA
+        # graphs, W1's ragged contexts, 2-12% off the kernel at 8-256 seqs, never slower
+        # (bench_kernels --only ragged, RESULTS.md). One lexsort a step.
+        order = np.lexsort((-self.states.num_computed[rows], num_scheduled != 1))
         order = order[num_scheduled[order] > 0]
         return _Batch(rows[order], num_scheduled[order], seq_ids[order])
 

@@ -102,13 +102,11 @@ def test_recompute_after_reset_gives_the_same_tokens():
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_longest_first_batches_keep_every_seqs_output(monkeypatch, graphs):
-    """DECODE_LONGEST_FIRST (the default): one-token seqs lead the batch by descending context,
-    a mixed step's prompt chunk after them, and every seq's greedy output is transformers'."""
-    from executor_svc import model_runner
+def test_longest_first_batches_keep_every_seqs_output(graphs):
+    """One-token seqs lead the batch by descending context, a mixed step's prompt chunk after
+    them, and every seq's greedy output is transformers'."""
     from tests.executor_svc.helpers import with_eager_graphs
 
-    monkeypatch.setattr(model_runner, "DECODE_LONGEST_FIRST", True)
     hf = hf_model("tiny")
     runner = make_runner(hf)
     if graphs:

@@ -30,7 +30,8 @@ _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES = 1
 _CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "stages": 6}
-_REDUCTION_INPLACE = 1  # split-k parts added up in the output: order not fixed, never chosen
+# split-k parts added up in the output buffer (in an order assumed not fixed): never chosen
+_REDUCTION_INPLACE = 1
 WORKSPACE_BYTES = 32 << 20
 MAX_ALGOS = 16  # heuristic candidates asked for (the H200 offers 8 for these shapes)
 MARGIN = 0.03  # a cuBLASLt algorithm replaces F.linear only when this much faster
@@ -237,7 +238,8 @@ class LinearTuner:
                                 store.path)
                 row = self.time_choices(name, m, weights[:TIMED_WEIGHTS])
                 best = row["best"]
-                keep = best is not None and (force_lt or best["us"] < (1 - MARGIN) * row["linear_us"])
+                faster = best is not None and best["us"] < (1 - MARGIN) * row["linear_us"]
+                keep = best is not None and (force_lt or faster)
                 store.entries[key] = list(best["algo"]) if keep else None
                 self._adopt(m, n, k, w0.dtype, store.entries[key], None)
                 report.append(row)

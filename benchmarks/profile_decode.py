@@ -95,14 +95,15 @@ class DecodeStep:
 
 
 class MixedStep:
-    """A mixed step as the runner builds it: `context_lens` one-token seqs first, then one new
-    prompt of `prefill` tokens, metadata from build_attention_metadata; run eagerly."""
+    """A mixed step as the runner builds it: `context_lens` one-token seqs first, then new
+    prompts of `prompts` tokens each (from position 0), metadata from build_attention_metadata;
+    run eagerly."""
 
-    def __init__(self, model, kv_caches, context_lens: list[int], prefill: int) -> None:
+    def __init__(self, model, kv_caches, context_lens: list[int], prompts: list[int]) -> None:
         from executor_svc.attention_metadata import build_attention_metadata
 
         self.model, self.kv_caches = model, kv_caches
-        lens = context_lens + [prefill]
+        lens = context_lens + prompts
         pages = [-(-length // BLOCK_SIZE) for length in lens]
         perm = torch.randperm(sum(pages)).tolist()  # pages in shuffled order
         tables, used = [], 0
@@ -110,14 +111,13 @@ class MixedStep:
             tables.append(perm[used:used + count])
             used += count
         self.build = lambda: build_attention_metadata(
-            tables, [n - 1 for n in context_lens] + [0], [1] * len(context_lens) + [prefill],
-            BLOCK_SIZE, torch.device("cuda"))
+            tables, [n - 1 for n in context_lens] + [0] * len(prompts),
+            [1] * len(context_lens) + prompts, BLOCK_SIZE, torch.device("cuda"))
         self.positions, self.md = self.build()
-        self.input_ids = torch.randint(1, model.config.vocab_size, (len(context_lens) + prefill,),
-                                       device="cuda")
-        ends = torch.arange(len(context_lens) + 1, device="cuda")
-        ends[-1] = len(context_lens) + prefill - 1
-        self.sample_rows = ends  # [num_seqs]: the rows the runner computes logits for
+        num_tokens = len(context_lens) + sum(prompts)
+        self.input_ids = torch.randint(1, model.config.vocab_size, (num_tokens,), device="cuda")
+        ends = np.cumsum([1] * len(context_lens) + prompts) - 1
+        self.sample_rows = torch.tensor(ends, device="cuda")  # [num_seqs]: the rows sampled
 
     def forward(self) -> torch.Tensor:
         self.positions, self.md = self.build()  # timed too: the runner builds it every step
@@ -162,6 +162,7 @@ def kernel_breakdown(fn, warmup: int = 3, iters: int = 10) -> dict:
         torch.cuda.synchronize()
     totals: dict = {}
     attention: dict = {}
+    by_name: dict = {}
     count = 0
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
@@ -169,9 +170,12 @@ def kernel_breakdown(fn, warmup: int = 3, iters: int = 10) -> dict:
         count += 1
         kind, ms = kind_of(evt.name), evt.time_range.elapsed_us() / 1e3 / iters
         totals[kind] = totals.get(kind, 0.0) + ms
+        by_name[evt.name] = by_name.get(evt.name, 0.0) + ms
         if kind == "attention":
             attention[evt.name] = attention.get(evt.name, 0.0) + ms
-    return {"ms_by_kind": totals, "attention_ms_by_kernel": attention, "kernels": count // iters}
+    top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:16])
+    return {"ms_by_kind": totals, "attention_ms_by_kernel": attention, "kernels": count // iters,
+            "top_kernels_ms": top}
 
 
 def main() -> None:
@@ -183,6 +187,10 @@ def main() -> None:
     p.add_argument("--mixed", type=int, nargs="*", default=[],
                    help="also profile mixed steps: each batch's decodes plus one prompt chunk of "
                         "this many tokens (the executor's eager path)")
+    p.add_argument("--prompts", type=int, nargs="*", default=[],
+                   help="also profile steps of this many prompt tokens from new prompts of W1's "
+                        "lengths (64-1,024, the last one cut), beside each batch's decodes "
+                        "(--batch 0: none): W1's prefill steps")
     p.add_argument("--skip-decode", action="store_true", help="only the mixed steps")
     p.add_argument("--chunk", type=int, nargs="*", default=[],
                    help="also time a step of this many new tokens of one seq over --cached "
@@ -201,6 +209,7 @@ def main() -> None:
     num_blocks = max((sum(-(-n // BLOCK_SIZE) for n in lens) for lens in lens_of.values()),
                      default=0)
     num_blocks += -(-max(args.mixed, default=0) // BLOCK_SIZE)
+    num_blocks += sum(-(-n // BLOCK_SIZE) + 1 for n in w1_prompts(max(args.prompts, default=0)))
     num_blocks += -(-(args.cached + max(args.chunk, default=0)) // BLOCK_SIZE)
     num_blocks += max(args.decodes, default=0) * -(-2 * args.cached // BLOCK_SIZE)
     engine = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
@@ -216,8 +225,8 @@ def main() -> None:
         lens = lens_of[batch]
         floor_ms = (weight_bytes + sum(lens) * kv_token_bytes) / copy_bw * 1e3
         entry = {"context_tokens": sum(lens), "floor_ms": floor_ms}
-        for prefill in args.mixed:
-            rows.append(profile_mixed(model, engine, lens, prefill, weight_bytes, copy_bw,
+        for prompts in [[n] for n in args.mixed] + [w1_prompts(n) for n in args.prompts]:
+            rows.append(profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw,
                                       entry))
         if args.skip_decode:
             results["batches"][batch] = entry
@@ -250,23 +259,35 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=1))
 
 
-def profile_mixed(model, engine, lens, prefill, weight_bytes, copy_bw, entry) -> tuple:
+def w1_prompts(num_tokens: int) -> list[int]:
+    """Prompt lengths drawn as W1's (64-1,024) until they hold num_tokens, the last one cut."""
+    rng, prompts = random.Random(1), []
+    while sum(prompts) < num_tokens:
+        prompts.append(min(rng.randint(64, 1024), num_tokens - sum(prompts)))
+    return prompts
+
+
+def profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw, entry) -> tuple:
     """Times and profiles one mixed step; returns its table row. Floor: the matrix products of
     every token at the matmul rate measured here, plus the decodes' K/V read once."""
-    step = MixedStep(model, engine.kv_caches, lens, prefill)
+    step = MixedStep(model, engine.kv_caches, lens, prompts)
+    prefill = sum(prompts)
     timing = {**step.timed(), **eager_breakdown(step)}
     num_tokens = len(lens) + prefill
     flops = 2 * num_tokens * (weight_bytes / 2 - model.lm_head.numel()) \
-        + 2 * (len(lens) + 1) * model.lm_head.numel()
+        + 2 * (len(lens) + len(prompts)) * model.lm_head.numel()
     rate = matmul_rate()
     floor_ms = flops / rate * 1e3 + sum(lens) * _kv_token_bytes(model) / copy_bw * 1e3
     timing.update(floor_ms=floor_ms, matmul_tflops=rate / 1e12)
-    entry[f"mixed {prefill}"] = timing
-    print(f"mixed step: {len(lens)} decodes + {prefill} prompt tokens: host launch "
+    entry[f"mixed {prefill}" + (f" in {len(prompts)} prompts" if len(prompts) > 1 else "")] = timing
+    print(f"mixed step: {len(lens)} decodes + {prefill} prompt tokens ({len(prompts)} prompts): "
+          f"host launch "
           f"{timing['host_launch_ms']:.2f} ms, GPU {timing['gpu_ms']:.2f} ms (floor {floor_ms:.2f} "
           f"at {rate / 1e12:.0f} TFLOP/s); kernels {timing['kernels']}: "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(timing["ms_by_kind"].items())), flush=True)
-    return (f"mixed: {len(lens)} decodes + {prefill} prompt tokens, eager",
+    for name, ms in timing["top_kernels_ms"].items():
+        print(f"    {ms:8.3f} ms  {name[:150]}", flush=True)
+    return (f"mixed: {len(lens)} decodes + {prefill} prompt tokens in {len(prompts)}, eager",
             f"{timing['gpu_ms']:.2f} ms (host {timing['host_launch_ms']:.2f})",
             f"{floor_ms:.2f} ms", f"{100 * floor_ms / timing['gpu_ms']:.0f}%",
             str(timing["kernels"]))

@@ -87,16 +87,9 @@ def rotary_embedding(
     cos_table, sin_table: [max_pos, head_dim] float32, contiguous
     One CTA per token.
     """
-    _check_qk(q, k)
+    _check_rope(positions, q, k, cos_table, sin_table)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    _check_positions(positions, num_tokens, q.device)
-    for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
-        if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != head_dim
-                or not t.is_contiguous() or t.device != q.device or t.shape != cos_table.shape):
-            raise ValueError(f"{name} must be a contiguous [max_pos, {head_dim}] float32 tensor on "
-                             f"{q.device} (both tables alike), got {t.dtype} {tuple(t.shape)} "
-                             f"on {t.device}")
     if num_tokens == 0:
         return
     es = q.element_size()
@@ -110,6 +103,53 @@ def rotary_embedding(
             sin_table.data_ptr(), _i32(num_heads), _i32(num_kv_heads), _i32(head_dim),
             _i64(cos_table.shape[0]), _i32(vec))
     _launch(f"rotary_embedding_{_DTYPES[q.dtype]}", q, (num_tokens, 1, 1),
+            _threads(units, _ROPE_MAX_THREADS), args)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    value: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """rotary_embedding(positions, q, k, cos_table, sin_table), then
+    cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping), with the same results
+    bit for bit; one launch (one CTA per token) where every row is whole 16-byte vectors
+    (head_dim a multiple of 16, q/k rows and the tables 16-byte aligned), else those two launches.
+    Arguments as theirs: value [num_tokens, num_kv_heads, head_dim] with k's dtype; caches
+    [num_blocks, num_kv_heads, block_size, head_dim] contiguous (one layer); slot_mapping int64 or
+    int32, a negative slot caches nothing for its token (q and k are still rotated)."""
+    from kernels import cache_ops
+
+    _check_rope(positions, q, k, cos_table, sin_table)
+    cache_ops._check_cache_write(k, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    es = q.element_size()
+    vec = (head_dim % (2 * _VEC) == 0
+           and all(t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
+                   and (t.stride(1) * es) % 16 == 0 for t in (q, k))
+           and all(t.data_ptr() % 16 == 0 for t in (cos_table, sin_table, k_cache, v_cache)))
+    if not vec:
+        rotary_embedding(positions, q, k, cos_table, sin_table)
+        cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
+        return
+    if num_tokens == 0:
+        return
+    units = (num_heads + num_kv_heads) * (head_dim // 2 // _VEC) + num_kv_heads * head_dim // _VEC
+    index = "i64" if slot_mapping.dtype == torch.int64 else "i32"
+    args = (positions.data_ptr(), q.data_ptr(), _i64(q.stride(0)), _i64(q.stride(1)),
+            k.data_ptr(), _i64(k.stride(0)), _i64(k.stride(1)), value.data_ptr(),
+            _i64(value.stride(0)), _i64(value.stride(1)), cos_table.data_ptr(),
+            sin_table.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+            _i32(num_heads), _i32(num_kv_heads), _i32(head_dim), _i64(cos_table.shape[0]),
+            _i64(k_cache.shape[2]))
+    _launch(f"rotary_embedding_cache_{_DTYPES[q.dtype]}_{index}", q, (num_tokens, 1, 1),
             _threads(units, _ROPE_MAX_THREADS), args)
 
 
@@ -187,6 +227,18 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
     if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[2] % 2:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need the same number of "
                          f"tokens and the same, even, head_dim")
+
+
+def _check_rope(positions, q, k, cos_table, sin_table) -> None:
+    _check_qk(q, k)
+    head_dim = q.shape[2]
+    _check_positions(positions, q.shape[0], q.device)
+    for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
+        if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != head_dim
+                or not t.is_contiguous() or t.device != q.device or t.shape != cos_table.shape):
+            raise ValueError(f"{name} must be a contiguous [max_pos, {head_dim}] float32 tensor on "
+                             f"{q.device} (both tables alike), got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
 
 
 def _check_positions(positions: torch.Tensor, num_tokens: int, device: torch.device) -> None:

@@ -203,6 +203,23 @@ def rotary_embedding(
     k.copy_(_rotate(k, cos, sin))
 
 
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    value: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """rotary_embedding(positions, q, k, ...), then reshape_and_cache(k, value, ...): the rotated
+    k and value written to their cache slots (the CUDA kernel does both in one launch)."""
+    rotary_embedding(positions, q, k, cos_table, sin_table)
+    reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,6 +1,7 @@
 """The backend seam: the model and cache engine call these ops, never kernels directly.
-A backend owns a device and nine ops with the signatures of `kernels.reference`: five for
-attention and the KV cache, four elementwise ones of the forward pass; and `linear`, F.linear's
+A backend owns a device and ten ops with the signatures of `kernels.reference`: five for
+attention and the KV cache, four elementwise ones of the forward pass, and RoPE with the cache
+write in one (what the model calls: one launch on the CUDA backend); and `linear`, F.linear's
 contract (the CUDA backend's may run a tuned cuBLASLt algorithm, kernels.gemm).
 """
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Backend(Protocol):
         ...
 
     def rotary_embedding(self, positions, q, k, cos_table, sin_table) -> None: ...
+
+    def rotary_embedding_and_cache(self, positions, q, k, value, cos_table, sin_table, k_cache,
+                                   v_cache, slot_mapping) -> None: ...
 
     def silu_and_mul(self, x, out=None) -> torch.Tensor: ...
 

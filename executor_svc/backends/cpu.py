@@ -20,5 +20,6 @@ class CpuBackend:
     rms_norm = staticmethod(reference.rms_norm)
     fused_add_rms_norm = staticmethod(reference.fused_add_rms_norm)
     rotary_embedding = staticmethod(reference.rotary_embedding)
+    rotary_embedding_and_cache = staticmethod(reference.rotary_embedding_and_cache)
     silu_and_mul = staticmethod(reference.silu_and_mul)
     linear = staticmethod(F.linear)

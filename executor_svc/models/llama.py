@@ -109,8 +109,8 @@ class LlamaModel:
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, heads, hd]
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
-        self.backend.rotary_embedding(positions, q, k, self.rope_cos, self.rope_sin)
-        self.backend.reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        self.backend.rotary_embedding_and_cache(positions, q, k, v, self.rope_cos, self.rope_sin,
+                                                k_cache, v_cache, md.slot_mapping)
         if md.is_decode_only:
             out = self.backend.paged_decode_attention(
                 q, k_cache, v_cache, md.block_tables, md.seq_lens, self.scale

@@ -176,6 +176,78 @@ __device__ __forceinline__ void rotary_row(const long long* __restrict__ positio
   }
 }
 
+// RoPE and the KV cache write in one launch: one CTA per token, the 16-byte vector path only
+// (the launcher falls back to rotary_embedding + reshape_and_cache otherwise). Units: (q and k
+// heads) x head_dim / 16 element pairs (j, j + head_dim / 2), rotated in place as rotary_row
+// does (same math, same single rounding), a k unit also stored to the token's cache slot; then
+// kv_heads x head_dim / 8 vectors of v, copied to the slot. A position outside [0, max_pos)
+// leaves q and k unrotated (k still cached, as the two kernels would); a negative slot writes
+// no cache row (a graph batch's padding token). Caches [num_blocks, kv_heads, block_size,
+// head_dim], contiguous.
+template <typename T, typename Index>
+__device__ __forceinline__ void rotary_cache_row(
+    const long long* __restrict__ positions, T* q, long long q_stride_tok, long long q_stride_head,
+    T* k, long long k_stride_tok, long long k_stride_head, const T* __restrict__ v,
+    long long v_stride_tok, long long v_stride_head, const float* __restrict__ cos_table,
+    const float* __restrict__ sin_table, T* __restrict__ k_cache, T* __restrict__ v_cache,
+    const Index* __restrict__ slot_mapping, int num_heads, int num_kv_heads, int head_dim,
+    long long max_pos, long long block_size) {
+  const long long tok = blockIdx.x;
+  const long long pos = positions[tok];
+  const bool rotate = pos >= 0 && pos < max_pos;
+  const long long slot = (long long)slot_mapping[tok];
+  const long long block = slot / block_size, off = slot - block * block_size;
+  const int half = head_dim / 2;
+  const float* cos_row = cos_table + (rotate ? pos : 0) * head_dim;
+  const float* sin_row = sin_table + (rotate ? pos : 0) * head_dim;
+  const int per_head = half / kVec;
+  const int rope_units = (num_heads + num_kv_heads) * per_head;
+  const int v_per_head = head_dim / kVec;
+  const int units = rope_units + (slot >= 0 ? num_kv_heads * v_per_head : 0);
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    if (u >= rope_units) {  // a v vector: copied to the slot
+      const int w = u - rope_units;
+      const int head = w / v_per_head, c = (w - head * v_per_head) * kVec;
+      const long long dst = ((block * num_kv_heads + head) * block_size + off) * head_dim + c;
+      *reinterpret_cast<uint4*>(v_cache + dst) =
+          *reinterpret_cast<const uint4*>(v + tok * v_stride_tok + head * v_stride_head + c);
+      continue;
+    }
+    const int head = u / per_head;
+    const int j = (u - head * per_head) * kVec;  // first element of the unit, first half
+    const bool is_k = head >= num_heads;
+    T* row = is_k ? k + tok * k_stride_tok + (long long)(head - num_heads) * k_stride_head
+                  : q + tok * q_stride_tok + head * q_stride_head;
+    uint4* p1 = reinterpret_cast<uint4*>(row + j);
+    uint4* p2 = reinterpret_cast<uint4*>(row + half + j);
+    uint4 r1 = *p1, r2 = *p2;
+    if (rotate) {
+      float x1[kVec], x2[kVec], c1[kVec], s1[kVec], c2[kVec], s2[kVec];
+      unpack8<T>(r1, x1);
+      unpack8<T>(r2, x2);
+      load8(cos_row + j, c1);
+      load8(sin_row + j, s1);
+      load8(cos_row + half + j, c2);
+      load8(sin_row + half + j, s2);
+      float o1[kVec], o2[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        o1[e] = x1[e] * c1[e] - x2[e] * s1[e];
+        o2[e] = x2[e] * c2[e] + x1[e] * s2[e];
+      }
+      r1 = pack8<T>(o1);
+      r2 = pack8<T>(o2);
+      *p1 = r1;
+      *p2 = r2;
+    }
+    if (is_k && slot >= 0) {
+      T* dst = k_cache + ((block * num_kv_heads + (head - num_heads)) * block_size + off) * head_dim;
+      *reinterpret_cast<uint4*>(dst + j) = r1;
+      *reinterpret_cast<uint4*>(dst + half + j) = r2;
+    }
+  }
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
 // grid (tokens, chunks of blockDim units); a unit is 8 (vec) or 1 output element.
@@ -235,3 +307,23 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
   }
 PS_OPS(bf16, __nv_bfloat16)
 PS_OPS(fp16, __half)
+
+#define PS_ROPE_CACHE(NAME, T, INDEX)                                                            \
+  extern "C" __global__ void __launch_bounds__(512)                                              \
+      rotary_embedding_cache_##NAME(                                                             \
+          const long long* positions, T* q, long long q_stride_tok, long long q_stride_head,     \
+          T* k, long long k_stride_tok, long long k_stride_head, const T* v,                     \
+          long long v_stride_tok, long long v_stride_head, const float* cos_table,               \
+          const float* sin_table, T* k_cache, T* v_cache, const INDEX* slot_mapping,             \
+          int num_heads, int num_kv_heads, int head_dim, long long max_pos,                      \
+          long long block_size) {                                                                \
+    ps_ops::rotary_cache_row<T, INDEX>(positions, q, q_stride_tok, q_stride_head, k,             \
+                                       k_stride_tok, k_stride_head, v, v_stride_tok,             \
+                                       v_stride_head, cos_table, sin_table, k_cache, v_cache,    \
+                                       slot_mapping, num_heads, num_kv_heads, head_dim, max_pos, \
+                                       block_size);                                              \
+  }
+PS_ROPE_CACHE(bf16_i64, __nv_bfloat16, long long)
+PS_ROPE_CACHE(bf16_i32, __nv_bfloat16, int)
+PS_ROPE_CACHE(fp16_i64, __half, long long)
+PS_ROPE_CACHE(fp16_i32, __half, int)

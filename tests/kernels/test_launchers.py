@@ -87,7 +87,11 @@ def test_elementwise_ops_reject_cpu_tensors():
     table = torch.zeros(16, 64)
     for call in (lambda: ops.rms_norm(x, w, 1e-5), lambda: ops.fused_add_rms_norm(x, x, w, 1e-5),
                  lambda: ops.silu_and_mul(x),
-                 lambda: ops.rotary_embedding(torch.zeros(4, dtype=torch.int64), q, k, table, table)):
+                 lambda: ops.rotary_embedding(torch.zeros(4, dtype=torch.int64), q, k, table, table),
+                 lambda: ops.rotary_embedding_and_cache(
+                     torch.zeros(4, dtype=torch.int64), q, k, k, table, table,
+                     torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16),
+                     torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int64))):
         with pytest.raises(ValueError, match="CUDA"):
             call()
 
@@ -103,10 +107,13 @@ def test_vector_path_needs_aligned_rows_of_whole_vectors():
 
 def test_ops_module_lists_every_kernel_of_ops_cu():
     src = _compile.load_source("ops.cu")
-    ops_names = re.findall(r"\b(\w+)_##NAME\(", src)
+    ops_names = re.findall(r"\b(\w+)_##NAME\(", src)  # PS_OPS's four, PS_ROPE_CACHE's one
     dtypes = re.findall(r"^PS_OPS\((\w+),", src, re.MULTILINE)
-    assert sorted(_compile.MODULES["ops"][1]) == sorted(f"{o}_{d}" for o in ops_names for d in dtypes)
-    assert len(ops_names) == 4 and dtypes == ["bf16", "fp16"]
+    rope_cache = re.findall(r"^PS_ROPE_CACHE\((\w+),", src, re.MULTILINE)
+    expect = [f"{o}_{d}" for o in ops_names[:4] for d in dtypes]
+    expect += [f"{ops_names[4]}_{n}" for n in rope_cache]
+    assert sorted(_compile.MODULES["ops"][1]) == sorted(expect)
+    assert len(ops_names) == 5 and dtypes == ["bf16", "fp16"] and len(rope_cache) == 4
 
 
 @pytest.mark.parametrize("module", ["attention", "cache"])

@@ -195,6 +195,92 @@ def test_rotary_embedding_leaves_out_of_range_positions(ops):
     assert not torch.equal(q[0], q_in[0]) and not torch.equal(k[3], k_in[3])
 
 
+def check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, slot_dtype,
+                           block_size=16):
+    """The fused launch against rotary_embedding then reshape_and_cache on copies of the same
+    inputs: q, k (in place), the whole qkv buffer and both whole caches bit for bit. Slots are
+    distinct random ones of a cache prefilled with noise; every fifth token's slot is -1 (writes
+    nothing) and one position is out of range (q and k left unrotated, k still cached)."""
+    from kernels import cache_ops
+
+    gen = torch.Generator(device=DEVICE).manual_seed(
+        seed_of("rope_cache", dtype, num_tokens, heads, head_dim, slot_dtype))
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    num_blocks = num_tokens // block_size + 3
+    qkv = randn(num_tokens, q_size + 2 * kv_size, gen=gen, dtype=dtype)
+    k_cache = randn(num_blocks, kv_heads, block_size, head_dim, gen=gen, dtype=dtype)
+    v_cache = randn(num_blocks, kv_heads, block_size, head_dim, gen=gen, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:num_tokens]
+    slots[::5] = -1
+    positions = torch.randint(0, MAX_POS, (num_tokens,), generator=gen, device=DEVICE)
+    positions[num_tokens // 2] = MAX_POS
+    cos_table, sin_table = rope_tables(head_dim)
+
+    def views(buf):
+        q, k, v = buf.split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
+                v.view(num_tokens, kv_heads, head_dim))
+
+    expect = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q, k, v = views(expect[0])
+    ops.rotary_embedding(positions, q, k, cos_table, sin_table)
+    cache_ops.reshape_and_cache(k, v, expect[1], expect[2], slots.to(slot_dtype))
+    q, k, v = views(qkv)
+    ops.rotary_embedding_and_cache(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
+                                   slots.to(slot_dtype))
+    for name, got, want in zip(("qkv", "k_cache", "v_cache"), (qkv, k_cache, v_cache), expect):
+        assert torch.equal(got, want), f"{name} differs from the two launches"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 8)])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_rotary_embedding_and_cache(ops, dtype, head_dim, heads, kv_heads, num_tokens, slot_dtype):
+    check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, slot_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_and_cache_two_launch_fallback(ops, dtype):
+    """head_dim 72: rows of whole 16-byte vectors for the cache write, but a half of 36 elements
+    is not whole vectors, so the launcher takes the two kernels; same contract."""
+    check_rotary_and_cache(ops, dtype, 33, 9, 3, 72, torch.int64)
+
+
+def test_rotary_embedding_and_cache_writes_what_the_reference_does(ops):
+    """Against the torch twins (RoPE in the dtype, as transformers): q and the cached k within
+    the rows_within bound of float64, v cached exactly; slots -1 leave their cache rows alone."""
+    gen = torch.Generator(device=DEVICE).manual_seed(23)
+    num_tokens, heads, kv_heads, head_dim, block_size = 40, 32, 8, 128, 16
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = randn(num_tokens, q_size + 2 * kv_size, gen=gen, dtype=torch.bfloat16)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    q_in, k_in = q.clone(), k.clone()
+    k_cache = torch.zeros(8, kv_heads, block_size, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(8 * block_size, generator=gen, device=DEVICE)[:num_tokens]
+    slots[3] = -1
+    positions = torch.randint(0, MAX_POS, (num_tokens,), generator=gen, device=DEVICE)
+    cos_table, sin_table = rope_tables(head_dim)
+    base_q, base_k = q_in.clone(), k_in.clone()
+    ref.rotary_embedding(positions, base_q, base_k, cos_table, sin_table)
+    ops.rotary_embedding_and_cache(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
+                                   slots)
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    cached_k, cached_v = k_cache[blocks, :, offsets], v_cache[blocks, :, offsets]
+    rows_within(q, rope64(q_in, positions, cos_table, sin_table), base_q, "fused rotary q")
+    rows_within(cached_k, rope64(k_in, positions, cos_table, sin_table)[keep], base_k[keep],
+                "cached k")
+    assert torch.equal(cached_v, v[keep]) and torch.equal(k[keep], cached_k)
+    written = torch.zeros(8 * block_size, dtype=torch.bool, device=DEVICE)
+    written[slots[keep]] = True
+    untouched = (~written).view(8, 1, block_size).expand(8, kv_heads, block_size)
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
 # -- SiLU-and-mul ---------------------------------------------------------------------------------
 
 def check_silu_and_mul(ops, dtype, num_tokens, d, offset=0):

@@ -99,6 +99,32 @@ def test_rotary_embedding_rotates_views_of_qkv_in_place(dtype, heads, kv_heads, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_and_cache_caches_the_rotated_k_and_v(dtype):
+    num_tokens, heads, kv_heads, head_dim, block_size, max_pos = 9, 4, 2, 16, 4, 64
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = _randn(num_tokens, q_size + 2 * kv_size, seed=11, dtype=dtype)
+    before = qkv.clone()
+    q, k, v = (t.view(num_tokens, -1, head_dim)
+               for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    k_cache = torch.zeros(4, kv_heads, block_size, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([5, 0, -1, 15, 7, 2, 9, 12, 3])
+    cos_table, sin_table = rope_tables(max_pos, head_dim)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=torch.Generator().manual_seed(2))
+    cos, sin = cos_table[positions].to(dtype), sin_table[positions].to(dtype)
+    expect_k = unfused_rope(before[:, q_size:q_size + kv_size].view(num_tokens, kv_heads, head_dim),
+                            cos, sin)
+    ref.rotary_embedding_and_cache(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
+                                   slots)
+    assert _same(k, expect_k)
+    for tok, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert _same(k_cache[slot // block_size, :, slot % block_size], expect_k[tok])
+            assert _same(v_cache[slot // block_size, :, slot % block_size], v[tok])
+    assert int((k_cache.abs().sum(dim=(1, 3)) > 0).sum()) == num_tokens - 1  # slot -1: nothing
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_is_the_unfused_formula(dtype):
     gate_up = _randn(9, 2 * 96, seed=8, dtype=dtype)
     expect = unfused_silu_and_mul(gate_up)

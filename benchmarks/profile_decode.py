@@ -199,6 +199,11 @@ def main() -> None:
     p.add_argument("--decodes", type=int, nargs="*", default=[0],
                    help="with --chunk: also each chunk beside this many one-token seqs "
                         "(a mixed small step)")
+    p.add_argument("--variants", nargs="+", default=["fused", "unfused"], choices=VARIANTS,
+                   help="decode-step variants, each captured and timed: fused (as served), "
+                        "unfused (torch's elementwise ops), rope-cache-apart (as served but RoPE "
+                        "and the cache write as two launches)")
+    p.add_argument("--rounds", type=int, default=1, help="time the variants in turn this often")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     backend = CudaBackend()
@@ -232,21 +237,24 @@ def main() -> None:
             results["batches"][batch] = entry
             continue
         step = DecodeStep(model, engine.kv_caches, lens, width)
-        for fused in (True, False):
-            backend.fused_ops = fused
-            with torch.inference_mode():
-                step.capture()
-            label = "fused" if fused else "unfused"
-            entry[label] = {"replay_ms": step.replay_ms(), **eager_breakdown(step)}
-            step.graph = None
-            torch.cuda.synchronize()
-            e = entry[label]
-            print(f"batch {batch} {label}: replay {e['replay_ms']:.2f} ms (floor {floor_ms:.2f}); "
-                  f"eager kernels {e['kernels']}: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(e["ms_by_kind"].items())), flush=True)
-            rows.append((f"batch {batch}, {label}", f"{e['replay_ms']:.2f} ms", f"{floor_ms:.2f} ms",
-                         f"{100 * floor_ms / e['replay_ms']:.0f}%", str(e["kernels"])))
-        backend.fused_ops = True
+        for round_ in range(args.rounds):
+            for label in args.variants:
+                set_variant(backend, label)
+                with torch.inference_mode():
+                    step.capture()
+                e = {"replay_ms": step.replay_ms(), **eager_breakdown(step)}
+                step.graph = None
+                torch.cuda.synchronize()
+                name = label if args.rounds == 1 else f"{label}, round {round_ + 1}"
+                entry[name] = e
+                print(f"batch {batch} {name}: replay {e['replay_ms']:.3f} ms (floor "
+                      f"{floor_ms:.2f}); eager kernels {e['kernels']}: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(e["ms_by_kind"].items())),
+                      flush=True)
+                rows.append((f"batch {batch}, {name}", f"{e['replay_ms']:.3f} ms",
+                             f"{floor_ms:.2f} ms", f"{100 * floor_ms / e['replay_ms']:.0f}%",
+                             str(e["kernels"])))
+        set_variant(backend, "fused")
         results["batches"][batch] = entry
     results["chunks"] = [profile_chunk(model, engine, chunk, args.cached, width,
                                        weight_bytes / copy_bw * 1e3, decodes)
@@ -265,6 +273,21 @@ def w1_prompts(num_tokens: int) -> list[int]:
     while sum(prompts) < num_tokens:
         prompts.append(min(rng.randint(64, 1024), num_tokens - sum(prompts)))
     return prompts
+
+
+VARIANTS = ("fused", "unfused", "rope-cache-apart")
+
+
+def set_variant(backend, label: str) -> None:
+    """Sets the backend up as the decode-step variant `label` (VARIANTS)."""
+    backend.fused_ops = label != "unfused"
+    if label == "rope-cache-apart":
+        def apart(positions, q, k, value, cos, sin, k_cache, v_cache, slots):
+            backend.rotary_embedding(positions, q, k, cos, sin)
+            backend.reshape_and_cache(k, value, k_cache, v_cache, slots)
+        backend.rotary_embedding_and_cache = apart
+    else:
+        vars(backend).pop("rotary_embedding_and_cache", None)  # the class's method again
 
 
 def profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw, entry) -> tuple:

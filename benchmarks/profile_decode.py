@@ -231,8 +231,12 @@ def main() -> None:
         floor_ms = (weight_bytes + sum(lens) * kv_token_bytes) / copy_bw * 1e3
         entry = {"context_tokens": sum(lens), "floor_ms": floor_ms}
         for prompts in [[n] for n in args.mixed] + [w1_prompts(n) for n in args.prompts]:
-            rows.append(profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw,
-                                      entry))
+            for round_ in range(args.rounds):
+                for label in args.variants:
+                    set_variant(backend, label)
+                    rows.append(profile_mixed(model, engine, lens, prompts, weight_bytes,
+                                              copy_bw, entry, f"{label}, round {round_ + 1}"))
+        set_variant(backend, "fused")
         if args.skip_decode:
             results["batches"][batch] = entry
             continue
@@ -290,7 +294,8 @@ def set_variant(backend, label: str) -> None:
         vars(backend).pop("rotary_embedding_and_cache", None)  # the class's method again
 
 
-def profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw, entry) -> tuple:
+def profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw, entry,
+                  label: str = "fused") -> tuple:
     """Times and profiles one mixed step; returns its table row. Floor: the matrix products of
     every token at the matmul rate measured here, plus the decodes' K/V read once."""
     step = MixedStep(model, engine.kv_caches, lens, prompts)
@@ -302,15 +307,18 @@ def profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw, entry) ->
     rate = matmul_rate()
     floor_ms = flops / rate * 1e3 + sum(lens) * _kv_token_bytes(model) / copy_bw * 1e3
     timing.update(floor_ms=floor_ms, matmul_tflops=rate / 1e12)
-    entry[f"mixed {prefill}" + (f" in {len(prompts)} prompts" if len(prompts) > 1 else "")] = timing
-    print(f"mixed step: {len(lens)} decodes + {prefill} prompt tokens ({len(prompts)} prompts): "
+    entry[f"mixed {prefill}" + (f" in {len(prompts)} prompts" if len(prompts) > 1 else "")
+          + f" ({label})"] = timing
+    print(f"mixed step ({label}): {len(lens)} decodes + {prefill} prompt tokens "
+          f"({len(prompts)} prompts): "
           f"host launch "
           f"{timing['host_launch_ms']:.2f} ms, GPU {timing['gpu_ms']:.2f} ms (floor {floor_ms:.2f} "
           f"at {rate / 1e12:.0f} TFLOP/s); kernels {timing['kernels']}: "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(timing["ms_by_kind"].items())), flush=True)
     for name, ms in timing["top_kernels_ms"].items():
         print(f"    {ms:8.3f} ms  {name[:150]}", flush=True)
-    return (f"mixed: {len(lens)} decodes + {prefill} prompt tokens in {len(prompts)}, eager",
+    return (f"mixed ({label}): {len(lens)} decodes + {prefill} prompt tokens in "
+            f"{len(prompts)}, eager",
             f"{timing['gpu_ms']:.2f} ms (host {timing['host_launch_ms']:.2f})",
             f"{floor_ms:.2f} ms", f"{100 * floor_ms / timing['gpu_ms']:.0f}%",
             str(timing["kernels"]))

@@ -179,8 +179,8 @@ __device__ __forceinline__ void rotary_row(const long long* __restrict__ positio
 // RoPE and the KV cache write in one launch: one CTA per token, the 16-byte vector path only
 // (the launcher falls back to rotary_embedding + reshape_and_cache otherwise). Units: (q and k
 // heads) x head_dim / 16 element pairs (j, j + head_dim / 2), rotated in place as rotary_row
-// does (same math, same single rounding), a k unit also stored to the token's cache slot; then
-// kv_heads x head_dim / 8 vectors of v, copied to the slot. A position outside [0, max_pos)
+// does (same math, same single rounding); a k unit also stores its pair to the token's cache
+// slot and copies the same two vectors of v (as many threads as rotary_embedding's). A position outside [0, max_pos)
 // leaves q and k unrotated (k still cached, as the two kernels would); a negative slot writes
 // no cache row (a graph batch's padding token). Caches [num_blocks, kv_heads, block_size,
 // head_dim], contiguous.
@@ -201,18 +201,8 @@ __device__ __forceinline__ void rotary_cache_row(
   const float* cos_row = cos_table + (rotate ? pos : 0) * head_dim;
   const float* sin_row = sin_table + (rotate ? pos : 0) * head_dim;
   const int per_head = half / kVec;
-  const int rope_units = (num_heads + num_kv_heads) * per_head;
-  const int v_per_head = head_dim / kVec;
-  const int units = rope_units + (slot >= 0 ? num_kv_heads * v_per_head : 0);
+  const int units = (num_heads + num_kv_heads) * per_head;
   for (int u = threadIdx.x; u < units; u += blockDim.x) {
-    if (u >= rope_units) {  // a v vector: copied to the slot
-      const int w = u - rope_units;
-      const int head = w / v_per_head, c = (w - head * v_per_head) * kVec;
-      const long long dst = ((block * num_kv_heads + head) * block_size + off) * head_dim + c;
-      *reinterpret_cast<uint4*>(v_cache + dst) =
-          *reinterpret_cast<const uint4*>(v + tok * v_stride_tok + head * v_stride_head + c);
-      continue;
-    }
     const int head = u / per_head;
     const int j = (u - head * per_head) * kVec;  // first element of the unit, first half
     const bool is_k = head >= num_heads;
@@ -241,9 +231,14 @@ __device__ __forceinline__ void rotary_cache_row(
       *p2 = r2;
     }
     if (is_k && slot >= 0) {
-      T* dst = k_cache + ((block * num_kv_heads + (head - num_heads)) * block_size + off) * head_dim;
-      *reinterpret_cast<uint4*>(dst + j) = r1;
-      *reinterpret_cast<uint4*>(dst + half + j) = r2;
+      const int kv = head - num_heads;
+      const long long dst = ((block * num_kv_heads + kv) * block_size + off) * head_dim;
+      const T* v_row = v + tok * v_stride_tok + kv * v_stride_head;
+      *reinterpret_cast<uint4*>(k_cache + dst + j) = r1;
+      *reinterpret_cast<uint4*>(k_cache + dst + half + j) = r2;
+      *reinterpret_cast<uint4*>(v_cache + dst + j) = *reinterpret_cast<const uint4*>(v_row + j);
+      *reinterpret_cast<uint4*>(v_cache + dst + half + j) =
+          *reinterpret_cast<const uint4*>(v_row + half + j);
     }
   }
 }

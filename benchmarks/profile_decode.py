@@ -237,7 +237,7 @@ def main() -> None:
                     rows.append(profile_mixed(model, engine, lens, prompts, weight_bytes,
                                               copy_bw, entry, f"{label}, round {round_ + 1}"))
         set_variant(backend, "fused")
-        if args.skip_decode:
+        if args.skip_decode or batch == 0:  # batch 0: prompt steps alone
             results["batches"][batch] = entry
             continue
         step = DecodeStep(model, engine.kv_caches, lens, width)

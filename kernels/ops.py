@@ -141,7 +141,8 @@ def rotary_embedding_and_cache(
         return
     if num_tokens == 0:
         return
-    units = (num_heads + num_kv_heads) * (head_dim // 2 // _VEC)
+    units = max((num_heads + num_kv_heads) * (head_dim // 2 // _VEC),
+                num_kv_heads * head_dim // _VEC)  # the latter: more kv than q heads
     index = "i64" if slot_mapping.dtype == torch.int64 else "i32"
     args = (positions.data_ptr(), q.data_ptr(), _i64(q.stride(0)), _i64(q.stride(1)),
             k.data_ptr(), _i64(k.stride(0)), _i64(k.stride(1)), value.data_ptr(),

@@ -180,7 +180,8 @@ __device__ __forceinline__ void rotary_row(const long long* __restrict__ positio
 // (the launcher falls back to rotary_embedding + reshape_and_cache otherwise). Units: (q and k
 // heads) x head_dim / 16 element pairs (j, j + head_dim / 2), rotated in place as rotary_row
 // does (same math, same single rounding); a k unit also stores its pair to the token's cache
-// slot and copies the same two vectors of v (as many threads as rotary_embedding's). A position outside [0, max_pos)
+// slot, and unit u < kv_heads x head_dim / 8 copies v's u-th vector to the slot (the q units,
+// which would otherwise finish first). As many threads as rotary_embedding's. A position outside [0, max_pos)
 // leaves q and k unrotated (k still cached, as the two kernels would); a negative slot writes
 // no cache row (a graph batch's padding token). Caches [num_blocks, kv_heads, block_size,
 // head_dim], contiguous.
@@ -202,7 +203,16 @@ __device__ __forceinline__ void rotary_cache_row(
   const float* sin_row = sin_table + (rotate ? pos : 0) * head_dim;
   const int per_head = half / kVec;
   const int units = (num_heads + num_kv_heads) * per_head;
-  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+  const int v_per_head = head_dim / kVec;
+  const int v_units = slot >= 0 ? num_kv_heads * v_per_head : 0;  // <= units if kv <= q heads
+  for (int u = threadIdx.x; u < max(units, v_units); u += blockDim.x) {
+    if (u < v_units) {
+      const int vh = u / v_per_head, c = (u - vh * v_per_head) * kVec;
+      *reinterpret_cast<uint4*>(v_cache + ((block * num_kv_heads + vh) * block_size + off) *
+                                              head_dim + c) =
+          *reinterpret_cast<const uint4*>(v + tok * v_stride_tok + vh * v_stride_head + c);
+    }
+    if (u >= units) continue;
     const int head = u / per_head;
     const int j = (u - head * per_head) * kVec;  // first element of the unit, first half
     const bool is_k = head >= num_heads;
@@ -231,14 +241,9 @@ __device__ __forceinline__ void rotary_cache_row(
       *p2 = r2;
     }
     if (is_k && slot >= 0) {
-      const int kv = head - num_heads;
-      const long long dst = ((block * num_kv_heads + kv) * block_size + off) * head_dim;
-      const T* v_row = v + tok * v_stride_tok + kv * v_stride_head;
-      *reinterpret_cast<uint4*>(k_cache + dst + j) = r1;
-      *reinterpret_cast<uint4*>(k_cache + dst + half + j) = r2;
-      *reinterpret_cast<uint4*>(v_cache + dst + j) = *reinterpret_cast<const uint4*>(v_row + j);
-      *reinterpret_cast<uint4*>(v_cache + dst + half + j) =
-          *reinterpret_cast<const uint4*>(v_row + half + j);
+      T* dst = k_cache + ((block * num_kv_heads + (head - num_heads)) * block_size + off) * head_dim;
+      *reinterpret_cast<uint4*>(dst + j) = r1;
+      *reinterpret_cast<uint4*>(dst + half + j) = r2;
     }
   }
 }

@@ -234,7 +234,7 @@ def check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, sl
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 8)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 8), (2, 4)])  # (2, 4): v > rope units
 @pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_rotary_embedding_and_cache(ops, dtype, head_dim, heads, kv_heads, num_tokens, slot_dtype):

@@ -15,6 +15,9 @@ off by its time limit still brings back what finished, in two files. W1-W3 with 
 install take 560-600 s, at the device's 600 s limit per call: run `--skip-vllm` in one call and
 `--skip-pagedserve` in the next while the machine is held, then here `--merge
 A/summary.json B/summary.json --out-dir D` for the one table.
+`--repeat N` runs W1 (`--repeat-workloads`) N times on each side, after the other workloads:
+pagedserve through N bench_serving runs (fresh services each), vLLM in its one engine; the table
+quotes each side's median run and lists every run.
 The same requests on both sides (lengths from random.Random(0), ids from random.Random(1), EOS
 ignored, every request its full output). Runs one after the other, pagedserve first; each side
 gets the whole GPU. The floor is a bound from the measured ceilings, not a reachable rate.
@@ -24,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -85,23 +90,44 @@ def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float | Non
 
 
 def run_pagedserve(workloads: list[str], out: Path, extra: list[str], results: dict,
-                   report) -> None:
-    """bench_serving on each workload into `results` (workload -> its JSON); report() after
-    each."""
-    for w in workloads:
-        path = out / f"pagedserve_{w}.json"
+                   report, repeats: dict[str, int] | None = None) -> None:
+    """bench_serving on each workload into `results` (workload -> its JSON), then the extra
+    runs of each repeated one (`repeats`: workload -> runs in all), each on fresh services; a
+    repeated workload's entry is its median run with every run's rate in serving.runs_tok_s.
+    report() after each."""
+    runs: dict[str, list[dict]] = {}
+    order = list(workloads) + [w for w in workloads for _ in range((repeats or {}).get(w, 1) - 1)]
+    for i, w in enumerate(order):
+        k = sum(1 for x in order[:i] if x == w)  # earlier runs of w
+        name = f"pagedserve_{w}" + (f"_run{k + 1}" if k else "")
+        path = out / f"{name}.json"
         run([sys.executable, "benchmarks/bench_serving.py", "--workload", w, "--skip-hf",
-             "--out", str(path), "--log-dir", str(out / "logs"), *extra], out / f"pagedserve_{w}.log")
+             "--out", str(path), "--log-dir", str(out / "logs" / name) if k else
+             str(out / "logs"), *extra], out / f"{name}.log")
         if path.exists():
-            results[w] = json.loads(path.read_text())
+            runs.setdefault(w, []).append(json.loads(path.read_text()))
+            results[w] = median_run(runs[w], lambda r: r.get("serving", {}))
         report()
 
 
-def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, report) -> None:
-    """vLLM's offline runs, then W4's, into `results` (load_vllm's layout); report() after
-    each."""
+def median_run(runs: list[dict], serving) -> dict:
+    """The run of median output rate (the lower middle one of an even count), with every run's
+    rate, in run order, as serving(run)["runs_tok_s"] when there is more than one."""
+    rates = [serving(r).get("output_tok_s") or 0.0 for r in runs]
+    order = sorted(range(len(runs)), key=lambda i: rates[i])
+    chosen = json.loads(json.dumps(runs[order[(len(runs) - 1) // 2]]))  # a copy
+    if len(runs) > 1:
+        serving(chosen)["runs_tok_s"] = rates
+    return chosen
+
+
+def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, report,
+             repeats: dict[str, int] | None = None) -> None:
+    """vLLM's offline runs (a repeated workload run again at the end, in the same engine), then
+    W4's, into `results` (load_vllm's layout); report() after each."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own site only
     offline = [w for w in workloads if w in WORKLOADS]
+    offline += [w for w in offline for _ in range((repeats or {}).get(w, 1) - 1)]
     if offline:
         run([sys.executable, str(vllm_dir / "offline_bench.py"), "--workloads", ",".join(offline),
              "--out", str(out / "vllm.json")], out / "vllm.log", env=env)
@@ -115,10 +141,29 @@ def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, rep
             report()
 
 
+_RESULT = re.compile(r"^RESULT (\S+) output_tok_s=(\S+) wall_s=(\S+) requests=(\d+) "
+                     r"prompt_tokens=\d+ output_tokens=\d+ full_outputs=(\d+)/\d+", re.MULTILINE)
+
+
+def vllm_runs(log: Path) -> dict[str, list[dict]]:
+    """Every offline run's figures from offline_bench's RESULT lines (its JSON keeps only the
+    last run of a workload), workload -> runs in order."""
+    runs: dict[str, list[dict]] = {}
+    text = log.read_text() if log.exists() else ""
+    for w, rate, wall, requests, full in _RESULT.findall(text):
+        runs.setdefault(w, []).append({"output_tok_s": float(rate), "wall_s": float(wall),
+                                       "requests": int(requests), "full_outputs": int(full)})
+    return runs
+
+
 def load_vllm(out: Path, workloads: list[str]) -> dict:
-    """offline_bench's results with vllm_w4's W4 added."""
+    """offline_bench's results with vllm_w4's W4 added; a workload run more than once: its
+    median run, every run's rate in runs_tok_s (from the log's RESULT lines)."""
     path = out / "vllm.json"
     results = json.loads(path.read_text()) if path.exists() else {}
+    for w, runs in vllm_runs(out / "vllm.log").items():
+        if len(runs) > 1 and w in results.get("workloads", {}):
+            results["workloads"][w] = median_run(runs, lambda r: r)
     for w in workloads:
         path = out / f"vllm_{w}.json"
         if w in CONVERSATION_WORKLOADS and path.exists():
@@ -168,7 +213,21 @@ def table(workloads, ours: dict, vllm: dict, ceil: dict | None) -> str:
                       + f" | {s.get('complete', 0)}/{s.get('requests', 0)}, "
                       f"{v.get('full_outputs', 0)}/{v.get('requests', 0)} |")
     lines += [conversation_line(w, ours, vllm) for w in workloads if w in CONVERSATION_WORKLOADS]
+    lines += [line for w in workloads if (line := runs_line(w, ours, vllm))]
     return "\n".join(lines)
+
+
+def runs_line(w: str, ours: dict, vllm: dict) -> str | None:
+    """Every run's rate of a workload run more than once (the table quotes each side's median
+    run)."""
+    a = ours.get(w, {}).get("serving", {}).get("runs_tok_s")
+    b = vllm.get("workloads", {}).get(w, {}).get("runs_tok_s")
+    if not a and not b:
+        return None
+    fmt = (lambda rates: ", ".join(f"{x:,.0f}" for x in rates) if rates else "one run")
+    ratio = (f"; ratio of the medians {statistics.median(a) / statistics.median(b):.3f}"
+             if a and b else "")
+    return f"\n{w}, every run (tok/s, in order): pagedserve {fmt(a)}; vLLM {fmt(b)}{ratio}"
 
 
 def conversation_line(w: str, ours: dict, vllm: dict) -> str:
@@ -199,7 +258,7 @@ def summary(workloads: list[str], ours: dict, vllm: dict, ceil: dict | None,
     """The figures the table is made of, small enough to travel back alone."""
     keys = ("output_tok_s", "complete", "full_outputs", "requests", "wall_s", "ttft_p50_s",
             "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "prefix_cache_hit_rate",
-            "preemptions_swap", "preemptions_recompute", "executor_step_timing")
+            "preemptions_swap", "preemptions_recompute", "executor_step_timing", "runs_tok_s")
     pick = (lambda r: {k: r[k] for k in keys if k in r})
     return {"ceilings": ceil, "vllm_version": vllm.get("vllm"), "gpu": vllm.get("gpu"),
             "pagedserve": {w: pick(ours[w].get("serving", {})) for w in workloads if w in ours},
@@ -253,13 +312,14 @@ def gather(args, workloads: list[str], out: Path, runs: Path, report
 
     ceil = ceilings(runs)  # first: cheap, and never the run a time limit cuts off
     (runs / "ceilings_summary.json").write_text(json.dumps(ceil, indent=1))
+    repeats = {w: args.repeat for w in args.repeat_workloads.split(",") if w in workloads}
     if not args.skip_pagedserve:
-        run_pagedserve(workloads, runs, args.pagedserve_args, ours, progress)
+        run_pagedserve(workloads, runs, args.pagedserve_args, ours, progress, repeats)
         if args.prefix_ttft:
             prefix = run_prefix_ttft(runs, args.pagedserve_args)
             progress()
     if not args.skip_vllm:
-        run_vllm(workloads, runs, args.vllm_dir, vllm, progress)
+        run_vllm(workloads, runs, args.vllm_dir, vllm, progress, repeats)
     return ours, vllm, ceil, prefix
 
 
@@ -271,6 +331,10 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=Path("side_by_side"))
     p.add_argument("--vllm-dir", type=Path, default=Path("/tmp/vllm_parts"),
                    help="where install_on_gpu.sh left offline_bench.py")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each of --repeat-workloads this many times on each side (after the "
+                        "others); the table quotes the median run and lists them all")
+    p.add_argument("--repeat-workloads", default="W1")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--skip-pagedserve", action="store_true")
     p.add_argument("--from-dir", type=Path, default=None,

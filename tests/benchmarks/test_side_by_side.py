@@ -104,3 +104,60 @@ def test_merge_joins_the_summaries_of_two_calls(tmp_path, monkeypatch, capsys):
     table = (tmp_path / "m" / "table.md").read_text()
     assert "| W1 | 8,100 | 7,900 | 1.03x |" in table and "256/256, 256/256" in table
     assert "matmul 760 TFLOP/s" in table and "vLLM 0.26.0" in table
+
+
+def test_repeat_quotes_each_sides_median_run_and_lists_every_run(tmp_path, monkeypatch):
+    """--repeat 3: W1 runs three times on each side after W2 (ours on fresh services, vLLM in
+    one engine: W1,W2,W1,W1, its JSON keeping only the last W1); the table's row is each side's
+    median run, the runs are listed in order, the summary carries them."""
+    import json
+    import sys
+
+    ours_rates = iter([8300.0, 8500.0, 8400.0])
+    calls = []
+
+    def fake_run(cmd, log, env=None, timeout=None):
+        flag = "--out" if "--out" in cmd else "--json"
+        out = Path(cmd[cmd.index(flag) + 1])
+        calls.append((Path(cmd[1]).name, out.name))
+        if "bench_kernels.py" in cmd[1]:
+            log.write_text("ok\n")
+            out.write_text(json.dumps({"copy_bw_GBps": 4000.0,
+                                       "matmul": {"peak_tflops": 760.0, "8192": {}}}))
+        elif "bench_serving.py" in cmd[1]:
+            log.write_text("ok\n")
+            w = cmd[cmd.index("--workload") + 1]
+            rate = next(ours_rates) if w == "W1" else 9800.0
+            out.write_text(json.dumps({"serving": {
+                "output_tok_s": rate, "complete": 256, "requests": 256, "ttft_p50_s": rate / 1e3,
+                "itl_p50_ms": 11.0}}))
+        else:
+            assert cmd[cmd.index("--workloads") + 1] == "W1,W2,W1,W1"
+            lines = [f"RESULT {w} output_tok_s={r} wall_s=8.0 requests=256 prompt_tokens=1 "
+                     f"output_tokens=2 full_outputs=256/256"
+                     for w, r in (("W1", 8200.0), ("W2", 9000.0), ("W1", 8000.0), ("W1", 8100.0))]
+            log.write_text("\n".join(["vllm 0.26.0", *lines, "done"]) + "\n")
+            out.write_text(json.dumps({"vllm": "0.26.0", "gpu": "H200", "workloads": {
+                "W1": {"output_tok_s": 8100.0, "full_outputs": 256, "requests": 256},
+                "W2": {"output_tok_s": 9000.0, "full_outputs": 256, "requests": 256}}}))
+        return 0
+
+    monkeypatch.setattr(side_by_side, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--workloads", "W1,W2", "--repeat", "3",
+                                      "--out-dir", str(tmp_path / "o"), "--vllm-dir",
+                                      str(tmp_path)])
+    side_by_side.main()
+    assert [c for c in calls if c[0] == "bench_serving.py"] == [
+        ("bench_serving.py", "pagedserve_W1.json"), ("bench_serving.py", "pagedserve_W2.json"),
+        ("bench_serving.py", "pagedserve_W1_run2.json"),
+        ("bench_serving.py", "pagedserve_W1_run3.json")]
+    table = (tmp_path / "o" / "table.md").read_text()
+    assert "| W1 | 8,400 | 8,100 | 1.04x |" in table  # medians: 8,400 of ours, 8,100 of vLLM's
+    assert "8.40 s / 11.0 ms" in table  # the median run's own TTFT
+    assert "| W2 | 9,800 | 9,000 | 1.09x |" in table
+    assert ("W1, every run (tok/s, in order): pagedserve 8,300, 8,500, 8,400; "
+            "vLLM 8,200, 8,000, 8,100; ratio of the medians 1.037") in table
+    final = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert final["pagedserve"]["W1"]["runs_tok_s"] == [8300.0, 8500.0, 8400.0]
+    assert final["vllm"]["W1"]["runs_tok_s"] == [8200.0, 8000.0, 8100.0]
+    assert "runs_tok_s" not in final["pagedserve"]["W2"]

@@ -202,8 +202,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["fused", "unfused"], choices=VARIANTS,
                    help="decode-step variants, each captured and timed: fused (as served), "
                         "unfused (torch's elementwise ops), rope-cache-apart (as served but RoPE "
-                        "and the cache write as two launches), no-pdl (as served but every launch "
-                        "a plain one)")
+                        "and the cache write as two launches)")
     p.add_argument("--rounds", type=int, default=1, help="time the variants in turn this often")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -280,15 +279,12 @@ def w1_prompts(num_tokens: int) -> list[int]:
     return prompts
 
 
-VARIANTS = ("fused", "unfused", "rope-cache-apart", "no-pdl")
+VARIANTS = ("fused", "unfused", "rope-cache-apart")
 
 
 def set_variant(backend, label: str) -> None:
     """Sets the backend up as the decode-step variant `label` (VARIANTS)."""
-    from kernels import _compile
-
     backend.fused_ops = label != "unfused"
-    _compile.PDL = label != "no-pdl"
     if label == "rope-cache-apart":
         def apart(positions, q, k, value, cos, sin, k_cache, v_cache, slots):
             backend.rotary_embedding(positions, q, k, cos, sin)

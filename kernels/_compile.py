@@ -155,102 +155,16 @@ def current_stream(device: torch.device) -> Any:
     return stream
 
 
-# Programmatic dependent launch for launches that ask for it (pdl=True: kernels that start with
-# PS_PDL_WAIT) on sm_90+: the kernel may be scheduled while the one ahead of it in the stream
-# drains (kept in CUDA graphs as programmatic edges). False: every launch is a plain one.
-PDL = True
-_pdl_devices: dict[int, bool] = {}
-
-
 def launch(module: str, kernel: str, device: torch.device, grid: tuple[int, ...],
-           block: tuple[int, ...], args: tuple, shared_mem: int = 0, pdl: bool = False) -> None:
+           block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
     """Launch on torch's current stream of `device` (always an explicit stream: a launch on
-    CuPy's default stream would silently drop out of a CUDA-graph capture); with pdl=True and
-    PDL on, through cuLaunchKernelEx with programmatic stream serialization."""
+    CuPy's default stream would silently drop out of a CUDA-graph capture)."""
     import cupy
 
     index = _device_index(device)
     fn = get_function(module, kernel, index, shared_mem)
     with cupy.cuda.Device(index):
-        if pdl and PDL and _pdl_capable(index):
-            _launch_pdl(fn, grid, block, args, shared_mem,
-                        torch.cuda.current_stream(index).cuda_stream)
-        else:
-            fn(grid, block, args, shared_mem=shared_mem, stream=current_stream(device))
-
-
-def _pdl_capable(index: int) -> bool:
-    ok = _pdl_devices.get(index)
-    if ok is None:
-        ok = _pdl_devices[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return ok
-
-
-_driver: Any = None
-
-
-def _cu_launch_kernel_ex():
-    """libcuda's cuLaunchKernelEx through ctypes, with its structs (cuda.h, CUDA 12+)."""
-    global _driver
-    if _driver is None:
-        import ctypes
-
-        class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad, 64-byte value
-            _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
-                        ("value", ctypes.c_int * 16)]
-
-        class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-            _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                        ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                        ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernelEx
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
-                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        attr = LaunchAttribute()
-        attr.id = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value[0] = 1  # programmaticStreamSerializationAllowed
-        _driver = (fn, LaunchConfig, attr)
-    return _driver
-
-
-def kernel_params(args: tuple) -> list:
-    """ctypes values of a launch's arguments as the kernels declare them: numpy int32 / int64 /
-    float32 scalars (i32, i64, f32 below) as themselves, Python ints as 64-bit device pointers."""
-    import ctypes
-
-    import numpy as np
-
-    values = []
-    for a in args:
-        if isinstance(a, np.int32):
-            values.append(ctypes.c_int32(int(a)))
-        elif isinstance(a, np.int64):
-            values.append(ctypes.c_int64(int(a)))
-        elif isinstance(a, np.float32):
-            values.append(ctypes.c_float(float(a)))
-        elif isinstance(a, int) and not isinstance(a, bool):
-            values.append(ctypes.c_uint64(a))
-        else:
-            raise TypeError(f"kernel argument {a!r} of type {type(a).__name__}: expected a numpy "
-                            "int32/int64/float32 scalar or a pointer (int)")
-    return values
-
-
-def _launch_pdl(fn, grid, block, args, shared_mem: int, stream: int) -> None:
-    import ctypes
-
-    launch_ex, LaunchConfig, attr = _cu_launch_kernel_ex()
-    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                          stream, ctypes.pointer(attr), 1)
-    values = kernel_params(args)
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    err = launch_ex(ctypes.byref(config), fn.ptr, params, None)
-    if err:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+        fn(grid, block, args, shared_mem=shared_mem, stream=current_stream(device))
 
 
 def arch_used(device: torch.device | int | None = None) -> str | None:

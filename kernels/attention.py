@@ -375,12 +375,10 @@ def paged_decode_attention(
         _f32(scale * math.log2(math.e)),
     )
     _compile.launch("attention", kernel, device,
-                    (splits, num_kv_heads, num_seqs), (_THREADS, 1, 1), args, shared_mem=smem,
-                    pdl=True)
+                    (splits, num_kv_heads, num_seqs), (_THREADS, 1, 1), args, shared_mem=smem)
     if splits > 1:
         _compile.launch("attention", f"decode_combine_{dtype}", device, (num_seqs, num_heads, 1),
                         (head_dim, 1, 1),
                         (part_o, part_lse, out.data_ptr(), _i64(out.stride(0)),
-                         _i32(out.stride(1)), _i32(num_heads), _i32(splits), _i32(head_dim)),
-                        pdl=True)
+                         _i32(out.stride(1)), _i32(num_heads), _i32(splits), _i32(head_dim)))
     return out

@@ -267,4 +267,4 @@ def _threads(units: int, cap: int) -> int:
 
 def _launch(kernel: str, like: torch.Tensor, grid: tuple[int, int, int], threads: int,
             args: tuple) -> None:
-    _compile.launch("ops", kernel, like.device, grid, (threads, 1, 1), args, pdl=True)
+    _compile.launch("ops", kernel, like.device, grid, (threads, 1, 1), args)

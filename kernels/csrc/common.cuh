@@ -9,16 +9,6 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// Programmatic dependent launch (sm_90+): a kernel launched with the attribute
-// (kernels._compile.launch(pdl=True)) may be scheduled before the kernel ahead of it in the stream
-// has finished; it waits here, before reading anything, until that kernel's work is complete and
-// visible. A no-op in a kernel launched without the attribute.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PS_PDL_WAIT() asm volatile("griddepcontrol.wait;\n" ::: "memory")
-#else
-#define PS_PDL_WAIT()
-#endif
-
 namespace ps {
 
 template <typename T> struct Pack;

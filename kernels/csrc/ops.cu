@@ -280,7 +280,6 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
   extern "C" __global__ void __launch_bounds__(1024)                                             \
       rms_norm_##NAME(T* out, long long out_stride, const T* x, long long x_stride,              \
                       const T* weight, int hidden, float eps, int vec) {                         \
-    PS_PDL_WAIT();                                                                               \
     ps_ops::rms_norm_row<T, false>(out, out_stride, x, x_stride, nullptr, 0, weight, hidden,     \
                                    eps, vec);                                                    \
   }                                                                                              \
@@ -288,7 +287,6 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
       fused_add_rms_norm_##NAME(T* x, long long x_stride, T* residual,                           \
                                 long long residual_stride, const T* weight, int hidden,          \
                                 float eps, int vec) {                                            \
-    PS_PDL_WAIT();                                                                               \
     ps_ops::rms_norm_row<T, true>(x, x_stride, x, x_stride, residual, residual_stride, weight,   \
                                   hidden, eps, vec);                                             \
   }                                                                                              \
@@ -298,7 +296,6 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
                               long long k_stride_head, const float* cos_table,                   \
                               const float* sin_table, int num_heads, int num_kv_heads,           \
                               int head_dim, long long max_pos, int vec) {                        \
-    PS_PDL_WAIT();                                                                               \
     ps_ops::rotary_row<T>(positions, q, q_stride_tok, q_stride_head, k, k_stride_tok,            \
                           k_stride_head, cos_table, sin_table, num_heads, num_kv_heads,          \
                           head_dim, max_pos, vec);                                               \
@@ -306,7 +303,6 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
   extern "C" __global__ void __launch_bounds__(256)                                              \
       silu_and_mul_##NAME(T* out, long long out_stride, const T* x, long long x_stride, int d,   \
                           int vec) {                                                             \
-    PS_PDL_WAIT();                                                                               \
     ps_ops::silu_and_mul_row<T>(out, out_stride, x, x_stride, d, vec);                           \
   }
 PS_OPS(bf16, __nv_bfloat16)
@@ -321,7 +317,6 @@ PS_OPS(fp16, __half)
           const float* sin_table, T* k_cache, T* v_cache, const INDEX* slot_mapping,             \
           int num_heads, int num_kv_heads, int head_dim, long long max_pos,                      \
           long long block_size) {                                                                \
-    PS_PDL_WAIT();                                                                               \
     ps_ops::rotary_cache_row<T, INDEX>(positions, q, q_stride_tok, q_stride_head, k,             \
                                        k_stride_tok, k_stride_head, v, v_stride_tok,             \
                                        v_stride_head, cos_table, sin_table, k_cache, v_cache,    \

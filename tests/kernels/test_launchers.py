@@ -167,18 +167,3 @@ def test_small_gemm_refuses_what_it_cannot_run():
     assert small_gemm.default_splits(28672, 4096, 132) == 1  # gate_up: 224 tiles
     assert small_gemm.default_splits(4096, 14336, 132) == 4  # down
     assert small_gemm.default_splits(256, 256, 132) == 1  # 4 chunks: one split
-
-
-def test_kernel_params_for_the_driver_launch():
-    """The ctypes values of a launch's arguments (the programmatic-dependent-launch path): numpy
-    scalars keep their C types, Python ints are 64-bit pointers, anything else is refused."""
-    import ctypes
-
-    values = _compile.kernel_params((_compile.i32(-3), _compile.i64(1 << 40), _compile.f32(0.5),
-                                     0x7F0012345670))
-    assert [type(v) for v in values] == [ctypes.c_int32, ctypes.c_int64, ctypes.c_float,
-                                         ctypes.c_uint64]
-    assert [v.value for v in values] == [-3, 1 << 40, 0.5, 0x7F0012345670]
-    for bad in (True, 1.5, "x"):
-        with pytest.raises(TypeError):
-            _compile.kernel_params((bad,))

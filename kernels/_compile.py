@@ -34,10 +34,6 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
     "cache": ("cache.cu", ("reshape_and_cache_i64", "reshape_and_cache_i32", "copy_pages")),
-    "small_gemm": (
-        "small_gemm.cu",
-        tuple(f"small_gemm_{d}_m{m}" for d in ("bf16", "fp16") for m in (16, 32, 64, 128)),
-    ),
     "ops": (
         "ops.cu",
         (

@@ -142,28 +142,3 @@ def test_shared_memory_limit_is_only_raised(monkeypatch):
                         (100 << 10, 100 << 10), (101 << 10, 101 << 10)):
         assert _compile.get_function("attention", "k", 0, size) is fn
         assert fn.max_dynamic_shared_size_bytes == limit
-
-
-def test_small_gemm_module_lists_every_instantiation():
-    src = _compile.load_source("small_gemm.cu")
-    made = re.findall(r"^PS_SMALL_GEMM\((\w+), \w+, (\d+)\)", src, re.MULTILINE)
-    assert sorted(_compile.MODULES["small_gemm"][1]) == sorted(f"small_gemm_{d}_m{m}"
-                                                               for d, m in made)
-    assert len(made) == 8
-
-
-def test_small_gemm_refuses_what_it_cannot_run():
-    from kernels import small_gemm
-
-    x, w = torch.zeros(4, 128, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=torch.bfloat16)
-    assert not small_gemm.supported(x, w)  # CPU tensors
-    with pytest.raises(ValueError, match="cannot run"):
-        small_gemm.small_linear(x, w)
-    assert [small_gemm.token_tile(m) for m in (1, 16, 17, 64, 65, 128)] == [16, 16, 32, 64,
-                                                                            128, 128]
-    # Llama-3-8B's products on 132 SMs: about one CTA per SM, at least 4 chunks per split.
-    assert small_gemm.default_splits(4096, 4096, 132) == 4  # o: 32 tiles
-    assert small_gemm.default_splits(6144, 4096, 132) == 3  # qkv: 48 tiles
-    assert small_gemm.default_splits(28672, 4096, 132) == 1  # gate_up: 224 tiles
-    assert small_gemm.default_splits(4096, 14336, 132) == 4  # down
-    assert small_gemm.default_splits(256, 256, 132) == 1  # 4 chunks: one split

@@ -124,6 +124,28 @@ __device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const
   }
 }
 
+// Rotate-half RoPE on one vector unit held in registers: elements j..j+7 of a row's first half
+// (r1) and the same of its second half (r2); fp32 math, one rounding each.
+template <typename T>
+__device__ __forceinline__ void rope8(uint4& r1, uint4& r2, const float* cos_row,
+                                      const float* sin_row, int j, int half) {
+  float x1[kVec], x2[kVec], c1[kVec], s1[kVec], c2[kVec], s2[kVec];
+  unpack8<T>(r1, x1);
+  unpack8<T>(r2, x2);
+  load8(cos_row + j, c1);
+  load8(sin_row + j, s1);
+  load8(cos_row + half + j, c2);
+  load8(sin_row + half + j, s2);
+  float o1[kVec], o2[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    o1[e] = x1[e] * c1[e] - x2[e] * s1[e];
+    o2[e] = x2[e] * c2[e] + x1[e] * s2[e];
+  }
+  r1 = pack8<T>(o1);
+  r2 = pack8<T>(o2);
+}
+
 // One CTA per token; a work unit is 8 (vec) or 1 element pair (j, j + head_dim / 2) of one head,
 // q heads first, then k heads. Tables: float32 [max_pos, head_dim], contiguous. Tokens whose
 // position is outside [0, max_pos) are left as they are (the launcher cannot check without a
@@ -151,23 +173,12 @@ __device__ __forceinline__ void rotary_row(const long long* __restrict__ positio
     T* row = head < num_heads ? q + tok * q_stride_tok + head * q_stride_head
                               : k + tok * k_stride_tok + (long long)(head - num_heads) * k_stride_head;
     if (vec) {
-      float x1[kVec], x2[kVec], c1[kVec], s1[kVec], c2[kVec], s2[kVec];
       uint4* p1 = reinterpret_cast<uint4*>(row + j);
       uint4* p2 = reinterpret_cast<uint4*>(row + half + j);
-      unpack8<T>(*p1, x1);
-      unpack8<T>(*p2, x2);
-      load8(cos_row + j, c1);
-      load8(sin_row + j, s1);
-      load8(cos_row + half + j, c2);
-      load8(sin_row + half + j, s2);
-      float o1[kVec], o2[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        o1[e] = x1[e] * c1[e] - x2[e] * s1[e];
-        o2[e] = x2[e] * c2[e] + x1[e] * s2[e];
-      }
-      *p1 = pack8<T>(o1);
-      *p2 = pack8<T>(o2);
+      uint4 r1 = *p1, r2 = *p2;
+      rope8<T>(r1, r2, cos_row, sin_row, j, half);
+      *p1 = r1;
+      *p2 = r2;
     } else {
       const float x1 = to_float<T>(row[j]), x2 = to_float<T>(row[half + j]);
       row[j] = from_float<T>(x1 * cos_row[j] - x2 * sin_row[j]);
@@ -222,21 +233,7 @@ __device__ __forceinline__ void rotary_cache_row(
     uint4* p2 = reinterpret_cast<uint4*>(row + half + j);
     uint4 r1 = *p1, r2 = *p2;
     if (rotate) {
-      float x1[kVec], x2[kVec], c1[kVec], s1[kVec], c2[kVec], s2[kVec];
-      unpack8<T>(r1, x1);
-      unpack8<T>(r2, x2);
-      load8(cos_row + j, c1);
-      load8(sin_row + j, s1);
-      load8(cos_row + half + j, c2);
-      load8(sin_row + half + j, s2);
-      float o1[kVec], o2[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        o1[e] = x1[e] * c1[e] - x2[e] * s1[e];
-        o2[e] = x2[e] * c2[e] + x1[e] * s2[e];
-      }
-      r1 = pack8<T>(o1);
-      r2 = pack8<T>(o2);
+      rope8<T>(r1, r2, cos_row, sin_row, j, half);
       *p1 = r1;
       *p2 = r2;
     }

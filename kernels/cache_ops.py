@@ -34,7 +34,7 @@ def reshape_and_cache(
     slot_mapping: [num_tokens] int64 or int32 on the cache's device; a negative slot skips its token
     """
     num_tokens = key.shape[0]
-    _check_cache_write(key, value, k_cache, v_cache, slot_mapping)
+    check_cache_write(key, value, k_cache, v_cache, slot_mapping)
     if num_tokens == 0:
         return
     num_kv_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -52,7 +52,10 @@ def reshape_and_cache(
     _compile.launch("cache", kernel, k_cache.device, grid, (_RESHAPE_THREADS, 1, 1), args)
 
 
-def _check_cache_write(key, value, k_cache, v_cache, slot_mapping) -> None:
+def check_cache_write(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Raises ValueError unless reshape_and_cache can write key / value [num_tokens, kv_heads,
+    head_dim] (16-byte aligned rows) into these caches at slot_mapping (also RoPE's fused form,
+    kernels.ops.rotary_embedding_and_cache)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_cuda or t.dim() != 4 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous 4-D CUDA tensor [num_blocks, "

@@ -127,7 +127,7 @@ def rotary_embedding_and_cache(
     from kernels import cache_ops
 
     _check_rope(positions, q, k, cos_table, sin_table)
-    cache_ops._check_cache_write(k, value, k_cache, v_cache, slot_mapping)
+    cache_ops.check_cache_write(k, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     es = q.element_size()

@@ -297,8 +297,14 @@ def gather(args, workloads: list[str], out: Path, runs: Path, report
     if args.merge:
         return merge_summaries(args.merge)
     if args.from_dir:
-        ours = {w: json.loads((runs / f"pagedserve_{w}.json").read_text()) for w in workloads
-                if (runs / f"pagedserve_{w}.json").exists()}
+        ours = {}
+        for w in workloads:  # with its repeated runs (pagedserve_W1_run2.json ...), if any
+            paths = [runs / f"pagedserve_{w}.json",
+                     *sorted(runs.glob(f"pagedserve_{w}_run*.json"),
+                             key=lambda q: int(q.stem.rsplit("run", 1)[1]))]
+            found = [json.loads(q.read_text()) for q in paths if q.exists()]
+            if found:
+                ours[w] = median_run(found, lambda r: r.get("serving", {}))
         ceil = json.loads((runs / "ceilings_summary.json").read_text()) \
             if (runs / "ceilings_summary.json").exists() else None
         prefix = json.loads(prefix_path.read_text()) if prefix_path.exists() else None

@@ -161,3 +161,10 @@ def test_repeat_quotes_each_sides_median_run_and_lists_every_run(tmp_path, monke
     assert final["pagedserve"]["W1"]["runs_tok_s"] == [8300.0, 8500.0, 8400.0]
     assert final["vllm"]["W1"]["runs_tok_s"] == [8200.0, 8000.0, 8100.0]
     assert "runs_tok_s" not in final["pagedserve"]["W2"]
+    # --from-dir reads the same runs back into the same table, running nothing.
+    monkeypatch.setattr(side_by_side, "run", lambda *a, **k: pytest.fail("ran something"))
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--workloads", "W1,W2", "--from-dir",
+                                      str(tmp_path / "o")])
+    side_by_side.main()
+    again = (tmp_path / "o" / "table.md").read_text()
+    assert "| W1 | 8,400 | 8,100 | 1.04x |" in again and "ratio of the medians 1.037" in again

@@ -92,11 +92,7 @@ def rotary_embedding(
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
         return
-    es = q.element_size()
-    vec = (head_dim % (2 * _VEC) == 0
-           and all(t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
-                   and (t.stride(1) * es) % 16 == 0 for t in (q, k))
-           and cos_table.data_ptr() % 16 == 0 and sin_table.data_ptr() % 16 == 0)
+    vec = _rope_vec(q, k, cos_table, sin_table)
     units = (num_heads + num_kv_heads) * (head_dim // 2 // (_VEC if vec else 1))
     args = (positions.data_ptr(), q.data_ptr(), _i64(q.stride(0)), _i64(q.stride(1)),
             k.data_ptr(), _i64(k.stride(0)), _i64(k.stride(1)), cos_table.data_ptr(),
@@ -130,12 +126,8 @@ def rotary_embedding_and_cache(
     cache_ops.check_cache_write(k, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    es = q.element_size()
-    vec = (head_dim % (2 * _VEC) == 0
-           and all(t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
-                   and (t.stride(1) * es) % 16 == 0 for t in (q, k))
-           and all(t.data_ptr() % 16 == 0 for t in (cos_table, sin_table, k_cache, v_cache)))
-    if not vec:
+    if not (_rope_vec(q, k, cos_table, sin_table)
+            and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0):
         rotary_embedding(positions, q, k, cos_table, sin_table)
         cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
         return
@@ -240,6 +232,16 @@ def _check_rope(positions, q, k, cos_table, sin_table) -> None:
             raise ValueError(f"{name} must be a contiguous [max_pos, {head_dim}] float32 tensor on "
                              f"{q.device} (both tables alike), got {t.dtype} {tuple(t.shape)} "
                              f"on {t.device}")
+
+
+def _rope_vec(q, k, cos_table, sin_table) -> bool:
+    """Whether RoPE can take the 16-byte vector path: halves of whole vectors, q/k rows and the
+    tables 16-byte aligned."""
+    es = q.element_size()
+    return (q.shape[2] % (2 * _VEC) == 0
+            and all(t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
+                    and (t.stride(1) * es) % 16 == 0 for t in (q, k))
+            and cos_table.data_ptr() % 16 == 0 and sin_table.data_ptr() % 16 == 0)
 
 
 def _check_positions(positions: torch.Tensor, num_tokens: int, device: torch.device) -> None:

@@ -8,7 +8,8 @@ float32 tiny preset of the tests: head_dim 16) run attention through torch on th
 capturable gather-and-softmax for decode, the reference twin for prefill. `attention_impl` says
 which one a model gets; the cache write and the page copies are always the kernels. The
 elementwise ops (RMSNorm, RoPE, SiLU-and-mul; RoPE with the cache write in one launch) are kernels
-for bf16/fp16 and the reference twins for other dtypes (float32 stays bit-identical to transformers) or when `fused_ops` is False.
+for bf16/fp16 and the reference twins for other dtypes (float32 stays bit-identical to
+transformers) or when `fused_ops` is False.
 """
 from __future__ import annotations
 
@@ -126,8 +127,8 @@ class CudaBackend:
             self._ops.rotary_embedding_and_cache(positions, q, k, value, cos_table, sin_table,
                                                  k_cache, v_cache, slot_mapping)
         else:
-            reference.rotary_embedding(positions, q, k, cos_table, sin_table)
-            self._cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
+            self.rotary_embedding(positions, q, k, cos_table, sin_table)
+            self.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
 
     def silu_and_mul(self, x, out=None) -> torch.Tensor:
         return self._elementwise(x.dtype).silu_and_mul(x, out)

@@ -135,7 +135,8 @@ class LlamaModel:
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate_up = self.backend.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate], gate | up
-        return self.backend.linear(self.backend.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+        act = self.backend.silu_and_mul(gate_up)  # [T, intermediate]
+        return self.backend.linear(act, layer.down_proj)  # [T, hidden]
 
     def linear_groups(self) -> dict[str, list[torch.Tensor]]:
         """The weights of each GEMM of the forward, one list per product (a tuner's groups)."""

@@ -192,10 +192,10 @@ __device__ __forceinline__ void rotary_row(const long long* __restrict__ positio
 // heads) x head_dim / 16 element pairs (j, j + head_dim / 2), rotated in place as rotary_row
 // does (same math, same single rounding); a k unit also stores its pair to the token's cache
 // slot, and unit u < kv_heads x head_dim / 8 copies v's u-th vector to the slot (the q units,
-// which would otherwise finish first). As many threads as rotary_embedding's. A position outside [0, max_pos)
-// leaves q and k unrotated (k still cached, as the two kernels would); a negative slot writes
-// no cache row (a graph batch's padding token). Caches [num_blocks, kv_heads, block_size,
-// head_dim], contiguous.
+// which would otherwise finish first). As many threads as rotary_embedding's. A position
+// outside [0, max_pos) leaves q and k unrotated (k still cached, as the two kernels would); a
+// negative slot writes no cache row (a graph batch's padding token). Caches [num_blocks,
+// kv_heads, block_size, head_dim], contiguous.
 template <typename T, typename Index>
 __device__ __forceinline__ void rotary_cache_row(
     const long long* __restrict__ positions, T* q, long long q_stride_tok, long long q_stride_head,
@@ -209,6 +209,10 @@ __device__ __forceinline__ void rotary_cache_row(
   const bool rotate = pos >= 0 && pos < max_pos;
   const long long slot = (long long)slot_mapping[tok];
   const long long block = slot / block_size, off = slot - block * block_size;
+  // element offset of kv head h's row for this token in either cache
+  auto cache_row = [&](int h) {
+    return ((block * num_kv_heads + h) * block_size + off) * head_dim;
+  };
   const int half = head_dim / 2;
   const float* cos_row = cos_table + (rotate ? pos : 0) * head_dim;
   const float* sin_row = sin_table + (rotate ? pos : 0) * head_dim;
@@ -219,8 +223,7 @@ __device__ __forceinline__ void rotary_cache_row(
   for (int u = threadIdx.x; u < max(units, v_units); u += blockDim.x) {
     if (u < v_units) {
       const int vh = u / v_per_head, c = (u - vh * v_per_head) * kVec;
-      *reinterpret_cast<uint4*>(v_cache + ((block * num_kv_heads + vh) * block_size + off) *
-                                              head_dim + c) =
+      *reinterpret_cast<uint4*>(v_cache + cache_row(vh) + c) =
           *reinterpret_cast<const uint4*>(v + tok * v_stride_tok + vh * v_stride_head + c);
     }
     if (u >= units) continue;
@@ -238,7 +241,7 @@ __device__ __forceinline__ void rotary_cache_row(
       *p2 = r2;
     }
     if (is_k && slot >= 0) {
-      T* dst = k_cache + ((block * num_kv_heads + (head - num_heads)) * block_size + off) * head_dim;
+      T* dst = k_cache + cache_row(head - num_heads);
       *reinterpret_cast<uint4*>(dst + j) = r1;
       *reinterpret_cast<uint4*>(dst + half + j) = r2;
     }

@@ -357,6 +357,8 @@ def main() -> None:
     unknown = [w for w in workloads if w not in known]
     if unknown:
         p.error(f"unknown workload(s) {unknown}; choose from {known}")
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     out = args.from_dir or args.out_dir
     runs = out / "runs"
     if args.from_dir and not runs.is_dir():  # a folder written before runs/ existed

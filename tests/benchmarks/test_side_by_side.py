@@ -168,3 +168,14 @@ def test_repeat_quotes_each_sides_median_run_and_lists_every_run(tmp_path, monke
     side_by_side.main()
     again = (tmp_path / "o" / "table.md").read_text()
     assert "| W1 | 8,400 | 8,100 | 1.04x |" in again and "ratio of the medians 1.037" in again
+
+
+@pytest.mark.parametrize("repeat", ["0", "-2"])
+def test_repeat_below_one_is_refused(tmp_path, monkeypatch, repeat):
+    import sys
+
+    monkeypatch.setattr(side_by_side, "run", lambda *a, **k: pytest.fail("ran something"))
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--repeat", repeat, "--out-dir",
+                                      str(tmp_path / "o")])
+    with pytest.raises(SystemExit):
+        side_by_side.main()

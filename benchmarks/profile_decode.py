@@ -199,8 +199,9 @@ def main() -> None:
     p.add_argument("--decodes", type=int, nargs="*", default=[0],
                    help="with --chunk: also each chunk beside this many one-token seqs "
                         "(a mixed small step)")
-    p.add_argument("--variants", nargs="+", default=["fused", "unfused"], choices=VARIANTS,
-                   help="decode-step variants, each captured and timed: fused (as served), "
+    p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                   help="variants, each captured and timed (default: fused and unfused for decode "
+                        "steps, fused for mixed and prompt steps): fused (as served), "
                         "unfused (torch's elementwise ops), rope-cache-apart (as served but RoPE "
                         "and the cache write as two launches)")
     p.add_argument("--rounds", type=int, default=1, help="time the variants in turn this often")
@@ -232,24 +233,24 @@ def main() -> None:
         entry = {"context_tokens": sum(lens), "floor_ms": floor_ms}
         for prompts in [[n] for n in args.mixed] + [w1_prompts(n) for n in args.prompts]:
             for round_ in range(args.rounds):
-                for label in args.variants:
+                for label in args.variants or ["fused"]:
                     set_variant(backend, label)
                     rows.append(profile_mixed(model, engine, lens, prompts, weight_bytes,
-                                              copy_bw, entry, f"{label}, round {round_ + 1}"))
+                                              copy_bw, entry, run_name(label, round_, args.rounds)))
         set_variant(backend, "fused")
         if args.skip_decode or batch == 0:  # batch 0: prompt steps alone
             results["batches"][batch] = entry
             continue
         step = DecodeStep(model, engine.kv_caches, lens, width)
         for round_ in range(args.rounds):
-            for label in args.variants:
+            for label in args.variants or ["fused", "unfused"]:
                 set_variant(backend, label)
                 with torch.inference_mode():
                     step.capture()
                 e = {"replay_ms": step.replay_ms(), **eager_breakdown(step)}
                 step.graph = None
                 torch.cuda.synchronize()
-                name = label if args.rounds == 1 else f"{label}, round {round_ + 1}"
+                name = run_name(label, round_, args.rounds)
                 entry[name] = e
                 print(f"batch {batch} {name}: replay {e['replay_ms']:.3f} ms (floor "
                       f"{floor_ms:.2f}); eager kernels {e['kernels']}: "
@@ -280,6 +281,10 @@ def w1_prompts(num_tokens: int) -> list[int]:
 
 
 VARIANTS = ("fused", "unfused", "rope-cache-apart")
+
+
+def run_name(label: str, round_: int, rounds: int) -> str:
+    return label if rounds == 1 else f"{label}, round {round_ + 1}"
 
 
 def set_variant(backend, label: str) -> None:

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_GPU_BLOCKS = 1024
 _MAX_MODEL_LEN_CAP = 4096
+# Step sizes tuned between the decode graphs' largest batch and the step budget: rungs for the
+# products of eager steps with more rows than a graph
+_STEP_RUNGS = (2048, 4096)
 
 
 class Worker:
@@ -108,16 +111,19 @@ class Worker:
         return model, model_config, tokenizer, name, fingerprint
 
     def _tune_linears(self) -> None:
-        """GEMM algorithms for the rows a step has: every decode-graph batch size (all products;
-        not with enforce_eager, whose decode steps have any number of rows), and a full step of
-        max_num_batched_tokens (all but lm_head, which sees only the rows that sample); chosen
-        once per GPU and library version, then read from the cache folder."""
+        """GEMM algorithms for the rows a step has: every decode-graph batch size (all products),
+        and steps of 2,048, 4,096 and max_num_batched_tokens tokens, those up to the budget (all
+        but lm_head, which sees only the rows that sample); chosen once per GPU and library
+        version, then read from the cache folder. Other row counts (eager steps, also every
+        step under enforce_eager) run the algorithm of the next tuned count up (its rung), whose
+        kernel has run: a kernel's first run waits for the GPU (kernels/gemm.py)."""
         groups = self.model.linear_groups()
         self.backend.gemm.cache_dir = self.config.fingerprint_cache_dir
-        if not self.config.enforce_eager:
-            self.backend.tune_linears(groups, list(BATCH_SIZES))
+        self.backend.tune_linears(groups, list(BATCH_SIZES))
         body = {name: weights for name, weights in groups.items() if name != "lm_head"}
-        self.backend.tune_linears(body, [self.config.max_num_batched_tokens])
+        budget = self.config.max_num_batched_tokens
+        steps = sorted({t for t in _STEP_RUNGS if BATCH_SIZES[-1] < t < budget} | {budget})
+        self.backend.tune_linears(body, steps)
 
     def _warm_up(self) -> None:
         """A prefill, then a batched decode (graph replay) launched before the prefill finished

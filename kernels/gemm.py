@@ -7,9 +7,18 @@ same kernels (the same bf16 roundings) as the one it replaces. Imports torch onl
 On the H200, Llama-3-8B's products over 32 distinct weights (benchmarks/bench_cublaslt_algos.py,
 RESULTS.md): the best of cuBLASLt's heuristic algorithms beats F.linear's by 0.11-0.33 ms a decode
 step at 64-256 rows and by 3.4 ms an 8,192-token step (the `o` product 7%); elsewhere it ties.
+
+A product whose row count was not tuned (an eager step's tokens, the rows it samples) runs the
+algorithm found fastest at the nearest tuned count above it (its "rung"), never F.linear where a
+rung exists: the first product of every cuBLAS kernel a process runs waits for the GPU to go idle
+(measured on the H200: CUDA_MODULE_LOADING=EAGER does not change it), and F.linear picks a kernel
+per row count, so an eager step whose row counts were new held its launch until the previous
+step's GPU work was done (W1's prefill steps: 141 ms of their 164 ms launch in the lm_head
+product). The rungs' kernels all ran while tuning, so they never wait.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import json
 import logging
@@ -38,6 +47,7 @@ MARGIN = 0.03  # a cuBLASLt algorithm replaces F.linear only when this much fast
 TIMED_WEIGHTS = 4  # weights of a group timed together (distinct: no L2 reuse); at most
 TIMED_REPLAYS = 3  # graph replays timed per candidate (median)
 _MISMATCH = 0.02  # beyond this (of the output's largest magnitude) not F.linear's product
+_RUNG = " rung"  # a choices file key's suffix: the fastest cuBLASLt algorithm at that shape
 
 
 class Algo(ctypes.Structure):
@@ -154,8 +164,9 @@ def _key(m: int, n: int, k: int, dtype: torch.dtype) -> str:
 
 class GemmChoices:
     """What was chosen per product shape ("bfloat16 M N K" -> 8 ints of a cuBLASLt algorithm, or
-    None for F.linear), read from and written to `path` (None: kept in memory only). A file that
-    does not parse is ignored (and replaced on the next save)."""
+    None for F.linear) and its rung ("bfloat16 M N K rung" -> the fastest cuBLASLt algorithm, or
+    None), read from and written to `path` (None: kept in memory only). A file that does not
+    parse is ignored (and replaced on the next save)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -204,25 +215,50 @@ class LinearTuner:
         self._lt: CublasLt | None = None
         self._store: GemmChoices | None = None
         self.algos: dict[tuple, Algo] = {}  # (m, n, k, dtype) -> algorithm; absent: F.linear
+        self.tuned: set[tuple] = set()  # (m, n, k, dtype) chosen (algos holds the cuBLASLt ones)
+        # (n, k, dtype) -> [(m, the fastest cuBLASLt algorithm at m)], m ascending: the rungs
+        self.rungs: dict[tuple, list[tuple[int, Algo]]] = {}
+        self._untuned: dict[tuple, Algo | None] = {}  # (m, n, k, dtype) -> its rung's algorithm
 
     def linear(self, x: torch.Tensor, w: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [M, K], w: [N, K] -> [M, N] (F.linear's contract)."""
-        if bias is None and self.algos and x.dim() == 2:
-            algo = self.algos.get((x.shape[0], w.shape[0], w.shape[1], x.dtype))
+        if bias is None and self.tuned and x.dim() == 2:
+            key = (x.shape[0], w.shape[0], w.shape[1], x.dtype)
+            algo = self.algos.get(key) if key in self.tuned else self._rung(key)
             if algo is not None and _lt_ready(x, w):
                 out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-                self._lt.matmul(algo, x, w, out)  # type: ignore[union-attr]
+                try:
+                    self._lt.matmul(algo, x, w, out)  # type: ignore[union-attr]
+                except RuntimeError:
+                    if key in self.tuned:
+                        raise  # ran at this very shape when chosen
+                    self._untuned[key] = None  # refused here (nothing ran): F.linear from now on
+                    return F.linear(x, w)
                 return out
         return F.linear(x, w, bias)
+
+    def _rung(self, key: tuple) -> Algo | None:
+        """The algorithm of an untuned row count: that of the smallest tuned count above it
+        (the largest below, past the last); None without rungs for the weight's shape."""
+        if key in self._untuned:
+            return self._untuned[key]
+        m, n, k, dtype = key
+        rungs = self.rungs.get((n, k, dtype))
+        algo = None
+        if rungs:
+            i = bisect.bisect_left(rungs, m, key=lambda rung: rung[0])
+            algo = rungs[min(i, len(rungs) - 1)][1]
+        self._untuned[key] = algo
+        return algo
 
     def tune(self, rows: list[int], groups: dict[str, list[torch.Tensor]],
              force_lt: bool = False) -> list[dict]:
         """For each row count and each group of same-shape weights (a model's layers), time
         F.linear against cuBLASLt's heuristic algorithms over the group (inside a CUDA graph) and
-        keep the fastest if it beats F.linear by MARGIN (force_lt: keep it anyway; tests). Shapes
-        the choices file already holds are not timed again. Returns one report row per timed
-        product."""
+        keep the fastest if it beats F.linear by MARGIN (force_lt: keep it anyway; tests); the
+        fastest is that row count's rung either way. Shapes the choices file already holds (the
+        choice and the rung) are not timed again. Returns one report row per timed product."""
         report, store = [], self._choices()
         for name, weights in groups.items():
             w0 = weights[0]
@@ -231,8 +267,9 @@ class LinearTuner:
             n, k = w0.shape
             for m in rows:
                 key = _key(m, n, k, w0.dtype)
-                if key in store.entries and not force_lt:
-                    if self._adopt(m, n, k, w0.dtype, store.entries[key], w0):
+                rung_key = key + _RUNG
+                if key in store.entries and rung_key in store.entries and not force_lt:
+                    if self._adopt(m, w0, store.entries[key], store.entries[rung_key], True):
                         continue
                     log.warning("GEMM choice %s from %s fails or differs: timing it again", key,
                                 store.path)
@@ -241,23 +278,40 @@ class LinearTuner:
                 faster = best is not None and best["us"] < (1 - MARGIN) * row["linear_us"]
                 keep = best is not None and (force_lt or faster)
                 store.entries[key] = list(best["algo"]) if keep else None
-                self._adopt(m, n, k, w0.dtype, store.entries[key], None)
+                store.entries[rung_key] = list(best["algo"]) if best is not None else None
+                self._adopt(m, w0, store.entries[key], store.entries[rung_key], False)
                 report.append(row)
         store.save()
         return report
 
-    def _adopt(self, m: int, n: int, k: int, dtype: torch.dtype, data: list[int] | None,
-               check: torch.Tensor | None) -> bool:
-        """Uses `data` (None: F.linear) for the shape. With a weight to `check` on (a choice read
-        from the file, whoever wrote it), the algorithm runs once first: refused by cuBLASLt or
-        not F.linear's product, it is not used and False is returned."""
-        if data is None:
-            self.algos.pop((m, n, k, dtype), None)
-            return True
-        algo = Algo((ctypes.c_uint64 * 8)(*data))
-        if check is not None and not self._computes_linear(algo, m, check):
-            return False
-        self.algos[(m, n, k, dtype)] = algo
+    def _adopt(self, m: int, w: torch.Tensor, chosen: list[int] | None, rung: list[int] | None,
+               check: bool) -> bool:
+        """Uses `chosen` (None: F.linear) for m rows of weights shaped as `w`, and `rung` (None:
+        no cuBLASLt algorithm qualified) as its rung. With `check` (choices read from the file,
+        whoever wrote them), each algorithm runs once on `w` first, and F.linear too when chosen
+        (so no kernel of theirs first runs in a step): an algorithm cuBLASLt refuses, or whose
+        product is not F.linear's, is not used and False is returned."""
+        (n, k), dtype = w.shape, w.dtype
+        algos = {}
+        for data in (chosen, rung):
+            if data is not None and tuple(data) not in algos:
+                algo = Algo((ctypes.c_uint64 * 8)(*data))
+                if check and not self._computes_linear(algo, m, w):
+                    return False
+                algos[tuple(data)] = algo
+        if check and chosen is None:
+            F.linear(torch.zeros(m, k, dtype=dtype, device=w.device), w)
+        key = (m, n, k, dtype)
+        self.tuned.add(key)
+        if chosen is None:
+            self.algos.pop(key, None)
+        else:
+            self.algos[key] = algos[tuple(chosen)]
+        ladder = [r for r in self.rungs.get((n, k, dtype), []) if r[0] != m]
+        if rung is not None:
+            bisect.insort(ladder, (m, algos[tuple(rung)]), key=lambda r: r[0])
+        self.rungs[(n, k, dtype)] = ladder
+        self._untuned.clear()
         return True
 
     def _computes_linear(self, algo: Algo, m: int, w: torch.Tensor) -> bool:

@@ -345,6 +345,37 @@ def test_overlapped_decode_launch_has_no_host_sync():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
+def test_an_eager_step_of_new_row_counts_launches_while_the_gpu_is_busy():
+    """An eager step's launch returns while earlier GPU work still runs, though its token count
+    and sampled rows were never seen (products between or past the tuned row counts run their
+    rung: kernels/gemm.py); the step's tokens are those of the same step launched on an idle
+    GPU. Before rungs, a W1 prefill step's launch waited ~140 ms in the lm_head product."""
+    hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
+    runner = gpu_runner(hf, "bfloat16", max_model_len=1024, graphs=False, lt_rows=[8, 64, 512])
+    rng = random.Random(11)
+    prompts = {s: random_prompt(rng, n) for s, n in zip(range(1, 6), (113, 291, 77, 9, 640))}
+
+    def step(driver):  # 1,130 prompt tokens and 5 sampled rows: neither tuned
+        return StepPlan(driver.step_id + 1, new_seqs=[driver.new_seq(s, p)
+                                                      for s, p in prompts.items()])
+
+    driver = PlanDriver(runner)
+    driver.run(new_seqs=[driver.new_seq(9, random_prompt(rng, 40))])  # loads our own kernels
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued first
+    busy = torch.cuda.Event()
+    busy.record()
+    pending = runner.launch(step(driver))
+    assert not busy.query(), "the launch waited for the GPU"
+    busy_tokens = runner.finish(pending).token_ids.tolist()
+    runner.reset()
+    driver = PlanDriver(runner)
+    torch.cuda.synchronize()
+    assert execute(runner, step(driver)).token_ids.tolist() == busy_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 @pytest.mark.parametrize("graphs", [True, False])
 def test_overlapped_steps_match_one_step_at_a_time_on_gpu(graphs):
     """The real scheduler's plans, two in flight (chunked prefill, decode, swap, finished seqs,

@@ -39,7 +39,8 @@ def tuner_with(entries: dict) -> tuple[gemm.LinearTuner, FakeLt]:
 def test_tuned_shapes_go_to_cublaslt_and_everything_else_to_f_linear():
     w = torch.randn(48, 32, dtype=torch.bfloat16)
     other = torch.randn(16, 32, dtype=torch.bfloat16)
-    tuner, lt = tuner_with({"bfloat16 8 48 32": [7] * 8, "bfloat16 4 48 32": None})
+    tuner, lt = tuner_with({"bfloat16 8 48 32": [7] * 8, "bfloat16 8 48 32 rung": [7] * 8,
+                            "bfloat16 4 48 32": None, "bfloat16 4 48 32 rung": None})
     report = tuner.tune([8, 4], {"qkv": [w, w.clone()]})
     assert report == []  # both shapes came from the choices file: nothing timed
     assert list(tuner.algos) == [(8, 48, 32, torch.bfloat16)]
@@ -47,10 +48,9 @@ def test_tuned_shapes_go_to_cublaslt_and_everything_else_to_f_linear():
     assert len(lt.calls) == 1  # the file's choice, run once against F.linear before its use
     assert torch.equal(tuner.linear(x, w), F.linear(x, w)) and len(lt.calls) == 2
     assert lt.calls[1] == ((7,) * 8, (8, 32), (48, 32))
-    # F.linear: another row count, a chosen-F.linear shape, a bias, a strided input, another
-    # weight shape, another dtype
+    # F.linear: a chosen-F.linear shape, a bias, a strided input, another weight shape, another
+    # dtype
     tuner.linear(torch.randn(4, 32, dtype=torch.bfloat16), w)
-    tuner.linear(torch.randn(5, 32, dtype=torch.bfloat16), w)
     tuner.linear(x, w, torch.zeros(48, dtype=torch.bfloat16))
     wide = torch.randn(8, 64, dtype=torch.bfloat16)
     assert torch.equal(tuner.linear(wide[:, ::2], w), F.linear(wide[:, ::2], w))
@@ -59,12 +59,46 @@ def test_tuned_shapes_go_to_cublaslt_and_everything_else_to_f_linear():
     assert len(lt.calls) == 2
 
 
+def test_untuned_row_counts_run_the_next_tuned_counts_fastest_algorithm():
+    """A row count nobody tuned takes the rung of the smallest tuned count above it (past the
+    last, the last's), also where F.linear was chosen at that count: F.linear's kernel would
+    depend on the row count, and a kernel's first run waits for the GPU."""
+    w = torch.randn(48, 32, dtype=torch.bfloat16)
+    tuner, lt = tuner_with({
+        "bfloat16 4 48 32": [1] * 8, "bfloat16 4 48 32 rung": [1] * 8,
+        "bfloat16 16 48 32": None, "bfloat16 16 48 32 rung": [2] * 8,  # F.linear won at 16
+        "bfloat16 64 48 32": None, "bfloat16 64 48 32 rung": None,  # no algorithm qualified
+        "bfloat16 256 48 32": [3] * 8, "bfloat16 256 48 32 rung": [3] * 8})
+    assert tuner.tune([256, 4, 64, 16], {"o": [w]}) == []
+    assert [m for m, _ in tuner.rungs[(48, 32, torch.bfloat16)]] == [4, 16, 256]
+    lt.calls.clear()
+    for m, algo in ((1, 1), (3, 1), (5, 2), (15, 2), (17, 3), (100, 3), (300, 3), (9000, 3)):
+        x = torch.randn(m, 32, dtype=torch.bfloat16)
+        assert torch.equal(tuner.linear(x, w), F.linear(x, w))
+        assert lt.calls[-1] == ((algo,) * 8, (m, 32), (48, 32)), m
+    lt.calls.clear()
+    tuner.linear(torch.randn(16, 32, dtype=torch.bfloat16), w)  # tuned: F.linear chosen
+    tuner.linear(torch.randn(64, 32, dtype=torch.bfloat16), w)
+    tuner.linear(torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(48, 16,
+                                                                     dtype=torch.bfloat16))
+    assert lt.calls == []  # (no rungs for a [48, 16] weight)
+    # cuBLASLt refuses a rung at some row count (nothing ran): F.linear there, from then on
+    lt.refused = {(3,) * 8}
+    x = torch.randn(77, 32, dtype=torch.bfloat16)
+    assert torch.equal(tuner.linear(x, w), F.linear(x, w)) and len(lt.calls) == 1
+    assert torch.equal(tuner.linear(x, w), F.linear(x, w)) and len(lt.calls) == 1
+
+
 def test_a_file_choice_that_fails_or_differs_is_timed_again():
     """A choices file is trusted no further than one run: an algorithm cuBLASLt refuses, or one
-    whose product is not F.linear's, is timed again (here: F.linear wins) and never used."""
+    whose product is not F.linear's (chosen or rung), is timed again (here: F.linear wins, no
+    algorithm qualifies) and never used; so is a shape whose rung the file lacks (a file
+    written before rungs)."""
     w = torch.randn(48, 32, dtype=torch.bfloat16)
-    tuner, lt = tuner_with({"bfloat16 8 48 32": [9] * 8, "bfloat16 4 48 32": [3] * 8,
-                            "bfloat16 2 48 32": [5] * 8})
+    tuner, lt = tuner_with({"bfloat16 8 48 32": [9] * 8, "bfloat16 8 48 32 rung": [9] * 8,
+                            "bfloat16 4 48 32": None, "bfloat16 4 48 32 rung": [3] * 8,
+                            "bfloat16 2 48 32": [5] * 8, "bfloat16 2 48 32 rung": [5] * 8,
+                            "bfloat16 1 48 32": [5] * 8})
     lt.refused, lt.wrong = {(9,) * 8}, {(3,) * 8}
     timed = []
 
@@ -73,10 +107,12 @@ def test_a_file_choice_that_fails_or_differs_is_timed_again():
         return {"best": None, "linear_us": 1.0}
 
     tuner.time_choices = time_choices
-    assert len(tuner.tune([8, 4, 2], {"qkv": [w]})) == 2
-    assert timed == [8, 4] and list(tuner.algos) == [(2, 48, 32, torch.bfloat16)]
-    assert tuner._store.entries["bfloat16 8 48 32"] is None  # F.linear from now on
-    assert tuner._store.entries["bfloat16 4 48 32"] is None
+    assert len(tuner.tune([8, 4, 2, 1], {"qkv": [w]})) == 3
+    assert timed == [8, 4, 1] and list(tuner.algos) == [(2, 48, 32, torch.bfloat16)]
+    for m in (8, 4, 1):
+        assert tuner._store.entries[f"bfloat16 {m} 48 32"] is None  # F.linear from now on
+        assert tuner._store.entries[f"bfloat16 {m} 48 32 rung"] is None
+    assert [m for m, _ in tuner.rungs[(48, 32, torch.bfloat16)]] == [2]
 
 
 def test_an_untuned_tuner_is_f_linear():
@@ -109,13 +145,14 @@ def test_choices_file_round_trip_and_bad_files(tmp_path):
 def test_an_algorithm_survives_the_file_bit_for_bit(tmp_path):
     data = [2**63 + 5, 1, 0, 2**40, 9, 8, 7, 6]
     path = tmp_path / "gemm.json"
-    path.write_text(json.dumps({"float16 16 32 64": data}))
+    path.write_text(json.dumps({"float16 16 32 64": data, "float16 16 32 64 rung": data}))
     tuner = gemm.LinearTuner(torch.device("cpu"))
     tuner._lt = FakeLt()
     tuner.choices_path = lambda: str(path)
     tuner.tune([16], {"down": [torch.zeros(32, 64, dtype=torch.float16)]})
     algo = tuner.algos[(16, 32, 64, torch.float16)]
     assert isinstance(algo, gemm.Algo) and list(algo.data) == data
+    assert [(m, list(a.data)) for m, a in tuner.rungs[(32, 64, torch.float16)]] == [(16, data)]
     assert ctypes.sizeof(gemm.Algo) == 64 and ctypes.sizeof(gemm._HeuristicResult) == 96
 
 

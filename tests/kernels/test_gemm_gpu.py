@@ -74,3 +74,27 @@ def test_tuned_products_replay_from_graphs_and_survive_a_restart(tmp_path):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, first.linear(x.flip(0), w))
+
+
+def test_untuned_row_counts_run_a_rung_without_waiting_for_the_gpu():
+    """The first product of a cuBLAS kernel in a process waits for the GPU to go idle, and
+    F.linear picks its kernel per row count; a row count the tuner never saw runs its rung's
+    algorithm (one that ran while tuning): queued behind a second of GPU work, it returns
+    before that work is done, and computes F.linear's product."""
+    from kernels.gemm import LinearTuner
+
+    tuner = LinearTuner(torch.device("cuda"))  # no cache folder: timed here
+    w = _inputs(1, 4096, 4096, torch.bfloat16, 3)[1]
+    lm_head = _inputs(1, 32000, 4096, torch.bfloat16, 4)[1]
+    tuner.tune([8, 64, 512], {"o": [w], "lm_head": [lm_head]})
+    assert [m for m, _ in tuner.rungs[(4096, 4096, torch.bfloat16)]] == [8, 64, 512]
+    for m, weight in ((5, w), (300, w), (3001, w), (271, lm_head), (37, lm_head)):
+        x = _inputs(m, 1, 4096, torch.bfloat16, m)[0]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued first
+        busy = torch.cuda.Event()
+        busy.record()
+        out = tuner.linear(x, weight)
+        assert not busy.query(), f"{m} rows waited for the GPU"
+        exact, bound = _bound(x, weight)
+        assert float((out.double() - exact).abs().max()) <= bound

@@ -1,7 +1,7 @@
 """Does cuBLAS's own choice leave time on the table? Llama-3-8B's layer products (and lm_head) at
 M rows: F.linear (what the model runs untuned) against every algorithm cuBLASLt's heuristic
-offers for the same product (kernels.gemm.LinearTuner.time_choices: each over 32 distinct weight
-copies, no L2 reuse, as a decode step's layers, in one CUDA graph; outputs checked against
+offers for the same product (pagedserve_kernels.gemm.LinearTuner.time_choices: each over 32 distinct
+weight copies, no L2 reuse, as a decode step's layers, in one CUDA graph; outputs checked against
 F.linear), and what choosing the fastest would save per step.
 
     python3 benchmarks/bench_cublaslt_algos.py [--rows 64 128 192 256] [--out FILE]
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import MATMUL_SHAPES  # noqa: E402  (this script's folder)
-from kernels.gemm import LinearTuner  # noqa: E402
+from pagedserve_kernels.gemm import LinearTuner  # noqa: E402
 
 SHAPES = (*MATMUL_SHAPES, ("lm_head", 128256, 4096))
 COPIES = 32

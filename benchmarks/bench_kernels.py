@@ -6,8 +6,8 @@
 Ratios are measured in the same run: prefill vs torch SDPA's flash backend on contiguous KV,
 decode and copy_blocks vs a measured device-to-device copy, swap_blocks vs one large pinned copy
 and vs a loop of cudaMemcpyAsync per page and layer; with --fusions, the elementwise ops of a
-Llama-3-8B layer (kernels.ops) vs their torch twins; with --vllm-fa3 SITE, prefill and paged decode
-also side by side with vLLM's FlashAttention-3 (`vllm.vllm_flash_attn` from SITE, as
+Llama-3-8B layer (pagedserve_kernels.ops) vs their torch twins; with --vllm-fa3 SITE, prefill and
+paged decode also side by side with vLLM's FlashAttention-3 (`vllm.vllm_flash_attn` from SITE, as
 ../shared/bench/vllm/install_on_gpu.sh leaves it) on the same shapes, timed the same way in a child
 process that alone has SITE on its path. Medians of CUDA-event timings after warm-up, with inputs
 rotated between iterations.
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import _compile, attention, cache_ops, ops, reference  # noqa: E402
-from kernels.gemm import graph_us  # noqa: E402
+from pagedserve_kernels import _compile, attention, cache_ops, ops, reference  # noqa: E402
+from pagedserve_kernels.gemm import graph_us  # noqa: E402
 
 GIB = 1 << 30
 
@@ -203,7 +203,7 @@ def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, h
 
 RAGGED_BATCHES = (8, 16, 32, 48, 64, 96, 128, 192, 256)
 # Decode split policies timed beside the launcher's default: (pages a split may span, CTAs per
-# SM the splits aim for with few seqs, and with many), set through kernels.attention's
+# SM the splits aim for with few seqs, and with many), set through pagedserve_kernels.attention's
 # _DECODE_MAX_PAGES, DECODE_CTAS_PER_SM and DECODE_CTAS_PER_SM_MANY.
 DECODE_POLICY_CANDIDATES = {"256 pages, 12/SM (before)": (256, 12, 12),
                             "1024 pages, 12/SM": (1024, 12, 12), "1024 pages, 4/SM": (1024, 4, 4)}
@@ -217,7 +217,7 @@ def _set_decode_policy(policy: tuple) -> None:
 
 def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
     """Per-call GPU time of fn() (a few kernel launches) from a CUDA graph of `calls` of them,
-    median of `replays` replays (kernels.gemm.graph_us): no host launch time between the
+    median of `replays` replays (pagedserve_kernels.gemm.graph_us): no host launch time between the
     kernels, as in a decode graph."""
     return graph_us(lambda: [fn() for _ in range(calls)], replays) / 1e3 / calls
 
@@ -503,7 +503,8 @@ def fa3_rows(results: dict, fa3: dict, copy_bw: float) -> list[tuple]:
 
 def compile_times() -> dict:
     """warmup() in fresh processes: cold (empty CUPY_CACHE_DIR), then cached."""
-    code = "import json; from kernels import _compile; print(json.dumps(_compile.warmup()))"
+    code = ("import json; from pagedserve_kernels import _compile; "
+            "print(json.dumps(_compile.warmup()))")
     res = {}
     with tempfile.TemporaryDirectory() as cache_dir:
         env = dict(os.environ, CUPY_CACHE_DIR=cache_dir, PYTHONPATH=str(ROOT))
@@ -520,8 +521,8 @@ def main() -> None:
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--variants", action="store_true", help="also time candidate kernels")
     parser.add_argument("--fusions", action="store_true",
-                        help="also time the elementwise ops of a Llama-3-8B layer (kernels.ops) "
-                             "against their torch twins")
+                        help="also time the elementwise ops of a Llama-3-8B layer "
+                             "(pagedserve_kernels.ops) against their torch twins")
     parser.add_argument("--vllm-fa3", metavar="SITE", default=None,
                         help="also time vLLM's FlashAttention-3 from this site-packages folder "
                              "(e.g. /tmp/vllm_site) on the prefill and decode shapes")

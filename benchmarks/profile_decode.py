@@ -359,7 +359,7 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
     step of the same seqs (one token each), for comparison. Median of 50 (ms), and each one's
     kernel time by kind (torch profiler, mean of 10). Figures: RESULTS.md."""
     from executor_svc.small_step_graphs import SmallStepGraphs
-    from kernels import attention
+    from pagedserve_kernels import attention
 
     rng = np.random.default_rng(0)
     # (new tokens, cached tokens) per seq: the decodes first, as the scheduler orders them

@@ -27,7 +27,7 @@ COPY pyproject.toml README.md ./
 COPY protos protos
 COPY scheduler_svc scheduler_svc
 COPY executor_svc executor_svc
-COPY kernels kernels
+COPY pagedserve_kernels pagedserve_kernels
 RUN pip install --no-cache-dir ".[${EXTRAS}]"
 EXPOSE 50052
 CMD ["pagedserve-executor"]

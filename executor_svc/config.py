@@ -18,7 +18,8 @@ class ExecutorConfig:
     overlap_steps: bool = True  # launch step N+1 (if its plan is there) before finishing step N
     max_model_len: int | None = None  # None = min(model max positions, 4096)
     seed: int = 0
-    # cached weight-file digests and GEMM choices (kernels.gemm); None = made at every start
+    # cached weight-file digests and GEMM choices (pagedserve_kernels.gemm);
+    # None = made at every start
     fingerprint_cache_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 50052

@@ -4,8 +4,8 @@ sampling of one GraphSampler variant (greedy; sampled; with controls, up to 256 
 padded up to the nearest size. Inputs and sampling parameters are packed on the host into a pinned
 buffer, copied once, and spread into (or read from) the graphs' static buffers; input ids still on
 the device (sampled by an unfinished step) are gathered there. Imports torch only; the attention
-kernels are reached through the model's backend (a capture asks kernels.attention for the scratch
-tensors it must keep).
+kernels are reached through the model's backend (a capture asks pagedserve_kernels.attention for the
+scratch tensors it must keep).
 
 Capture: 29 sizes x (greedy, sampled) + 17 sizes (<= 256) x controlled = 75 graphs, against 29
 forward-only ones before. The sampling adds 10 / 73 / 115 aten ops (greedy / sampled /
@@ -121,7 +121,8 @@ class DecodeGraphs:
             for variant in self.variants(bs):
                 self.step(variant, bs)
         torch.cuda.synchronize()
-        from kernels import attention  # here, not at import: only a capture needs its scratch
+        # here, not at import: only a capture needs its scratch
+        from pagedserve_kernels import attention
 
         self._keepalive = attention.workspaces()
         pool = torch.cuda.graph_pool_handle()

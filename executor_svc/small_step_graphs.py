@@ -93,7 +93,8 @@ class SmallStepGraphs:
         for size in self.token_sizes:
             self._forward(size)
         torch.cuda.synchronize(self.device)
-        from kernels import attention  # here, not at import: only a capture needs its scratch
+        # here, not at import: only a capture needs its scratch
+        from pagedserve_kernels import attention
 
         self._keepalive = attention.workspaces()
         pool = torch.cuda.graph_pool_handle()

@@ -116,7 +116,7 @@ class Worker:
         but lm_head, which sees only the rows that sample); chosen once per GPU and library
         version, then read from the cache folder. Other row counts (eager steps, also every
         step under enforce_eager) run the algorithm of the next tuned count up (its rung), whose
-        kernel has run: a kernel's first run waits for the GPU (kernels/gemm.py)."""
+        kernel has run: a kernel's first run waits for the GPU (pagedserve_kernels/gemm.py)."""
         groups = self.model.linear_groups()
         self.backend.gemm.cache_dir = self.config.fingerprint_cache_dir
         self.backend.tune_linears(groups, list(BATCH_SIZES))

@@ -1,6 +1,7 @@
 """The scheduling policy (vLLM v1 rule): each step hands out tokens from a budget so that every
 sequence's num_computed_tokens catches up with its num_tokens; preemption by swap or recompute;
-token-level stop rules. Plain Python: never imports torch, cupy, kernels, executor_svc or gRPC."""
+token-level stop rules. Plain Python: never imports torch, cupy, pagedserve_kernels, executor_svc or
+gRPC."""
 
 import bisect
 import random

@@ -1,10 +1,11 @@
-"""CPU reference backend: the ops are the torch twins in kernels.reference, tensors on CPU."""
+"""CPU reference backend: the ops are the torch twins in pagedserve_kernels.reference, tensors on
+CPU."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from pagedserve_kernels import reference
 
 
 class CpuBackend:

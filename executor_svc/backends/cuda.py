@@ -1,7 +1,7 @@
-"""CUDA backend: the ops are the CuPy kernels of `kernels.attention` / `kernels.cache_ops` /
-`kernels.ops`, launched on torch's current stream. Imports cupy and the launchers lazily (in
-__init__), so this module imports on a machine without CUDA; constructing the backend there fails
-loudly.
+"""CUDA backend: the ops are the CuPy kernels of `pagedserve_kernels.attention` /
+`pagedserve_kernels.cache_ops` / `pagedserve_kernels.ops`, launched on torch's current stream.
+Imports cupy and the launchers lazily (in __init__), so this module imports on a machine without
+CUDA; constructing the backend there fails loudly.
 
 The attention kernels exist for bf16/fp16 and head_dim 64/128. Other dtypes or head sizes (the
 float32 tiny preset of the tests: head_dim 16) run attention through torch on the GPU: a
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kernels import reference
+from pagedserve_kernels import reference
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class CudaBackend:
             import cupy  # noqa: F401  (the kernels need it; fail here, not mid-request)
         except ImportError as err:
             raise RuntimeError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from err
-        from kernels import arch_used, attention, cache_ops, ops, warmup
+        from pagedserve_kernels import arch_used, attention, cache_ops, ops, warmup
 
         self.device = torch.device(device)
         if self.device.index is None:
@@ -57,7 +57,7 @@ class CudaBackend:
         self._attention, self._cache_ops, self._ops = attention, cache_ops, ops
         self.fused_ops = fused_ops
         self.few_query_max = FEW_QUERY_MAX  # packed steps up to it: the few-query kernel
-        from kernels.gemm import LinearTuner
+        from pagedserve_kernels.gemm import LinearTuner
 
         self.gemm = LinearTuner(self.device)  # F.linear until tune_linears() chooses
         # Compile and load every kernel now: a compile error stops the executor before it serves.
@@ -122,7 +122,7 @@ class CudaBackend:
     def rotary_embedding_and_cache(self, positions, q, k, value, cos_table, sin_table, k_cache,
                                    v_cache, slot_mapping) -> None:
         """RoPE on q and k, then k and value to their cache slots: one kernel for bf16/fp16
-        (kernels.ops), else the twin's RoPE and the cache kernel."""
+        (pagedserve_kernels.ops), else the twin's RoPE and the cache kernel."""
         if self.elementwise_impl(q.dtype) == "cupy":
             self._ops.rotary_embedding_and_cache(positions, q, k, value, cos_table, sin_table,
                                                  k_cache, v_cache, slot_mapping)
@@ -141,9 +141,10 @@ class CudaBackend:
     def tune_linears(self, groups: dict[str, list[torch.Tensor]], rows: list[int],
                      force_lt: bool = False) -> list[dict]:
         """Chooses, for each row count and each group of same-shape weights (a model's
-        linear_groups()), F.linear or the fastest cuBLASLt algorithm (kernels.gemm.LinearTuner;
-        choices kept in self.gemm.cache_dir per GPU and cuBLASLt version). Call before capturing
-        graphs: a graph keeps the kernels it was captured with."""
+        linear_groups()), F.linear or the fastest cuBLASLt algorithm
+        (pagedserve_kernels.gemm.LinearTuner; choices kept in self.gemm.cache_dir per GPU and
+        cuBLASLt version). Call before capturing graphs: a graph keeps the kernels it was
+        captured with."""
         start = time.perf_counter()
         report = self.gemm.tune(rows, groups, force_lt=force_lt)
         log.info("GEMMs for %d row counts x %d products in %.2fs (%d timed, the rest from %s); "

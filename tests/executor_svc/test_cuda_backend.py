@@ -68,8 +68,8 @@ def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: i
                small_graphs: bool = False, lt_rows: list[int] | None = None,
                **graph_options) -> ModelRunner:
     """graph_options go to DecodeGraphs (e.g. sample_in_graphs=False). lt_rows: every product of
-    these row counts runs a cuBLASLt algorithm (kernels.gemm, the fastest even where F.linear
-    is faster), in this runner's backend."""
+    these row counts runs a cuBLASLt algorithm (pagedserve_kernels.gemm, the fastest even where
+    F.linear is faster), in this runner's backend."""
     backend = _backend()
     config = ModelConfig.from_hf_config(hf.config)
     model = model_from_hf(hf, config, backend)
@@ -348,8 +348,8 @@ def test_overlapped_decode_launch_has_no_host_sync():
 def test_an_eager_step_of_new_row_counts_launches_while_the_gpu_is_busy():
     """An eager step's launch returns while earlier GPU work still runs, though its token count
     and sampled rows were never seen (products between or past the tuned row counts run their
-    rung: kernels/gemm.py); the step's tokens are those of the same step launched on an idle
-    GPU. Before rungs, a W1 prefill step's launch waited ~140 ms in the lm_head product."""
+    rung: pagedserve_kernels/gemm.py); the step's tokens are those of the same step launched on an
+    idle GPU. Before rungs, a W1 prefill step's launch waited ~140 ms in the lm_head product."""
     hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
     runner = gpu_runner(hf, "bfloat16", max_model_len=1024, graphs=False, lt_rows=[8, 64, 512])
     rng = random.Random(11)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.backends.cuda import torch_decode_attention
-from kernels import reference
+from pagedserve_kernels import reference
 
 
 def test_garbage_past_the_context_never_reaches_the_output():

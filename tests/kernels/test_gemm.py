@@ -1,6 +1,6 @@
-"""kernels.gemm on the CPU: which products LinearTuner sends to cuBLASLt (a stand-in records the
-calls), and the choices file (read, validated, rewritten whole). The GPU side (every algorithm
-against F.linear, inside graphs, across a restart) is in test_gemm_gpu.py."""
+"""pagedserve_kernels.gemm on the CPU: which products LinearTuner sends to cuBLASLt (a stand-in
+records the calls), and the choices file (read, validated, rewritten whole). The GPU side (every
+algorithm against F.linear, inside graphs, across a restart) is in test_gemm_gpu.py."""
 from __future__ import annotations
 
 import ctypes
@@ -9,7 +9,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from kernels import gemm
+from pagedserve_kernels import gemm
 
 
 class FakeLt:

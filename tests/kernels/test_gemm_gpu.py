@@ -1,7 +1,7 @@
-"""kernels.gemm on the GPU: every cuBLASLt algorithm the heuristic offers computes F.linear's
-product (within bf16/fp16 rounding of a float64 reference), a tuned product replays from a CUDA
-graph as it runs eagerly, and a tuner reading the choices file runs the same algorithm, bit for
-bit, as the one that wrote it (a restarted executor)."""
+"""pagedserve_kernels.gemm on the GPU: every cuBLASLt algorithm the heuristic offers computes
+F.linear's product (within bf16/fp16 rounding of a float64 reference), a tuned product replays from
+a CUDA graph as it runs eagerly, and a tuner reading the choices file runs the same algorithm, bit
+for bit, as the one that wrote it (a restarted executor)."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +31,7 @@ def _bound(x, w):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_every_heuristic_algorithm_computes_f_linears_product(dtype, m, n, k):
-    from kernels.gemm import CublasLt
+    from pagedserve_kernels.gemm import CublasLt
 
     lt = CublasLt(torch.device("cuda"))
     x, w = _inputs(m, n, k, dtype, m + n + k)
@@ -46,7 +46,7 @@ def test_every_heuristic_algorithm_computes_f_linears_product(dtype, m, n, k):
 
 
 def test_tuned_products_replay_from_graphs_and_survive_a_restart(tmp_path):
-    from kernels.gemm import LinearTuner
+    from pagedserve_kernels.gemm import LinearTuner
 
     device = torch.device("cuda")
     weights = {"o": [_inputs(1, 4096, 4096, torch.bfloat16, s)[1] for s in range(3)],
@@ -81,7 +81,7 @@ def test_untuned_row_counts_run_a_rung_without_waiting_for_the_gpu():
     F.linear picks its kernel per row count; a row count the tuner never saw runs its rung's
     algorithm (one that ran while tuning): queued behind a second of GPU work, it returns
     before that work is done, and computes F.linear's product."""
-    from kernels.gemm import LinearTuner
+    from pagedserve_kernels.gemm import LinearTuner
 
     tuner = LinearTuner(torch.device("cuda"))  # no cache folder: timed here
     w = _inputs(1, 4096, 4096, torch.bfloat16, 3)[1]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ref
+from pagedserve_kernels import reference as ref
 from tests.gpu import gpu_ready
 
 
@@ -25,7 +25,7 @@ FLOOR = 1e-3
 
 @pytest.fixture(scope="module")
 def kern():
-    from kernels import _compile, attention, cache_ops
+    from pagedserve_kernels import _compile, attention, cache_ops
 
     _compile.warmup()
     return attention, cache_ops
@@ -87,7 +87,8 @@ def check_attention(out, q, k_cache, v_cache, tables, cu, seq_lens, scale):
 
 
 def test_kernels_match_the_reference_twins_on_cpu(kern):
-    """Small case through kernels.reference itself (on CPU, float64): prefill and decode."""
+    """Small case through pagedserve_kernels.reference itself (on CPU, float64): prefill and
+    decode."""
     attention, _ = kern
     gen = torch.Generator(device="cuda").manual_seed(21)
     seq_lens, q_lens = [70, 33, 200], [70, 5, 1]

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import _compile, attention, cache_ops, ops
+from pagedserve_kernels import _compile, attention, cache_ops, ops
 
 
 def test_importing_launchers_does_not_import_cupy():
-    code = ("import sys, kernels, kernels.attention, kernels.cache_ops, kernels.ops, "
-            "kernels._compile; assert 'cupy' not in sys.modules")
+    code = ("import sys, pagedserve_kernels, pagedserve_kernels.attention, "
+            "pagedserve_kernels.cache_ops, pagedserve_kernels.ops, pagedserve_kernels._compile; "
+            "assert 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 

@@ -1,5 +1,5 @@
-"""The elementwise CuPy kernels (kernels.ops: RMSNorm, fused add + RMSNorm, RoPE, SiLU-and-mul)
-against float64 references on the GPU.
+"""The elementwise CuPy kernels (pagedserve_kernels.ops: RMSNorm, fused add + RMSNorm, RoPE,
+SiLU-and-mul) against float64 references on the GPU.
 
 Row by row, ||kernel - ref64|| / ||ref64|| must stay within 2x the same error of torch doing the
 computation in the kernel's dtype (the reference twins, i.e. transformers' numerics), plus a 1e-3
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference as ref
+from pagedserve_kernels import reference as ref
 from tests.gpu import gpu_ready
 from tests.kernels.test_kernels_gpu import FLOOR, seed_of
 
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs
 
 @pytest.fixture(scope="module")
 def ops():
-    from kernels import _compile, ops
+    from pagedserve_kernels import _compile, ops
 
     _compile.warmup()
     return ops
@@ -201,7 +201,7 @@ def check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, sl
     inputs: q, k (in place), the whole qkv buffer and both whole caches bit for bit. Slots are
     distinct random ones of a cache prefilled with noise; every fifth token's slot is -1 (writes
     nothing) and one position is out of range (q and k left unrotated, k still cached)."""
-    from kernels import cache_ops
+    from pagedserve_kernels import cache_ops
 
     gen = torch.Generator(device=DEVICE).manual_seed(
         seed_of("rope_cache", dtype, num_tokens, heads, head_dim, slot_dtype))

@@ -1,14 +1,14 @@
-"""CPU checks of the elementwise reference twins (kernels.reference: rms_norm, fused_add_rms_norm,
-rotary_embedding, silu_and_mul): bit for bit the formulas executor_svc/models/llama.py used
-before they became backend ops (copied below as the oracle), in every dtype the CPU backend
-serves, in place where the op is in place. Runs in CI (no GPU)."""
+"""CPU checks of the elementwise reference twins (pagedserve_kernels.reference: rms_norm,
+fused_add_rms_norm, rotary_embedding, silu_and_mul): bit for bit the formulas
+executor_svc/models/llama.py used before they became backend ops (copied below as the oracle), in
+every dtype the CPU backend serves, in place where the op is in place. Runs in CI (no GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ref
+from pagedserve_kernels import reference as ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 EPS = 1e-5

@@ -1,5 +1,5 @@
-"""CPU checks of the torch reference twins (kernels.reference) against dense/naive float64
-implementations on random paged caches with shuffled pages. Runs in CI (no GPU)."""
+"""CPU checks of the torch reference twins (pagedserve_kernels.reference) against dense/naive
+float64 implementations on random paged caches with shuffled pages. Runs in CI (no GPU)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as ref
+from pagedserve_kernels import reference as ref
 
 
 def make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype=torch.float64, seed=0, extra=3):

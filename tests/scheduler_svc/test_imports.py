@@ -14,7 +14,7 @@ def test_scheduler_imports_without_torch_or_cupy():
         ["import sys"]
         + [f"import scheduler_svc.{m}" for m in MODULES]
         + ["bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-           "('torch', 'cupy', 'kernels', 'executor_svc'))",
+           "('torch', 'cupy', 'pagedserve_kernels', 'executor_svc'))",
            "assert not bad, bad"])
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,14 +1,15 @@
 """Launchers of the KV-cache kernels (csrc/cache.cu): cache write, swap_blocks, copy_blocks.
 
-Same signatures and semantics as `kernels.reference`; imports cupy only when launching. CPU-side
-caches must be pinned: the kernel reads/writes them directly through their mapped device address.
+Same signatures and semantics as `pagedserve_kernels.reference`; imports cupy only when launching.
+CPU-side caches must be pinned: the kernel reads/writes them directly through their mapped device
+address.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import _compile
-from kernels._compile import i32 as _i32, i64 as _i64
+from pagedserve_kernels import _compile
+from pagedserve_kernels._compile import i32 as _i32, i64 as _i64
 
 _COPY_THREADS = 256
 _HOST_COPY_CTAS = 32       # saturates PCIe in both directions without taking many SMs
@@ -55,7 +56,7 @@ def reshape_and_cache(
 def check_cache_write(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Raises ValueError unless reshape_and_cache can write key / value [num_tokens, kv_heads,
     head_dim] (16-byte aligned rows) into these caches at slot_mapping (also RoPE's fused form,
-    kernels.ops.rotary_embedding_and_cache)."""
+    pagedserve_kernels.ops.rotary_embedding_and_cache)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_cuda or t.dim() != 4 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous 4-D CUDA tensor [num_blocks, "

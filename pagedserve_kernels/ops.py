@@ -1,17 +1,17 @@
 """Launchers of the elementwise kernels of the Llama forward (csrc/ops.cu): RMSNorm, RMSNorm fused
 with the residual add, rotate-half RoPE in place on q/k, SiLU-and-mul; bf16/fp16 only.
 
-Same signatures as `kernels.reference`. The kernels compute in fp32 and round each stored value
-once, so they agree with the twins to rounding, not bit for bit. Imports cupy only when launching;
-launches go to torch's current stream, sync nothing and allocate only a missing `out`
+Same signatures as `pagedserve_kernels.reference`. The kernels compute in fp32 and round each stored
+value once, so they agree with the twins to rounding, not bit for bit. Imports cupy only when
+launching; launches go to torch's current stream, sync nothing and allocate only a missing `out`
 (capturable in CUDA graphs).
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import _compile
-from kernels._compile import f32 as _f32, i32 as _i32, i64 as _i64
+from pagedserve_kernels import _compile
+from pagedserve_kernels._compile import f32 as _f32, i32 as _i32, i64 as _i64
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _VEC = 8  # 2-byte elements per 16-byte vector: the kernels' vector width
@@ -120,7 +120,7 @@ def rotary_embedding_and_cache(
     Arguments as theirs: value [num_tokens, num_kv_heads, head_dim] with k's dtype; caches
     [num_blocks, num_kv_heads, block_size, head_dim] contiguous (one layer); slot_mapping int64 or
     int32, a negative slot caches nothing for its token (q and k are still rotated)."""
-    from kernels import cache_ops
+    from pagedserve_kernels import cache_ops
 
     _check_rope(positions, q, k, cos_table, sin_table)
     cache_ops.check_cache_write(k, value, k_cache, v_cache, slot_mapping)
@@ -191,7 +191,7 @@ def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor | None = None) ->
     _check_device(name, t)
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name} must be bfloat16 or float16, got {t.dtype} (other dtypes run "
-                         f"through kernels.reference)")
+                         f"through pagedserve_kernels.reference)")
     if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
         raise ValueError(f"{name} must be [num_tokens, width] with a contiguous last dim, got "
                          f"shape {tuple(t.shape)} strides {t.stride()}")

@@ -1,4 +1,5 @@
-"""Load the CUDA sources in kernels/csrc through cupy.RawModule (NVRTC), per device, cached.
+"""Load the CUDA sources in pagedserve_kernels/csrc through cupy.RawModule (NVRTC), per device,
+cached.
 
 Owns architecture options, the module/function caches, launches on torch's current stream, and
 `warmup()`. Imports cupy lazily (inside functions); nothing here touches a GPU at import time.

@@ -938,7 +938,7 @@ PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
   }
 // Few query tokens per sequence over its context (paged_few_query_attention); the _mqks_
 // candidates split the keys of entries of at most 16 rows (FEW_QUERY_KEY_SPLIT, off: timed once,
-// kernels/NOTES.md).
+// pagedserve_kernels/NOTES.md).
 PS_DECODE_MQ(decode_mq_bf16_hd64, __nv_bfloat16, 64, 4, 1, false)
 PS_DECODE_MQ(decode_mq_bf16_hd128, __nv_bfloat16, 128, 3, 2, false)
 PS_DECODE_MQ(decode_mq_fp16_hd64, __half, 64, 4, 1, false)

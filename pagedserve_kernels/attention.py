@@ -1,6 +1,6 @@
 """Launchers of the paged attention kernels (csrc/attention.cu): validate, size the launch, launch.
 
-Same signatures and semantics as `kernels.reference`; imports cupy only when launching.
+Same signatures and semantics as `pagedserve_kernels.reference`; imports cupy only when launching.
 Capturable in CUDA graphs: grids come from tensor shapes (host-known upper bounds) and scratch
 lives in per-device workspaces that grow only outside capture (run once eagerly first).
 """
@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from kernels import _compile
-from kernels._compile import f32 as _f32, i32 as _i32, i64 as _i64
+from pagedserve_kernels import _compile
+from pagedserve_kernels._compile import f32 as _f32, i32 as _i32, i64 as _i64
 
 _THREADS = 128
 _PREFILL_BM, _PREFILL_BN = 128, 64

@@ -1,6 +1,6 @@
 // Shared device helpers for the attention kernels: bf16/fp16 packing, inline-PTX tensor-core
 // MMA (m16n8k16), ldmatrix, cp.async with zero-fill, the XOR swizzle of 16-byte chunks.
-// Included textually by kernels/_compile.py (so the CuPy cache key covers it).
+// Included textually by pagedserve_kernels/_compile.py (so the CuPy cache key covers it).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

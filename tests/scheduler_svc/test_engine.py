@@ -406,6 +406,20 @@ def test_freeze_startup_heap_freezes_what_is_alive():
     assert int(out.stdout) > 1000
 
 
+def test_the_heap_is_frozen_before_the_first_serving_and_only_then(monkeypatch):
+    """A client that sends on SERVING must not wait for freeze_startup_heap's full collection
+    (0.05-0.1 s): it happens before the first SERVING is reported, once per process (not again
+    when a replacement executor attaches)."""
+    from scheduler_svc import main
+
+    calls = []
+    monkeypatch.setattr(main, "freeze_startup_heap", lambda: calls.append("freeze") or 1)
+    report = main._frozen_before_first_serving(lambda attached: calls.append(attached))
+    for attached in (False, True, False, True):
+        report(attached)
+    assert calls == [False, "freeze", True, False, True]
+
+
 @pytest.mark.parametrize("value, ok", [("0", False), ("4", False), ("-1", False), ("x", False),
                                        ("", False), ("99999999999999999999", False),
                                        ("1", True), ("3", True)])

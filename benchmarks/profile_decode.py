@@ -164,10 +164,12 @@ def kernel_breakdown(fn, warmup: int = 3, iters: int = 10) -> dict:
     attention: dict = {}
     by_name: dict = {}
     count = 0
+    spans = []  # (start us, end us, name) of every kernel and copy on the device
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         count += 1
+        spans.append((evt.time_range.start, evt.time_range.end, evt.name))
         kind, ms = kind_of(evt.name), evt.time_range.elapsed_us() / 1e3 / iters
         totals[kind] = totals.get(kind, 0.0) + ms
         by_name[evt.name] = by_name.get(evt.name, 0.0) + ms
@@ -175,7 +177,23 @@ def kernel_breakdown(fn, warmup: int = 3, iters: int = 10) -> dict:
             attention[evt.name] = attention.get(evt.name, 0.0) + ms
     top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:16])
     return {"ms_by_kind": totals, "attention_ms_by_kernel": attention, "kernels": count // iters,
-            "top_kernels_ms": top}
+            "top_kernels_ms": top, **_idle(spans, iters)}
+
+
+def _idle(spans: list[tuple[float, float, str]], iters: int) -> dict:
+    """Where the device ran nothing while the calls' work was queued: the idle time between
+    consecutive kernels per call (ms), and the largest such gaps (µs, with the kernels either
+    side)."""
+    spans.sort()
+    gaps, end, before = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append((start - end, before, name))
+        if end is None or stop > end:
+            end, before = stop, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"idle_between_kernels_ms": sum(g[0] for g in gaps) / 1e3 / iters,
+            "largest_gaps_us": [(round(g, 1), a[:60], b[:60]) for g, a, b in gaps[:12]]}
 
 
 def main() -> None:
@@ -322,6 +340,8 @@ def profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw, entry,
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(timing["ms_by_kind"].items())), flush=True)
     for name, ms in timing["top_kernels_ms"].items():
         print(f"    {ms:8.3f} ms  {name[:150]}", flush=True)
+    print(f"  idle between kernels {timing['idle_between_kernels_ms']:.2f} ms; largest gaps "
+          f"(µs, kernel before -> after): {timing['largest_gaps_us']}", flush=True)
     return (f"mixed ({label}): {len(lens)} decodes + {prefill} prompt tokens in "
             f"{len(prompts)}, eager",
             f"{timing['gpu_ms']:.2f} ms (host {timing['host_launch_ms']:.2f})",

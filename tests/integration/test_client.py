@@ -3,6 +3,7 @@ prompt, argument errors, defaults in --help, unset max tokens, exit statuses for
 aborted request, and the chat mode with piped stdin."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -37,15 +38,30 @@ def client(address: str | None, *args: str, **kwargs) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "scheduler_svc.cli", *args]
     if address:
         cmd += ["--address", address]
+    # faulthandler: SIGABRT makes a hung client print every thread's stack (communicate)
     return subprocess.Popen(cmd, stdin=kwargs.pop("stdin", subprocess.DEVNULL),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=_default_sigint, **kwargs)
+                            preexec_fn=_default_sigint,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"}, **kwargs)
+
+
+def communicate(proc: subprocess.Popen, data: bytes | None = None,
+                timeout: float = 60) -> tuple[bytes, bytes]:
+    """proc.communicate; a client still running after `timeout` seconds fails the test with
+    every thread's stack (a rare hang after Ctrl-C in CI left nothing to go on)."""
+    try:
+        return proc.communicate(data, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the client still ran after {timeout}s; its stderr and threads:\n"
+                    f"{err.decode(errors='replace')[-6000:]}")
 
 
 def run_client(address: str | None, *args: str, stdin: str | None = None):
     """(exit status, stdout, stderr) of one client run."""
     proc = client(address, *args, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE)
-    out, err = proc.communicate(stdin.encode() if stdin is not None else None, timeout=120)
+    out, err = communicate(proc, stdin.encode() if stdin is not None else None, timeout=120)
     return proc.returncode, out.decode(), err.decode()
 
 
@@ -95,7 +111,7 @@ def test_ctrl_c_exits_130_without_traceback(tiny):
     proc = client(tiny.scheduler_address, "--token-ids", "1,2,3", "--ignore-eos", "--show-ids")
     first_output(proc, tiny)  # the first token is out: the answer is being streamed
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = communicate(proc)
     assert proc.returncode == 130
     assert err.decode().strip() == "pagedserve-client: interrupted"
 
@@ -122,7 +138,7 @@ def test_chat_ctrl_c_cancels_the_answer_and_goes_on(tiny):
     proc.stdin.flush()
     first_output(proc, tiny)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(b"hello\n", timeout=60)
+    _, err = communicate(proc, b"hello\n")
     err = err.decode()
     assert proc.returncode == 0 and "[answer cancelled]" in err and "Traceback" not in err
     [(reason, prompt_tokens, completion_tokens)] = summaries(err)
@@ -138,7 +154,7 @@ def test_aborted_request_exits_3(tmp_path):
                       "--show-ids")
         first_output(proc, services)
         services.procs["scheduler"].send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        _, err = communicate(proc)
         assert proc.returncode == 3, err
         assert "FINISH_REASON_ABORTED" in err.decode() and "aborted" in err.decode()
     finally:

@@ -407,9 +407,9 @@ def test_freeze_startup_heap_freezes_what_is_alive():
 
 
 def test_the_heap_is_frozen_before_the_first_serving_and_only_then(monkeypatch):
-    """A client that sends on SERVING must not wait for freeze_startup_heap's full collection
-    (0.05-0.1 s): it happens before the first SERVING is reported, once per process (not again
-    when a replacement executor attaches)."""
+    """A client that sends on SERVING must not wait for freeze_startup_heap's full collection:
+    it happens before the first SERVING is reported, once per process (not again when a
+    replacement executor attaches)."""
     from scheduler_svc import main
 
     calls = []

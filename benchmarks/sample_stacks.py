@@ -128,18 +128,22 @@ def main(argv: list[str] | None = None) -> None:
                    help="FILE:FUNCTION whose time is sampled (a file name's ending)")
     p.add_argument("--depth", type=int, default=5, help="innermost frames that name a stack")
     args = p.parse_args(ours)
-    parse_target(args.function)  # fails here, not in the service
+    try:
+        parse_target(args.function)  # fails here, not in the service
+    except ValueError as err:
+        p.error(str(err))
+    if args.depth < 1:
+        p.error(f"--depth must be at least 1, got {args.depth}")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serving
+    from trace_ttft import put_sitecustomize
+
     tmp = Path(tempfile.mkdtemp(prefix="sample_stacks_"))
-    (tmp / "site").mkdir()
-    (tmp / "site" / "sitecustomize.py").write_text(_SITECUSTOMIZE % str(ROOT))
+    put_sitecustomize(tmp / "site", _SITECUSTOMIZE % str(ROOT), ROOT)
     os.environ.update(PAGEDSERVE_SAMPLE_SERVICE=args.service,
                       PAGEDSERVE_SAMPLE_FUNCTION=args.function,
                       PAGEDSERVE_SAMPLE_DEPTH=str(args.depth),
                       PAGEDSERVE_SAMPLE_OUT=str(tmp / "stacks"))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(tmp / "site"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_serving
 
     bench_serving.main(rest)
     reports = sorted(tmp.glob("stacks.*"))

@@ -160,6 +160,16 @@ def breakdown(marks: list[tuple[int, str]], skip: int) -> tuple[list[tuple[str, 
     return rows, ttft
 
 
+def put_sitecustomize(folder: Path, text: str, root: Path) -> None:
+    """`text` becomes the sitecustomize of the Python processes started from here on (the
+    services): written to `folder`, which goes first on PYTHONPATH, `root` (the repository)
+    next."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(text)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(folder), str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.bench_ttft import add_request_arguments, make_prompts
     from scripts.local_services import start_services
@@ -169,12 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     prefix, prompts = make_prompts(args)
     tmp = Path(tempfile.mkdtemp(prefix="trace_ttft_"))
-    (tmp / "site").mkdir()
-    (tmp / "site" / "sitecustomize.py").write_text(_SITECUSTOMIZE % (TRACE_POINTS,))
+    put_sitecustomize(tmp / "site", _SITECUSTOMIZE % (TRACE_POINTS,), ROOT)
     prefix_path = tmp / "marks"
     os.environ["PAGEDSERVE_TRACE"] = str(prefix_path)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(tmp / "site"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     services = start_services(tmp, ["--model", args.model, "--backend", args.backend],
                               ["--max-num-batched-tokens", "4096"])
     try:

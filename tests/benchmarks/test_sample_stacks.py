@@ -55,6 +55,15 @@ def test_a_target_names_a_file_and_a_function(text):
     assert parse_target("a/b.py:run") == ("a/b.py", "run")
 
 
+@pytest.mark.parametrize("flags, message", [(["--depth", "0"], "--depth must be at least 1"),
+                                            (["--function", "launch"], "FILE:FUNCTION")])
+def test_bad_flags_stop_before_any_service_starts(flags, message):
+    done = subprocess.run([sys.executable, "benchmarks/sample_stacks.py", *flags, "--",
+                           "--workload", "W1"], timeout=60, cwd=BENCHMARKS.parent,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and message in done.stderr and "services ready" not in done.stdout
+
+
 @pytest.mark.slow
 def test_a_run_reports_where_the_executors_launch_went():
     done = subprocess.run(

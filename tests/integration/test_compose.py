@@ -2,13 +2,12 @@
 the compose file gives them (no Docker engine in CI), find each other and serve.
 
 What Docker would provide is mapped by hand: service names resolve to 127.0.0.1 with one free port
-per service, and the shared `models` volume is a temporary folder holding the GGUF file.
+per service, and the shared `models` volume is a temporary folder that model-init's command fills.
 """
 from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -18,6 +17,8 @@ import yaml
 
 from executor_svc.model_loader import smollm2_gguf_path
 from tests.integration.harness import Services, free_port, generate, wait_serving
+from tests.integration.readme_curl import assert_readme_curl_answered
+from tests.integration.test_docker import HOST_NETWORK_FILE, documented_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = {"pagedserve-scheduler": "scheduler_svc.main", "pagedserve-executor": "executor_svc.main",
@@ -30,6 +31,13 @@ pytestmark = [pytest.mark.slow,
 @pytest.fixture(scope="module")
 def compose():
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def published():
+    """{service: ports} of docker-compose.override.yml, which `docker compose up` reads too."""
+    override = yaml.safe_load((ROOT / "docker-compose.override.yml").read_text())
+    return {name: svc["ports"] for name, svc in override["services"].items()}
 
 
 def test_compose_declares_what_the_deployment_needs(compose):
@@ -78,7 +86,7 @@ def test_healthchecks_need_no_prompt(compose):
             assert test[3:5] == ["--address", test[4]] and len(test) == 5, name
 
 
-def test_compose_executors_require_the_shared_secret(compose):
+def test_compose_executors_require_the_shared_secret(compose, published):
     """An executor listening beyond loopback must require the secret the scheduler presents, and
     the scheduler's Admin API must not be published."""
     services = compose["services"]
@@ -89,8 +97,28 @@ def test_compose_executors_require_the_shared_secret(compose):
         assert env["PAGEDSERVE_EXECUTOR_AUTH_TOKEN_FILE"] == secret
         assert "ports" not in services[name]
     assert "PAGEDSERVE_SCHEDULER_ADMIN_HOST" not in services["scheduler"]["environment"]
-    assert all("50053" not in str(p) for p in services["scheduler"]["ports"])
+    assert list(published) == ["scheduler"]
+    assert all("50053" not in str(p) for p in published["scheduler"])
     assert secret in services["secret-init"]["command"][-1]
+
+
+def test_host_network_command_starts_nothing_that_publishes(compose):
+    """Compose 1.29 refuses a published port on the host's network, and no override removes one:
+    no service the documented host-network command starts may publish one in the files it names,
+    and scripts/docker_local_images.sh builds from the same files."""
+    command = documented_command()
+    files = [command[i + 1] for i, arg in enumerate(command) if arg == "-f"]
+    assert files == ["docker-compose.yml", "docker/compose.host-network.yml"]
+    host = yaml.safe_load(HOST_NETWORK_FILE.read_text())["services"]
+    started = _with_dependencies(compose["services"], command[command.index("up") + 1:])
+    for name in started:
+        assert host[name]["network_mode"] == "host", name
+        assert "ports" not in compose["services"][name] and "ports" not in host[name], name
+    script = " ".join((ROOT / "scripts" / "docker_local_images.sh").read_text()
+                      .replace("\\\n", " ").split())
+    assert " ".join(command[1:command.index("up")]) in script
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert " ".join(command) in readme
 
 
 def _translate(value: str, ports: dict[str, int], models_dir: str) -> str:
@@ -128,7 +156,10 @@ def _make_secret(service: dict, models_dir: str) -> str:
 def test_cpu_profile_services_find_each_other(compose, tmp_path):
     models = tmp_path / "models"
     models.mkdir()
-    shutil.copy(smollm2_gguf_path(), models / "SmolLM2-135M-Instruct.gguf")
+    model_init = compose["services"]["model-init"]["command"]
+    assert model_init[:2] == ["python", "-c"]
+    subprocess.run([sys.executable, "-c", _translate(model_init[2], {}, str(models))], check=True,
+                   timeout=60)
     secret = _make_secret(compose["services"]["secret-init"], str(models))
     assert len(secret) >= 32
     ports = {"executor-cpu": free_port(), "executor": free_port()}  # no GPU executor runs here
@@ -140,7 +171,7 @@ def test_cpu_profile_services_find_each_other(compose, tmp_path):
                                          "PAGEDSERVE_EXECUTOR_PORT", ports["executor-cpu"],
                                          running.logs["executor"])
     services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_METRICS_PORT"] = metrics_port
-    services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_HTTP_PORT"] = free_port()
+    services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_HTTP_PORT"] = http_port = free_port()
     running.procs["scheduler"] = _process(services["scheduler"], ports, str(models),
                                           "PAGEDSERVE_SCHEDULER_PORT", sched_port,
                                           running.logs["scheduler"])
@@ -153,6 +184,7 @@ def test_cpu_profile_services_find_each_other(compose, tmp_path):
         with grpc.insecure_channel(running.scheduler_address) as channel:
             ids, text, final = generate(running.stub(channel), text="Hello", max_tokens=4)
         assert len(ids) == 4 and final.finished
+        assert_readme_curl_answered(http_port)
         with grpc.insecure_channel(running.executor_address) as channel:  # no secret: refused
             describe = channel.unary_unary("/pagedserve.v1.Executor/Describe",
                                            request_serializer=lambda b: b,

@@ -3,12 +3,15 @@ engine: the scheduler and the CPU executor serve Generate, and restarting the ex
 with requests in flight fails none of them.
 
 No registry is needed: scripts/docker_local_images.sh builds a local base image, then the project's
-images through docker/compose.host-network.yml (every container on the host's network). Skipped
-where no engine answers, unless PAGEDSERVE_REQUIRE_DOCKER=1 (CI sets it) makes that a failure.
+images through docker/compose.host-network.yml (every container on the host's network), whose
+documented command is then run as written; ports and project name come from the environment it
+reads. Skipped where no engine answers, unless PAGEDSERVE_REQUIRE_DOCKER=1 (CI sets it) makes that
+a failure.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -21,22 +24,34 @@ import yaml
 
 from protos import generate_pb2
 from tests.integration.harness import Services, free_port, generate, wait_serving
+from tests.integration.readme_curl import assert_readme_curl_answered
 from tests.integration.test_end_to_end import random_prompts
 from tests.integration.test_resilience import Load
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSE_FILES = ["-f", "docker-compose.yml", "-f", "docker/compose.host-network.yml"]
+HOST_NETWORK_FILE = ROOT / "docker" / "compose.host-network.yml"
 BUILD_TIMEOUT_S = 1800  # a cold build: base image, torch, both images' dependencies
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUILD_TIMEOUT_S + 600)]
 
 
+def documented_command() -> list[str]:
+    """The command docker/compose.host-network.yml's header says to run, as written there."""
+    lines = HOST_NETWORK_FILE.read_text().splitlines()
+    commands = [line.lstrip("# ") for line in lines
+                if line.startswith("#   docker-compose ") or line.startswith("#   docker compose ")]
+    assert len(commands) == 1, f"one command in {HOST_NETWORK_FILE.name}'s header: {commands}"
+    return shlex.split(commands[0])
+
+
 def _compose_command() -> list[str] | None:
-    """`docker compose` (v2) where the plugin is installed, else `docker-compose` (v1)."""
+    """The documented command, run by `docker compose` (v2) where `docker-compose` (v1, which it
+    names) is not installed (the file's header says v2 takes the same arguments)."""
+    command = documented_command()
+    if shutil.which(command[0]):
+        return command
     probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
-    if probe.returncode == 0:
-        return ["docker", "compose"]
-    return ["docker-compose"] if shutil.which("docker-compose") else None
+    return ["docker", "compose", *command[1:]] if probe.returncode == 0 else None
 
 
 def _engine_problem() -> str | None:
@@ -58,9 +73,11 @@ def _engine_problem() -> str | None:
 
 @dataclass
 class Deployment:
-    """The running compose project: its command line and environment, its merged configuration,
-    and a Services view of it."""
+    """The running compose project: the documented `up`, its compose options (to run other
+    commands on the same project), its environment, its merged configuration, and a Services
+    view of it."""
 
+    up: subprocess.Popen
     compose: list[str]
     env: dict[str, str]
     config: dict
@@ -73,16 +90,18 @@ class Deployment:
         return result
 
 
-def _host_network_config(compose: list[str], env: dict[str, str]) -> dict:
-    """docker-compose.yml with the host-network override, merged by compose itself, less the
-    published ports: on the host's network there is nothing to publish (v1 refuses them)."""
-    merged = subprocess.run([*compose, *COMPOSE_FILES, "--profile", "cpu", "config"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=60)
+def _start(command: list[str], env: dict[str, str], log: Path) -> Deployment:
+    """Runs `command` (an `up` in the foreground, as a user runs it) and returns at once."""
+    compose = command[:command.index("up")]
+    merged = subprocess.run([*compose, "config"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
     assert merged.returncode == 0, merged.stderr
     config = yaml.safe_load(merged.stdout)
-    for service in config["services"].values():
-        service.pop("ports", None)
-    return config
+    up = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                          stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    services = Services(f"127.0.0.1:{env['SCHEDULER_PORT']}", f"127.0.0.1:{env['EXECUTOR_PORT']}",
+                        int(env["METRICS_PORT"]), f"127.0.0.1:{env['ADMIN_PORT']}")
+    return Deployment(up, compose, env, config, services)
 
 
 @pytest.fixture(scope="module")
@@ -95,44 +114,53 @@ def deployment(tmp_path_factory, request):
     built = subprocess.run([str(ROOT / "scripts" / "docker_local_images.sh")], cwd=ROOT,
                            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
-    ports = {name: free_port() for name in ("SCHEDULER_PORT", "EXECUTOR_PORT", "ADMIN_PORT",
-                                            "METRICS_PORT", "HTTP_PORT")}
-    env = {**os.environ, **{k: str(v) for k, v in ports.items()}}
-    compose = _compose_command()
-    config = _host_network_config(compose, env)
-    compose_file = tmp_path_factory.mktemp("compose") / "docker-compose.yml"
-    compose_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    compose += ["-p", f"pagedserve-test-{os.getpid()}", "-f", str(compose_file)]
-    services = Services(f"127.0.0.1:{ports['SCHEDULER_PORT']}",
-                        f"127.0.0.1:{ports['EXECUTOR_PORT']}", ports["METRICS_PORT"],
-                        f"127.0.0.1:{ports['ADMIN_PORT']}")
-    deployed = Deployment(compose, env, config, services)
+    ports = {name: str(free_port()) for name in ("SCHEDULER_PORT", "EXECUTOR_PORT", "ADMIN_PORT",
+                                                 "METRICS_PORT", "HTTP_PORT")}
+    env = {**os.environ, **ports, "COMPOSE_PROJECT_NAME": f"pagedserve-test-{os.getpid()}"}
+    log = tmp_path_factory.mktemp("compose") / "up.log"
+    deployed = _start(_compose_command(), env, log)
     failed_before = request.session.testsfailed
     try:
-        deployed.run("--profile", "cpu", "up", "-d", "scheduler", "executor-cpu")
-        wait_serving(services.scheduler_address)
+        wait_serving(deployed.services.scheduler_address, procs={"compose up": deployed.up})
         yield deployed
     except BaseException:
         failed_before = -1
         raise
     finally:
-        if request.session.testsfailed != failed_before:  # the containers' logs, for the report
-            print(subprocess.run([*compose, "logs", "--no-color"], cwd=ROOT, env=env,
-                                 capture_output=True, text=True, timeout=120).stdout[-20000:])
-        subprocess.run([*compose, "--profile", "cpu", "down", "-v", "--remove-orphans", "-t", "5"],
-                       cwd=ROOT, env=env, capture_output=True, timeout=300)
+        if request.session.testsfailed != failed_before:  # compose's and the containers' output
+            print(log.read_text()[-20000:])
+        deployed.run("down", "-v", "--remove-orphans", "-t", "5", check=False)
+        try:
+            deployed.up.wait(60)
+        finally:
+            deployed.up.kill()
+
+
+def test_the_documented_command_publishes_nothing(deployment):
+    """On the host's network nothing is published (compose 1.29 refuses ports there): the
+    merged configuration has none, and `up` is still running."""
+    assert all("ports" not in service for service in deployment.config["services"].values())
+    assert deployment.up.poll() is None
 
 
 def test_the_images_serve_generate(deployment):
     with grpc.insecure_channel(deployment.services.scheduler_address) as channel:
         ids, text, final = generate(deployment.services.stub(channel), text="Hello", max_tokens=8)
     assert len(ids) == 8 and final.finished and text
+    assert_readme_curl_answered(int(deployment.env["HTTP_PORT"]))
     for name in ("scheduler", "executor-cpu"):  # the compose file's healthchecks, run in place
         healthcheck = deployment.config["services"][name]["healthcheck"]["test"]
         deployment.run("exec", "-T", name, *healthcheck[1:])
     no_torch = deployment.run("exec", "-T", "scheduler", "python", "-c", "import torch",
                               check=False)
     assert "No module named 'torch'" in no_torch.stdout + no_torch.stderr
+
+
+def test_the_scheduler_image_exports_the_tokenizer(deployment):
+    """README's tokenizer export, in the image without torch, for the model the volume holds."""
+    deployment.run("exec", "-T", "scheduler", "pagedserve-export-tokenizer", "/tmp/tok")
+    config = deployment.run("exec", "-T", "scheduler", "cat", "/tmp/tok/tokenizer_config.json")
+    assert "chat_template" in yaml.safe_load(config.stdout)
 
 
 def test_executor_restart_fails_no_request(deployment):

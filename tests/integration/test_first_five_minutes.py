@@ -27,6 +27,7 @@ import pytest
 
 from executor_svc.model_loader import smollm2_gguf_path
 from tests.integration.harness import START_TIMEOUT_S, free_port
+from tests.integration.readme_curl import assert_readme_curl_answered
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -163,7 +164,7 @@ def test_the_first_five_minutes_of_the_readme(tmp_path):
     env = {**os.environ,
            "PAGEDSERVE_SCHEDULER_PORT": str(scheduler_port),
            "PAGEDSERVE_SCHEDULER_ADMIN_PORT": str(free_port()),
-           "PAGEDSERVE_SCHEDULER_HTTP_PORT": str(free_port()),
+           "PAGEDSERVE_SCHEDULER_HTTP_PORT": str(http_port := free_port()),
            "PAGEDSERVE_EXECUTOR_PORT": str(executor_port := free_port()),
            "PAGEDSERVE_SCHEDULER_EXECUTOR": f"127.0.0.1:{executor_port}",
            "PAGEDSERVE_EXECUTOR_BACKEND": "cpu",
@@ -178,6 +179,7 @@ def test_the_first_five_minutes_of_the_readme(tmp_path):
         assert ask.returncode == 0, ask.stdout + ask.stderr
         assert "Paris" in ask.stdout and "Paris" in blocks["ask-output"]
         assert_shown_lines_appear(blocks["ask-output"], ask.stdout + ask.stderr, "the question")
+        assert_readme_curl_answered(http_port)  # README's OpenAI example, "with make serve running"
 
         transcript = blocks["chat-output"]
         typed = [line[len(PROMPT):] for line in transcript.splitlines() if line.startswith(PROMPT)]

@@ -6,6 +6,7 @@ Owns the Scheduler, the tokenizer and the per-request output mailboxes. Plain as
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import itertools
 import logging
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from scheduler_svc.admission import retry_hint_s
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -34,7 +36,12 @@ log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    """The waiting queue is at --max-waiting; mapped to RESOURCE_EXHAUSTED."""
+    """The waiting queue has no room for the request's sequences, or would keep it from starting
+    before its deadline; mapped to RESOURCE_EXHAUSTED (HTTP 429), with a hint of when to retry."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(f"{message}; retry in {retry_after_s}s")
+        self.retry_after_s = retry_after_s
 
 
 class NoExecutor(Exception):
@@ -47,6 +54,11 @@ class ShuttingDown(Exception):
 
 class EngineFailed(Exception):
     """The step loop failed unexpectedly and ended this request; mapped to INTERNAL."""
+
+
+class RequestFailed(EngineFailed):
+    """Something this request alone caused failed (a value the executor link cannot carry or the
+    executor refuses, its detokenizing): it was ended, the others go on. INTERNAL."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,7 @@ class ModelInfo:
 @dataclass(frozen=True)
 class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Sequences waiting to start (a request counts its n samples); beyond it, QueueFull.
     max_waiting: int = 4096
     unavailable_grace_s: float = 30.0
     # Steps sent before the oldest one's result is back: 2 lets the scheduler plan step N+1
@@ -238,6 +251,10 @@ class Engine:
         self._prepare_pool = ThreadPoolExecutor(config.num_prepare_threads,
                                                 thread_name_prefix="prepare")
         self._draining = False
+        self._watched: ExecutorClient | None = None  # the client whose news the hooks bring
+        self._stream_end: str | None = None  # why its stream ended unprompted
+        self._refusal: str | None = None  # why every executor refused this scheduler
+        self._refused = asyncio.Event()
         self._switch: tuple[ExecutorClient, object, asyncio.Future] | None = None
         self._switch_requested = asyncio.Event()
         self.attached = False
@@ -313,6 +330,8 @@ class Engine:
             if not self.attach_error:
                 self.attach_error = ("waiting for an executor at "
                                      f"{', '.join(self.client.addresses)}")
+            self._watch(self.client)
+            self._stream_end = None  # a new stream is being opened
             description = await self.client.connect()
             try:
                 await self._attach(description)
@@ -346,8 +365,30 @@ class Engine:
             self.scheduler.reset_for_executor(*pools, cache_salt=description.fingerprint)
         self.attach_error = ""
         self._detached_since = None
+        self._refusal = None
+        self._refused.clear()
+        self._watch(self.client)  # a planned switch attaches a client of its own
         self._ready.set()
         self._set_attached(True)
+
+    def _watch(self, client: ExecutorClient) -> None:
+        """Hooks this engine to what `client` learns unprompted (a stream end reported by
+        another client is forgotten)."""
+        if client is not self._watched:
+            self._stream_end, self._watched = None, client
+        client.on_stream_end = functools.partial(self._on_stream_end, client)
+        client.on_refused = self._on_refused
+
+    def _on_stream_end(self, client: ExecutorClient, reason: str) -> None:
+        if client is self.client:  # not a client a planned switch has just replaced
+            self._stream_end = reason
+            self._wakeup.set()  # an idle step loop finds out now, not at the next request
+
+    def _on_refused(self, reason: str) -> None:
+        """Every executor refused this scheduler (another one holds the lease): requests fail
+        now rather than wait for a lease that may never come back."""
+        self._refusal = self.attach_error = reason
+        self._refused.set()
 
     def _set_attached(self, attached: bool) -> None:
         self.attached = attached
@@ -464,7 +505,7 @@ class Engine:
         a consumer slower than the steps takes what piled up at once and can answer it with one
         write. Raises as `generate` does."""
         check_sizes(spec, self.config.limits)
-        await self._wait_admissible()
+        await self._wait_admissible(spec)
         if can_prepare_inline(spec):
             prepared = prepare(spec, self.tokenizer, self.limits)
         else:
@@ -477,7 +518,7 @@ class Engine:
             while num_open:
                 events = await mailbox.take()
                 if not all(type(e) is TokenEvent for e in events):  # rarely: an end in it
-                    failed = next((e for e in events if isinstance(e, EngineFailed)), None)
+                    failed = next((e for e in events if isinstance(e, Exception)), None)
                     if failed is not None:  # what came before it still goes out
                         if events[0] is not failed:
                             yield events[:events.index(failed)]
@@ -489,24 +530,48 @@ class Engine:
                 if not state.finished:
                     self._abort(state)
 
-    async def _wait_admissible(self) -> None:
+    async def _wait_admissible(self, spec: GenerateSpec) -> None:
         """Waits, up to what is left of the grace period, for a first (or restarted) executor
-        attachment; raises at once when draining, the queue is full or the grace is over."""
+        attachment; raises at once when draining, every executor refused this scheduler, the
+        grace is over, or the queue has no room for the request (see _check_room)."""
         self._check_open()
         if self.scheduler is None:
             left = self.config.unavailable_grace_s - (time.monotonic() - self._detached_since)
             if left > 0:
+                ready = asyncio.ensure_future(self._ready.wait())
+                refused = asyncio.ensure_future(self._refused.wait())
                 try:
-                    await asyncio.wait_for(self._ready.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+                    await asyncio.wait({ready, refused}, timeout=left,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ready.cancel()
+                    refused.cancel()
             self._check_open()
-        if self.scheduler.num_waiting >= self.config.max_waiting:
-            raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting")
+        self._check_room(spec)
+
+    def _check_room(self, spec: GenerateSpec) -> None:
+        """Refuses (QueueFull) a request whose n sequences would take the waiting sequences past
+        --max-waiting (unless none wait), or whose deadline ends before the sequences ahead
+        of it can start at the rate waiting sequences have been starting."""
+        waiting, rate = self.scheduler.num_waiting, self.scheduler.drain_rate()
+        over = waiting + spec.n - self.config.max_waiting
+        if over > 0 and waiting:
+            raise QueueFull(f"{waiting} sequences are waiting and this request adds {spec.n}: "
+                            f"over --max-waiting ({self.config.max_waiting})",
+                            retry_hint_s(over / rate if rate else None))
+        if spec.deadline is None or not waiting or rate is None:
+            return
+        left, wait = spec.deadline - time.monotonic(), waiting / rate
+        if wait > left:
+            raise QueueFull(f"{waiting} sequences wait ahead of this request, starting at about "
+                            f"{rate:.3g}/s: it would not start within its deadline "
+                            f"({max(left, 0):.1f}s left)", retry_hint_s(wait - max(left, 0)))
 
     def _check_open(self) -> None:
         if self._draining:
             raise ShuttingDown("the server is shutting down")
+        if self._refusal is not None:
+            raise NoExecutor(f"no executor takes this scheduler: {self._refusal}")
         if self.scheduler is None:
             if time.monotonic() - self._detached_since < self.config.unavailable_grace_s:
                 return
@@ -523,8 +588,7 @@ class Engine:
         self._check_open()
         if self.scheduler is None:
             raise NoExecutor(f"the executor was detached{self._why()}")
-        if self.scheduler.num_waiting >= self.config.max_waiting:
-            raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting")
+        self._check_room(spec)
         seqs = self._sample_seqs(spec, prepared)
         self._check_fits(seqs[0])
         # Assigns a seed to each seq without one (recomputes sample alike); the samples after
@@ -615,8 +679,9 @@ class Engine:
                     self._emit_step(updates, result.logprobs)
                     self.metrics.steps.inc()
                     self.metrics.observe_scheduler(self.scheduler.stats())
-            except ExecutorLost:
+            except ExecutorLost as lost:
                 in_flight.clear()
+                self._end_named(lost)  # before the resync, which would recompute them
                 await self._resync()
 
     async def _apply(self, plan: StepPlan, sampled: dict[int, int]) -> list[SeqUpdate]:
@@ -654,8 +719,17 @@ class Engine:
             await self._apply_switch()
             return
         self.metrics.observe_scheduler(self.scheduler.stats())
+        await self._sleep_until_work()
+
+    async def _sleep_until_work(self) -> None:
+        """Sleeps until a request arrives. A stream that ends meanwhile raises ExecutorLost at
+        once: health, the prefix cache and the next request must not wait for a step to learn
+        that the executor is gone."""
         self._wakeup.clear()
-        await self._wakeup.wait()
+        if self._stream_end is None:
+            await self._wakeup.wait()
+        if self._stream_end is not None:
+            raise self.client.lost(self._stream_end)
 
     async def _resync(self) -> None:
         """Frees everything mapped on the lost executor; every unfinished sequence is recomputed."""
@@ -665,13 +739,37 @@ class Engine:
         self.scheduler.reset_executor()
         connect = asyncio.create_task(self._connect_and_attach())
         switch = asyncio.create_task(self._switch_requested.wait())
-        done, _ = await asyncio.wait({connect, switch}, return_when=asyncio.FIRST_COMPLETED)
+        outage = asyncio.create_task(self._end_requests_in_outage())
+        try:
+            done, _ = await asyncio.wait({connect, switch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            outage.cancel()
         if connect in done:
             switch.cancel()
             connect.result()
         else:  # a planned switch arrived while this executor was away: the loop applies it
             connect.cancel()
             await asyncio.gather(connect, return_exceptions=True)
+
+    async def _end_requests_in_outage(self) -> None:
+        """While the step loop reconnects: once every executor refuses this scheduler (its lease
+        was taken over) or the outage outlasts the grace period, the open requests end with
+        UNAVAILABLE instead of waiting for their deadlines; _check_open refuses later ones."""
+        lost_since = self.client.disconnected_since or time.monotonic()
+        left = self.config.unavailable_grace_s - (time.monotonic() - lost_since)
+        try:
+            await asyncio.wait_for(self._refused.wait(), max(left, 0))
+            error = NoExecutor(f"no executor takes this scheduler: {self._refusal}")
+        except asyncio.TimeoutError:
+            error = NoExecutor(f"no executor reachable for {self.config.unavailable_grace_s:g}s"
+                               f"{self._why()}")
+        if self._requests:
+            log.warning("ending %d requests: %s", len(self._requests), error)
+        for state in list(self._requests.values()):
+            self.scheduler.abort_seq(state.seq.seq_id)
+            state.finished = True
+            self._forget(state)
+            state.mailbox.put(error)
 
     def _emit_step(self, updates: list[SeqUpdate],
                    logprobs: dict[int, TokenLogprobs] | None) -> None:
@@ -688,8 +786,12 @@ class Engine:
                 ttfts.append(now - state.arrival_time)
             else:
                 itls.append(now - state.last_token_time)
-            self._emit(state, update, now, interval,
-                       logprobs.get(update.seq.seq_id) if logprobs else None)
+            try:
+                self._emit(state, update, now, interval,
+                           logprobs.get(update.seq.seq_id) if logprobs else None)
+            except Exception as err:  # noqa: BLE001 - one request's output: it alone ends
+                log.error("request %s: its output failed", state.request_id, exc_info=err)
+                self._fail_request(state, f"producing its output failed ({type(err).__name__})")
         self.metrics.generated_tokens.inc(len(ttfts) + len(itls))
         self.metrics.ttft.observe_many(ttfts)
         self.metrics.itl.observe_many(itls)
@@ -711,6 +813,28 @@ class Engine:
             self._finish(state, FinishReason.STOP_STRING, tail="")
         elif update.finish_reason is not None:
             self._finish(state, update.finish_reason)
+
+    def _end_named(self, lost: ExecutorLost) -> None:
+        """Ends the requests of the seqs a lost link names as the cause (their own values failed
+        the plan): recomputed, they would fail it again."""
+        for seq_id in lost.seq_ids:
+            state = self._requests.get(seq_id)
+            if state is not None:
+                log.error("request %s (seq %d) ended: it failed the step (%s); the others are "
+                          "recomputed", state.request_id, seq_id, lost)
+                self._fail_request(state, f"the executor link failed on it: {str(lost)[:300]}")
+
+    def _fail_request(self, state: _RequestState, reason: str) -> None:
+        """Ends every sample of `state`'s request with RequestFailed; nothing else changes."""
+        failure = RequestFailed(f"request {state.request_id} failed and was ended: {reason}")
+        for sample in [s for s in self._requests.values() if s.mailbox is state.mailbox]:
+            sample.finished = True
+            self._forget(sample)
+            if self.scheduler is not None:
+                self.scheduler.abort_seq(sample.seq.seq_id)
+            self.metrics.requests_finished.labels("error").inc()
+        state.mailbox.put(failure)
+        self._wakeup.set()
 
     def _finish(self, state: _RequestState, reason: FinishReason, tail: str | None = None) -> None:
         if tail is None:

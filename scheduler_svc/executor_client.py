@@ -4,7 +4,8 @@ opened with a lease hello (this scheduler's id and a new epoch) that the executo
 Wire module: converts plans and results with `scheduler_svc.wire`. Any failure of the link (broken
 stream, timeout, FAILED_PRECONDITION, a different model) surfaces as ExecutorLost; the engine
 resyncs and calls `connect()` again. An executor leased by another scheduler is skipped like one
-that does not answer.
+that does not answer. A stream that ends while the engine is idle, and a pass that every executor
+refused, are reported at once through the engine's hooks (`on_stream_end`, `on_refused`).
 """
 from __future__ import annotations
 
@@ -54,7 +55,12 @@ def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
 
 
 class ExecutorLost(Exception):
-    """The executor can no longer be trusted with this stream's state."""
+    """The executor can no longer be trusted with this stream's state. `seq_ids` names the seqs
+    whose own content caused it (their requests end, the others are recomputed); () if none."""
+
+    def __init__(self, reason: str, seq_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(reason)
+        self.seq_ids = tuple(seq_ids)
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,14 @@ class ExecutorClient:
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self._last_refusal: str | None = None
+        self._refusals: list[str] = []  # this pass's executors that refused this scheduler
+        self._end_report: asyncio.Task | None = None
         self.disconnected_since: float | None = time.monotonic()
+        # The engine's hooks for what happens while it awaits nothing of this link: the stream
+        # ending (callable(reason)), and a pass over the addresses refused by every executor
+        # that answered (callable(reason)); e.g. another scheduler took the executor's lease.
+        self.on_stream_end = None
+        self.on_refused = None
 
     async def connect(self) -> wire.ExecutorDescription:
         """Tries the addresses in turn, with backoff, until one answers; opens its Execute stream."""
@@ -116,11 +129,14 @@ class ExecutorClient:
             description = await self.connect_once()
             if description is not None:
                 return description
+            if self._refusals and self.on_refused is not None:
+                self.on_refused("; ".join(self._refusals))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
 
     async def connect_once(self) -> wire.ExecutorDescription | None:
         """One pass over the addresses; None if none answered with the right model."""
+        self._refusals = []
         for address in self.addresses:
             description = await self._try_address(address)
             if description is not None:
@@ -154,6 +170,7 @@ class ExecutorClient:
         self._log_attached(address, description)
         self.fingerprint = description.fingerprint
         self._channel, self._call = channel, call
+        call.add_done_callback(self._on_call_done)
         self.description, self.connected_address = description, address
         self.disconnected_since, self._last_refusal = None, None
         return description
@@ -204,13 +221,36 @@ class ExecutorClient:
         new = refused and message != self._last_refusal
         if refused:
             self._last_refusal = message
+            self._refusals.append(message)
         log.log(logging.WARNING if new else logging.DEBUG, "%s", message)
 
+    def _on_call_done(self, call) -> None:
+        """The Execute stream ended while it was this link's: the executor died, restarted or
+        gave the lease to another scheduler. Reported at once, though the engine may be idle and
+        reading nothing (the keepalive pings end a silent link too)."""
+        if call is self._call and self.on_stream_end is not None:
+            self._end_report = asyncio.ensure_future(self._report_end(call))
+
+    async def _report_end(self, call) -> None:
+        code, details = await call.code(), await call.details()
+        if call is self._call and self.on_stream_end is not None:
+            self.on_stream_end(f"its Execute stream ended: {code.name}: {details}")
+
     async def send(self, plan: StepPlan) -> None:
-        """Writes a plan to the Execute stream; its result is read by `receive`."""
+        """Writes a plan to the Execute stream; its result is read by `receive`. A plan that some
+        new seqs' own values keep off the wire gives the stream up (a step of it is missing now)
+        as ExecutorLost naming them; one that no seq explains raises as it failed."""
         if self._call is None:
             raise ExecutorLost("no executor attached")
-        await self._guard(plan, self._call.write(wire.plan_to_proto(plan)))
+        try:
+            message = wire.plan_to_proto(plan)
+        except (ValueError, TypeError, OverflowError) as err:
+            seq_ids = wire.unencodable_seq_ids(plan)
+            if not seq_ids:
+                raise
+            raise self.lost(f"step {plan.step_id} cannot be encoded ({err}) because of seqs "
+                            f"{seq_ids[:8]}", seq_ids) from err
+        await self._guard(plan, self._call.write(message))
 
     async def receive(self, plan: StepPlan) -> StepResult:
         """The result of `plan`, already sent."""
@@ -233,9 +273,20 @@ class ExecutorClient:
         except TimeoutError:
             raise self.lost(f"no result for step {plan.step_id} within {self.step_timeout_s}s")
         except grpc.aio.AioRpcError as err:
-            raise self.lost(f"stream failed: {err.code().name}: {err.details()}")
+            raise self.lost(f"stream failed: {err.code().name}: {err.details()}",
+                            wire.bad_seq_ids(err.trailing_metadata()))
         except Exception as err:  # the channel may break in ways grpc reports differently
-            raise self.lost(f"stream failed: {err!r}")
+            raise await self._lost_after(err)
+
+    async def _lost_after(self, err: Exception) -> ExecutorLost:
+        """ExecutorLost for a failed operation: a write to a stream the executor has ended
+        raises without its status, which then says why (and which seqs caused it)."""
+        call = self._call
+        if call is None or not call.done():
+            return self.lost(f"stream failed: {err!r}")
+        code, details, metadata = (await call.code(), await call.details(),
+                                   await call.trailing_metadata())
+        return self.lost(f"stream failed: {code.name}: {details}", wire.bad_seq_ids(metadata))
 
     def with_addresses(self, addresses: list[str]) -> "ExecutorClient":
         """A client for other executors with this one's settings, lease identity and pinned
@@ -246,12 +297,12 @@ class ExecutorClient:
                               fingerprint=self.fingerprint, keepalive_s=self.keepalive_s,
                               scheduler_id=self.scheduler_id)
 
-    def lost(self, reason: str) -> ExecutorLost:
+    def lost(self, reason: str, seq_ids: tuple[int, ...] | list[int] = ()) -> ExecutorLost:
         """Marks the stream lost (since now) and returns the error to raise."""
         log.warning("executor %s lost: %s", self.connected_address, reason)
         self.disconnected_since = time.monotonic()
         self._call = None
-        return ExecutorLost(reason)
+        return ExecutorLost(reason, tuple(seq_ids))
 
     async def close(self) -> None:
         if self._call is not None:

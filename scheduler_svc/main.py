@@ -8,7 +8,9 @@ import asyncio
 import ipaddress
 import logging
 import os
+import resource
 import signal
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from typing import NoReturn
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig, freeze_startup_heap
 from scheduler_svc.executor_client import LinkSecurity
+from scheduler_svc.http_protocol import HttpLimits
 from scheduler_svc.request import RequestLimits
 
 log = logging.getLogger("scheduler_svc")
@@ -44,28 +47,135 @@ class ServiceConfig:
     executor_connect_timeout_s: float
     executor_retry_interval_s: float
     log_level: str
+    http_limits: HttpLimits
+    grpc_max_connections: int  # on the public listener
 
 
 _PROG = "pagedserve-scheduler"
 _ENV_PREFIX = "PAGEDSERVE_SCHEDULER_"
 _STEPS_IN_FLIGHT = (1, 2, 3)  # plans out at once: lockstep, async scheduling, two steps ahead
+# Descriptors kept out of the connection caps: the Admin listener's connections, the executor
+# links, the tokenizer, log and metrics files, gRPC's and asyncio's own.
+_RESERVED_FILES = 128
+_MAX_DERIVED_HTTP_CONNECTIONS = 16384
+_RAISED_OPEN_FILES = 65536  # the soft limit is raised to the hard one, up to this
 
 
-def _env(name: str, default):
-    return os.environ.get(f"{_ENV_PREFIX}{name}", default)
+@dataclass(frozen=True)
+class _Flag:
+    """One flag: its built-in default, overridden by PAGEDSERVE_SCHEDULER_<FLAG>; `shown` is how
+    --help words the default where the value alone would not say it."""
+
+    name: str
+    default: object
+    help: str
+    type: type = str  # bool: a switch; list: one or more values (comma separated in the variable)
+    choices: tuple | None = None
+    shown: str | None = None
+
+    @property
+    def env(self) -> str:
+        return _ENV_PREFIX + self.name[2:].upper().replace("-", "_")
 
 
-def _env_number(name: str, convert, default):
-    """The environment value of a numeric flag, converted; a bad one ends the program with one
-    line naming the variable and its flag (argparse would only name the flag)."""
-    raw = os.environ.get(f"{_ENV_PREFIX}{name}")
+_FLAGS = (
+    _Flag("--host", "127.0.0.1", "address of the public gRPC API and of the HTTP API"),
+    _Flag("--port", 50051, "port of the public gRPC API (Generate, ModelInfo, health)", int),
+    _Flag("--admin-host", "127.0.0.1", "address of the Admin API's own listener (anything but "
+          "loopback needs --admin-token)"),
+    _Flag("--admin-port", 50053, "port of the Admin API", int),
+    _Flag("--admin-token", None, "bearer token Admin calls must present (authorization: Bearer "
+          "...)", shown="none"),
+    _Flag("--admin-token-file", None, "file holding the admin token (instead of --admin-token)",
+          shown="none"),
+    _Flag("--max-prompt-bytes", 1 << 20, "UTF-8 bytes of a text prompt, or of all chat "
+          "messages, before tokenizing", int),
+    _Flag("--max-chat-messages", 1024, "messages of a chat prompt", int),
+    _Flag("--executor", "127.0.0.1:50052", "executor address(es), comma separated, tried in "
+          "order; or @FILE to read them from FILE, which SIGHUP re-reads to move serving to new "
+          "executors"),
+    _Flag("--max-num-batched-tokens", 2048, "token budget of a step (prefill chunks + decodes)",
+          int),
+    _Flag("--max-num-seqs", 256, "sequences in a step", int),
+    _Flag("--preemption-mode", "swap", "swap (while CPU swap pages are free, else recompute) or "
+          "recompute", choices=("swap", "recompute")),
+    _Flag("--no-prefix-caching", False, "turn off automatic prefix caching (on by default: a "
+          "request reuses the cached KV pages of the longest prompt prefix already computed)",
+          bool, shown="off (caching on)"),
+    _Flag("--max-steps-in-flight", 2, "2: plan step N+1 while the executor runs step N (async "
+          "scheduling); 3: plan two steps ahead (the executor holds the third plan until a step "
+          "ends); 1: lockstep", int, _STEPS_IN_FLIGHT),
+    _Flag("--max-waiting", 4096, "sequences waiting to start, a request counting its n samples, "
+          "as --max-num-seqs counts running ones (beyond it: RESOURCE_EXHAUSTED, HTTP 429)", int),
+    _Flag("--step-timeout", 60.0, "seconds without a step result before the executor counts as "
+          "hung", float),
+    _Flag("--unavailable-grace", 30.0, "seconds without any executor before Generate answers "
+          "UNAVAILABLE", float),
+    _Flag("--shutdown-timeout", 30.0, "seconds SIGTERM waits for running requests", float),
+    _Flag("--metrics-port", 0, "port of the Prometheus /metrics endpoint (0: off)", int),
+    _Flag("--http-port", 8000, "port of the OpenAI-compatible HTTP API, on --host (0: off)", int),
+    _Flag("--http-max-connections", 0, "HTTP connections open at once; beyond them a new one is "
+          "answered 429 with Retry-After (0: derived from the open-file limit, ulimit -n, raised "
+          "to its hard limit: half of what the reserved descriptors leave, at most "
+          f"{_MAX_DERIVED_HTTP_CONNECTIONS})", int),
+    _Flag("--grpc-max-connections", 0, "connections to the public gRPC port open at once; "
+          "beyond them a new one is closed (0: derived from the open-file limit: a quarter of "
+          "what the reserved descriptors leave)", int),
+    _Flag("--http-header-timeout", 10.0, "seconds a client has to send a request's line and "
+          "headers, from its first byte (or from the connection's opening): 408 after", float),
+    _Flag("--http-body-timeout", 30.0, "seconds a client has to send a request's body, from the "
+          "end of its headers: 408 after", float),
+    _Flag("--http-keep-alive-timeout", 5.0, "seconds an idle HTTP connection is kept open "
+          "between requests (vLLM's)", float),
+    _Flag("--api-key", None, "key the HTTP API's /v1 routes require (authorization: Bearer ...)",
+          shown="none"),
+    _Flag("--api-key-file", None, "file holding the API key (instead of --api-key)",
+          shown="none"),
+    _Flag("--served-model-name", [], "model name(s) the HTTP API answers to, the first reported",
+          list, shown="the executor's model name, from its model path"),
+    _Flag("--executor-tls-ca", None, "PEM CA bundle: talk TLS to the executor and verify it",
+          shown="none: plaintext"),
+    _Flag("--executor-tls-server-name", None, "name to check in the executor's certificate",
+          shown="its host"),
+    _Flag("--executor-token", None, "shared token presented to the executor", shown="none"),
+    _Flag("--executor-token-file", None, "file holding the executor token (instead of "
+          "--executor-token)", shown="none"),
+    _Flag("--executor-takeover", False, "take the executor's lease even from another live "
+          "scheduler (honoured only by an executor that requires a token)", bool, shown="off"),
+    _Flag("--executor-keepalive", 10.0, "seconds between keepalive pings on the executor link "
+          "(>= 1)", float),
+    _Flag("--executor-connect-timeout", 5.0, "seconds an executor has to answer Describe, then "
+          "the lease hello, before the next address is tried", float),
+    _Flag("--executor-retry-interval", 2.0, "longest wait between two rounds over the executor "
+          "addresses while none answers (the waits start at 0.05s and double): how soon an "
+          "executor that finished loading, or came back, is attached", float),
+    _Flag("--log-level", "INFO", "DEBUG adds a line per request admitted, finished or "
+          "cancelled"),
+    _Flag("--log-stats-interval", 10.0, "seconds between stats lines (sequences, KV pages, "
+          "tokens/s), logged only for an interval in which a step ran, and between lines saying "
+          "what the scheduler waits for while no executor is attached (0: off)", float),
+    _Flag("--stream-interval", 0, "hand each stream its tokens every N steps (its first token "
+          "and its end at once); 0: adaptive, every step while a step samples up to 256 "
+          "sequences, then every ceil(sampled / 256) steps (vLLM's --stream-interval, made "
+          "adaptive)", int),
+)
+
+
+def _env_default(flag: _Flag):
+    """The flag's default from its environment variable, else the built-in one; a bad value ends
+    the program with one line naming the variable and its flag (argparse would only name the
+    flag)."""
+    raw = os.environ.get(flag.env)
     if raw is None:
-        return default
+        return flag.default
+    if flag.type is bool:
+        return raw not in ("", "0", "false")
+    if flag.type is list:
+        return raw.split(",")
     try:
-        return convert(raw)
+        return flag.type(raw)
     except ValueError:
-        flag = "--" + name.lower().replace("_", "-")
-        _fail(f"{_ENV_PREFIX}{name}={raw!r} is not a valid {convert.__name__} (it sets {flag}): "
+        _fail(f"{flag.env}={raw!r} is not a valid {flag.type.__name__} (it sets {flag.name}): "
               f"fix or unset it")
 
 
@@ -75,108 +185,51 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
-def parse_config(argv: list[str] | None = None) -> ServiceConfig:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag, its help ending with its default and its environment variable."""
     p = argparse.ArgumentParser(prog=_PROG, description=__doc__)
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env_number("PORT", int, 50051))
-    p.add_argument("--admin-host", default=_env("ADMIN_HOST", "127.0.0.1"),
-                   help="address of the Admin API's own listener (anything but loopback needs "
-                        "--admin-token)")
-    p.add_argument("--admin-port", type=int, default=_env_number("ADMIN_PORT", int, 50053))
-    p.add_argument("--admin-token", default=_env("ADMIN_TOKEN", None),
-                   help="bearer token Admin calls must present (authorization: Bearer ...)")
-    p.add_argument("--admin-token-file", default=_env("ADMIN_TOKEN_FILE", None),
-                   help="file holding the admin token (instead of --admin-token)")
-    p.add_argument("--max-prompt-bytes", type=int,
-                   default=_env_number("MAX_PROMPT_BYTES", int, 1 << 20),
-                   help="UTF-8 bytes of a text prompt, or of all chat messages, before tokenizing")
-    p.add_argument("--max-chat-messages", type=int,
-                   default=_env_number("MAX_CHAT_MESSAGES", int, 1024))
-    p.add_argument("--executor", default=_env("EXECUTOR", "127.0.0.1:50052"),
-                   help="executor address(es), comma separated, tried in order; or @FILE to read "
-                        "them from FILE, which SIGHUP re-reads to move serving to new executors")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=_env_number("MAX_NUM_BATCHED_TOKENS", int, 2048))
-    p.add_argument("--max-num-seqs", type=int, default=_env_number("MAX_NUM_SEQS", int, 256))
-    p.add_argument("--preemption-mode", default=_env("PREEMPTION_MODE", "swap"),
-                   choices=["swap", "recompute"])
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   default=_env("NO_PREFIX_CACHING", "") not in ("", "0", "false"),
-                   help="turn off automatic prefix caching (on by default: a request reuses "
-                        "the cached KV pages of the longest prompt prefix already computed)")
-    p.add_argument("--max-steps-in-flight", type=int,
-                   default=_env_number("MAX_STEPS_IN_FLIGHT", int, 2), choices=_STEPS_IN_FLIGHT,
-                   help="2: plan step N+1 while the executor runs step N (async scheduling); "
-                        "3: plan two steps ahead (the executor holds the third plan until a "
-                        "step ends); 1: lockstep")
-    p.add_argument("--max-waiting", type=int, default=_env_number("MAX_WAITING", int, 4096))
-    p.add_argument("--step-timeout", type=float, default=_env_number("STEP_TIMEOUT", float, 60.0),
-                   help="seconds without a step result before the executor counts as hung")
-    p.add_argument("--unavailable-grace", type=float,
-                   default=_env_number("UNAVAILABLE_GRACE", float, 30.0),
-                   help="seconds without any executor before Generate answers UNAVAILABLE")
-    p.add_argument("--shutdown-timeout", type=float,
-                   default=_env_number("SHUTDOWN_TIMEOUT", float, 30.0))
-    p.add_argument("--metrics-port", type=int, default=_env_number("METRICS_PORT", int, 0),
-                   help="port of the Prometheus /metrics endpoint (0: off)")
-    p.add_argument("--http-port", type=int, default=_env_number("HTTP_PORT", int, 8000),
-                   help="port of the OpenAI-compatible HTTP API, on --host (0: off)")
-    p.add_argument("--api-key", default=_env("API_KEY", None),
-                   help="key the HTTP API's /v1 routes require (authorization: Bearer ...)")
-    p.add_argument("--api-key-file", default=_env("API_KEY_FILE", None),
-                   help="file holding the API key (instead of --api-key)")
-    p.add_argument("--served-model-name", nargs="+",
-                   default=_env("SERVED_MODEL_NAME", "").split(","),  # comma separated there
-                   help="model name(s) the HTTP API answers to, the first reported (default: "
-                        "the executor's model name, from its model path)")
-    p.add_argument("--executor-tls-ca", default=_env("EXECUTOR_TLS_CA", None),
-                   help="PEM CA bundle: talk TLS to the executor and verify it")
-    p.add_argument("--executor-tls-server-name", default=_env("EXECUTOR_TLS_SERVER_NAME", None),
-                   help="name to check in the executor's certificate (default: its host)")
-    p.add_argument("--executor-token", default=_env("EXECUTOR_TOKEN", None),
-                   help="shared token presented to the executor")
-    p.add_argument("--executor-token-file", default=_env("EXECUTOR_TOKEN_FILE", None),
-                   help="file holding the executor token (instead of --executor-token)")
-    p.add_argument("--executor-takeover", action="store_true",
-                   default=_env("EXECUTOR_TAKEOVER", "") not in ("", "0", "false"),
-                   help="take the executor's lease even from another live scheduler (honoured "
-                        "only by an executor that requires a token)")
-    p.add_argument("--executor-keepalive", type=float,
-                   default=_env_number("EXECUTOR_KEEPALIVE", float, 10.0),
-                   help="seconds between keepalive pings on the executor link (>= 1)")
-    p.add_argument("--executor-connect-timeout", type=float,
-                   default=_env_number("EXECUTOR_CONNECT_TIMEOUT", float, 5.0),
-                   help="seconds an executor has to answer Describe, then the lease hello, before "
-                        "the next address is tried")
-    p.add_argument("--executor-retry-interval", type=float,
-                   default=_env_number("EXECUTOR_RETRY_INTERVAL", float, 2.0),
-                   help="longest wait between two rounds over the executor addresses while none "
-                        "answers (the waits start at 0.05s and double): how soon an executor "
-                        "that finished loading, or came back, is attached")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"),
-                   help="DEBUG adds a line per request admitted, finished or cancelled")
-    p.add_argument("--log-stats-interval", type=float,
-                   default=_env_number("LOG_STATS_INTERVAL", float, 10.0),
-                   help="seconds between stats lines (sequences, KV pages, tokens/s), logged "
-                        "only for an interval in which a step ran, and between lines saying "
-                        "what the scheduler waits for while no executor is attached (0: off)")
-    p.add_argument("--stream-interval", type=int, default=_env_number("STREAM_INTERVAL", int, 0),
-                   help="hand each stream its tokens every N steps (its first token and its end "
-                        "at once); 0: adaptive, every step while a step samples up to 256 "
-                        "sequences, then every ceil(sampled / 256) steps (vLLM's "
-                        "--stream-interval, made adaptive)")
+    for flag in _FLAGS:
+        shown = flag.shown if flag.shown is not None else f"{flag.default:g}" if isinstance(
+            flag.default, float) else str(flag.default)
+        kwargs = dict(default=_env_default(flag),
+                      help=f"{flag.help} (default: {shown}; env {flag.env})".replace("%", "%%"))
+        if flag.type is bool:
+            kwargs["action"] = "store_true"
+        elif flag.type is list:
+            kwargs["nargs"] = "+"
+        else:
+            kwargs.update(type=flag.type, choices=flag.choices)
+        p.add_argument(flag.name, **kwargs)
+    return p
+
+
+def connection_caps(open_files: int) -> tuple[int, int, int]:
+    """(HTTP cap, gRPC cap, HTTP accept batch) the open-file limit leaves room for: of what the
+    reserved descriptors and the connections accepted before the HTTP cap sees them leave, a half
+    (and the 429 answers' linger above it) and a quarter."""
+    batch = min(max(open_files // 64, 16), 256)
+    spare = max(open_files - _RESERVED_FILES - 4 * batch, 4)
+    return min(spare // 2, _MAX_DERIVED_HTTP_CONNECTIONS), max(spare // 4, 1), batch
+
+
+def _open_file_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_open_file_limit() -> None:
+    """The soft open-file limit up to the hard one (as Go's runtime does): a soft limit of 1,024,
+    common, would cap the HTTP API at a few hundred connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _RAISED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _RAISED_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def parse_config(argv: list[str] | None = None) -> ServiceConfig:
+    p = build_parser()
     a = p.parse_args(argv)
-    if a.max_steps_in_flight not in _STEPS_IN_FLIGHT:  # argparse checks no environment default
-        p.error(f"--max-steps-in-flight must be one of {_STEPS_IN_FLIGHT} (from "
-                f"{_ENV_PREFIX}MAX_STEPS_IN_FLIGHT), got {a.max_steps_in_flight}")
-    if a.stream_interval < 0:
-        p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
-    if not a.executor_keepalive >= 1:
-        p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
-    for flag, value in (("--executor-connect-timeout", a.executor_connect_timeout),
-                        ("--executor-retry-interval", a.executor_retry_interval)):
-        if not value > 0:
-            p.error(f"{flag} must be > 0 seconds, got {value}")
+    _check_values(p, a)
     admin_token = _token(p, a.admin_token, a.admin_token_file, "--admin-token")
     if admin_token is None and not _is_loopback(a.admin_host):
         p.error(f"--admin-host {a.admin_host} is not a loopback address: set --admin-token "
@@ -186,6 +239,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode,
                                 enable_prefix_caching=not a.no_prefix_caching)
+    http_limits, grpc_max_connections = _connection_limits(p, a)
     return ServiceConfig(
         host=a.host, port=a.port, admin_host=a.admin_host, admin_port=a.admin_port,
         admin_token=admin_token,
@@ -206,7 +260,45 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         executor_keepalive_s=a.executor_keepalive,
         executor_connect_timeout_s=a.executor_connect_timeout,
         executor_retry_interval_s=a.executor_retry_interval,
-        log_level=a.log_level)
+        log_level=a.log_level, http_limits=http_limits,
+        grpc_max_connections=grpc_max_connections)
+
+
+def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.max_steps_in_flight not in _STEPS_IN_FLIGHT:  # argparse checks no environment default
+        p.error(f"--max-steps-in-flight must be one of {_STEPS_IN_FLIGHT} (from "
+                f"{_ENV_PREFIX}MAX_STEPS_IN_FLIGHT), got {a.max_steps_in_flight}")
+    if a.stream_interval < 0:
+        p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
+    if not a.executor_keepalive >= 1:
+        p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
+    for flag in ("--executor-connect-timeout", "--executor-retry-interval",
+                 "--http-header-timeout", "--http-body-timeout", "--http-keep-alive-timeout"):
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if not value > 0:
+            p.error(f"{flag} must be > 0 seconds, got {value}")
+    for flag in ("--http-max-connections", "--grpc-max-connections"):
+        if getattr(a, flag[2:].replace("-", "_")) < 0:
+            p.error(f"{flag} must be >= 0 (0: derived from the open-file limit)")
+
+
+def _connection_limits(p: argparse.ArgumentParser, a: argparse.Namespace
+                       ) -> tuple[HttpLimits, int]:
+    """The HTTP limits and the gRPC connection cap; caps the open-file limit cannot hold are an
+    error here rather than accept failures under load."""
+    open_files = _open_file_limit()
+    http_cap, grpc_cap, batch = connection_caps(open_files)
+    limits = HttpLimits(max_connections=a.http_max_connections or http_cap,
+                        header_timeout_s=a.http_header_timeout,
+                        body_timeout_s=a.http_body_timeout,
+                        keep_alive_timeout_s=a.http_keep_alive_timeout, accept_batch=batch)
+    grpc_cap = a.grpc_max_connections or grpc_cap
+    needed = limits.max_descriptors() + grpc_cap + _RESERVED_FILES
+    if (a.http_max_connections or a.grpc_max_connections) and needed > open_files:
+        p.error(f"--http-max-connections {limits.max_connections} and --grpc-max-connections "
+                f"{grpc_cap} need an open-file limit of at least {needed} (ulimit -n is "
+                f"{open_files}): raise it, or lower them")
+    return limits, grpc_cap
 
 
 def _token(parser, value: str | None, path: str | None, flag: str) -> str | None:
@@ -272,34 +364,29 @@ async def serve(config: ServiceConfig) -> None:
     from scheduler_svc.engine import Engine
     from scheduler_svc.metrics import Metrics
     from scheduler_svc.openai_server import OpenAIConfig, OpenAIServer
-    from scheduler_svc.server import Listeners, build_servers
     from scheduler_svc.vllm_metrics import VllmCollector
 
     client = executor_client(config)
     metrics = Metrics()
     engine = Engine(config.engine, client, metrics)
-    limits = config.engine.limits
-    max_message_bytes = limits.max_prompt_bytes + 2 * 1024 * 1024
+    max_message_bytes = config.engine.limits.max_prompt_bytes + 2 * 1024 * 1024
     http = OpenAIServer(engine, OpenAIConfig(config.api_key, config.served_model_names,
-                                             max_message_bytes), metrics.registry)
+                                             max_message_bytes, config.http_limits),
+                        metrics.registry)
     metrics.registry.register(VllmCollector(metrics, http.model_name))
-    if config.metrics_port:
-        metrics.serve(config.metrics_port, config.host)
-    public, admin, health, port, admin_port = build_servers(engine, Listeners(
-        public=f"{config.host}:{config.port}", admin=f"{config.admin_host}:{config.admin_port}",
-        admin_token=config.admin_token, limits=limits, max_message_bytes=max_message_bytes))
+    public, admin, health, (port, admin_port, http_port) = await _listen(
+        config, engine, metrics, http, max_message_bytes)
     reporter = _HealthReporter(health)
     reporter.set(False)
     engine.on_attached_change = _frozen_before_first_serving(reporter.set)
-    await public.start()
-    await admin.start()
-    http_port = await http.start(config.host, config.http_port) if config.http_port else 0
     log.info("scheduler listening on %s:%d (admin on %s:%d%s%s); waiting for an executor at %s",
              config.host, port, config.admin_host, admin_port,
              ", token required" if config.admin_token else "",
              f"; OpenAI API on http://{config.host}:{http_port}/v1"
              f"{', API key required' if config.api_key else ''}" if http_port else "",
              ", ".join(config.executor_addresses))
+    log.info("connections open at once: HTTP %d (then 429), gRPC %d (open-file limit %d)",
+             config.http_limits.max_connections, config.grpc_max_connections, _open_file_limit())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -326,14 +413,77 @@ async def serve(config: ServiceConfig) -> None:
     await _shutdown(config, engine, (public, admin), http, reporter)
 
 
+class StartError(Exception):
+    """The service cannot start (a port in use): one line, naming the flag."""
+
+
+async def _listen(config: ServiceConfig, engine, metrics, http, max_message_bytes: int):
+    """Binds and starts every listener: (public, admin, health, (port, admin port, HTTP port)).
+    Every port is tried before any listener starts; if one still fails, those started are
+    stopped before StartError is raised, so nothing outlives the event loop."""
+    from scheduler_svc.server import Listeners, ListenError, build_servers
+
+    ports = (("--port", config.host, config.port),
+             ("--admin-port", config.admin_host, config.admin_port),
+             ("--http-port", config.host, config.http_port),
+             ("--metrics-port", config.host, config.metrics_port))
+    taken: dict[tuple[str, int], str] = {}
+    for flag, host, port in ports:
+        if port and (host, port) in taken:
+            raise StartError(f"{flag} {port}: {taken[host, port]} listens there already")
+        taken[host, port] = flag
+        _check_free(flag, host, port)
+    failure, servers, flag = None, (), ""
+    try:
+        if config.metrics_port:
+            flag = f"--metrics-port {config.metrics_port}: "
+            metrics.serve(config.metrics_port, config.host)
+        flag = ""
+        public, admin, health, port, admin_port = build_servers(engine, Listeners(
+            public=f"{config.host}:{config.port}", admin=f"{config.admin_host}:{config.admin_port}",
+            admin_token=config.admin_token, limits=config.engine.limits,
+            max_message_bytes=max_message_bytes, max_connections=config.grpc_max_connections))
+        servers = (public, admin)
+        await public.start()
+        await admin.start()
+        flag = f"--http-port {config.http_port}: "
+        http_port = await http.start(config.host, config.http_port) if config.http_port else 0
+    except RuntimeError as err:  # ListenError among them
+        if isinstance(err, ListenError):
+            flag = (f"--port {config.port}: " if err.listener == "public"
+                    else f"--admin-port {config.admin_port}: ")
+        failure = f"{flag}{err}"
+    if failure is None:
+        return public, admin, health, (port, admin_port, http_port)
+    # the error (and the frames it holds, servers among them) is gone: stop what started
+    await asyncio.gather(*(server.stop(None) for server in servers))
+    raise StartError(failure)
+
+
+def _check_free(flag: str, host: str, port: int) -> None:
+    """StartError naming `flag` if host:port cannot be bound (grpc would log its own lines)."""
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host.strip("[]"), port), family=family).close()
+    except OSError as err:
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise StartError(f"{flag} {port}: cannot listen on {host}:{port} (in use, or not an "
+                         f"address here): {reason}") from None
+
+
 async def _log_while_detached(engine, interval_s: float) -> None:
     """Every `interval_s` without an executor attached (the first one may take minutes to load
-    its model; a lost one may never come back), a line saying what the scheduler waits for."""
+    its model; a lost one may never come back), a line saying what the scheduler waits for.
+    Silent while the link to an executor is up: the client logs `attached executor` as its stream
+    opens, before the engine has loaded the tokenizer and counts as attached."""
     num_intervals = 0
     while True:
         await asyncio.sleep(interval_s)
         status = engine.status()
-        num_intervals = 0 if status.attached else num_intervals + 1
+        linked = engine.client.disconnected_since is None
+        num_intervals = 0 if status.attached or linked else num_intervals + 1
         if num_intervals:
             log.info("still no executor attached after %gs: %s", num_intervals * interval_s,
                      status.attach_error or "waiting for one")
@@ -395,16 +545,17 @@ class _HealthReporter:
 
 
 def main(argv: list[str] | None = None) -> None:
+    raise_open_file_limit()
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(config))
+    except StartError as err:
+        _fail(str(err), code=1)
     except Exception as err:  # noqa: BLE001 - a start failure: one line, traceback on debug
         if str(config.log_level).upper() == "DEBUG":
             traceback.print_exception(err)
-        if "cannot listen" in str(err):  # a listener that cannot bind
-            _fail(str(err), code=1)
         first_line = (str(err).strip().splitlines() or [""])[0]
         _fail(f"{type(err).__name__}: {first_line} (--log-level debug shows the traceback)", 1)
 

@@ -6,6 +6,7 @@ Each Metrics instance owns its own registry, so tests can run several engines in
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -120,8 +121,13 @@ class Metrics:
             registry=r)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Starts the /metrics HTTP endpoint in a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+        """Starts the /metrics HTTP endpoint in a daemon thread; RuntimeError "cannot listen on
+        ..." if it cannot bind, as the other listeners."""
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise RuntimeError(f"cannot listen on {host}:{port} (in use, or not an address "
+                               f"here): {os.strerror(err.errno) if err.errno else err}") from err
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         """Copies the scheduler's gauges and counters (Scheduler.stats()); called once per step."""

@@ -2,17 +2,19 @@
 response and stream-chunk bodies built from engine events (logprobs included). No HTTP, no gRPC,
 no torch.
 
-A feature the engine does not have (tools, `echo`, ...) is refused with InvalidArgument naming
-it, unless it has its neutral value: nothing a client sets is silently dropped.
+A feature the engine does not have (tools, `echo`, guided decoding, ...) is refused with
+InvalidArgument naming it unless it has a neutral value: nothing a client sets is silently dropped.
 """
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import MAX_N as MAX_ENGINE_N
@@ -20,6 +22,8 @@ from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
 from scheduler_svc.sampling_params import (MAX_LOGPROBS, SamplingParams, StoppingParams,
                                            TokenLogprobs)
 from scheduler_svc.sequence import FinishReason
+
+log = logging.getLogger(__name__)
 
 # OpenAI's own bound on `n`. The engine samples up to request.MAX_N of them from one prefill
 # (parallel sampling); a larger n is split into engine requests of at most that many.
@@ -39,35 +43,47 @@ FINISH_REASONS = {
 }
 
 
+# JSON types as OpenAI checks them: "max_tokens": "4" or "stream": 1 is a 400 (pydantic's lax mode
+# would take them), while a float takes a JSON integer (temperature 1). NaN and Infinity, which
+# pydantic's JSON reader accepts, are refused (allow_inf_nan=False on every model).
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+_CONFIG = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = _CONFIG
+
+    include_usage: Bool = False
 
 
 class _SamplingRequest(BaseModel):
-    """What both endpoints share. Unknown fields are accepted and ignored, as vLLM does."""
+    """What both endpoints share. Unknown fields are accepted and ignored, as vLLM does (logged
+    once per name); known ones the engine lacks are refused unless neutral (`_UNSUPPORTED`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _CONFIG
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    n: Int = Field(1, ge=1, le=MAX_N)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-2**63, lt=2**64)
-    temperature: float | None = None  # None: OpenAI's default, 1.0
-    top_p: float | None = None
-    max_tokens: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: Int | None = Field(None, ge=-2**63, lt=2**64)
+    temperature: Float | None = None  # None: OpenAI's default, 1.0
+    top_p: Float | None = None
+    max_tokens: Int | None = None
+    presence_penalty: Float | None = 0.0
+    frequency_penalty: Float | None = 0.0
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int = 0
+    ignore_eos: Bool = False
+    stop_token_ids: list[Int] | None = None
 
     def num_logprobs(self) -> int | None:
         """The engine's logprobs: None, or how many alternatives each token comes with."""
@@ -75,14 +91,14 @@ class _SamplingRequest(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _CONFIG
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _CONFIG
 
     role: str
     content: str | list[ContentPart] | None = None
@@ -90,9 +106,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -103,15 +119,84 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]]
     # OpenAI's legacy limit is 5; vLLM's (and the engine's) 20
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = False
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+_STRUCTURED = "structured output (guided decoding) is not supported yet"
+_NOT_SUPPORTED = "not supported"
+_OFF = (None, False, "", [], {})  # what leaves a feature off
+_ON = (None, True)  # what leaves on what the engine always does
+# Fields of OpenAI's and vLLM's APIs that the engine does not implement: (the values that change
+# nothing, why any other is refused). Any other value is a 400 naming the field.
+_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    **{name: (_OFF, _STRUCTURED) for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")},
+    **{name: (_OFF, _NOT_SUPPORTED) for name in (
+        "use_beam_search", "include_stop_str_in_output", "truncate_prompt_tokens",
+        "prompt_logprobs", "allowed_token_ids", "bad_words", "return_tokens_as_token_ids",
+        "return_token_ids", "logits_processors", "vllm_xargs", "kv_transfer_params",
+        "mm_processor_kwargs", "cache_salt", "thinking_token_budget", "store", "prediction",
+        "audio", "web_search_options", "reasoning_effort")},
+    "skip_special_tokens": (_ON, "only true (special tokens are never in the text)"),
+    "spaces_between_special_tokens": (_ON, "only true is supported"),
+    "length_penalty": ((None, 1), "beam search is not supported"),
+    "priority": ((None, 0), "priority scheduling is not supported"),
+    "service_tier": ((None, "auto", "default"), "only \"auto\" or \"default\" is supported"),
+}
+_UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED,
+    **{name: (_OFF, _NOT_SUPPORTED) for name in (
+        "echo", "continue_final_message", "chat_template", "chat_template_kwargs", "documents")},
+    "add_special_tokens": ((None, False), "only false (the chat template places them)"),
+    "add_generation_prompt": (_ON, "only true is supported"),
+    "modalities": ((None, ["text"]), "only [\"text\"] is supported"),
+    "function_call": ((None, "none", "auto"), "function calling is not supported"),
+    # tools are refused, so whether they may run in parallel changes nothing
+    "parallel_tool_calls": ((None, True, False), _NOT_SUPPORTED),
+}
+_UNSUPPORTED_COMPLETION = {
+    **_UNSUPPORTED,
+    "add_special_tokens": (_ON, "only true is supported"),
+    "response_format": ((None, {"type": "text"}), "only {\"type\": \"text\"} is supported"),
+}
+# Names of ignored unknown fields already logged: a warning once per name (a client that sends one
+# with every request must not flood the log), up to this many names.
+_MAX_WARNED_NAMES = 256
+_warned_names: set[str] = set()
+
+
+def _same(value, neutral) -> bool:
+    """JSON equality: Python's == takes true for 1 and false for 0; JSON does not."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
+
+
+def _refuse_unsupported(req: _SamplingRequest, unsupported: dict[str, tuple[tuple, str]]) -> None:
+    """A 400 for a known field the engine lacks, set to anything but a neutral value; unknown
+    fields are ignored (logged once per name)."""
+    unknown = []
+    for name, value in (req.model_extra or {}).items():
+        if name not in unsupported:
+            unknown.append(name)
+            continue
+        neutral, reason = unsupported[name]
+        if not any(_same(value, v) for v in neutral):
+            raise InvalidArgument(name, reason)
+    new = [name for name in unknown if name not in _warned_names]
+    if new and len(_warned_names) < _MAX_WARNED_NAMES:
+        _warned_names.update(new)
+        log.warning("ignored request fields this server does not know: %s",
+                    ", ".join(repr(name[:64]) for name in new[:16]))
 
 
 def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
@@ -122,6 +207,8 @@ def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
         raise InvalidArgument("tool_choice", "tool calling is not supported")
     if req.response_format is not None and req.response_format.get("type") != "text":
         raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
+    best_of = ((None, 1, req.n), f"only equal to n ({req.n}) is supported")
+    _refuse_unsupported(req, {**_UNSUPPORTED_CHAT, "best_of": best_of})
 
 
 def _refuse_completion_extras(req: CompletionRequest) -> None:
@@ -131,6 +218,7 @@ def _refuse_completion_extras(req: CompletionRequest) -> None:
         raise InvalidArgument("suffix", "not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidArgument("best_of", f"only equal to n ({req.n}) is supported")
+    _refuse_unsupported(req, _UNSUPPORTED_COMPLETION)
 
 
 def _sampling(req: _SamplingRequest, sample: int) -> SamplingParams:
@@ -151,14 +239,19 @@ def _sampling(req: _SamplingRequest, sample: int) -> SamplingParams:
     )
 
 
+# A token id as a logit_bias key: at most ten ASCII digits (uint32) written as a JSON integer
+# literal would be, without its sign: no spaces, "+", leading zeros or other scripts' digits.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} as the engine's sorted (id, bias) pairs."""
     pairs = []
     for key, value in (bias or {}).items():
-        try:
-            pairs.append((int(key), float(value)))
-        except ValueError:
-            raise InvalidArgument("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidArgument("logit_bias", "keys must be token ids in decimal digits (at "
+                                  f"most 10, no sign, spaces or leading zeros), got {key[:16]!r}")
+        pairs.append((int(key), value))
     return tuple(sorted(pairs))
 
 

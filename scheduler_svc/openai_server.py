@@ -4,15 +4,19 @@ scheduler's event loop, over the same Engine as Generate: one admission path, on
 
 Domain errors become OpenAI error bodies in `_error_response` (with the parameter renamed as the
 API calls it by `_bad_parameter`), or, once a stream has started, an error event. A client that
-goes away cancels its request. No gRPC, no torch.
+goes away cancels its request. Connection bounds live in http_protocol. No gRPC, no torch.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import hmac
 import json
 import logging
+import math
+import os
 import socket
 import time
 import uuid
@@ -24,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -32,6 +36,7 @@ from scheduler_svc import openai_protocol as protocol
 from scheduler_svc.engine import Engine, EngineFailed, NoExecutor, QueueFull, ShuttingDown
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.fanout import Fanout
+from scheduler_svc.http_protocol import BoundedHttpToolsProtocol, HttpLimits, throttle_accept_errors
 from scheduler_svc.request import check_request_id
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,11 @@ _STATUS = {
 _PARSE_IN_THREAD_BYTES = 64 * 1024
 # The status nginx logs for a client that closed its connection; nobody receives it.
 _CLIENT_GONE = 499
+_KERNEL_BACKLOG = 2048  # uvicorn's default
+# Error messages echo client values (a model name, a path): clipped, so that an answer stays small
+# whatever the request held.
+MAX_MESSAGE_CHARS = 1024
+_MAX_ECHO_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class OpenAIConfig:
     # --served-model-name: the first is reported; empty: the attached executor's model name
     served_model_names: tuple[str, ...] = ()
     max_body_bytes: int = 3 * 1024 * 1024
+    limits: HttpLimits = HttpLimits()
 
 
 class ApiError(Exception):
@@ -68,8 +79,17 @@ class ApiError(Exception):
                                                                        param, code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": self.code}}, self.status)
+        param = None if self.param is None else clip(self.param, _MAX_ECHO_CHARS)
+        return JSONResponse({"error": {"message": clip(self.message, MAX_MESSAGE_CHARS),
+                                       "type": self.type, "param": param, "code": self.code}},
+                            self.status)
+
+
+def clip(text: str, limit: int = _MAX_ECHO_CHARS) -> str:
+    """`text`, cut to `limit` characters (an ellipsis and the full length said) if longer."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class _ClientGone(Exception):
@@ -97,6 +117,15 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+    async def startup(self, sockets=None) -> None:
+        """asyncio accepts up to `backlog` connections at a wakeup, all before the connection cap
+        counts them, and passes the same number to listen(): a small one bounds the descriptors
+        the cap cannot see; the kernel's queue is then set back to a large one, so that a burst
+        of clients is queued, not dropped."""
+        await super().startup(sockets)
+        for sock in sockets or ():
+            sock.listen(_KERNEL_BACKLOG)
 
 
 class OpenAIServer:
@@ -128,11 +157,16 @@ class OpenAIServer:
             self._socket = socket.create_server((host.strip("[]"), port), family=_family(host))
         except OSError as err:
             raise RuntimeError(f"cannot listen on {host}:{port} (in use, or not an address "
-                               f"here): {err.strerror or err}") from err
+                               f"here): {os.strerror(err.errno) if err.errno else err}") from err
         # lifespan off and no log config: the scheduler owns logging; no access log (requests
-        # are logged by the engine at DEBUG)
-        self._server = _Server(uvicorn.Config(self.app, lifespan="off", log_config=None,
-                                              access_log=False, timeout_graceful_shutdown=5))
+        # are logged by the engine at DEBUG); no WebSocket route, so no WebSocket protocol
+        limits = self.config.limits
+        protocol = functools.partial(BoundedHttpToolsProtocol, limits=limits)
+        self._server = _Server(uvicorn.Config(
+            self.app, http=protocol, ws="none", lifespan="off", log_config=None,
+            access_log=False, timeout_graceful_shutdown=5, backlog=limits.accept_batch,
+            timeout_keep_alive=limits.keep_alive_timeout_s))
+        throttle_accept_errors(asyncio.get_running_loop())
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]),
                                          name="http-server")
         self._task.add_done_callback(self._on_server_end)
@@ -227,7 +261,7 @@ class OpenAIServer:
         names = self._model_names()
         if names is not None:
             _check_model(body.model, names)
-        fanout = Fanout(self.engine, endpoint.specs(body, request_id))
+        fanout = Fanout(self.engine, _with_deadline(endpoint.specs(body, request_id), request))
         try:
             await _unless_disconnected(request, fanout.started())
             if names is None:  # no executor had attached: its model is known now
@@ -246,6 +280,7 @@ class OpenAIServer:
         return self._texts
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        _check_json(request)
         body = await _read_body(request, self.config.max_body_bytes)
         try:
             if len(body) > _PARSE_IN_THREAD_BYTES:
@@ -284,11 +319,27 @@ class OpenAIServer:
             return err.response()
         for kind, (status, type_) in _STATUS.items():
             if isinstance(err, kind):
-                return ApiError(status, str(err), type_,
-                                getattr(err, "field", None)).response()
+                response = ApiError(status, str(err), type_,
+                                    getattr(err, "field", None)).response()
+                if isinstance(err, QueueFull):  # OpenAI's SDKs retry after it (up to 60 s)
+                    response.headers["Retry-After"] = str(err.retry_after_s)
+                return response
         log.error("%s %s failed", request.method, request.url.path, exc_info=err)
         return ApiError(500, "internal error; the scheduler's log has the details",
                         "server_error").response()
+
+
+def _with_deadline(specs: list, request: Request) -> list:
+    """The specs with the client's deadline, where it sends one: OpenAI's SDKs send their read
+    timeout, by which the first byte of the answer must come (x-stainless-read-timeout)."""
+    try:
+        timeout = float(request.headers.get("x-stainless-read-timeout", "nan"))
+    except ValueError:
+        return specs
+    if not 0 < timeout < math.inf:
+        return specs
+    deadline = time.monotonic() + timeout
+    return [dataclasses.replace(spec, deadline=deadline) for spec in specs]
 
 
 def _bad_parameter(err: InvalidArgument, body) -> ApiError:
@@ -300,9 +351,19 @@ def _bad_parameter(err: InvalidArgument, body) -> ApiError:
 
 def _check_model(model: str | None, names: tuple[str, ...]) -> None:
     if model is not None and names and model not in names:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+        raise ApiError(404, f"the model {clip(model)!r} does not exist; this server serves "
                        f"{', '.join(repr(n) for n in names)}", param="model",
                        code="model_not_found")
+
+
+def _check_json(request: Request) -> None:
+    """A JSON body only (415 otherwise): a browser posts a form, or text/plain, cross-site
+    without asking first; it must ask (a CORS preflight) before it can send application/json."""
+    given = request.headers.get("content-type", "")
+    if given.split(";", 1)[0].strip().lower() != "application/json":
+        got = repr(clip(given)) if given else "none"
+        raise ApiError(415, f"the body must be JSON, sent with content-type: application/json "
+                       f"(got {got})")
 
 
 def _request_id(request: Request) -> str:
@@ -323,11 +384,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body has {length} bytes; at most {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # mid-upload: nobody to answer, nothing went wrong here
+        raise _ClientGone() from None
     return b"".join(chunks)
 
 
@@ -335,7 +399,7 @@ def _invalid(err: ValidationError) -> ApiError:
     """A pydantic error as a 400 naming the parameter (`messages[0].role`)."""
     first = err.errors()[0]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
-    param = param.lstrip(".") or None
+    param = clip(param.lstrip(".")) or None  # a dict key (logit_bias) is the client's
     if first["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first['msg']}")
     return ApiError(400, f"{param}: {first['msg']}", param=param)
@@ -401,7 +465,8 @@ async def _events(fanout: Fanout, fmt, reply: protocol.Reply, body):
                              (500, "server_error"))
         if status == 500 and not isinstance(err, EngineFailed):
             log.error("stream %s failed", reply.id, exc_info=err)
-        yield _sse({"error": {"message": str(err), "type": type_, "param": None, "code": status}})
+        yield _sse({"error": {"message": clip(str(err), MAX_MESSAGE_CHARS), "type": type_,
+                              "param": None, "code": status}})
     finally:
         fanout.cancel()  # however the stream ends; the response's background task awaits it
     yield _sse("[DONE]")
@@ -409,7 +474,7 @@ async def _events(fanout: Fanout, fmt, reply: protocol.Reply, body):
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
     """Starlette's 404 and 405 in OpenAI's error shape."""
-    message = f"{request.method} {request.url.path}: {exc.detail}"
+    message = f"{request.method} {clip(request.url.path)}: {exc.detail}"
     return ApiError(exc.status_code, message).response()
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.sampling_params import SamplingParams, StoppingParams, TokenLogprobs
+from scheduler_svc.sampling_params import (SamplingParams, StoppingParams, TokenLogprobs,
+                                           shown_ids)
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stop_strings import StopStringMatcher
 
@@ -50,6 +51,8 @@ class GenerateSpec:
     stopping: StoppingParams = field(default_factory=StoppingParams)
     request_id: str = ""
     n: int = 1  # samples of the prompt (parallel sampling)
+    # time.monotonic() past which the client gives up (gRPC deadline, OpenAI SDK read timeout)
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -95,26 +98,31 @@ def check_request_id(request_id: str) -> None:
 
 
 def check_sizes(spec: GenerateSpec, limits: RequestLimits) -> None:
-    """Rejects a prompt over the byte limits; O(1) per chat message, O(prompt) only in C."""
+    """Rejects a prompt over the byte limits, or one that is not Unicode (a lone surrogate: no
+    tokenizer takes one); O(1) per chat message, O(prompt) only in C."""
     if spec.chat is not None:
         if len(spec.chat) > limits.max_chat_messages:
             raise InvalidArgument("prompt.chat.messages", f"at most {limits.max_chat_messages} "
                                   f"messages, got {len(spec.chat)}")
-        num_bytes = sum(_utf8_len(m["role"], limits) + _utf8_len(m["content"], limits)
-                        for m in spec.chat)
+        num_bytes = sum(_utf8_len(m[key], limits, f"prompt.chat.messages[{i}].{key}")
+                        for i, m in enumerate(spec.chat) for key in ("role", "content"))
         field_name = "prompt.chat"
     else:
-        num_bytes, field_name = _utf8_len(spec.prompt_text or "", limits), "prompt.text"
+        field_name = "prompt.text"
+        num_bytes = _utf8_len(spec.prompt_text or "", limits, field_name)
     if num_bytes > limits.max_prompt_bytes:
         raise InvalidArgument(field_name, f"at most {limits.max_prompt_bytes} bytes, got "
                               f"{num_bytes if num_bytes <= 2 * limits.max_prompt_bytes else 'more'}")
 
 
-def _utf8_len(text: str, limits: RequestLimits) -> int:
+def _utf8_len(text: str, limits: RequestLimits, field_name: str) -> int:
     # a str has at least one byte per character: longer ones are refused without encoding them
     if len(text) > limits.max_prompt_bytes:
         return len(text) * 2 + 1
-    return len(text.encode("utf-8", "surrogatepass"))
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument(field_name, "is not valid Unicode (a lone surrogate)") from None
 
 
 def prepare(spec: GenerateSpec, tokenizer, limits: ModelLimits) -> PreparedRequest:
@@ -171,7 +179,7 @@ def _check_prompt_ids(ids: list[int], field_name: str, limits: ModelLimits) -> N
     if bad:
         raise InvalidArgument(
             field_name, f"{len(bad)} ids out of vocabulary (vocab_size {limits.vocab_size}), "
-            f"first {bad[:8]}")
+            f"first {shown_ids(bad)}")
 
 
 def validate_params(spec: GenerateSpec, limits: ModelLimits) -> None:

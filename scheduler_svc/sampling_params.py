@@ -5,6 +5,7 @@ short whatever the input: they quote counts and at most a few items, never a who
 """
 
 import math
+import struct
 from dataclasses import dataclass
 
 from scheduler_svc.errors import InvalidArgument
@@ -24,6 +25,31 @@ MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
 MAX_LOGPROBS = 20
+# The carriers' ranges: Generate's top_k is an int32 and its max_tokens, min_tokens, token ids and
+# logprobs uint32, as are the executor link's; its floats are 32-bit. Both APIs refuse what either
+# wire cannot carry, so one request means the same over HTTP and gRPC.
+MAX_INT32 = 2**31 - 1
+MAX_UINT32 = 2**32 - 1
+
+
+def float32(value: float) -> float:
+    """`value` as a 32-bit float carries it: rounded, inf past the float32 range."""
+    try:
+        return struct.unpack("f", struct.pack("f", float(value)))[0]
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def shown(value: int | float) -> str:
+    """A number for an error message: short however many digits a JSON client sent."""
+    if isinstance(value, int) and abs(value) >= 10**20:
+        return f"{'-' if value < 0 else ''}a {abs(value).bit_length()}-bit integer"
+    return str(value)
+
+
+def shown_ids(ids) -> str:
+    """The first few of `ids` for an error message, each kept short."""
+    return f"[{', '.join(shown(i) for i in list(ids)[:_NUM_IDS_SHOWN])}]"
 
 
 @dataclass(frozen=True)
@@ -56,27 +82,36 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidArgument naming the first out-of-range field; logit_bias ids must be
-        < vocab_size when it is given."""
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidArgument("top_k", f"must be -1 (off) or >= 0, got {self.top_k}")
+        < vocab_size when it is given. A top_k at or above vocab_size keeps every token (off),
+        as vLLM treats it."""
+        # Floats cross the executor link as 32-bit floats: a larger value would arrive as inf.
+        if not (self.temperature >= 0 and math.isfinite(float32(self.temperature))):
+            raise InvalidArgument("temperature", f"must be >= 0 and a finite 32-bit float, "
+                                  f"got {shown(self.temperature)}")
+        # 0 is off on the executor link: a top_p that rounds to it would turn the filter off
+        if not (0 < self.top_p <= 1) or float32(self.top_p) == 0:
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {shown(self.top_p)}")
+        if not -1 <= self.top_k <= MAX_INT32:
+            raise InvalidArgument("top_k", f"must be -1 (off) or in [0, {MAX_INT32}], "
+                                  f"got {shown(self.top_k)}")
         if not (0 <= self.min_p <= 1):
-            raise InvalidArgument("min_p", f"must be in [0, 1], got {self.min_p}")
+            raise InvalidArgument("min_p", f"must be in [0, 1], got {shown(self.min_p)}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise InvalidArgument("seed", f"must be in [0, 2**64), got {self.seed}")
+            raise InvalidArgument("seed", f"must be in [0, 2**64), got {shown(self.seed)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
-                raise InvalidArgument(name, f"must be in [-2, 2], got {value}")
-        if not (0 < self.repetition_penalty < math.inf):
+                raise InvalidArgument(name, f"must be in [-2, 2], got {shown(value)}")
+        if not self.repetition_penalty > 0:
             raise InvalidArgument("repetition_penalty",
-                                  f"must be > 0 (1 is off), got {self.repetition_penalty}")
+                                  f"must be > 0 (1 is off), got {shown(self.repetition_penalty)}")
+        # as top_p, rounding to 0 (off) is refused; and as temperature, overflowing to inf
+        if not 0 < float32(self.repetition_penalty) < math.inf:
+            raise InvalidArgument("repetition_penalty", "must be > 0 and a finite 32-bit float, "
+                                  f"got {shown(self.repetition_penalty)}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidArgument("logprobs",
-                                  f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+                                  f"must be in [0, {MAX_LOGPROBS}], got {shown(self.logprobs)}")
         self._validate_logit_bias(vocab_size)
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
@@ -85,11 +120,11 @@ class SamplingParams:
                                   f"got {len(self.logit_bias)}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise InvalidArgument("logit_bias", "a token id is given twice")
-        upper = math.inf if vocab_size is None else vocab_size
+        upper = MAX_UINT32 + 1 if vocab_size is None else vocab_size
         unknown = [t for t, _ in self.logit_bias if not 0 <= t < upper]
         if unknown:
             raise InvalidArgument("logit_bias", f"{len(unknown)} token ids out of vocabulary "
-                                  f"(vocab_size {vocab_size}), first {unknown[:_NUM_IDS_SHOWN]}")
+                                  f"(vocab_size {vocab_size}), first {shown_ids(unknown)}")
         bad = [b for _, b in self.logit_bias
                if not -MAX_ABS_LOGIT_BIAS <= b <= MAX_ABS_LOGIT_BIAS]
         if bad:
@@ -117,14 +152,16 @@ class StoppingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field; stop ids must be < vocab_size."""
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidArgument("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise InvalidArgument("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_UINT32:
+            raise InvalidArgument("max_tokens", f"must be in [1, {MAX_UINT32}], "
+                                  f"got {shown(self.max_tokens)}")
+        if not 0 <= self.min_tokens <= MAX_UINT32:
+            raise InvalidArgument("min_tokens", f"must be in [0, {MAX_UINT32}], "
+                                  f"got {shown(self.min_tokens)}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidArgument(
                 "min_tokens",
-                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+                f"must be <= max_tokens ({self.max_tokens}), got {shown(self.min_tokens)}")
         self._validate_stop()
         self._validate_stop_token_ids(vocab_size)
 
@@ -149,4 +186,4 @@ class StoppingParams:
         if unknown:
             raise InvalidArgument(
                 "stop_token_ids", f"{len(unknown)} unknown stop ids (vocab_size {vocab_size}), "
-                f"first {unknown[:_NUM_IDS_SHOWN]}")
+                f"first {shown_ids(unknown)}")

@@ -5,9 +5,12 @@ gRPC."""
 
 import bisect
 import random
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from scheduler_svc.admission import DrainRate
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
@@ -37,10 +40,15 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 *, rng: random.Random | None = None) -> None:
+                 *, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.block_manager = block_manager
         self._rng = rng if rng is not None else random.Random()
+        self._clock = clock
+        # How fast waiting seqs start: admission refuses a request the queue would starve.
+        self._drain = DrainRate()
+        self._num_started = 0  # seqs taken off the waiting queue (or forked) this pass
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -137,7 +145,13 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Sequences waiting to start: queued ones, and samples waiting to fork from their
+        request's first sample (what admission bounds)."""
+        return len(self.waiting) + len(self._fork_parent)
+
+    def drain_rate(self) -> float | None:
+        """Waiting sequences started per second while some waited; None until measured."""
+        return self._drain.rate()
 
     @property
     def num_swapped(self) -> int:
@@ -169,6 +183,8 @@ class Scheduler:
                                         self.block_manager.num_used_gpu_blocks)
         if plan.is_empty:  # never sent: the next plan takes its id, so the executor sees no gap
             self._step_id -= 1
+        self._drain.observe(self._clock(), self._num_started, self.num_waiting)
+        self._num_started = 0
         return plan
 
     def _cache_full_blocks(self) -> None:
@@ -304,6 +320,7 @@ class Scheduler:
             self.num_prefix_cache_queries += seq.num_tokens
             self.num_prefix_cache_hits += seq.num_computed_tokens
             self.waiting.popleft()
+            self._num_started += 1
             self._set_running(seq)
             self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
 
@@ -332,6 +349,7 @@ class Scheduler:
                 samples.pop(0)
                 del self._fork_parent[sample.seq_id]
                 sample.num_computed_tokens = sample.num_tokens - 1
+                self._num_started += 1
                 self._set_running(sample)
                 self._add_to_plan(sample, 1, [], plan, budget)
             del self._forks[parent.seq_id]
@@ -540,6 +558,7 @@ class Scheduler:
         self._pending_finished_ids = []
         self._seqs_to_cache = set()  # the new executor's cache is empty: so is the prefix cache
         self._last_updated_step_id = self._step_id
+        self._drain.pause()  # no seq starts until an executor is back: not a slow queue
 
     # ---- owner API: what the engine asks instead of reaching into the block manager ----------
 
@@ -558,8 +577,7 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(
             running=len(self.running), swapped=len(self.swapped),
-            # samples waiting to fork wait too, though in no queue
-            waiting=len(self.waiting) + len(self._fork_parent),
+            waiting=self.num_waiting,
             gpu_blocks_used=bm.num_gpu_blocks - bm.num_free_gpu_blocks,
             gpu_blocks_total=bm.num_gpu_blocks,
             cpu_blocks_used=bm.num_cpu_blocks - bm.num_free_cpu_blocks,

@@ -7,8 +7,10 @@ Thin servicers: message in, one engine call, messages out. Domain errors become 
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -79,6 +81,9 @@ class GeneratorServicer(generate_pb2_grpc.GeneratorServicer):
             spec = wire.spec_from_proto(request, request.request_id or uuid.uuid4().hex,
                                         self.limits)
             request_id = spec.request_id
+            remaining = context.time_remaining()  # None: the client set no deadline
+            if remaining is not None:
+                spec = dataclasses.replace(spec, deadline=time.monotonic() + remaining)
             async for events in self.engine.generate_batches(spec):
                 for msg in wire.events_to_protos(events, request_id):
                     yield msg
@@ -89,7 +94,10 @@ class GeneratorServicer(generate_pb2_grpc.GeneratorServicer):
                 await context.abort(grpc.StatusCode.INTERNAL,
                                     f"internal error in request {request_id or '(invalid id)'}; "
                                     "the scheduler's log has the details")
-            await context.abort(code, _details(err))
+            # gRPC's retry pushback (gRFC A6): when a retrying client may try again
+            pushback = ((("grpc-retry-pushback-ms", str(err.retry_after_s * 1000)),)
+                        if isinstance(err, QueueFull) else ())
+            await context.abort(code, _details(err), pushback)
 
     async def ModelInfo(self, request, context):
         try:
@@ -197,20 +205,50 @@ class Listeners:
     # gRPC's own cap on a request, above the prompt limit (room for the other fields): a larger
     # message is refused by the transport before it is parsed.
     max_message_bytes: int = 4 * 1024 * 1024
+    max_connections: int = 256  # on the public listener; beyond it a connection is closed at once
 
 
-def _server(listen: str, max_receive: int, interceptors=()):
+class ListenError(RuntimeError):
+    """A listener that cannot bind; `listener` says which ("public" or "admin")."""
+
+    def __init__(self, listener: str, address: str) -> None:
+        super().__init__(f"cannot listen on {address} (in use, or not an address here)")
+        self.listener = listener
+
+
+# Each listener's connection hygiene. Server pings find dead clients (a host that vanished
+# holds its streams and a descriptor until then); a client may ping every 5 s, under every SDK's
+# 10 s floor, with or without calls, and a ping flood ends its connection (two strikes). Idle
+# connections (no call) close after 5 minutes: the client reconnects at its next call. There is
+# no max connection age: it would cut a long Generate stream once its grace ran out.
+_CONNECTION_OPTIONS = (
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet stream (queued request)
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.max_connection_idle_ms", 300_000),
+    ("grpc.server_handshake_timeout_ms", 10_000),  # a connection that never speaks HTTP/2
+    ("grpc.max_concurrent_streams", 2048),  # per connection; more wait at the client
+)
+_MAX_ADMIN_CONNECTIONS = 64
+
+
+def _server(name: str, listen: str, max_receive: int, max_connections: int, interceptors=()):
     server = grpc.aio.server(interceptors=list(interceptors), options=[
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.max_receive_message_length", max_receive),
         ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not share it
+        # beyond it a connection is closed at once: the process never runs out of descriptors
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        *_CONNECTION_OPTIONS,
     ])
     try:
         port = server.add_insecure_port(listen)
     except RuntimeError as err:
-        raise RuntimeError(f"cannot listen on {listen} (in use, or not an address here)") from err
+        raise ListenError(name, listen) from err
     if port == 0:
-        raise RuntimeError(f"cannot listen on {listen} (in use, or not an address here)")
+        raise ListenError(name, listen)
     return server, port
 
 
@@ -219,13 +257,15 @@ def build_servers(engine: Engine, listeners: Listeners):
     share the health servicer; reflection (v1 and v1alpha) describes only what each one serves."""
     health = HealthServicer()
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    public, public_port = _server(listeners.public, listeners.max_message_bytes)
+    public, public_port = _server("public", listeners.public, listeners.max_message_bytes,
+                                  listeners.max_connections)
     _add_generator(GeneratorServicer(engine, listeners.limits), public)
     _refuse_admin(public)
     health_pb2_grpc.add_HealthServicer_to_server(health, public)
     reflection.enable((SERVICE_NAME, health_name), public)
     interceptors = [_AdminToken(listeners.admin_token)] if listeners.admin_token else []
-    admin, admin_port = _server(listeners.admin, 1024 * 1024, interceptors)
+    admin, admin_port = _server("admin", listeners.admin, 1024 * 1024, _MAX_ADMIN_CONNECTIONS,
+                                interceptors)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), admin)
     health_pb2_grpc.add_HealthServicer_to_server(health, admin)
     reflection.enable((ADMIN_SERVICE_NAME, health_name), admin)

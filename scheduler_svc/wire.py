@@ -133,30 +133,45 @@ def _pairs(pairs: list[tuple[int, int]]) -> list[executor_pb2.BlockPair]:
 
 
 def plan_to_proto(plan: StepPlan) -> executor_pb2.StepPlan:
-    new_seqs = []
-    for s in plan.new_seqs:
-        first = first_token(s)
-        new_seqs.append(executor_pb2.NewSeq(
-            seq_id=s.seq_id,
-            token_ids=s.token_ids[first:] if first else s.token_ids,
-            block_table=s.block_table,
-            num_computed_tokens=s.num_computed_tokens,
-            num_scheduled_tokens=s.num_scheduled_tokens,
-            sampling=_sampling_options(s.sampling, s.seed),
-            num_prompt_tokens=s.num_prompt_tokens or 0,
-            first_token=first,
-        ))
+    """The plan's message; raises ValueError or TypeError when a field does not fit its wire type
+    (`unencodable_seq_ids` then says which new seqs are the cause)."""
     msg = executor_pb2.StepPlan(
         step_id=plan.step_id,
         swap_out=_pairs(plan.swap_out),
         swap_in=_pairs(plan.swap_in),
         copy=_pairs(plan.copy),
-        new_seqs=new_seqs,
+        new_seqs=[_new_seq(s) for s in plan.new_seqs],
         finished_seq_ids=plan.finished_seq_ids,
         preempted_seq_ids=plan.preempted_seq_ids,
     )
     _fill_cached_seqs(plan.cached_seqs, msg.cached)
     return msg
+
+
+def unencodable_seq_ids(plan: StepPlan) -> list[int]:
+    """The new seqs of `plan` whose own message cannot be encoded (a value out of its wire type's
+    range): a failure those explain is theirs alone."""
+    bad = []
+    for s in plan.new_seqs:
+        try:
+            _new_seq(s)
+        except (ValueError, TypeError, OverflowError):
+            bad.append(s.seq_id)
+    return bad
+
+
+def _new_seq(s: NewSeqPlan) -> executor_pb2.NewSeq:
+    first = first_token(s)
+    return executor_pb2.NewSeq(
+        seq_id=s.seq_id,
+        token_ids=s.token_ids[first:] if first else s.token_ids,
+        block_table=s.block_table,
+        num_computed_tokens=s.num_computed_tokens,
+        num_scheduled_tokens=s.num_scheduled_tokens,
+        sampling=_sampling_options(s.sampling, s.seed),
+        num_prompt_tokens=s.num_prompt_tokens or 0,
+        first_token=first,
+    )
 
 
 def first_token(s: NewSeqPlan) -> int:
@@ -189,6 +204,24 @@ def _fill_cached_seqs(cached: CachedSeqs, out: executor_pb2.CachedSeqs) -> None:
     out.num_computed_tokens.extend(cached.num_computed_tokens)
     out.num_new_blocks.extend(cached.num_new_blocks)
     out.new_block_ids.extend(cached.new_block_ids)
+
+
+# Trailing metadata of an Execute stream that failed because of some seqs' own content (a token
+# id or a sampling option the executor refuses): their ids, comma-separated. executor_svc.wire
+# writes it under the same key.
+BAD_SEQ_IDS_KEY = "pagedserve-bad-seq-ids"
+_MAX_BAD_SEQ_IDS = 1024
+
+
+def bad_seq_ids(metadata) -> tuple[int, ...]:
+    """The seq ids that a failed stream's trailing metadata names; () if none or unreadable."""
+    for key, value in metadata or ():
+        if key == BAD_SEQ_IDS_KEY and isinstance(value, str):
+            try:
+                return tuple(int(v) for v in value.split(",", _MAX_BAD_SEQ_IDS)[:_MAX_BAD_SEQ_IDS])
+            except ValueError:
+                return ()
+    return ()
 
 
 def result_from_proto(result: executor_pb2.StepResult) -> StepResult:

@@ -439,7 +439,7 @@ def open_stream(services, n: int = 1, max_tokens: int = 1500,
     conn.request("POST", "/v1/completions", json.dumps({
         "model": MODEL, "prompt": [[5, 6, 7]] * num_prompts, "n": n, "max_tokens": max_tokens,
         "stream": True,
-        "ignore_eos": True}), {"authorization": f"Bearer {KEY}"})
+        "ignore_eos": True}), {"authorization": f"Bearer {KEY}", "content-type": "application/json"})
     return conn
 
 
@@ -480,7 +480,8 @@ def test_a_client_that_disconnects_frees_its_pages_within_a_step(services, strea
         conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=120)
         conn.request("POST", "/v1/chat/completions", json.dumps({
             "model": MODEL, "messages": MESSAGES, "n": 2, "max_tokens": 1500,
-            "ignore_eos": True}), {"authorization": f"Bearer {KEY}"})
+            "ignore_eos": True}), {"authorization": f"Bearer {KEY}",
+                                   "content-type": "application/json"})
     try:
         if stream:
             assert conn.getresponse().readline().startswith(b"data: ")  # tokens are flowing

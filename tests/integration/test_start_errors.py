@@ -3,6 +3,8 @@ the traceback shows only at --log-level debug. Runs the mains in-process (no mod
 for the harness's start of real processes that cannot start."""
 from __future__ import annotations
 
+import resource
+import socket
 import subprocess
 import sys
 import time
@@ -179,3 +181,71 @@ def test_executor_link_timings_reach_the_client(monkeypatch):
          "--executor-retry-interval", "10"]))
     assert (client.step_timeout_s, client.describe_timeout_s, client.max_backoff_s) == (
         7.0, 30.0, 10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--port", "--admin-port", "--http-port", "--metrics-port"])
+def test_a_port_in_use_is_one_line_naming_its_flag(flag):
+    """The real command, nothing but the line on its output, and a non-zero exit."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        ports = {"--port": 0, "--admin-port": 0, "--http-port": 0, "--metrics-port": 0, flag: port}
+        done = subprocess.run([sys.executable, "-m", "scheduler_svc.main", "--executor",
+                               "127.0.0.1:1", *(str(x) for item in ports.items() for x in item)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"pagedserve-scheduler: error: {flag} {port}: cannot listen on 127.0.0.1:{port} (in use, "
+        "or not an address here): Address already in use"]
+
+
+def _lower_open_files(limit: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+@pytest.mark.slow
+def test_the_http_cap_derives_from_the_open_file_limit_and_holds(tmp_path):
+    """At an open-file limit of 400 the derived cap is 104 HTTP connections: a flood of 600
+    gets 429s, then closes, and never an accept failure (out of descriptors); a fresh client is
+    served at once after."""
+    http_port = free_port()
+    log_path = tmp_path / "scheduler.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_svc.main", "--executor", "127.0.0.1:1", "--port",
+             "0", "--admin-port", "0", "--http-port", str(http_port)],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_lower_open_files(400))
+    try:
+        while "connections open at once" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.05)
+        assert "connections open at once: HTTP 104 (then 429), gRPC 52 (open-file limit 400)" in (
+            log_path.read_text())
+        flood = [socket.create_connection(("127.0.0.1", http_port)) for _ in range(600)]
+        time.sleep(0.5)
+        replies = [_pending(sock) for sock in flood]
+        for sock in flood:
+            sock.close()
+        assert replies.count(None) == 104 and replies.count(b"HTTP/1.1 429") >= 16, replies
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", http_port), timeout=5) as fresh:
+            fresh.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            assert fresh.recv(4096).startswith(b"HTTP/1.1 503 ")  # no executor: but served
+        assert time.monotonic() - started < 1
+        assert "cannot accept" not in log_path.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _pending(sock: socket.socket) -> bytes | None:
+    """The start of what the server sent: b"" if it closed the connection, None if nothing."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(4096)[:12]
+    except BlockingIOError:
+        return None
+    except ConnectionResetError:
+        return b""

@@ -2,6 +2,7 @@
 lost and recomputed on, a failing step loop ends its streams loudly and serving resumes, and
 requests sent before an executor attaches wait for it within the grace period."""
 import asyncio
+import dataclasses
 import time
 from collections import deque
 
@@ -9,7 +10,7 @@ import pytest
 
 from sched_factories import FakeExecutor
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine, EngineConfig, EngineFailed, NoExecutor
+from scheduler_svc.engine import Engine, EngineConfig, EngineFailed, NoExecutor, QueueFull
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.executor_client import ExecutorLost
 from scheduler_svc.plan import StepResult
@@ -439,3 +440,175 @@ def test_max_steps_in_flight_takes_only_the_supported_depths(value, ok, monkeypa
     else:
         with pytest.raises(SystemExit):
             parse_config([])
+
+
+# --- admission by sequences and deadlines; an executor lost while idle; a lease taken over -------
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def started(client: FakeClient, config: EngineConfig):
+    engine = Engine(config, client)
+    health: list[bool] = []
+    engine.on_attached_change = health.append
+    await engine.start()
+    await engine.wait_ready()
+    return engine, health
+
+
+def wide(i: int, n: int, **kw) -> GenerateSpec:
+    return dataclasses.replace(spec(i), n=n, **kw)
+
+
+def test_admission_counts_every_sample_against_max_waiting():
+    async def body():
+        client = FakeClient()
+        engine, _ = await started(client, EngineConfig(SchedulerConfig(max_num_seqs=1),
+                                                       max_waiting=16))
+        try:
+            client.results_flow.clear()  # nothing finishes: what is admitted stays
+            tasks = [asyncio.create_task(collect(engine, spec(0)))]
+            await until(lambda: engine.scheduler.num_running == 1)
+            tasks.append(asyncio.create_task(collect(engine, wide(1, 16))))
+            await until(lambda: engine.num_requests == 17)
+            assert engine.scheduler.num_waiting == 16
+            refused = await collect(engine, spec(2))
+            assert isinstance(refused, QueueFull), refused
+            assert "16 sequences are waiting" in str(refused)
+            assert "over --max-waiting (16)" in str(refused)
+            assert 1 <= refused.retry_after_s <= 60
+            assert engine.num_requests == 17  # nothing of the refused request stays
+            client.results_flow.set()
+            outputs = await asyncio.gather(*tasks)
+            assert all(isinstance(o, list) for o in outputs)
+        finally:
+            await engine.stop()
+
+    run(body())
+
+
+def test_a_request_wider_than_the_bound_is_admitted_when_none_wait():
+    async def body():
+        engine, _ = await started(FakeClient(), EngineConfig(max_waiting=4))
+        try:
+            tokens = [e async for e in engine.generate(wide(1, 8)) if isinstance(e, FinishEvent)]
+            assert len(tokens) == 8
+        finally:
+            await engine.stop()
+
+    run(body())
+
+
+def test_a_request_the_queue_would_starve_past_its_deadline_is_refused_at_once():
+    async def body():
+        client = FakeClient()
+        engine, _ = await started(client, EngineConfig(SchedulerConfig(max_num_seqs=1)))
+        try:
+            client.results_flow.clear()
+            tasks = [asyncio.create_task(collect(engine, spec(i))) for i in range(5)]
+            await until(lambda: engine.num_requests == 5)
+            assert engine.scheduler.num_waiting == 4
+            engine.scheduler.drain_rate = lambda: None  # not measured yet: never refused
+            tasks.append(asyncio.create_task(
+                collect(engine, wide(5, 1, deadline=time.monotonic() + 0.01))))
+            await until(lambda: engine.num_requests == 6)
+            engine.scheduler.drain_rate = lambda: 0.5  # a start every 2 s: 5 waiting take 10 s
+            t0 = time.monotonic()
+            refused = await collect(engine, wide(6, 1, deadline=time.monotonic() + 3))
+            assert time.monotonic() - t0 < 0.5
+            assert isinstance(refused, QueueFull) and "deadline" in str(refused), refused
+            assert refused.retry_after_s in (7, 8)  # 10 s of queue less the 3 s it has
+            for ok in (wide(7, 1, deadline=time.monotonic() + 30), spec(8)):  # time enough, none
+                tasks.append(asyncio.create_task(collect(engine, ok)))
+            await until(lambda: engine.num_requests == 8)
+            client.results_flow.set()
+            assert all(isinstance(o, list) for o in await asyncio.gather(*tasks))
+        finally:
+            await engine.stop()
+
+    run(body())
+
+
+def test_an_executor_lost_while_idle_is_noticed_at_once_and_requests_fail_after_the_grace():
+    async def body():
+        client = FakeClient()
+        engine, health = await started(client, EngineConfig(unavailable_grace_s=0.5))
+        try:
+            assert isinstance(await collect(engine, spec(1)), list)
+            assert engine.status().scheduler.gpu_blocks_cached > 0
+            client.attachable.clear()  # the executor does not come back
+            client.on_stream_end("its Execute stream ended: UNAVAILABLE: Socket closed")
+            await until(lambda: not engine.attached, timeout=1)
+            assert health == [True, False] and engine.num_resyncs == 1
+            assert engine.status().scheduler.gpu_blocks_cached == 0  # its cache went with it
+            t0 = time.monotonic()
+            waited = await collect(engine, spec(2))  # admitted within the grace, then ended
+            assert isinstance(waited, NoExecutor) and time.monotonic() - t0 < 2, waited
+            t0 = time.monotonic()
+            assert isinstance(await collect(engine, spec(3)), NoExecutor)  # past the grace
+            assert time.monotonic() - t0 < 0.2
+            client.attachable.set()
+            await until(lambda: engine.attached)
+            assert health == [True, False, True]
+            assert isinstance(await collect(engine, spec(4)), list)
+        finally:
+            await engine.stop()
+
+    run(body())
+
+
+REFUSAL = ("executor fake:1 refused this scheduler's stream: FAILED_PRECONDITION: executor is "
+           "leased by another scheduler")
+
+
+class TakenOverClient(FakeClient):
+    """While `leased`: results end the stream as a superseded one, and connect() is refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leased = False
+
+    async def connect(self):
+        while self.leased:
+            self.on_refused(REFUSAL)
+            await asyncio.sleep(0.05)
+        return await super().connect()
+
+    async def receive(self, plan):
+        result = await super().receive(plan)
+        if self.leased:
+            raise self.lost("stream failed: ABORTED: superseded by a newer Execute stream")
+        return result
+
+
+def test_a_lease_taken_over_ends_the_streams_at_once_and_retries():
+    async def body():
+        client = TakenOverClient()
+        engine, health = await started(client, EngineConfig(unavailable_grace_s=30))
+        try:
+            client.results_flow.clear()
+            tasks = [asyncio.create_task(collect(engine, spec(i))) for i in range(4)]
+            await until(lambda: engine.num_requests == 4)
+            client.leased = True
+            client.results_flow.set()
+            t0 = time.monotonic()
+            outputs = await asyncio.gather(*tasks)
+            assert time.monotonic() - t0 < 2  # not the 30 s grace, nor the deadlines
+            assert all(isinstance(o, NoExecutor) and "leased by another" in str(o)
+                       for o in outputs), outputs
+            status = engine.status()
+            assert not status.attached and "leased by another" in status.attach_error
+            assert health == [True, False]
+            assert isinstance(await collect(engine, spec(5)), NoExecutor)  # refused at once
+            assert status.scheduler.gpu_blocks_used == 0
+            client.leased = False  # the other scheduler went away: retried, attached again
+            await until(lambda: engine.attached)
+            assert isinstance(await collect(engine, spec(6)), list)
+        finally:
+            await engine.stop()
+
+    run(body())

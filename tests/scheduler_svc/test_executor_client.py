@@ -1,11 +1,13 @@
 """ExecutorClient's stream operations over a fake Execute call: a result that does not come
 within step_timeout_s, or a call that fails, marks the executor lost; a cancelled step loop is
-cancelled, not turned into a lost executor."""
+cancelled, not turned into a lost executor. Over an in-process server: a stream that ends while
+idle, and a pass over the addresses refused by every executor, are reported at once."""
 import asyncio
 
 import grpc
 import pytest
 
+from protos import executor_pb2, executor_pb2_grpc
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
 from scheduler_svc.plan import StepPlan
 
@@ -61,3 +63,81 @@ def test_cancelling_a_wait_for_a_result_is_a_cancellation_not_a_lost_executor():
 
     asyncio.run(body())
     assert client._call is not None
+
+
+class LeaseServicer(executor_pb2_grpc.ExecutorServicer):
+    """An executor that acknowledges the lease hello, or refuses it as leased when `refusal`."""
+
+    def __init__(self, refusal: str | None = None) -> None:
+        self.refusal = refusal
+
+    async def Describe(self, request, context):
+        return executor_pb2.DescribeResponse(model_name="m", fingerprint="f", block_size=4,
+                                             num_gpu_blocks=8, max_model_len=64, vocab_size=10)
+
+    async def Execute(self, request_iterator, context):
+        async for _ in request_iterator:
+            if self.refusal:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refusal)
+            yield executor_pb2.StepResult(step_id=0)
+
+
+async def serving(servicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_stream_that_ends_while_idle_is_reported_at_once():
+    async def body():
+        server, address = await serving(LeaseServicer())
+        client = ExecutorClient([address])
+        ended = asyncio.get_running_loop().create_future()
+        client.on_stream_end = ended.set_result
+        assert await client.connect() is not None
+        await asyncio.sleep(0.2)
+        assert not ended.done()  # an idle stream is no ending
+        await server.stop(0)  # the executor goes away while nothing is read or written
+        reason = await asyncio.wait_for(ended, 5)
+        assert reason.startswith("its Execute stream ended: "), reason
+        await client.close()
+
+    asyncio.run(body())
+
+
+def test_closing_the_link_is_not_reported_as_its_end():
+    async def body():
+        server, address = await serving(LeaseServicer())
+        client = ExecutorClient([address])
+        ended = []
+        client.on_stream_end = ended.append
+        await client.connect()
+        await client.close()
+        await asyncio.sleep(0.2)
+        await server.stop(0)
+        assert ended == []
+
+    asyncio.run(body())
+
+
+def test_a_pass_refused_by_every_executor_is_reported_and_retried():
+    async def body():
+        refusal = "executor is leased by another scheduler (id x, since then)"
+        servicer = LeaseServicer(refusal)
+        server, address = await serving(servicer)
+        client = ExecutorClient([address], max_backoff_s=0.05)
+        refusals = []
+        client.on_refused = refusals.append
+        connect = asyncio.ensure_future(client.connect())
+        while len(refusals) < 2:  # refused, retried, refused again
+            await asyncio.sleep(0.01)
+        assert f"executor {address} refused this scheduler's stream: FAILED_PRECONDITION: " \
+            f"{refusal}" == refusals[0]
+        servicer.refusal = None  # the other scheduler let go
+        assert (await asyncio.wait_for(connect, 5)).model_name == "m"
+        await client.close()
+        await server.stop(0)
+
+    asyncio.run(body())

@@ -1,6 +1,8 @@
 """The OpenAI request bodies mapped to GenerateSpecs: every parameter the engine has (logprobs
 included, their ranges and chat's top_logprobs needing logprobs), n samples with reproducible
 distinct seeds, the prompt forms, and controls the engine lacks refused by name unless neutral."""
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -181,3 +183,105 @@ def test_usage_counts_each_prompt_once_and_every_sample():
     assert usage(choices, n=2) == {"prompt_tokens": 12, "completion_tokens": 10,
                                    "total_tokens": 22}
     assert choices[0].text == "ab" and choices[0].finish_reason == "stop"
+
+
+def chat_json(**fields) -> ChatCompletionRequest:
+    """As the server parses a body: from its JSON text."""
+    return ChatCompletionRequest.model_validate_json(json.dumps({"messages": USER, **fields}))
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": "4"}, "max_tokens"), ({"max_tokens": 4.0}, "max_tokens"),
+    ({"n": True}, "n"), ({"stream": 1}, "stream"), ({"stream": "true"}, "stream"),
+    ({"temperature": "1"}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"seed": "7"}, "seed"), ({"top_k": 4.5}, "top_k"), ({"ignore_eos": 0}, "ignore_eos"),
+    ({"stop_token_ids": [True]}, "stop_token_ids[0]"), ({"logprobs": 1}, "logprobs"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage")])
+def test_json_types_are_strict(fields, param):
+    with pytest.raises(ValidationError) as info:
+        chat_json(**fields)
+    loc = info.value.errors()[0]["loc"]
+    assert "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") == param
+
+
+def test_floats_take_json_integers_and_refuse_nan_and_infinity():
+    [spec] = chat_specs(chat_json(temperature=1, top_p=1, presence_penalty=0,
+                                  logit_bias={"5": 1}), "r")
+    assert spec.sampling.temperature == 1.0 and spec.sampling.logit_bias == ((5, 1.0),)
+    body = json.dumps({"messages": USER, "temperature": 1}).replace("1}", "NaN}")
+    for text in (body, body.replace("NaN", "Infinity"), body.replace("NaN", "1e400")):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate_json(text)
+
+
+@pytest.mark.parametrize("key", [" 5", "5 ", "٥", "+5", "-5", "05", "5.0", "0x5", "1e3", "",
+                                 "5\n", "12345678901", "9" * 5000])
+def test_logit_bias_keys_are_plain_decimal_token_ids(key):
+    with pytest.raises(InvalidArgument) as info:
+        chat_specs(chat_json(logit_bias={key: 1}), "r")
+    assert info.value.field == "logit_bias" and len(str(info.value)) < 200
+
+
+def test_logit_bias_keys_up_to_uint32_reach_the_engine():
+    [spec] = chat_specs(chat_json(logit_bias={"0": 1, "4294967295": -1, "10": 2.5}), "r")
+    assert spec.sampling.logit_bias == ((0, 1.0), (10, 2.5), (4294967295, -1.0))
+
+
+@pytest.mark.parametrize("fields", [
+    {"guided_json": {"type": "object"}}, {"guided_choice": ["a", "b"]}, {"guided_regex": "a+"},
+    {"guided_grammar": "root ::= x"}, {"guided_decoding_backend": "xgrammar"},
+    {"structured_outputs": {"choice": ["a"]}}, {"echo": True}, {"best_of": 2},
+    {"use_beam_search": True}, {"length_penalty": 0.5}, {"include_stop_str_in_output": True},
+    {"skip_special_tokens": False}, {"spaces_between_special_tokens": False},
+    {"truncate_prompt_tokens": 5}, {"prompt_logprobs": 0}, {"add_generation_prompt": False},
+    {"continue_final_message": True}, {"chat_template": "{{ x }}"},
+    {"chat_template_kwargs": {"enable_thinking": True}}, {"documents": [{"t": "x"}]},
+    {"priority": 1}, {"allowed_token_ids": [1]}, {"bad_words": ["x"]},
+    {"return_tokens_as_token_ids": True}, {"add_special_tokens": True},
+    {"service_tier": "flex"}, {"store": True}, {"reasoning_effort": "low"},
+    {"modalities": ["text", "audio"]}, {"prediction": {"type": "content", "content": "x"}},
+    {"audio": {"voice": "x"}}, {"web_search_options": {"search_context_size": "low"}},
+    {"function_call": "f"},
+    {"cache_salt": "s"}, {"logits_processors": ["x"]}, {"vllm_xargs": {"a": 1}}])
+def test_chat_fields_the_engine_lacks_are_refused_by_name(fields):
+    with pytest.raises(InvalidArgument) as info:
+        chat_specs(chat_json(**fields), "r")
+    assert info.value.field == next(iter(fields))
+    if next(iter(fields)).startswith(("guided", "structured")):
+        assert "not supported yet" in str(info.value)
+
+
+def test_neutral_values_of_fields_the_engine_lacks_are_accepted():
+    chat_specs(chat_json(
+        guided_json=None, guided_choice=[], guided_regex="", structured_outputs={}, echo=False,
+        best_of=1, use_beam_search=False, length_penalty=1, include_stop_str_in_output=False,
+        skip_special_tokens=True, spaces_between_special_tokens=True, truncate_prompt_tokens=None,
+        prompt_logprobs=None, add_generation_prompt=True, continue_final_message=False,
+        chat_template=None, chat_template_kwargs={}, documents=None, priority=0,
+        add_special_tokens=False, service_tier="auto", store=False, modalities=["text"],
+        parallel_tool_calls=True, function_call="none", reasoning_effort=None), "r")
+    chat_specs(chat_json(n=3, best_of=3, parallel_tool_calls=False), "r")
+    completion_specs(CompletionRequest.model_validate_json(json.dumps(
+        {"prompt": "Hi", "add_special_tokens": True, "response_format": {"type": "text"},
+         "guided_json": None, "priority": 0})), "r")
+
+
+@pytest.mark.parametrize("fields", [{"guided_json": {"type": "object"}},
+                                    {"add_special_tokens": False},
+                                    {"response_format": {"type": "json_object"}},
+                                    {"include_stop_str_in_output": True}])
+def test_completion_fields_the_engine_lacks_are_refused_by_name(fields):
+    body = CompletionRequest.model_validate_json(json.dumps({"prompt": "Hi", **fields}))
+    with pytest.raises(InvalidArgument) as info:
+        completion_specs(body, "r")
+    assert info.value.field == next(iter(fields))
+
+
+def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog):
+    name = "an_unknown_field_of_this_test"
+    with caplog.at_level("WARNING", logger="scheduler_svc.openai_protocol"):
+        for _ in range(3):
+            [spec] = chat_specs(chat_json(**{name: {"x": 1}, "user": "u", "metadata": {}}), "r")
+    assert spec.chat == USER
+    assert sum(name in r.getMessage() for r in caplog.records) == 1

@@ -28,8 +28,9 @@ class Client:
                  "http_version": "1.1", "method": method, "path": path, "raw_path": path.encode(),
                  "query_string": b"", "root_path": "", "scheme": "http",
                  "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
-                 "headers": [(k.encode(), v.encode()) for k, v in
-                             [("content-type", "application/json"), *headers]]}
+                 "headers": [(k.encode(), v.encode()) for k, v in  # None: left out
+                             {"content-type": "application/json", **dict(headers)}.items()
+                             if v is not None]}
         pending = [{"type": "http.request", "body": raw, "more_body": False}]
         gone = gone or asyncio.Event()
         status, chunks = [], []
@@ -231,3 +232,63 @@ def test_http_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--api-key", "k", "--api-key-file", str(key_file)])
     assert "give --api-key or --api-key-file, not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content_type,status", [
+    (None, 415), ("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+    ("multipart/form-data; boundary=x", 415), ("application/json; charset=utf-8", 200),
+    ("Application/JSON", 200)])
+def test_only_json_bodies_are_served(content_type, status):
+    """A browser posts a form or text/plain cross-site without a CORS preflight: refused."""
+    async def test(client, engine, fake):
+        await engine.wait_ready()
+        got, body = await client.request("POST", "/v1/completions", completion(),
+                                         headers=(("content-type", content_type),))
+        assert got == status, body
+        if status == 415:
+            message = json.loads(body)["error"]["message"]
+            assert "content-type: application/json" in message
+            assert (f"(got {content_type!r})" if content_type else "(got none)") in message
+            assert engine.num_requests == 0
+    run(test)
+
+
+def test_echoed_values_are_clipped():
+    async def test(client, engine, fake):
+        await engine.wait_ready()
+        status, error = error_of(*await client.request("POST", "/v1/completions",
+                                                       completion(model="m" * (1 << 20))))
+        assert status == 404 and len(error["message"]) < 400
+        assert f"({1 << 20} characters)" in error["message"]
+        status, error = error_of(*await client.request("GET", "/v1/" + "p" * 100_000))
+        assert status == 404 and len(error["message"]) < 400
+        status, error = error_of(*await client.request("POST", "/v1/completions", completion(
+            logit_bias={"k" * 100_000: 1})))
+        assert status == 400 and len(error["message"]) < 1200 and len(error["param"]) < 300
+    run(test)
+
+
+def test_a_mid_upload_disconnect_is_quiet(caplog):
+    """No ERROR, no traceback, no 500: the client is gone and nobody reads the answer."""
+    async def test(client, engine, fake):
+        await engine.wait_ready()
+        messages = [{"type": "http.request", "body": b'{"prompt": [1', "more_body": True},
+                    {"type": "http.disconnect"}]
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "scheme": "http",
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
+                 "headers": [(b"content-type", b"application/json")]}
+        statuses = []
+
+        async def receive():
+            return messages.pop(0)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+        await client.app(scope, receive, send)
+        assert statuses == [499] and engine.num_requests == 0
+    with caplog.at_level("DEBUG"):
+        run(test)
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]

@@ -141,3 +141,81 @@ def test_n_out_of_range_names_n(n):
     with pytest.raises(InvalidArgument) as err:
         validate_params(GenerateSpec(prompt_token_ids=[1], n=n), ModelLimits(100, 64, None))
     assert err.value.field == "n"
+
+
+# Each field's last accepted value and first refused one: what is accepted, the executor link
+# carries (a 32-bit float that stays finite and, where 0 means off, does not round to 0; an int32
+# top_k; a uint64 seed); what is refused names the field, in a short message.
+@pytest.mark.parametrize("field, accepted, refused", [
+    ("top_k", 2**31 - 1, 2**31),
+    ("top_k", -1, -2),
+    ("temperature", 3.4028234663852886e38, 3.5e38),
+    ("temperature", 0.0, -1e-300),
+    ("repetition_penalty", 3.4028234663852886e38, 1e39),
+    ("repetition_penalty", 1.5e-45, 1e-46),
+    ("top_p", 1.5e-45, 1e-46),
+    ("seed", 2**64 - 1, 2**64),
+    ("logprobs", 20, 21),
+    ("top_k", 0, 10**400),
+])
+def test_sampling_bounds_are_what_the_executor_link_carries(field, accepted, refused):
+    from scheduler_svc import wire
+    from scheduler_svc.plan import NewSeqPlan, StepPlan
+    ok = SamplingParams(**{field: accepted})
+    ok.validate(vocab_size=100)
+    wire.plan_to_proto(StepPlan(1, new_seqs=[NewSeqPlan(1, [1], [0], 0, 1, ok, 2**64 - 1)]))
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**{field: refused}).validate(vocab_size=100)
+    assert err.value.field == field and len(str(err.value)) < 120
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 2**32}, "max_tokens"),
+    ({"min_tokens": 2**32}, "min_tokens"),
+    ({"max_tokens": 10**400}, "max_tokens"),
+    ({"stop_token_ids": (10**400,)}, "stop_token_ids"),
+])
+def test_stopping_bounds_are_the_public_apis_uint32(kwargs, field):
+    StoppingParams(max_tokens=2**32 - 1, min_tokens=2**32 - 1).validate(vocab_size=100)
+    with pytest.raises(InvalidArgument) as err:
+        StoppingParams(**kwargs).validate(vocab_size=100)
+    assert err.value.field == field and len(str(err.value)) < 120
+
+
+def test_nan_and_inf_are_refused_by_every_float_field():
+    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty"):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(InvalidArgument) as err:
+                SamplingParams(**{field: value}).validate()
+            assert err.value.field == field
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument) as err:
+            SamplingParams(logit_bias=((1, value),)).validate(vocab_size=100)
+        assert err.value.field == "logit_bias"
+
+
+def test_huge_ids_are_refused_in_a_short_message():
+    from scheduler_svc.request import GenerateSpec, ModelLimits, resolve_prompt
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(logit_bias=tuple((10**4000 + i, 1.0) for i in range(8))).validate(100)
+    assert err.value.field == "logit_bias" and "a 13288-bit integer" in str(err.value)
+    assert len(str(err.value)) < 400
+    with pytest.raises(InvalidArgument) as err:
+        resolve_prompt(GenerateSpec(prompt_token_ids=[1, 2**32, 10**4000]), None,
+                       ModelLimits(100, 64, None))
+    assert err.value.field == "prompt.token_ids" and len(str(err.value)) < 200
+
+
+def test_a_prompt_that_is_not_unicode_is_refused_by_name():
+    """A lone surrogate: both APIs' parsers refuse one, a Python caller of the engine may not."""
+    from scheduler_svc.request import GenerateSpec, RequestLimits, check_sizes
+    limits = RequestLimits()
+    for spec, field in [(GenerateSpec(prompt_text="a\ud800b"), "prompt.text"),
+                        (GenerateSpec(chat=[{"role": "user", "content": "ok"},
+                                            {"role": "user", "content": "\udfff"}]),
+                         "prompt.chat.messages[1].content")]:
+        with pytest.raises(InvalidArgument) as err:
+            check_sizes(spec, limits)
+        assert err.value.field == field and "Unicode" in str(err.value)
+    check_sizes(GenerateSpec(prompt_text="é 😀"), limits)

@@ -6,9 +6,11 @@ import pytest
 
 from executor_svc import wire as executor_wire
 from executor_svc.step import CachedSeq, PlanMismatch
-from protos import executor_pb2
+from protos import executor_pb2, generate_pb2
 from scheduler_svc import wire
 from scheduler_svc.plan import CachedSeqPlan, NewSeqPlan, StepPlan
+from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.request import ModelLimits, RequestLimits, prepare
 from scheduler_svc.sampling_params import SamplingParams
 
 
@@ -151,3 +153,61 @@ def test_a_new_seq_sends_its_tokens_past_a_cached_prefix(params, first):
     fresh = NewSeqPlan(8, tokens, [4, 5, 6], 0, 11, params, seed=1)  # nothing cached: all
     msg = wire.plan_to_proto(StepPlan(4, new_seqs=[fresh]))
     assert msg.new_seqs[0].first_token == 0 and list(msg.new_seqs[0].token_ids) == tokens
+
+
+def _grpc_request(**fields) -> generate_pb2.GenerateRequest:
+    req = generate_pb2.GenerateRequest(**fields)
+    req.token_ids.ids.extend([1, 2, 3])
+    return req
+
+
+def _prepared(req):
+    """What the Generate servicer does with a request, up to the engine's queue."""
+    spec = wire.spec_from_proto(req, "r", RequestLimits())
+    return prepare(spec, None, ModelLimits(vocab_size=100, max_model_len=64, eos_token_id=None))
+
+
+@pytest.mark.parametrize("sampling, stopping, field", [
+    ({"temperature": float("inf")}, {}, "temperature"),
+    ({"top_p": float("nan")}, {}, "top_p"),
+    ({"min_p": float("nan")}, {}, "min_p"),
+    ({"top_k": -2}, {}, "top_k"),
+    ({"repetition_penalty": float("inf")}, {}, "repetition_penalty"),
+    ({"presence_penalty": float("-inf")}, {}, "presence_penalty"),
+    ({"logit_bias": {2**32 - 1: 1.0}}, {}, "logit_bias"),
+    ({"logit_bias": {5: float("nan")}}, {}, "logit_bias"),
+    ({"logprobs": 2**32 - 1}, {}, "logprobs"),
+    ({}, {"stop_token_ids": [2**32 - 1]}, "stop_token_ids"),
+    ({}, {"max_tokens": 0}, "max_tokens"),
+])
+def test_generate_fields_are_bounded_as_the_openai_ones(sampling, stopping, field):
+    req = _grpc_request(sampling=generate_pb2.SamplingParams(**sampling),
+                        stopping=generate_pb2.StoppingCriteria(**stopping))
+    with pytest.raises(InvalidArgument) as err:
+        _prepared(req)
+    assert err.value.field == field
+
+
+def test_generate_extremes_the_wire_allows():
+    """Each field at its carrier's extreme is either refused or fits the executor link."""
+    req = _grpc_request(sampling=generate_pb2.SamplingParams(
+        temperature=3.4028234663852886e38, top_k=2**31 - 1, seed=2**64 - 1, top_p=1e-45,
+        repetition_penalty=3.4028234663852886e38, logit_bias={99: -100.0}, logprobs=20),
+        stopping=generate_pb2.StoppingCriteria(max_tokens=2**32 - 1, min_tokens=2**32 - 1))
+    _prepared(req)
+    spec = wire.spec_from_proto(req, "r", RequestLimits())
+    wire.plan_to_proto(StepPlan(1, new_seqs=[NewSeqPlan(1, [1], [0], 0, 1, spec.sampling,
+                                                       spec.sampling.seed)]))
+    too_many = _grpc_request(n=2**32 - 1)
+    with pytest.raises(InvalidArgument) as err:
+        _prepared(too_many)
+    assert err.value.field == "n"
+
+
+def test_a_top_k_past_int32_on_the_public_wire_is_refused():
+    """A client that writes 2**31 into Generate's int32 top_k (a raw varint) sends -2**31."""
+    top_k = bytes([0x22, 6, 0x18, 0x80, 0x80, 0x80, 0x80, 8])  # sampling { top_k: 2**31 }
+    raw = _grpc_request().SerializeToString() + top_k
+    with pytest.raises(InvalidArgument) as err:
+        _prepared(generate_pb2.GenerateRequest.FromString(raw))
+    assert err.value.field == "top_k"

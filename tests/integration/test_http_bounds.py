@@ -1,0 +1,209 @@
+"""Attacks on the scheduler's listeners, each against real processes (the tiny preset) while a
+bystander gRPC stream and a bystander HTTP stream run: huge and countless headers, slow and idle
+connections, a connection flood on each port, a mid-upload disconnect. Each bystander must end
+with the tokens it gets undisturbed, and a fresh client must be served within 1 s after the attack
+stops. One pair of services, with small caps and timeouts, serves the module."""
+from __future__ import annotations
+
+import http.client
+import json
+import select
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from tests.integration.harness import generate, start_services
+
+pytestmark = pytest.mark.slow
+
+HTTP_CAP, GRPC_CAP = 16, 8
+TIMEOUT_S = 2.0  # header, body and keep-alive timeouts of the scheduler under attack
+PROMPT = [5, 6, 7]
+BYSTANDER_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    s = start_services(tmp_path_factory.mktemp("http_bounds"), ["--model", "preset:tiny"], [
+        "--http-max-connections", str(HTTP_CAP), "--grpc-max-connections", str(GRPC_CAP),
+        "--http-header-timeout", str(TIMEOUT_S), "--http-body-timeout", str(TIMEOUT_S),
+        "--http-keep-alive-timeout", str(TIMEOUT_S)])
+    try:
+        s.reference = (grpc_tokens(s), http_text(s))  # undisturbed
+        yield s
+    finally:
+        s.stop()
+    log = s.log_of("scheduler")
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def grpc_tokens(services, max_tokens: int = BYSTANDER_TOKENS, started=None) -> list[int]:
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        if started is not None:
+            grpc.channel_ready_future(channel).result(timeout=10)
+            started.set()
+        return generate(services.stub(channel), PROMPT, max_tokens=max_tokens, timeout=60)[0]
+
+
+def http_text(services, max_tokens: int = BYSTANDER_TOKENS, started=None) -> str:
+    """A streamed greedy completion's text, read chunk by chunk."""
+    conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({
+            "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}), {"content-type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.read()
+        pieces = []
+        for line in reply:
+            if started is not None:
+                started.set()
+            if line.startswith(b"data: {"):
+                pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
+        return "".join(pieces)
+    finally:
+        conn.close()
+
+
+@contextmanager
+def bystanders(services):
+    """A gRPC and an HTTP stream, connected before the attack runs, ending as undisturbed."""
+    results, threads = {}, []
+    for name, run in (("grpc", grpc_tokens), ("http", http_text)):
+        started = threading.Event()
+        thread = threading.Thread(target=lambda n=name, r=run, e=started: results.__setitem__(
+            n, r(services, started=e)), daemon=True)
+        thread.start()
+        assert started.wait(30), f"the {name} bystander never started"
+        threads.append(thread)
+    yield
+    for thread in threads:
+        thread.join(60)
+    assert (results.get("grpc"), results.get("http")) == services.reference
+
+
+def assert_fresh_clients_served(services) -> None:
+    """A new HTTP connection and a new gRPC channel, each answered within 1 s."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=5)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}),
+                 {"content-type": "application/json; charset=utf-8"})
+    assert conn.getresponse().status == 200
+    conn.close()
+    assert time.monotonic() - started < 1.0
+    started = time.monotonic()
+    assert len(grpc_tokens(services, max_tokens=2)) == 2
+    assert time.monotonic() - started < 1.0
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def answer(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    sock.settimeout(timeout)
+    out = b""
+    try:
+        while data := sock.recv(65536):
+            out += data
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def drip(sock: socket.socket, data: bytes, chunk: int, pause_s: float = 0.0) -> bytes:
+    """Sends `data` a chunk at a time until the server answers; then its whole answer."""
+    for i in range(0, len(data), chunk):
+        if select.select([sock], [], [], 0)[0]:
+            break
+        try:
+            sock.sendall(data[i:i + chunk])
+        except OSError:
+            break
+        time.sleep(pause_s)
+    return answer(sock)
+
+
+def pending(sock: socket.socket) -> bytes | None:
+    """What the server sent so far: b"" if it closed the connection, None if nothing yet."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(65536)
+    except BlockingIOError:
+        return None
+    except ConnectionResetError:
+        return b""
+
+
+def test_huge_and_countless_headers_are_431(services):
+    with bystanders(services):
+        huge = connect(services.http_port)
+        reply = drip(huge, b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (100 << 20),
+                     chunk=1 << 16)
+        assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+        assert b"headers are over 65536 bytes" in reply
+        many = connect(services.http_port)
+        reply = drip(many, b"GET /health HTTP/1.1\r\nhost: x\r\n" + b"x-a: b\r\n" * 10_000,
+                     chunk=1 << 12)
+        assert reply.startswith(b"HTTP/1.1 431 ")
+        few = connect(services.http_port)
+        few.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n" + b"x-a: b\r\n" * 257 + b"\r\n")
+        assert b"more than 256 request headers" in answer(few)
+    assert_fresh_clients_served(services)
+
+
+def test_slow_and_idle_connections_are_closed(services):
+    with bystanders(services):
+        idle, slow, body, kept = (connect(services.http_port) for _ in range(4))
+        started = time.monotonic()
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: 1000\r\n\r\n{\"prompt\"")
+        kept.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        slow.sendall(b"GET /health HTTP/1.1\r\nx-slow: ")
+        assert drip(slow, b"a" * 100, chunk=1, pause_s=0.1).startswith(b"HTTP/1.1 408 ")
+        assert answer(idle) == b""
+        assert answer(body).startswith(b"HTTP/1.1 408 ")
+        assert answer(kept).startswith(b"HTTP/1.1 200 ")  # then closed after the keep-alive
+        assert time.monotonic() - started < 3 * TIMEOUT_S
+    assert_fresh_clients_served(services)
+
+
+def test_a_mid_upload_disconnect_is_quiet(services):
+    upload = connect(services.http_port)
+    upload.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                   b"application/json\r\ncontent-length: 100000\r\n\r\n" + b" " * 50_000)
+    time.sleep(0.2)  # the server is reading the body
+    upload.close()
+    assert_fresh_clients_served(services)  # and the module's end finds no ERROR in the log
+
+
+def test_an_http_connection_flood_is_429_and_grpc_serves(services):
+    with bystanders(services):
+        flood = [connect(services.http_port) for _ in range(HTTP_CAP + 8)]
+        time.sleep(0.3)
+        replies = [pending(sock) for sock in flood]
+        refused = [reply for reply in replies if reply]
+        assert len(refused) >= 8 and replies.count(None) >= HTTP_CAP - 4, replies
+        for reply in refused:
+            assert reply.startswith(b"HTTP/1.1 429 ") and b"\r\nretry-after: 1\r\n" in reply
+        assert len(grpc_tokens(services, max_tokens=2)) == 2  # gRPC serves meanwhile
+        for sock in flood:
+            sock.close()
+    assert_fresh_clients_served(services)
+
+
+def test_a_grpc_connection_flood_is_closed_beyond_the_cap(services):
+    with bystanders(services):
+        port = int(services.scheduler_address.rsplit(":", 1)[1])
+        flood = [connect(port) for _ in range(GRPC_CAP + 8)]
+        time.sleep(0.3)
+        replies = [pending(sock) for sock in flood]
+        assert replies.count(b"") >= 8, replies
+        for sock in flood:
+            sock.close()
+    assert_fresh_clients_served(services)

@@ -1,0 +1,100 @@
+"""The scheduler's main: --help words every flag's default and environment variable, connection
+caps derive from the open-file limit, and the line saying no executor is attached stays silent
+while one is being attached."""
+import asyncio
+import logging
+import resource
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from scheduler_svc import main
+
+
+def test_every_flag_says_its_default_and_its_environment_variable(monkeypatch):
+    for action in main.build_parser()._actions:
+        if action.dest == "help":
+            continue
+        flag = action.option_strings[-1]
+        variable = "PAGEDSERVE_SCHEDULER_" + flag[2:].upper().replace("-", "_")
+        assert action.help and "(default: " in action.help, flag
+        assert action.help.endswith(f"; env {variable})"), (flag, action.help)
+
+
+def test_help_shows_the_built_in_default_not_the_environments(monkeypatch, capsys):
+    monkeypatch.setenv("PAGEDSERVE_SCHEDULER_MAX_WAITING", "7")
+    with pytest.raises(SystemExit):
+        main.build_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 4096; env PAGEDSERVE_SCHEDULER_MAX_WAITING)" in text
+    assert main.parse_config([]).engine.max_waiting == 7
+
+
+@pytest.mark.parametrize("open_files,http,grpc,batch", [
+    (1024, 416, 208, 16), (300, 54, 27, 16), (20000, 9424, 4712, 256),
+    (1 << 20, 16384, 261856, 256)])
+def test_connection_caps_derive_from_the_open_file_limit(monkeypatch, open_files, http, grpc,
+                                                         batch):
+    assert main.connection_caps(open_files) == (http, grpc, batch)
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (open_files, open_files))
+    config = main.parse_config([])
+    limits = config.http_limits
+    assert (limits.max_connections, config.grpc_max_connections, limits.accept_batch) == (
+        http, grpc, batch)
+    # the HTTP connections held, lingering or not yet counted, the gRPC ones and the reserve fit
+    assert limits.max_descriptors() + grpc + 128 <= open_files
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one(monkeypatch):
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    monkeypatch.setattr(resource, "setrlimit", lambda what, limits: calls.append(limits))
+    main.raise_open_file_limit()
+    assert calls == [(4096, 4096)]
+
+
+def test_caps_the_open_file_limit_cannot_hold_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
+    config = main.parse_config(["--http-max-connections", "600", "--grpc-max-connections", "10"])
+    assert config.http_limits.max_connections == 600  # 600 + 91 lingering + 10 + 64 + 128
+    with pytest.raises(SystemExit):
+        main.parse_config(["--http-max-connections", "900"])
+    err = capsys.readouterr().err
+    assert "--http-max-connections 900" in err and "ulimit -n is 1024" in err
+
+
+def test_http_timeouts_are_flags():
+    limits = main.parse_config(["--http-header-timeout", "3", "--http-body-timeout", "4",
+                                "--http-keep-alive-timeout", "6"]).http_limits
+    assert (limits.header_timeout_s, limits.body_timeout_s, limits.keep_alive_timeout_s) == (
+        3, 4, 6)
+    with pytest.raises(SystemExit):
+        main.parse_config(["--http-header-timeout", "0"])
+
+
+def test_no_waiting_line_while_an_executor_is_being_attached(caplog):
+    """The client logs `attached executor` when its stream opens; the engine attaches once the
+    tokenizer loaded, seconds later (the GGUF's): no `still no executor` line in between."""
+    client = SimpleNamespace(disconnected_since=time.monotonic())
+    engine = SimpleNamespace(client=client, attached=False, status=lambda: SimpleNamespace(
+        attached=engine.attached, attach_error="waiting for an executor at x"))
+
+    async def scenario():
+        task = asyncio.create_task(main._log_while_detached(engine, 0.05))
+        while len(caplog.records) < 2:  # nothing is connected: a line every interval
+            await asyncio.sleep(0.01)
+        client.disconnected_since = None  # the stream is up: the tokenizer loads
+        num_lines = len(caplog.records)
+        await asyncio.sleep(0.3)
+        assert len(caplog.records) == num_lines
+        engine.attached = True
+        await asyncio.sleep(0.1)
+        task.cancel()
+        return num_lines
+    with caplog.at_level(logging.INFO, "scheduler_svc"):
+        num_lines = asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == num_lines
+    assert lines[:2] == ["still no executor attached after 0.05s: waiting for an executor at x",
+                         "still no executor attached after 0.1s: waiting for an executor at x"]

@@ -12,6 +12,7 @@ import resource
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -475,18 +476,19 @@ def _check_free(flag: str, host: str, port: int) -> None:
 
 async def _log_while_detached(engine, interval_s: float) -> None:
     """Every `interval_s` without an executor attached (the first one may take minutes to load
-    its model; a lost one may never come back), a line saying what the scheduler waits for.
-    Silent while the link to an executor is up: the client logs `attached executor` as its stream
-    opens, before the engine has loaded the tokenizer and counts as attached."""
-    num_intervals = 0
+    its model; a lost one may never come back), a line saying what the scheduler waits for and
+    for how long, counted from when the link went down, not from the last tick. Silent while the
+    link is up: the client logs `attached executor` as its stream opens, before the engine has
+    loaded the tokenizer and counts as attached."""
     while True:
         await asyncio.sleep(interval_s)
-        status = engine.status()
-        linked = engine.client.disconnected_since is None
-        num_intervals = 0 if status.attached or linked else num_intervals + 1
-        if num_intervals:
-            log.info("still no executor attached after %gs: %s", num_intervals * interval_s,
-                     status.attach_error or "waiting for one")
+        since = engine.client.disconnected_since
+        if since is None or engine.status().attached:
+            continue
+        waited = time.monotonic() - since
+        if waited >= interval_s:
+            log.info("still no executor attached after %.3gs: %s", waited,
+                     engine.status().attach_error or "waiting for one")
 
 
 async def _shutdown(config: ServiceConfig, engine, servers, http, reporter) -> None:

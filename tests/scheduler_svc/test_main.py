@@ -3,6 +3,7 @@ caps derive from the open-file limit, and the line saying no executor is attache
 while one is being attached."""
 import asyncio
 import logging
+import re
 import resource
 import time
 from types import SimpleNamespace
@@ -96,5 +97,26 @@ def test_no_waiting_line_while_an_executor_is_being_attached(caplog):
         num_lines = asyncio.run(scenario())
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == num_lines
-    assert lines[:2] == ["still no executor attached after 0.05s: waiting for an executor at x",
-                         "still no executor attached after 0.1s: waiting for an executor at x"]
+    waited = [float(re.match(r"still no executor attached after ([0-9.]+)s: waiting for an "
+                             r"executor at x$", line).group(1)) for line in lines]
+    assert waited[0] >= 0.05 and waited[1] >= waited[0] + 0.05
+
+
+def test_the_waiting_line_counts_from_the_loss_not_the_last_tick(caplog):
+    """An executor lost just before a tick is not reported as missing for a whole interval."""
+    client = SimpleNamespace(disconnected_since=None)
+    engine = SimpleNamespace(client=client, status=lambda: SimpleNamespace(
+        attached=client.disconnected_since is None, attach_error="executor lost"))
+
+    async def scenario():
+        task = asyncio.create_task(main._log_while_detached(engine, 0.2))
+        await asyncio.sleep(0.15)
+        client.disconnected_since = time.monotonic()  # lost 0.05 s before the first tick
+        await asyncio.sleep(0.1)
+        assert not caplog.records  # the tick at 0.2 s: lost for 0.05 s only
+        await asyncio.sleep(0.2)  # the tick at 0.4 s: lost for 0.25 s
+        task.cancel()
+    with caplog.at_level(logging.INFO, "scheduler_svc"):
+        asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("still no executor attached after 0.2")

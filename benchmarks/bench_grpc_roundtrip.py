@@ -29,9 +29,9 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
-from executor_svc.server import SERVER_OPTIONS, STREAM_LIMITS  # noqa: E402
+from executor_svc.server import SERVER_OPTIONS, call_slots  # noqa: E402
 from executor_svc.step_pipeline import StepPipeline  # noqa: E402
-from executor_svc.transport import StreamLimits  # noqa: E402
+from executor_svc.transport import TransportConfig  # noqa: E402
 from protos import executor_pb2, executor_pb2_grpc  # noqa: E402
 from scheduler_svc.executor_client import channel_options  # noqa: E402
 from scripts.local_services import free_port  # noqa: E402
@@ -80,8 +80,8 @@ def _serve_sync(port: int) -> None:
 
 
 def _serve_executor_like(port: int) -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=SERVER_OPTIONS,
-                         interceptors=[StreamLimits(STREAM_LIMITS)], maximum_concurrent_rpcs=8)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS,
+                         interceptors=[call_slots(TransportConfig())])
     executor_pb2_grpc.add_ExecutorServicer_to_server(_PipelinedEcho(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()

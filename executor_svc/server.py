@@ -18,28 +18,35 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from executor_svc import wire
-from executor_svc.lease import Hello, Lease, LeaseRefused, WaitingStreams
+from executor_svc.lease import Hello, Lease, LeaseRefused
+from executor_svc.rpc_slots import CallSlots, MethodLimits, WaitingStreams
 from executor_svc.step import PlanMismatch
 from executor_svc.step_pipeline import PlanReader, StepFailed, StepPipeline
-from executor_svc.transport import AddressInUse, StreamLimits, TokenInterceptor, TransportConfig
+from executor_svc.transport import AddressInUse, TransportConfig
 from protos import executor_pb2, executor_pb2_grpc, reflection
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-# Every call holds one of MAX_WORKERS threads while it runs, and a call beyond MAX_WORKERS is
-# refused rather than queued behind them. Streams that are not the lease holder's are capped well
-# below that (MAX_WAITING_STREAMS waiting for their hello, reflection streams), so Describe and a
-# scheduler's hello always find a thread. Health Watch needs no cap: it holds no thread.
-MAX_WORKERS = 32
-MAX_WAITING_STREAMS = 8
-STREAM_LIMITS = {method: 4 for method in reflection.METHODS}  # v1 and v1alpha, 4 each
+# Each method has a pool of threads of its own (callers with the token, others apart), and every
+# call's first message has a deadline (--hello-timeout); calls waiting for it are capped per
+# method, a newer one evicting one of the most crowded connection: see executor_svc.rpc_slots.
+MAX_WAITING_STREAMS = 8  # Execute streams waiting for their hello
+METHOD_LIMITS = {
+    f"/{SERVICE_NAME}/Execute": MethodLimits(MAX_WAITING_STREAMS, reads_first=True),
+    # Reflection streams hold a thread while open: 4 open (and 4 waiting) for v1 and v1alpha each.
+    **{method: MethodLimits(4, max_open=4) for method in reflection.METHODS},
+}
+DEFAULT_LIMITS = MethodLimits(16)  # Describe, health Check and Watch: answered at once
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # A second executor on this port must fail to start, not share the port with this one.
     ("grpc.so_reuseport", 0),
+    # Calls queue on their method's pool rather than being refused: bound what one connection
+    # can open at a time (the scheduler's link uses a few).
+    ("grpc.max_concurrent_streams", 100),
     # Ping the scheduler, idle or not: a vanished scheduler's stream ends within ~15 s, which
     # frees the lease for another scheduler.
     ("grpc.keepalive_time_ms", 10_000),
@@ -97,7 +104,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def _read_hello(self, reader: PlanReader, context) -> Hello:
         """The stream's first message as a Hello; closes the stream if it is anything else, does
         not come within hello_timeout_s, or a newer stream evicts this one while it waits."""
-        key = self.waiting.add(lambda: reader.interrupt(_Evicted()))
+        key = self.waiting.add(lambda: reader.interrupt(_Evicted()), context.peer())
         try:
             first = reader.first(self.hello_timeout_s)
         except TimeoutError:
@@ -170,6 +177,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             if self.lease.is_current(generation):
                 self.runner.reset()
         if isinstance(err, PlanMismatch):
+            context.set_trailing_metadata(wire.failure_metadata(err))  # the seqs at fault, if any
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         log.error("step %d failed", failure.step_id, exc_info=err)
         context.abort(grpc.StatusCode.INTERNAL, f"step {failure.step_id} failed: {err!r}")
@@ -190,12 +198,8 @@ def build_server(runner, address: str, transport: TransportConfig = TransportCon
     """A grpc server with the Executor, health and reflection services; returns (server, port).
     Raises AddressInUse if the address cannot be bound. A takeover of the lease is honoured only
     with a token, which authenticates it."""
-    interceptors = [StreamLimits(STREAM_LIMITS)]
-    if transport.auth_token:
-        interceptors.append(TokenInterceptor(transport.auth_token, SERVICE_NAME))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
-                         interceptors=interceptors, options=SERVER_OPTIONS,
-                         maximum_concurrent_rpcs=MAX_WORKERS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),  # refusals only
+                         interceptors=[call_slots(transport)], options=SERVER_OPTIONS)
     servicer = ExecutorServicer(runner, overlap_steps, allow_takeover=bool(transport.auth_token),
                                 hello_timeout_s=transport.hello_timeout_s)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server)
@@ -206,6 +210,12 @@ def build_server(runner, address: str, transport: TransportConfig = TransportCon
     reflection.enable(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     return server, _bind(server, address, transport)
+
+
+def call_slots(transport: TransportConfig) -> CallSlots:
+    """The interceptor that gives each call its method's threads and checks the token."""
+    return CallSlots(METHOD_LIMITS, DEFAULT_LIMITS, transport.hello_timeout_s,
+                     transport.auth_token, guarded_prefix=f"/{SERVICE_NAME}/")
 
 
 def _bind(server, address: str, transport: TransportConfig) -> int:

@@ -3,6 +3,7 @@ protobuf to these). Imports numpy only: nothing from protos, torch or the rest o
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,6 +37,25 @@ class SamplingOptions:
     def has_controls(self) -> bool:
         """Whether this seq uses a penalty, a logit bias or logprobs."""
         return self.uses_penalties or bool(self.logit_bias) or self.logprobs is not None
+
+    def problem(self, vocab_size: int) -> str | None:
+        """Why a seq cannot be sampled with these options (a value no filter or kernel takes), or
+        None. The scheduler refuses such values; this keeps any other client from sending them
+        into a batch."""
+        values = (self.temperature, self.top_p, self.min_p, self.presence_penalty,
+                  self.frequency_penalty, self.repetition_penalty, *(b for _, b in self.logit_bias))
+        if not all(math.isfinite(v) for v in values):
+            return "a sampling option or logit bias is not finite"
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            return (f"temperature {self.temperature}, top_p {self.top_p} or min_p {self.min_p} "
+                    "out of range")
+        if self.repetition_penalty <= 0:
+            return f"repetition_penalty {self.repetition_penalty} is not > 0"
+        if any(not 0 <= t < vocab_size for t, _ in self.logit_bias):
+            return "logit_bias token id out of vocabulary"
+        if self.logprobs is not None and not 0 <= self.logprobs <= vocab_size:
+            return f"logprobs {self.logprobs} out of [0, {vocab_size}]"
+        return None
 
 
 @dataclass(frozen=True)
@@ -165,6 +185,16 @@ class StepResult:
 class PlanMismatch(Exception):
     """The plan contradicts the executor's state (unknown seq, counter mismatch, step gap, bad
     block id, ...): maps to FAILED_PRECONDITION, after which the scheduler resyncs."""
+
+
+class BadSeq(PlanMismatch):
+    """A new seq's own content cannot run (a token id out of the vocabulary, a sampling option
+    out of range): the plan fails naming it, and the scheduler ends its request alone rather than
+    recompute it into the next plan."""
+
+    def __init__(self, seq_id: int, problem: str) -> None:
+        super().__init__(f"seq {seq_id}: {problem}")
+        self.seq_ids = (seq_id,)
 
 
 @dataclass(frozen=True)

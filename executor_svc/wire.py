@@ -83,6 +83,17 @@ def _cached_columns(cached: executor_pb2.CachedSeqs) -> CachedSeqs:
     return columns
 
 
+# Trailing metadata of an Execute stream ended by a plan that some seqs' own content failed
+# (BadSeq): their ids, comma-separated; scheduler_svc.wire reads the same key.
+BAD_SEQ_IDS_KEY = "pagedserve-bad-seq-ids"
+
+
+def failure_metadata(err: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata naming the seqs that caused a failed step; () if none did."""
+    seq_ids = getattr(err, "seq_ids", ())
+    return ((BAD_SEQ_IDS_KEY, ",".join(str(i) for i in seq_ids)),) if seq_ids else ()
+
+
 def result_to_proto(result: StepResult) -> executor_pb2.StepResult:
     msg = executor_pb2.StepResult(
         step_id=result.step_id,

@@ -59,6 +59,9 @@ class ExecutorServicer:
         """One StepPlan in, one StepResult out, per step, in order. The first plan is a hello: step 0
         carrying only `lease`; the executor answers it with an empty StepResult for step 0 once the
         lease is granted, or ends the stream (FAILED_PRECONDITION: leased by another scheduler).
+        A plan that fails because of some new seqs' own content (a token id or a sampling option
+        out of range) ends the stream FAILED_PRECONDITION with their ids, comma-separated, in the
+        trailing metadata "pagedserve-bad-seq-ids".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import sys
+import threading
 
 import grpc
 
@@ -14,11 +16,27 @@ from protos import generate_pb2, generate_pb2_grpc
 
 EXIT_OK, EXIT_RPC_ERROR, EXIT_USAGE, EXIT_ABORTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 ADDRESS_ENV = "PAGEDSERVE_CLIENT_ADDRESS"
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+# vLLM's server (as OpenAI's chat API) generates up to the model's length when max_tokens is
+# unset, and `vllm complete` inherits the completions API's 16: the one lets a small model that
+# loops stream for minutes, the other cuts answers mid-sentence. 512 holds a few paragraphs.
+DEFAULT_MAX_TOKENS = 512
+# The health service names a pagedserve process registers: which of the two serves an address.
+SCHEDULER_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
+EXECUTOR_SERVICE = "pagedserve.v1.Executor"  # the executor's protos are not the client's
 _UINT32_LIMIT = 2**32
 
 
 class UsageError(Exception):
     """A bad command line, reported as one line on stderr with exit status 2."""
+
+
+class NotAScheduler(Exception):
+    """The address answers gRPC but does not serve Generate; the message says what it is."""
+
+
+class Stalled(Exception):
+    """No message from the server within --timeout seconds."""
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -33,8 +51,8 @@ def parse_token_ids(text: str) -> list[int]:
 
 
 def set_options(req: generate_pb2.GenerateRequest, a: argparse.Namespace) -> None:
-    """Sampling and stopping from the flags; an unset --max-tokens leaves the proto field unset
-    (the server then generates up to the model's max length)."""
+    """Sampling and stopping from the flags; --max-tokens 0 leaves the proto field unset (the
+    server then generates up to the model's max length)."""
     req.request_id = a.request_id or ""
     req.sampling.temperature = a.temperature
     if a.top_p is not None:
@@ -43,7 +61,7 @@ def set_options(req: generate_pb2.GenerateRequest, a: argparse.Namespace) -> Non
     req.sampling.min_p = a.min_p
     if a.seed is not None:
         req.sampling.seed = a.seed
-    if a.max_tokens is not None:
+    if a.max_tokens:
         req.stopping.max_tokens = a.max_tokens
     req.stopping.stop.extend(a.stop or [])
     req.stopping.ignore_eos = a.ignore_eos
@@ -77,17 +95,21 @@ def system_messages(a: argparse.Namespace) -> list[tuple[str, str]]:
 def stream_answer(stub, req: generate_pb2.GenerateRequest, a: argparse.Namespace):
     """Streams one Generate call to stdout; returns (text, final message). Ctrl-C
     (KeyboardInterrupt) cancels the call, so the server frees its pages at once, and propagates."""
-    call = stub.Generate(req, timeout=a.timeout)
+    call = stub.Generate(req)  # no deadline: a stream that keeps sending is never cut
     pieces, final = [], None
     try:
-        for msg in call:
+        for msg in _messages(call, a.timeout):
             pieces.append(msg.text)
             if msg.finished:
                 final = msg
             ids = "".join(f"{t} " for t in msg.token_ids)
             sys.stdout.write(ids if a.show_ids and not msg.finished else msg.text)
             sys.stdout.flush()
-    except KeyboardInterrupt:
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise NotAScheduler(what_serves(a.address)) from err
+        raise
+    except BaseException:  # Ctrl-C, a stall, a closed stdout: the server stops generating
         call.cancel()
         raise
     sys.stdout.write("\n")
@@ -95,7 +117,46 @@ def stream_answer(stub, req: generate_pb2.GenerateRequest, a: argparse.Namespace
     return "".join(pieces), final
 
 
-def finish_code(final: generate_pb2.GenerateResponse | None) -> int:
+def _messages(call, timeout: float):
+    """The call's messages as they come; raises Stalled when none comes within `timeout` seconds
+    (0: wait forever). Read in a thread of its own, so that the wait has a timeout."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def pump() -> None:
+        try:
+            for msg in call:
+                inbox.put(msg)
+            inbox.put(None)
+        except grpc.RpcError as err:
+            inbox.put(err)
+
+    threading.Thread(target=pump, daemon=True, name="generate-stream").start()
+    while True:
+        try:
+            item = inbox.get(timeout=timeout or None)
+        except queue.Empty:
+            raise Stalled(f"no answer from the server for {timeout:g}s (--timeout)") from None
+        if item is None:
+            return
+        if isinstance(item, grpc.RpcError):
+            raise item
+        yield item
+
+
+def what_serves(address: str) -> str:
+    """Why `address` answered Generate with UNIMPLEMENTED: an executor, or not pagedserve."""
+    try:
+        executor = _health_status(address, EXECUTOR_SERVICE, 5.0) is not None
+    except grpc.RpcError:  # no health service there: not pagedserve's
+        executor = False
+    if executor:
+        return (f"{address} is a pagedserve executor, not the scheduler: prompts go to the "
+                f"scheduler's public address ({DEFAULT_ADDRESS} unless it was changed)")
+    return (f"{address} does not serve {SCHEDULER_SERVICE}/Generate (UNIMPLEMENTED): is it the "
+            "scheduler's public address?")
+
+
+def finish_code(final: generate_pb2.GenerateResponse | None, max_tokens: int = 0) -> int:
     """Prints the summary line of a finished answer to stderr; its exit status (ABORTED: 3)."""
     if final is None:
         print("error: the stream ended without a final message", file=sys.stderr)
@@ -103,6 +164,9 @@ def finish_code(final: generate_pb2.GenerateResponse | None) -> int:
     reason = generate_pb2.FinishReason.Name(final.finish_reason)
     print(f"[{reason}, {final.prompt_tokens} prompt + {final.completion_tokens} completion tokens]",
           file=sys.stderr)
+    if final.finish_reason == generate_pb2.FINISH_REASON_LENGTH and max_tokens:
+        print(f"(stopped at --max-tokens {max_tokens}: give more, or 0 for up to the model's "
+              "length)", file=sys.stderr)
     if final.finish_reason == generate_pb2.FINISH_REASON_ABORTED:
         print("error: the server aborted the request (cancelled or shutting down)", file=sys.stderr)
         return EXIT_ABORTED
@@ -120,7 +184,10 @@ def run_once(stub, a: argparse.Namespace, prompt: str) -> int:
     except grpc.RpcError as err:
         print_rpc_error(err)
         return EXIT_RPC_ERROR
-    return finish_code(final)
+    except Stalled as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    return finish_code(final, _length_cap(a, final))
 
 
 def read_user_line() -> str | None:
@@ -144,7 +211,18 @@ def chat_turn(stub, a: argparse.Namespace, history: list, line: str) -> list:
     except grpc.RpcError as err:
         print_rpc_error(err)
         return history
-    return [*turn, ("assistant", text)] if finish_code(final) == EXIT_OK else history
+    except Stalled as err:
+        print(f"error: {err}", file=sys.stderr)
+        return history
+    done = finish_code(final, _length_cap(a, final)) == EXIT_OK
+    return [*turn, ("assistant", text)] if done else history
+
+
+def _length_cap(a: argparse.Namespace, final) -> int:
+    """--max-tokens, when it is what ended the answer (0 otherwise)."""
+    if final is None or not a.max_tokens or final.completion_tokens < a.max_tokens:
+        return 0
+    return a.max_tokens
 
 
 def chat(stub, a: argparse.Namespace) -> int:
@@ -179,19 +257,45 @@ def resolve_prompt(a: argparse.Namespace) -> str | None:
     return prompt
 
 
-def check_health(address: str, timeout: float) -> int:
+def check_health(address: str, timeout: float, role: str | None) -> int:
+    """Prints what serves `address` (a scheduler or an executor) and its health; exit 0 when it
+    is SERVING and, with `role`, is that role."""
+    found = {}
+    for name, service in (("scheduler", SCHEDULER_SERVICE), ("executor", EXECUTOR_SERVICE)):
+        try:
+            found[name] = _health_status(address, service, timeout)
+        except grpc.RpcError as err:
+            print(f"{address}: {err.code().name}", file=sys.stderr)
+            return EXIT_RPC_ERROR
+        if found[name] is not None:
+            break
+    name, status = next(((n, s) for n, s in found.items() if s is not None), (None, None))
+    if name is None:
+        print(f"{address}: neither a pagedserve scheduler nor an executor (its health service "
+              f"knows neither {SCHEDULER_SERVICE} nor {EXECUTOR_SERVICE})", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    if role is not None and name != role:
+        print(f"{address}: a pagedserve {name}, not the {role} ({status})", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    print(f"{address}: {status}" + ("" if name == "scheduler" else
+                                    " (a pagedserve executor, not the scheduler)"))
+    return EXIT_OK if status == "SERVING" else EXIT_RPC_ERROR
+
+
+def _health_status(address: str, service: str, timeout: float) -> str | None:
+    """`service`'s health status name at `address`; None if its health service does not know
+    it. Raises the RpcError of any other failure."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as err:
-            print(f"{address}: {err.code().name}", file=sys.stderr)
-            return EXIT_RPC_ERROR
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{address}: {status}")
-    return EXIT_OK if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_RPC_ERROR
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def _int_in(text: str, low: int, limit: int, what: str) -> int:
@@ -200,8 +304,18 @@ def _int_in(text: str, low: int, limit: int, what: str) -> int:
     return int(text)
 
 
-def _positive_int(text: str) -> int:
-    return _int_in(text, 1, _UINT32_LIMIT, "positive")
+def _max_tokens(text: str) -> int:
+    return _int_in(text, 0, _UINT32_LIMIT, "non-negative")
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -209,12 +323,14 @@ def _non_negative_int(text: str) -> int:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each default, except the None and False of options that are off unless given."""
+    """Shows each option's default: off for switches, none where unset."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
+        if not action.option_strings or action.dest in ("help", "address") or not action.help:
+            return action.help  # the address says its default itself (its variable may set it)
+        shown = ("off" if action.default is False else "none" if action.default is None
+                 else "%(default)s")
+        return f"{action.help} (default: {shown})"
 
 
 def build_parser(default_address: str) -> argparse.ArgumentParser:
@@ -227,14 +343,15 @@ def build_parser(default_address: str) -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="interactive chat, even when stdin is not "
                    "a terminal (one message a line; /reset clears the history, /exit or EOF quits)")
     p.add_argument("--address", default=default_address,
-                   help=f"the scheduler's public address (environment: {ADDRESS_ENV})")
+                   help=f"the scheduler's public address (default: {DEFAULT_ADDRESS}; "
+                        f"environment: {ADDRESS_ENV})")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as plain text, no chat template")
     p.add_argument("--token-ids", action="store_true",
                    help="the prompt is comma-separated token ids")
     p.add_argument("--system", default=None, help="a system message to put first")
-    p.add_argument("--max-tokens", type=_positive_int, default=None,
-                   help="new tokens at most (unset: up to the model's max length)")
+    p.add_argument("--max-tokens", type=_max_tokens, default=DEFAULT_MAX_TOKENS,
+                   help="new tokens at most; 0: up to the model's max length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
     p.add_argument("--top-k", type=int, default=-1, help="-1 or 0: off")
@@ -245,16 +362,24 @@ def build_parser(default_address: str) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--show-ids", action="store_true", help="print token ids instead of text")
     p.add_argument("--request-id", default=None, help="an id for the server's logs")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=_timeout, default=300.0,
+                   help="seconds to wait for the first token, then for each next one, before "
+                        "giving up (a stream that keeps sending is never cut); 0: forever")
     p.add_argument("--health", action="store_true",
-                   help="only check the server's grpc.health.v1 status (exit 0 when SERVING)")
+                   help="only check health: print whether the address is a pagedserve scheduler "
+                        "or executor and its grpc.health.v1 status (exit 0 when SERVING)")
+    p.add_argument("--service", choices=["scheduler", "executor"], default=None,
+                   help="with --health: exit 1 unless the address is this service")
     return p
 
 
 def run(argv: list[str] | None) -> int:
-    a = build_parser(os.environ.get(ADDRESS_ENV, "127.0.0.1:50051")).parse_args(argv)
+    a = build_parser(os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)).parse_args(argv)
+    if a.service and not a.health:
+        print("pagedserve-client: --service goes with --health", file=sys.stderr)
+        return EXIT_USAGE
     if a.health:
-        return check_health(a.address, min(a.timeout, 5.0))
+        return check_health(a.address, min(a.timeout or 5.0, 5.0), a.service)
     try:
         prompt = resolve_prompt(a)
     except UsageError as err:
@@ -262,7 +387,11 @@ def run(argv: list[str] | None) -> int:
         return EXIT_USAGE
     with grpc.insecure_channel(a.address) as channel:
         stub = generate_pb2_grpc.GeneratorStub(channel)
-        return chat(stub, a) if prompt is None else run_once(stub, a, prompt)
+        try:
+            return chat(stub, a) if prompt is None else run_once(stub, a, prompt)
+        except NotAScheduler as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_RPC_ERROR
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from executor_svc.lease import Hello, Lease, LeaseRefused, WaitingStreams
-from executor_svc.server import MAX_WAITING_STREAMS, ExecutorServicer, build_server, hello_from_proto
+from executor_svc.lease import Hello, Lease, LeaseRefused
+from executor_svc.rpc_slots import WaitingStreams
+from executor_svc.server import (MAX_WAITING_STREAMS, ExecutorServicer, build_server,
+                                 hello_from_proto)
 from executor_svc.step import ExecutorInfo, StepResult
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
 from protos import executor_pb2, executor_pb2_grpc
@@ -89,6 +91,21 @@ def test_waiting_streams_beyond_the_limit_close_the_oldest():
     assert closed == [0, 1] and len(waiting) == 2
     assert not waiting.remove(keys[0])  # evicted: its owner must not go on
     assert waiting.remove(keys[3]) and len(waiting) == 1
+
+
+def test_waiting_streams_evict_from_the_most_crowded_connection():
+    """A connection's one waiting call outlives newer calls of a crowded connection."""
+    closed = []
+    waiting = WaitingStreams(limit=3)
+    waiting.add(lambda: closed.append("scheduler"), peer="ipv4:127.0.0.1:1000")
+    for i in range(10):
+        waiting.add(lambda i=i: closed.append(i), peer="ipv4:127.0.0.1:2000")
+    assert closed == list(range(8)) and len(waiting) == 3
+    other = waiting.add(lambda: closed.append("other"), peer="ipv4:127.0.0.1:3000")
+    assert closed[-1] == 8  # the crowded one still pays
+    waiting.add(lambda: closed.append("newest"), peer="ipv4:127.0.0.1:4000")
+    assert closed[-1] == "scheduler"  # every connection waits for one call: the oldest goes
+    assert waiting.remove(other)
 
 
 def lease_msg(scheduler_id="s", epoch=1, takeover=False):

@@ -6,17 +6,26 @@ its older one. Every stream opens with a lease hello (tests/executor_svc/test_le
 lease rules)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
+import threading
+import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from executor_svc.config import ExecutorConfig
-from executor_svc.server import build_server
+from executor_svc.server import SERVICE_NAME, build_server
 from executor_svc.worker import Worker
-from protos import executor_pb2, executor_pb2_grpc
+from protos import executor_pb2, executor_pb2_grpc, reflection
 from tests.executor_svc.helpers import ScheduledRun, add_workload, make_scheduler
+from tests.executor_svc.test_lease import Call as LeaseCall
+from tests.executor_svc.test_lease import Served as LeaseServed
+from tests.executor_svc.test_lease import hello as lease_hello
+from tests.executor_svc.test_lease import plan as lease_plan
 
 TIMEOUT_S = 120
 _EPOCHS = itertools.count(1)
@@ -174,3 +183,156 @@ def test_a_newer_stream_of_the_same_scheduler_aborts_the_older_one(served):
     new.send(plan(2, cached=[3]))
     assert new.receive().step_id == 2
     new.close()
+
+
+# --- the RPC slots: calls that never send a message ---------------------------------------------
+
+SLOT_METHODS = {  # method: whether its responses stream
+    f"/{SERVICE_NAME}/Describe": False, f"/{SERVICE_NAME}/Execute": True,
+    "/grpc.health.v1.Health/Check": False, "/grpc.health.v1.Health/Watch": True,
+    **{method: True for method in reflection.METHODS},
+}
+TOKEN = (("authorization", "Bearer secret"),)
+
+
+class SilentCall:
+    """A call of `method` that sends its headers and never a message: its request stream blocks
+    until the test ends. `ended` gets its status code once the server ends it."""
+
+    def __init__(self, channel, method: str, streaming: bool, ended: queue.SimpleQueue,
+                 metadata=()) -> None:
+        self._release = threading.Event()
+        open_call = channel.stream_stream(method) if streaming else channel.stream_unary(method)
+        if not streaming:
+            open_call = open_call.future
+        self.call = open_call(self._requests(), timeout=TIMEOUT_S, metadata=metadata)
+        self.call.add_done_callback(lambda call: ended.put((method, call.code())))
+
+    def _requests(self):
+        self._release.wait()
+        return
+        yield
+
+    def release(self) -> None:
+        self._release.set()
+        self.call.cancel()
+
+
+@contextlib.contextmanager
+def silent_calls(port: int, per_method: int, metadata=()):
+    """`per_method` silent calls of every method, each method on connections of its own (a
+    connection carries at most 100 open calls); yields the queue of their end codes."""
+    ended: queue.SimpleQueue = queue.SimpleQueue()
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
+                                      options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in SLOT_METHODS]
+    calls = [SilentCall(channel, method, streaming, ended, metadata)
+             for channel, (method, streaming) in zip(channels, SLOT_METHODS.items())
+             for _ in range(per_method)]
+    try:
+        yield ended
+    finally:
+        for call in calls:
+            call.release()
+        for channel in channels:
+            channel.close()
+
+
+def served_fake(**transport) -> LeaseServed:
+    served = LeaseServed(**transport)
+    served.channel.close()
+    served.channel = grpc.insecure_channel(f"127.0.0.1:{served.port}",
+                                           options=[("grpc.use_local_subchannel_pool", 1)])
+    return served
+
+
+def _serving_within(channel, seconds: float, metadata=()) -> None:
+    """Describe, health and a reconnecting holder's hello answer within `seconds`."""
+    start = time.monotonic()
+    executor_pb2_grpc.ExecutorStub(channel).Describe(executor_pb2.DescribeRequest(),
+                                                     timeout=seconds, metadata=metadata)
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=seconds, metadata=metadata)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    holder = LeaseCall(channel, lease_hello("holder", epoch=int(start * 1000)), metadata=metadata)
+    assert holder.receive().step_id == 0
+    holder.send(lease_plan(1))
+    assert holder.receive().step_id == 1
+    assert time.monotonic() - start < seconds
+    holder.close()
+
+
+@pytest.mark.parametrize("metadata", [(), TOKEN], ids=["no-token", "token"])
+def test_silent_calls_of_every_method_leave_the_scheduler_served(metadata):
+    """40 silent calls of each method (more than the server's threads once were): the holder's
+    stream goes on, and Describe, health and the holder's reconnect answer at once; the silent
+    calls end within the first-message deadline (evicted or timed out), or with a token configured
+    those without it at once."""
+    served = served_fake(hello_timeout_s=2, auth_token="secret" if metadata else None)
+    try:
+        holder = LeaseCall(served.channel, lease_hello("holder"), metadata=metadata)
+        assert holder.receive().step_id == 0
+        with silent_calls(served.port, 40) as ended:
+            start = time.monotonic()
+            holder.send(lease_plan(1))
+            assert holder.receive().step_id == 1
+            _serving_within(served.channel, 1.0, metadata)
+            codes = [ended.get(timeout=10) for _ in range(40 * len(SLOT_METHODS))]
+            assert time.monotonic() - start < 2 + 3
+        allowed = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+        for method, code in codes:
+            guarded = method.startswith(f"/{SERVICE_NAME}/")
+            assert code in ({grpc.StatusCode.UNAUTHENTICATED} if metadata and guarded
+                            else allowed), (method, code)
+        assert ended.empty()
+    finally:
+        served.stop()
+
+
+def test_a_call_without_its_first_message_ends_at_the_deadline():
+    served = served_fake(hello_timeout_s=0.5)
+    try:
+        start = time.monotonic()  # before the calls: their deadlines start after it
+        with silent_calls(served.port, 1) as ended:
+            codes = dict(ended.get(timeout=10) for _ in SLOT_METHODS)
+            assert 0.5 <= time.monotonic() - start < 3
+        assert set(codes.values()) == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    finally:
+        served.stop()
+
+
+def test_describe_and_execute_without_the_token_are_refused_before_their_message():
+    served = served_fake(hello_timeout_s=60, auth_token="secret")
+    try:
+        for metadata in [(), (("authorization", "Bearer wrong"),)]:
+            with silent_calls(served.port, 1, metadata) as ended:
+                guarded = [ended.get(timeout=5) for _ in range(2)]
+            assert sorted(guarded) == [(f"/{SERVICE_NAME}/{m}", grpc.StatusCode.UNAUTHENTICATED)
+                                       for m in ("Describe", "Execute")]
+    finally:
+        served.stop()
+
+
+def _first_reply(stream) -> str:
+    try:
+        return "answered" if next(stream).list_services_response.service else "empty"
+    except grpc.RpcError as err:
+        return err.code().name
+
+
+def test_open_reflection_streams_are_capped_apart_from_describe():
+    served = served_fake(hello_timeout_s=60)
+    reflection_stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    blocked: queue.SimpleQueue = queue.SimpleQueue()
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    try:
+        streams = [reflection_stub.ServerReflectionInfo(itertools.chain([request],
+                                                                        iter(blocked.get, None)),
+                                                        timeout=TIMEOUT_S) for _ in range(5)]
+        outcomes = [_first_reply(stream) for stream in streams]
+        assert sorted(outcomes) == ["RESOURCE_EXHAUSTED"] + ["answered"] * 4
+        _serving_within(served.channel, 1.0)
+        for stream in streams:
+            stream.cancel()
+    finally:
+        served.stop()

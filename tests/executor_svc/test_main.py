@@ -1,0 +1,51 @@
+"""`pagedserve-executor --help`: every flag says what it does, its default and its environment
+variable, and that variable really sets it."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from executor_svc import main as executor_main
+
+ENV = executor_main._ENV_PREFIX
+
+
+def options() -> list[argparse.Action]:
+    return [a for a in executor_main.build_parser()._actions if a.dest != "help"]
+
+
+def variable(action: argparse.Action) -> str:
+    return ENV + action.option_strings[0][2:].upper().replace("-", "_")
+
+
+@pytest.mark.parametrize("action", options(), ids=lambda a: a.option_strings[0])
+def test_every_flag_says_its_default_and_its_variable(action):
+    assert action.help and "(default: " in action.help
+    assert f"environment: {variable(action)}" in action.help
+
+
+def sample(action: argparse.Action) -> str:
+    """A valid value of the flag's variable, other than its default."""
+    if action.nargs == 0:  # a switch
+        return "1"
+    if action.choices:
+        return next(c for c in action.choices if c != action.default)
+    return {int: "7", float: "0.5"}.get(action.type, "/some/value")
+
+
+@pytest.mark.parametrize("action", options(), ids=lambda a: a.option_strings[0])
+def test_every_variable_sets_its_flag(action, monkeypatch):
+    unset = getattr(executor_main.build_parser().parse_args([]), action.dest)
+    monkeypatch.setenv(variable(action), sample(action))
+    assert getattr(executor_main.build_parser().parse_args([]), action.dest) != unset
+
+
+def test_the_help_command_lists_every_variable():
+    command = Path(sys.executable).parent / "pagedserve-executor"
+    out = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert [variable(action) for action in options() if variable(action) not in out] == []

@@ -1,0 +1,47 @@
+"""Ctrl-C (SIGINT) on a standalone executor, a real process: while the model loads it exits 130
+with one line, once ready it stops serving and exits 0; never a traceback.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.harness import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def interrupted(model: str, when: str) -> tuple[int, list[str]]:
+    """Starts an executor, sends SIGINT once a line containing `when` is out; (exit status, the
+    lines from that one on)."""
+    proc = subprocess.Popen([sys.executable, "-m", "executor_svc.main", "--backend", "cpu",
+                             "--model", model, "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if when in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, [line, *rest.splitlines()]
+
+
+def test_ctrl_c_while_loading_exits_130_with_one_line():
+    # random weights of this size take seconds to build: the signal lands mid-load
+    code, lines = interrupted("preset:smollm2-135m", "loading model")
+    assert code == 130
+    said = [line for line in lines[1:] if line.strip()]
+    assert said == ["pagedserve-executor: interrupted (SIGINT) before serving; nothing was "
+                    "started"], lines
+
+
+def test_ctrl_c_once_ready_stops_and_exits_0():
+    code, lines = interrupted("preset:tiny", "executor ready")
+    assert code == 0
+    assert "Traceback" not in "\n".join(lines)
+    assert len(lines) == 2 and lines[1].endswith("SIGINT: stopping (open streams get 2 s)"), lines

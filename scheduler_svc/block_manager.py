@@ -125,55 +125,35 @@ class BlockManager:
 
     # ---- growth --------------------------------------------------------------------------------
 
-    def _num_new_blocks(self, seq_id: int, num_total_tokens: int) -> int:
-        have = len(self._gpu.tables.get(seq_id, ()))
-        return max(0, self.num_blocks_needed(num_total_tokens) - have)
-
-    def can_allocate_slots(self, seq_id: int, num_total_tokens: int) -> bool:
-        return self._gpu.pool.can_allocate(self._num_new_blocks(seq_id, num_total_tokens))
-
-    def append_slots(self, seq_id: int, num_total_tokens: int) -> Sequence[int] | None:
-        """allocate_slots for a seq that has a GPU table, at a fraction of its cost (the
-        scheduler calls it for every decode of every step): the block ids appended, or None,
-        and no change, when the pool is short. No new block is a shared empty tuple: nothing
-        to allocate on the common path. No write ever lands in a shared page (only full pages
-        are shared), so no copy-on-write is looked for."""
-        table = self._gpu.tables.get(seq_id)
-        if table is None:
-            return None
-        num_slots = self._num_slots.get(seq_id, 0)
-        if num_total_tokens <= num_slots:
-            return ()
-        pool = self._gpu.pool
-        num_new_blocks = -(-num_total_tokens // self.block_size) - len(table)
-        new_block_ids: Sequence[int] = ()
-        if num_new_blocks > 0:
-            if not pool.can_allocate(num_new_blocks):
-                return None
-            new_block_ids = pool.allocate_n(num_new_blocks)
-            table.extend(new_block_ids)
-        self._num_slots[seq_id] = num_total_tokens
-        return new_block_ids
-
     def allocate_slots(self, seq_id: int, num_total_tokens: int,
                        cached_block_ids: Sequence[int] = ()) -> list[int] | None:
         """Grow the GPU table of `seq_id` so it covers `num_total_tokens` tokens.
 
         Returns the block ids appended to the table, or None (and no change) when the GPU pool
         is short. `cached_block_ids` (from find_cached_prefix, for a seq without a table) start
-        the table: they hold its first pages' KV already.
+        the table: they hold its first pages' KV already. The scheduler calls it for every seq
+        of every step: a table that needs no new block costs a few dict reads.
         """
-        if cached_block_ids:
-            if not self._take_cached_prefix(seq_id, cached_block_ids, num_total_tokens):
-                return None
-        elif not self.can_allocate_slots(seq_id, num_total_tokens):
+        if cached_block_ids and not self._take_cached_prefix(seq_id, cached_block_ids,
+                                                             num_total_tokens):
             return None
-        if seq_id in self._cpu.tables:
-            raise RuntimeError(f"seq {seq_id} is swapped out; swap it in first")
-        table = self._gpu.tables.setdefault(seq_id, [])
-        new_block_ids = self._gpu.pool.allocate_n(self._num_new_blocks(seq_id, num_total_tokens))
-        table.extend(new_block_ids)
-        self._num_slots[seq_id] = max(self._num_slots.get(seq_id, 0), num_total_tokens)
+        num_slots = self._num_slots
+        if num_total_tokens <= num_slots.get(seq_id, 0):
+            return []
+        table = self._gpu.tables.get(seq_id)
+        if table is None:
+            if seq_id in self._cpu.tables:
+                raise RuntimeError(f"seq {seq_id} is swapped out; swap it in first")
+            table = []
+        new_block_ids = []
+        num_new_blocks = -(-num_total_tokens // self.block_size) - len(table)
+        if num_new_blocks > 0:
+            if not self._gpu.pool.can_allocate(num_new_blocks):
+                return None
+            new_block_ids = self._gpu.pool.allocate_n(num_new_blocks)
+            table.extend(new_block_ids)
+            self._gpu.tables[seq_id] = table
+        num_slots[seq_id] = num_total_tokens
         return new_block_ids
 
     def _take_cached_prefix(self, seq_id: int, block_ids: Sequence[int],

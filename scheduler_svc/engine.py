@@ -1,8 +1,6 @@
-"""The scheduler service's engine: requests in, one step plan per step out to the executor,
-sampled tokens back to each request's stream (detokenized, stop strings applied).
-
-Owns the Scheduler, the tokenizer and the per-request output mailboxes. Plain asyncio; no gRPC types.
-"""
+"""The scheduler service's engine: attaches an executor (and resyncs or switches it), admits
+requests, and runs the step loop: schedule, run on the executor, hand the results to the output
+side. Plain asyncio; no gRPC types."""
 from __future__ import annotations
 
 import asyncio
@@ -19,14 +17,13 @@ from dataclasses import dataclass, field
 from scheduler_svc.admission import retry_hint_s
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
 from scheduler_svc.metrics import Metrics, StatsLog
+from scheduler_svc.output import EngineFailed, OutputProcessor, RequestState
 from scheduler_svc.plan import SeqUpdate, StepPlan, StepResult
 from scheduler_svc.request import (FinishEvent, GenerateSpec, ModelLimits, PreparedRequest,
                                    RequestLimits, TokenEvent, check_sizes, prepare)
-from scheduler_svc.sampling_params import TokenLogprobs
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_stats import SchedulerStats
 from scheduler_svc.sequence import FinishReason, Sequence
@@ -50,15 +47,6 @@ class NoExecutor(Exception):
 
 class ShuttingDown(Exception):
     """The service is draining before it stops; mapped to UNAVAILABLE."""
-
-
-class EngineFailed(Exception):
-    """The step loop failed unexpectedly and ended this request; mapped to INTERNAL."""
-
-
-class RequestFailed(EngineFailed):
-    """Something this request alone caused failed (a value the executor link cannot carry or the
-    executor refuses, its detokenizing): it was ended, the others go on. INTERNAL."""
 
 
 @dataclass(frozen=True)
@@ -107,20 +95,14 @@ class EngineConfig:
     # Seconds between stats lines (logged only for an interval in which a step ran); 0: none.
     log_stats_interval_s: float = 10.0
     # A stream is handed its tokens every stream_interval steps (its first token and its end at
-    # once); 0: adaptive, every step up to STREAMS_PER_STEP sequences sampled in a step, then
-    # every ceil(sampled / STREAMS_PER_STEP) steps, so a thousand streams do not cost the step
-    # loop a thousand writes a step (vLLM's --stream-interval, made adaptive).
+    # once); 0: adaptive (output.stream_interval), so that a thousand streams do not cost the
+    # step loop a thousand writes a step (vLLM's --stream-interval, made adaptive).
     stream_interval: int = 0
 
 
-# Streams a step may wake before the adaptive stream interval batches their tokens: each wake is
-# a write (~15-30 us of the event loop), and the loop also plans the next step.
-STREAMS_PER_STEP = 256
 # A prompt of token ids up to this long, without stop strings, is prepared on the event loop:
-# its checks cost tens of microseconds there (the ids were already copied there from the
-# message), less than the hand-over to a prepare thread and back (~150 us of a request's
-# TTFT on a 2-core machine). Text, chat and stop strings, whose cost grows with the request
-# much faster, always go to a prepare thread.
+# its checks cost less there than the hand-over to a prepare thread and back. Text, chat and
+# stop strings, whose cost grows much faster with the request, go to a prepare thread.
 INLINE_PREPARE_MAX_IDS = 8192
 
 
@@ -136,95 +118,15 @@ GC_YOUNG_THRESHOLD = 10_000
 
 def freeze_startup_heap() -> int:
     """Moves every object alive now (modules, the tokenizer, the engine) out of the garbage
-    collector's reach, as vLLM does once it is ready: a full collection then scans only what
-    serving allocates. Measured with bench_streams at 256 streams, the GPU's idle share fell from
-    2.7-3.4% to 0.0-1.0% (a full collection is a pause of several ms on the step loop's thread,
-    enough to make a plan late). For a service process once it is ready; not for tests, which
-    would keep every engine they make. Returns the objects frozen.
-
-    It also raises the youngest generation's threshold to GC_YOUNG_THRESHOLD: a step allocates
-    and frees an event, a message and a future or two per stream, so at 256 streams the default
-    700 started a young collection every step or two (~0.3 ms each, 360 in a 512-token run)
-    although almost nothing survives them."""
+    collector's reach, as vLLM does once it is ready: a full collection, a pause of the step
+    loop's thread long enough to make a plan late, then scans only what serving allocates.
+    Also raises the youngest generation's threshold: a step allocates and frees an event or
+    two per stream, almost none of which survive. For a service process once it is ready; not
+    for tests, which would keep every engine they make. Returns the objects frozen."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     return gc.get_freeze_count()
-
-
-def stream_interval(config_interval: int, num_sampled: int) -> int:
-    """Steps between hand-overs of a stream's tokens in a step that sampled `num_sampled`."""
-    if config_interval > 0:
-        return config_interval
-    return max(1, -(-num_sampled // STREAMS_PER_STEP))
-
-
-class _Mailbox:
-    """A request's events (all its samples'), taken by its reader in batches. Putting wakes the
-    reader only when asked to: tokens can wait for the next hand-over, an end never does.
-
-    The step loop puts into hundreds of mailboxes a step, so a put costs one future's result at
-    most (an asyncio.Event's set and wait cost a deque, a future and a loop pass more), and a
-    reader that comes back to items already woken for takes them without suspending."""
-
-    __slots__ = ("_items", "_woken", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._woken = False  # a put asked to wake the reader since its last take
-        self._waiter: asyncio.Future | None = None  # the reader, while it waits
-
-    def put(self, item, wake: bool = True) -> None:
-        self._items.append(item)
-        if wake and not self._woken:
-            self._woken = True
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_result(None)
-
-    async def take(self) -> list:
-        """Every item put so far (at least one), once a put woke the reader."""
-        if not self._woken:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        self._woken = False
-        items, self._items = self._items, []
-        return items
-
-
-class _RequestState:
-    """One sample's output side: the request's mailbox (shared by its n samples), the sample's
-    detokenizer and stop-string matcher."""
-
-    def __init__(self, seq: Sequence, tokenizer, stopper, request_id: str,
-                 mailbox: _Mailbox, sample_index: int = 0) -> None:
-        self.seq = seq
-        self.request_id = request_id
-        self.sample_index = sample_index
-        self.mailbox = mailbox
-        self.unsent = 0  # tokens put without waking the reader
-        self.detokenizer = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
-                            if tokenizer is not None else None)
-        self.stopper = stopper
-        self.arrival_time = time.monotonic()
-        self.last_token_time: float | None = None
-        self.finished = False
-
-    def text_for(self, token_id: int) -> tuple[str, bool]:
-        """The text delta this token releases, and whether a stop string matched."""
-        text = self.detokenizer.step(token_id) if self.detokenizer else ""
-        if self.stopper is None:
-            return text, False
-        return self.stopper.feed(text)
-
-    def flush(self) -> str:
-        text = self.detokenizer.flush() if self.detokenizer else ""
-        if self.stopper is None:
-            return text
-        emitted, matched = self.stopper.feed(text)
-        return emitted if matched else emitted + self.stopper.flush()
 
 
 class Engine:
@@ -236,16 +138,14 @@ class Engine:
         self.config = config
         self.client = client
         self.metrics = metrics or Metrics()
+        self.output = OutputProcessor(self.metrics, config.stream_interval)
         self.scheduler: Scheduler | None = None  # None while no executor is attached
         self.tokenizer = None
         self.limits: ModelLimits | None = None
         self._tokenizer_source: str | None = None
-        self._requests: dict[int, _RequestState] = {}
         self._seq_ids = itertools.count(1)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._idle = asyncio.Event()  # set while no request is in flight
-        self._idle.set()
         self._ready = asyncio.Event()  # set while a scheduler (and so a tokenizer) exists
         self._detached_since: float | None = time.monotonic()
         self._prepare_pool = ThreadPoolExecutor(config.num_prepare_threads,
@@ -289,11 +189,11 @@ class Engine:
 
     async def wait_idle(self) -> None:
         """Returns once no request is in flight."""
-        await self._idle.wait()
+        await self.output.idle.wait()
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests)
+        return len(self.output.requests)
 
     async def stop(self) -> None:
         if self._stats_task is not None:
@@ -322,6 +222,27 @@ class Engine:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
+    async def _on_loop_failure(self, err: Exception) -> None:
+        """Ends every request with EngineFailed and forgets all scheduler state."""
+        self.num_loop_failures += 1
+        self.attach_error = f"the step loop failed: {err!r}; restarting"
+        log.error("the step loop failed; ending %d requests and restarting it",
+                  self.num_requests, exc_info=err)
+        self._set_attached(False)
+        self.output.fail_all(EngineFailed(f"the server's step loop failed ({type(err).__name__})"
+                                          "; this request was ended, retry it"))
+        self.scheduler, self._detached_since = None, time.monotonic()
+        self._ready.clear()
+        if self._switch is not None:
+            client, _, done = self._switch
+            self._switch = None
+            self._switch_requested.clear()
+            done.set_exception(EngineFailed("the step loop failed during the switch"))
+            await client.close()
+        await self.client.close()  # the next stream starts the executor from empty state
+
+    # --- attaching an executor ------------------------------------------------------------------
+
     async def _connect_and_attach(self) -> None:
         """Connects to an executor and attaches it; an attach that fails (e.g. its tokenizer cannot
         be loaded) is logged at once, shown in status, and retried with backoff."""
@@ -344,7 +265,7 @@ class Engine:
                 backoff = min(backoff * 2, 10.0)
 
     async def _attach(self, description) -> None:
-        """Sizes the block pools from Describe's answer (never from a guess) and loads the tokenizer."""
+        """Sizes the block pools from Describe's answer (never from a guess), loads the tokenizer."""
         if description.tokenizer != self._tokenizer_source:
             try:
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, description.tokenizer)
@@ -395,28 +316,72 @@ class Engine:
         if self.on_attached_change is not None:
             self.on_attached_change(attached)
 
-    async def _on_loop_failure(self, err: Exception) -> None:
-        """Ends every request with EngineFailed and forgets all scheduler state."""
-        self.num_loop_failures += 1
-        self.attach_error = f"the step loop failed: {err!r}; restarting"
-        log.error("the step loop failed; ending %d requests and restarting it",
-                  len(self._requests), exc_info=err)
+    async def _resync(self) -> None:
+        """Frees everything mapped on the lost executor; every unfinished sequence is recomputed."""
+        self.num_resyncs += 1
+        self.metrics.executor_reconnects.inc()
         self._set_attached(False)
-        failure = EngineFailed(f"the server's step loop failed ({type(err).__name__}); "
-                               "this request was ended, retry it")
-        for state in list(self._requests.values()):
-            state.finished = True
-            self._forget(state)
-            state.mailbox.put(failure)
-        self.scheduler, self._detached_since = None, time.monotonic()
-        self._ready.clear()
-        if self._switch is not None:
-            client, _, done = self._switch
-            self._switch = None
-            self._switch_requested.clear()
-            done.set_exception(EngineFailed("the step loop failed during the switch"))
+        self.scheduler.reset_executor()
+        connect = asyncio.create_task(self._connect_and_attach())
+        switch = asyncio.create_task(self._switch_requested.wait())
+        outage = asyncio.create_task(self._end_requests_in_outage())
+        try:
+            done, _ = await asyncio.wait({connect, switch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            outage.cancel()
+        if connect in done:
+            switch.cancel()
+            connect.result()
+        else:  # a planned switch arrived while this executor was away: the loop applies it
+            connect.cancel()
+            await asyncio.gather(connect, return_exceptions=True)
+
+    async def _end_requests_in_outage(self) -> None:
+        """While the step loop reconnects: once every executor refuses this scheduler (its lease
+        was taken over) or the outage outlasts the grace period, the open requests end with
+        UNAVAILABLE instead of waiting for their deadlines; _check_open refuses later ones."""
+        lost_since = self.client.disconnected_since or time.monotonic()
+        left = self.config.unavailable_grace_s - (time.monotonic() - lost_since)
+        try:
+            await asyncio.wait_for(self._refused.wait(), max(left, 0))
+            error = NoExecutor(f"no executor takes this scheduler: {self._refusal}")
+        except asyncio.TimeoutError:
+            error = NoExecutor(f"no executor reachable for {self.config.unavailable_grace_s:g}s"
+                               f"{self._why()}")
+        if self.num_requests:
+            log.warning("ending %d requests: %s", self.num_requests, error)
+        self._finish_seqs(self.output.fail_all(error))
+
+    async def switch_executor(self, addresses: list[str]) -> tuple[str, str, int]:
+        """Moves serving to the first of `addresses` that serves the same model; the unfinished
+        sequences are recomputed there. Returns (address, model name, sequences moved)."""
+        old = self.client
+        if old.fingerprint is None:
+            raise NoExecutor("no executor has attached yet: nothing to move")
+        client = old.with_addresses(addresses)
+        description = await client.connect_once()
+        if description is None:
             await client.close()
-        await self.client.close()  # the next stream starts the executor from empty state
+            raise InvalidArgument("addresses", f"no executor serving fingerprint {old.fingerprint} "
+                                  f"answered at {', '.join(addresses)}")
+        done = asyncio.get_running_loop().create_future()
+        self._switch = (client, description, done)
+        self._switch_requested.set()
+        self._wakeup.set()
+        return await done
+
+    async def _apply_switch(self) -> None:
+        """Between steps: the new client replaces the old, all executor-side state is rebuilt."""
+        client, description, done = self._switch
+        self._switch = None
+        self._switch_requested.clear()
+        old, self.client = self.client, client
+        moved = self.scheduler.num_running + self.scheduler.num_swapped
+        await self._attach(description)  # resets the scheduler for the new executor
+        await old.close()
+        log.info("serving moved to executor %s; %d sequences recomputed there",
+                 client.connected_address, moved)
+        done.set_result((client.connected_address, description.model_name, moved))
 
     # --- what the API reports --------------------------------------------------------------------
 
@@ -456,39 +421,6 @@ class Engine:
     def _why(self) -> str:
         return f": {self.attach_error}" if self.attach_error else ""
 
-    # --- planned executor replacement -----------------------------------------------------------
-
-    async def switch_executor(self, addresses: list[str]) -> tuple[str, str, int]:
-        """Moves serving to the first of `addresses` that serves the same model; the unfinished
-        sequences are recomputed there. Returns (address, model name, sequences moved)."""
-        old = self.client
-        if old.fingerprint is None:
-            raise NoExecutor("no executor has attached yet: nothing to move")
-        client = old.with_addresses(addresses)
-        description = await client.connect_once()
-        if description is None:
-            await client.close()
-            raise InvalidArgument("addresses", f"no executor serving fingerprint {old.fingerprint} "
-                                  f"answered at {', '.join(addresses)}")
-        done = asyncio.get_running_loop().create_future()
-        self._switch = (client, description, done)
-        self._switch_requested.set()
-        self._wakeup.set()
-        return await done
-
-    async def _apply_switch(self) -> None:
-        """Between steps: the new client replaces the old, all executor-side state is rebuilt."""
-        client, description, done = self._switch
-        self._switch = None
-        self._switch_requested.clear()
-        old, self.client = self.client, client
-        moved = self.scheduler.num_running + self.scheduler.num_swapped
-        await self._attach(description)  # resets the scheduler for the new executor
-        await old.close()
-        log.info("serving moved to executor %s; %d sequences recomputed there",
-                 client.connected_address, moved)
-        done.set_result((client.connected_address, description.model_name, moved))
-
     # --- requests -------------------------------------------------------------------------------
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenEvent | FinishEvent]:
@@ -504,55 +436,64 @@ class Engine:
         """As `generate`, but each item is every event queued by then (at least one), in order:
         a consumer slower than the steps takes what piled up at once and can answer it with one
         write. Raises as `generate` does."""
+        states = await self.admit(spec)
+        try:
+            async for events in states[0].mailbox.batches(len(states)):  # the samples share it
+                yield events
+        finally:
+            for state in states:
+                if not state.finished:
+                    self._finish_seqs(self.output.abort(state))
+
+    async def admit(self, spec: GenerateSpec) -> list[RequestState]:
+        """Checks, prepares and queues one request, a seq per sample; raises InvalidArgument,
+        QueueFull, NoExecutor or ShuttingDown. Waits, up to what is left of the grace period,
+        for a first (or restarted) executor attachment."""
         check_sizes(spec, self.config.limits)
-        await self._wait_admissible(spec)
+        self._check_open()
+        if self.scheduler is None:
+            await self._wait_attached()
+        self._check_admissible(spec)
         if can_prepare_inline(spec):
             prepared = prepare(spec, self.tokenizer, self.limits)
         else:
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._prepare_pool, prepare, spec, self.tokenizer, self.limits)
-        states = self._admit(spec, prepared)
-        mailbox = states[0].mailbox  # the samples share it
-        num_open = len(states)
-        try:
-            while num_open:
-                events = await mailbox.take()
-                if not all(type(e) is TokenEvent for e in events):  # rarely: an end in it
-                    failed = next((e for e in events if isinstance(e, Exception)), None)
-                    if failed is not None:  # what came before it still goes out
-                        if events[0] is not failed:
-                            yield events[:events.index(failed)]
-                        raise failed
-                    num_open -= sum(isinstance(e, FinishEvent) for e in events)
-                yield events
-        finally:
-            for state in states:
-                if not state.finished:
-                    self._abort(state)
+        self._check_admissible(spec)  # the state may have changed while it was prepared
+        seqs = self._sample_seqs(spec, prepared)
+        self._check_fits(seqs[0])
+        # Assigns a seed to each seq without one (recomputes sample alike); the samples after
+        # the first fork from its pages once its prompt is computed.
+        self.scheduler.add_seq(seqs[0], seqs[1:])
+        states = self.output.add_request(spec.request_id, seqs, prepared.stoppers,
+                                         self.tokenizer)
+        self.metrics.prompt_tokens.inc(seqs[0].num_prompt_tokens)
+        log.debug("request %s admitted as seqs %s: %d prompt tokens", spec.request_id,
+                  [seq.seq_id for seq in seqs], seqs[0].num_prompt_tokens)
+        self._wakeup.set()
+        return states
 
-    async def _wait_admissible(self, spec: GenerateSpec) -> None:
-        """Waits, up to what is left of the grace period, for a first (or restarted) executor
-        attachment; raises at once when draining, every executor refused this scheduler, the
-        grace is over, or the queue has no room for the request (see _check_room)."""
+    async def _wait_attached(self) -> None:
+        """Until an executor attaches, every executor refuses this scheduler, or the grace ends."""
+        left = self.config.unavailable_grace_s - (time.monotonic() - self._detached_since)
+        if left <= 0:
+            return
+        ready = asyncio.ensure_future(self._ready.wait())
+        refused = asyncio.ensure_future(self._refused.wait())
+        try:
+            await asyncio.wait({ready, refused}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            refused.cancel()
+
+    def _check_admissible(self, spec: GenerateSpec) -> None:
+        """Refuses a request while closed (see _check_open) or detached, or (QueueFull) one whose
+        n sequences would take the waiting sequences past --max-waiting (unless none wait), or
+        whose deadline ends before the sequences ahead of it can start at the rate waiting
+        sequences have been starting."""
         self._check_open()
         if self.scheduler is None:
-            left = self.config.unavailable_grace_s - (time.monotonic() - self._detached_since)
-            if left > 0:
-                ready = asyncio.ensure_future(self._ready.wait())
-                refused = asyncio.ensure_future(self._refused.wait())
-                try:
-                    await asyncio.wait({ready, refused}, timeout=left,
-                                       return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    ready.cancel()
-                    refused.cancel()
-            self._check_open()
-        self._check_room(spec)
-
-    def _check_room(self, spec: GenerateSpec) -> None:
-        """Refuses (QueueFull) a request whose n sequences would take the waiting sequences past
-        --max-waiting (unless none wait), or whose deadline ends before the sequences ahead
-        of it can start at the rate waiting sequences have been starting."""
+            raise NoExecutor(f"the executor was detached{self._why()}")
         waiting, rate = self.scheduler.num_waiting, self.scheduler.drain_rate()
         over = waiting + spec.n - self.config.max_waiting
         if over > 0 and waiting:
@@ -578,33 +519,10 @@ class Engine:
             raise NoExecutor(f"no executor attached for "
                              f"{time.monotonic() - self._detached_since:.0f}s{self._why()}")
         lost_since = self.client.disconnected_since
-        if lost_since is not None and time.monotonic() - lost_since > self.config.unavailable_grace_s:
+        grace = self.config.unavailable_grace_s
+        if lost_since is not None and time.monotonic() - lost_since > grace:
             raise NoExecutor(f"no executor reachable for {time.monotonic() - lost_since:.0f}s"
                              f"{self._why()}")
-
-    def _admit(self, spec: GenerateSpec, prepared: PreparedRequest) -> list[_RequestState]:
-        """Queues one prepared request, a seq per sample; raises InvalidArgument, QueueFull,
-        NoExecutor or ShuttingDown (the state may have changed while it was being prepared)."""
-        self._check_open()
-        if self.scheduler is None:
-            raise NoExecutor(f"the executor was detached{self._why()}")
-        self._check_room(spec)
-        seqs = self._sample_seqs(spec, prepared)
-        self._check_fits(seqs[0])
-        # Assigns a seed to each seq without one (recomputes sample alike); the samples after
-        # the first fork from its pages once its prompt is computed.
-        self.scheduler.add_seq(seqs[0], seqs[1:])
-        mailbox = _Mailbox()
-        states = [_RequestState(seq, self.tokenizer, stopper, spec.request_id, mailbox, i)
-                  for i, (seq, stopper) in enumerate(zip(seqs, prepared.stoppers))]
-        for state in states:
-            self._requests[state.seq.seq_id] = state
-        self._idle.clear()
-        self.metrics.prompt_tokens.inc(seqs[0].num_prompt_tokens)
-        log.debug("request %s admitted as seqs %s: %d prompt tokens", spec.request_id,
-                  [seq.seq_id for seq in seqs], seqs[0].num_prompt_tokens)
-        self._wakeup.set()
-        return states
 
     def _sample_seqs(self, spec: GenerateSpec, prepared: PreparedRequest) -> list[Sequence]:
         """A seq per sample; with a seed, sample i uses seed + i (as the OpenAI API's n did with
@@ -621,8 +539,8 @@ class Engine:
         return seqs
 
     def _check_fits(self, seq: Sequence) -> None:
-        """An explicit max_tokens must fit in the whole KV cache; without one, the cache's size
-        caps the output (finish reason LENGTH)."""
+        """The one check that a request fits the KV cache: an explicit max_tokens must fit in
+        the whole cache; without one, the cache's size caps the output (finish reason LENGTH)."""
         if seq.stopping.max_tokens is None:
             needed, what = seq.num_prompt_tokens + 1, "prompt"
         else:
@@ -632,57 +550,59 @@ class Engine:
                 what, f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens "
                 f"({seq.max_tokens}) can never fit in the KV cache")
 
-    def _abort(self, state: _RequestState) -> None:
-        state.finished = True
-        self._forget(state)
-        if self.scheduler is not None:
-            self.scheduler.abort_seq(state.seq.seq_id)
-            self.metrics.observe_scheduler(self.scheduler.stats())
-        self.metrics.requests_finished.labels("cancelled").inc()
-        log.debug("request %s cancelled after %d tokens", state.request_id,
-                 state.seq.num_output_tokens)
-        self._wakeup.set()
-
-    def _forget(self, state: _RequestState) -> None:
-        self._requests.pop(state.seq.seq_id, None)
-        if not self._requests:
-            self._idle.set()
-
     def abort_all(self, reason: FinishReason = FinishReason.ABORTED) -> None:
         """Ends every request now (shutdown): each stream gets its FinishEvent."""
-        for state in list(self._requests.values()):
-            if self.scheduler is not None:
-                self.scheduler.abort_seq(state.seq.seq_id)
-            self._finish(state, reason)
+        self._finish_seqs(self.output.finish_all(reason))
+
+    def _finish_seqs(self, seqs: list[tuple[int, FinishReason]]) -> None:
+        """Frees in the scheduler the seqs the output side ended."""
+        if self.scheduler is not None:
+            for seq_id, reason in seqs:
+                self.scheduler.finish_seq(seq_id, reason)
+            self.metrics.observe_scheduler(self.scheduler.stats())
         self._wakeup.set()
 
     # --- the step loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        """Keeps up to max_steps_in_flight plans sent. When the oldest result comes back it is
-        applied, the next plan goes out, and only then are that result's tokens detokenized and
-        streamed, so the executor always has a step queued while the host works."""
+        """Keeps up to max_steps_in_flight plans sent, and steps while any are; a lost executor
+        is resynced, the requests it names as the cause ended."""
         in_flight: deque[StepPlan] = deque()
         while True:
             try:
                 await self._fill(in_flight)
-                if not in_flight:
+                if in_flight:
+                    await self._step(in_flight)
+                else:
                     await self._wait_for_work()
-                    continue
-                result = await self.client.receive(in_flight[0])
-                plan = in_flight.popleft()
-                updates = await self._apply(plan, result.sampled)
-                self._account(plan, result, len(updates))
-                try:
-                    await self._fill(in_flight)
-                finally:
-                    self._emit_step(updates, result.logprobs)
-                    self.metrics.steps.inc()
-                    self.metrics.observe_scheduler(self.scheduler.stats())
             except ExecutorLost as lost:
                 in_flight.clear()
                 self._end_named(lost)  # before the resync, which would recompute them
                 await self._resync()
+
+    async def _step(self, in_flight: deque[StepPlan]) -> None:
+        """The oldest plan's result is applied, the next plan goes out, and only then are that
+        result's tokens streamed, so the executor always has a step queued while the host works."""
+        result = await self.client.receive(in_flight[0])
+        plan = in_flight.popleft()
+        updates = await self._apply(plan, result.sampled)
+        self._account(plan, result, len(updates))
+        try:
+            await self._fill(in_flight)
+        finally:
+            self._finish_seqs(self.output.process_outputs(updates, result.logprobs))
+            self.metrics.steps.inc()
+
+    async def _fill(self, in_flight: deque[StepPlan]) -> None:
+        """Schedules and sends steps until max_steps_in_flight are out or nothing is runnable.
+        No new step goes out while a planned executor switch waits. Raises ExecutorLost."""
+        while (len(in_flight) < self.config.max_steps_in_flight and self._switch is None
+               and self.scheduler.has_unfinished()):
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return
+            await self.client.send(plan)
+            in_flight.append(plan)
 
     async def _apply(self, plan: StepPlan, sampled: dict[int, int]) -> list[SeqUpdate]:
         """The step's updates; an executor whose answer does not fit the plan is lost."""
@@ -702,151 +622,27 @@ class Engine:
             kind = "decode" if num_tokens == plan.num_scheduled_seqs else "prefill"
             self.metrics.observe_executor_step(kind, result.forward_ms, result.step_ms)
 
-    async def _fill(self, in_flight: deque) -> None:
-        """Schedules and sends steps until max_steps_in_flight are out or nothing is runnable.
-        No new step goes out while a planned executor switch waits. Raises ExecutorLost."""
-        while (len(in_flight) < self.config.max_steps_in_flight and self._switch is None
-               and self.scheduler.has_unfinished()):
-            plan = self.scheduler.schedule()
-            if plan.is_empty:
-                return
-            await self.client.send(plan)
-            in_flight.append(plan)
-
     async def _wait_for_work(self) -> None:
-        """Nothing in flight: apply a waiting executor switch, or sleep until a request arrives."""
+        """Nothing in flight: apply a waiting executor switch, or sleep until a request arrives.
+        A stream that ends meanwhile raises ExecutorLost at once: health, the prefix cache and
+        the next request must not wait for a step to learn that the executor is gone."""
         if self._switch is not None:
             await self._apply_switch()
             return
         self.metrics.observe_scheduler(self.scheduler.stats())
-        await self._sleep_until_work()
-
-    async def _sleep_until_work(self) -> None:
-        """Sleeps until a request arrives. A stream that ends meanwhile raises ExecutorLost at
-        once: health, the prefix cache and the next request must not wait for a step to learn
-        that the executor is gone."""
         self._wakeup.clear()
         if self._stream_end is None:
             await self._wakeup.wait()
         if self._stream_end is not None:
             raise self.client.lost(self._stream_end)
 
-    async def _resync(self) -> None:
-        """Frees everything mapped on the lost executor; every unfinished sequence is recomputed."""
-        self.num_resyncs += 1
-        self.metrics.executor_reconnects.inc()
-        self._set_attached(False)
-        self.scheduler.reset_executor()
-        connect = asyncio.create_task(self._connect_and_attach())
-        switch = asyncio.create_task(self._switch_requested.wait())
-        outage = asyncio.create_task(self._end_requests_in_outage())
-        try:
-            done, _ = await asyncio.wait({connect, switch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            outage.cancel()
-        if connect in done:
-            switch.cancel()
-            connect.result()
-        else:  # a planned switch arrived while this executor was away: the loop applies it
-            connect.cancel()
-            await asyncio.gather(connect, return_exceptions=True)
-
-    async def _end_requests_in_outage(self) -> None:
-        """While the step loop reconnects: once every executor refuses this scheduler (its lease
-        was taken over) or the outage outlasts the grace period, the open requests end with
-        UNAVAILABLE instead of waiting for their deadlines; _check_open refuses later ones."""
-        lost_since = self.client.disconnected_since or time.monotonic()
-        left = self.config.unavailable_grace_s - (time.monotonic() - lost_since)
-        try:
-            await asyncio.wait_for(self._refused.wait(), max(left, 0))
-            error = NoExecutor(f"no executor takes this scheduler: {self._refusal}")
-        except asyncio.TimeoutError:
-            error = NoExecutor(f"no executor reachable for {self.config.unavailable_grace_s:g}s"
-                               f"{self._why()}")
-        if self._requests:
-            log.warning("ending %d requests: %s", len(self._requests), error)
-        for state in list(self._requests.values()):
-            self.scheduler.abort_seq(state.seq.seq_id)
-            state.finished = True
-            self._forget(state)
-            state.mailbox.put(error)
-
-    def _emit_step(self, updates: list[SeqUpdate],
-                   logprobs: dict[int, TokenLogprobs] | None) -> None:
-        """A step's tokens to their streams, and to the latency metrics once for the step."""
-        now = time.monotonic()
-        interval = stream_interval(self.config.stream_interval, len(updates))
-        ttfts: list[float] = []
-        itls: list[float] = []
-        for update in updates:
-            state = self._requests.get(update.seq.seq_id)
-            if state is None:  # aborted while its step was in flight
-                continue
-            if state.last_token_time is None:
-                ttfts.append(now - state.arrival_time)
-            else:
-                itls.append(now - state.last_token_time)
-            try:
-                self._emit(state, update, now, interval,
-                           logprobs.get(update.seq.seq_id) if logprobs else None)
-            except Exception as err:  # noqa: BLE001 - one request's output: it alone ends
-                log.error("request %s: its output failed", state.request_id, exc_info=err)
-                self._fail_request(state, f"producing its output failed ({type(err).__name__})")
-        self.metrics.generated_tokens.inc(len(ttfts) + len(itls))
-        self.metrics.ttft.observe_many(ttfts)
-        self.metrics.itl.observe_many(itls)
-
-    def _emit(self, state: _RequestState, update: SeqUpdate, now: float, interval: int,
-              logprobs: TokenLogprobs | None) -> None:
-        first = state.last_token_time is None
-        state.last_token_time = now
-        text, matched = state.text_for(update.token_id)
-        index = update.seq.num_output_tokens - 1
-        state.unsent += 1
-        wake = first or state.unsent >= interval
-        if wake:
-            state.unsent = 0
-        state.mailbox.put(TokenEvent(update.token_id, text, index, logprobs, state.sample_index),
-                          wake)
-        if matched:
-            self.scheduler.finish_seq(update.seq.seq_id, FinishReason.STOP_STRING)
-            self._finish(state, FinishReason.STOP_STRING, tail="")
-        elif update.finish_reason is not None:
-            self._finish(state, update.finish_reason)
-
     def _end_named(self, lost: ExecutorLost) -> None:
         """Ends the requests of the seqs a lost link names as the cause (their own values failed
         the plan): recomputed, they would fail it again."""
         for seq_id in lost.seq_ids:
-            state = self._requests.get(seq_id)
+            state = self.output.requests.get(seq_id)
             if state is not None:
                 log.error("request %s (seq %d) ended: it failed the step (%s); the others are "
                           "recomputed", state.request_id, seq_id, lost)
-                self._fail_request(state, f"the executor link failed on it: {str(lost)[:300]}")
-
-    def _fail_request(self, state: _RequestState, reason: str) -> None:
-        """Ends every sample of `state`'s request with RequestFailed; nothing else changes."""
-        failure = RequestFailed(f"request {state.request_id} failed and was ended: {reason}")
-        for sample in [s for s in self._requests.values() if s.mailbox is state.mailbox]:
-            sample.finished = True
-            self._forget(sample)
-            if self.scheduler is not None:
-                self.scheduler.abort_seq(sample.seq.seq_id)
-            self.metrics.requests_finished.labels("error").inc()
-        state.mailbox.put(failure)
-        self._wakeup.set()
-
-    def _finish(self, state: _RequestState, reason: FinishReason, tail: str | None = None) -> None:
-        if tail is None:
-            tail = state.flush()
-        state.finished = True
-        self._forget(state)
-        self.metrics.requests_finished.labels(reason.name.lower()).inc()
-        elapsed = time.monotonic() - state.arrival_time
-        self.metrics.e2e.observe(elapsed)
-        seq = state.seq
-        log.debug("request %s finished (%s): %d prompt + %d generated tokens in %.2fs",
-                 state.request_id, reason.name.lower(), seq.num_prompt_tokens,
-                 seq.num_output_tokens, elapsed)
-        state.mailbox.put(FinishEvent(reason, seq.num_prompt_tokens, seq.num_output_tokens, tail,
-                                      state.sample_index))
+                self._finish_seqs(self.output.fail_request(
+                    state, f"the executor link failed on it: {str(lost)[:300]}"))

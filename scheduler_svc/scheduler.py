@@ -13,17 +13,18 @@ from dataclasses import dataclass
 from scheduler_svc.admission import DrainRate
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
+from scheduler_svc.errors import ExecutorDisagreement
 from scheduler_svc.plan import NewSeqPlan, SeqUpdate, StepPlan
 from scheduler_svc.scheduler_stats import SchedulerStats
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class _Budget:
-    """What is left of this step's max_num_batched_tokens."""
+    """What is left of this step's max_num_batched_tokens, and the step's _pool_len_cap()."""
 
     tokens: int
+    len_cap: int
 
 
 def _age(seq: Sequence) -> tuple[float, int]:
@@ -80,8 +81,8 @@ class Scheduler:
     # ---- requests ----------------------------------------------------------------------------
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether KV for num_tokens tokens fits in the whole GPU pool. The API layer passes
-        len(prompt) + 1 and rejects the request with INVALID_ARGUMENT when False."""
+        """Whether KV for num_tokens tokens fits in the whole GPU pool: the engine admits only a
+        request whose prompt plus its first (or its max_tokens) output tokens can."""
         bm = self.block_manager
         return bm.num_blocks_needed(num_tokens) <= bm.num_gpu_blocks
 
@@ -91,16 +92,13 @@ class Scheduler:
         `samples`: the request's other samples (parallel sampling, same prompt). They are
         prefilled once, by `seq`: once its prompt's KV is written, each sample forks from its
         pages (fork_prompt) and computes only the last prompt token, to sample its own first
-        token. If `seq` finishes before they fork, they are queued as requests of their own."""
+        token. If `seq` finishes before they fork, they are queued as requests of their own.
+        The caller has checked can_ever_fit: a seq that can never fit would wait forever."""
         for s in (seq, *samples):
             if s.seq_id in self._seqs:
                 raise ValueError(f"seq {s.seq_id} already added")
             if s.prompt_token_ids != seq.prompt_token_ids:
                 raise ValueError(f"seq {s.seq_id}: a sample must have its request's prompt")
-        if not self.can_ever_fit(seq.num_tokens + 1):
-            raise InvalidArgument(
-                "prompt", f"{seq.num_tokens} tokens can never fit the KV cache "
-                f"({self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size})")
         for s in (seq, *samples):
             if s.seed is None:
                 s.seed = self._rng.randrange(2**63)
@@ -168,7 +166,7 @@ class Scheduler:
             self._cache_full_blocks()
         # Read before this plan schedules anything: their prompt KV is written by plans sent.
         forkable = self._forkable() if self._forks else []
-        budget = _Budget(self.config.max_num_batched_tokens)
+        budget = _Budget(self.config.max_num_batched_tokens, self._pool_len_cap())
         self._schedule_running(plan, budget)
         # After a preemption, bringing seqs in would thrash; after a swap-out, a swap-in could
         # make one block both a source and a destination of this step's copies.
@@ -211,75 +209,63 @@ class Scheduler:
                                                  min(seq.num_computed_tokens, seq.num_tokens))
 
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> None:
-        """Oldest first; a seq short of pages preempts the newest running seqs (maybe itself)."""
-        i = 0
-        while i < len(self.running) and budget.tokens > 0:
-            i = self._schedule_decodes(i, plan, budget)
-            if i == len(self.running) or budget.tokens <= 0:
-                return
-            seq = self.running[i]
-            num_new = self._num_new_tokens(seq, budget)
-            if num_new == 0:
-                i += 1
-                continue
-            new_block_ids = self._allocate_or_preempt(seq, num_new, plan)
-            if new_block_ids is None:
-                break  # seq preempted itself: everything after it is gone too
-            self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
-            i += 1
-
-    def _schedule_decodes(self, start: int, plan: StepPlan, budget: _Budget) -> int:
-        """The general rule of _schedule_running, inlined for the common case: seqs from `start`
-        on that the executor knows and that need no preemption or partial chunk (nearly
-        every decode). Returns the index of the first seq left to the general path.
-        Inlined, list methods bound once, because at 1,024 running seqs the calls and objects
-        per seq of the general path were most of a step's host cost."""
-        running, known, cached = self.running, self._executor_seq_ids, plan.cached_seqs
-        append_slots, cap = self.block_manager.append_slots, self._pool_len_cap()
+        """Oldest first, each to catch up with its tokens, those a step in flight will sample
+        included (the executor feeds them itself), but not past the point where the seq is
+        certain to stop. A seq short of pages preempts the newest running seqs (maybe itself).
+        The executor knows every running seq: each goes as a diff (its table only grows).
+        Every running seq passes here every step, so the loop binds its calls once."""
+        running, allocate, advance = self.running, self.block_manager.allocate_slots, self._advance
+        cached, cap, tokens, i = plan.cached_seqs, budget.len_cap, budget.tokens, 0
         add_seq_id, add_num_scheduled = cached.seq_ids.append, cached.num_scheduled_tokens.append
         add_num_computed, add_num_blocks = (cached.num_computed_tokens.append,
                                             cached.num_new_blocks.append)
-        add_sampling, tokens = plan.sampling_seq_ids.append, budget.tokens
-        for i in range(start, len(running)):
+        page = self.block_manager.block_size if self.block_manager.enable_prefix_caching else 0
+        while i < len(running) and tokens > 0:
             seq = running[i]
-            seq_id, pending = seq.seq_id, seq.num_pending_tokens
-            num_computed, total = seq.num_computed_tokens, len(seq.token_ids) + pending
+            i += 1
+            pending = seq.num_pending_tokens
+            total = len(seq.token_ids) + pending
             if pending and (total >= seq.length_limit or total >= cap):
-                continue  # _stops_for_sure: the tokens in flight finish it
+                continue  # the tokens in flight take it to a length limit
+            num_computed = seq.num_computed_tokens
             num_new = total - num_computed
-            new_block_ids = (append_slots(seq_id, total)
-                             if 0 < num_new <= tokens and seq_id in known else None)
+            if num_new > tokens:
+                num_new = self._chunk(num_new, tokens)
+            if not num_new:
+                continue
+            seq_id = seq.seq_id
+            new_block_ids = allocate(seq_id, num_computed + num_new)
             if new_block_ids is None:
-                budget.tokens = tokens
-                return i
-            add_seq_id(seq_id)
+                new_block_ids = self._preempt_until_fits(seq, num_new, plan)
+                if new_block_ids is None:
+                    break  # seq preempted itself: everything after it is gone too
+            tokens -= num_new
+            add_seq_id(seq_id)  # CachedSeqs.append, bound once
             add_num_scheduled(num_new)
             add_num_computed(num_computed)
             add_num_blocks(len(new_block_ids))
             if new_block_ids:
                 cached.new_block_ids.extend(new_block_ids)
-            seq.num_computed_tokens = total  # as _advance: the seq catches up, so it samples
-            seq.num_pending_tokens = pending + 1
-            add_sampling(seq_id)
-            tokens -= num_new
-            if tokens == 0:
-                budget.tokens = 0
-                return i + 1
+            advance(seq, num_new, plan)
+            # The prefix cache looks again at a seq whose written pages of known tokens grow.
+            if page and min(num_computed + num_new, len(seq.token_ids)) // page > \
+                    num_computed // page:
+                self._seqs_to_cache.add(seq_id)
         budget.tokens = tokens
-        return len(running)
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new: int,
-                             plan: StepPlan) -> list[int] | None:
-        """New block ids for seq, preempting from the tail of running until they fit."""
+    def _preempt_until_fits(self, seq: Sequence, num_new: int,
+                            plan: StepPlan) -> list[int] | None:
+        """New block ids for seq, preempting from the tail of running until they fit; None
+        when seq itself was preempted."""
         while True:
-            new_block_ids = self.block_manager.allocate_slots(
-                seq.seq_id, seq.num_computed_tokens + num_new)
-            if new_block_ids is not None:
-                return new_block_ids
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is seq:
                 return None
+            new_block_ids = self.block_manager.allocate_slots(
+                seq.seq_id, seq.num_computed_tokens + num_new)
+            if new_block_ids is not None:
+                return new_block_ids
 
     def _schedule_swapped(self, plan: StepPlan, budget: _Budget) -> None:
         """Swap in oldest first while the pages (and the next tokens) fit; pages still on the
@@ -300,7 +286,8 @@ class Scheduler:
             assert new_block_ids is not None, "swap-in fit was checked"
             self.swapped.pop(0)
             self._set_running(seq)
-            self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
+            budget.tokens -= num_new
+            self._send_in_full(seq, num_new, plan)
 
     def _schedule_waiting(self, plan: StepPlan, budget: _Budget) -> None:
         """Admit FCFS (recompute-preempted seqs sit at the front) while pages fit."""
@@ -322,7 +309,8 @@ class Scheduler:
             self.waiting.popleft()
             self._num_started += 1
             self._set_running(seq)
-            self._add_to_plan(seq, num_new, new_block_ids, plan, budget)
+            budget.tokens -= num_new
+            self._send_in_full(seq, num_new, plan)
 
     def _forkable(self) -> list[Sequence]:
         """Running seqs with samples waiting whose whole prompt was computed by plans already
@@ -351,7 +339,8 @@ class Scheduler:
                 sample.num_computed_tokens = sample.num_tokens - 1
                 self._num_started += 1
                 self._set_running(sample)
-                self._add_to_plan(sample, 1, [], plan, budget)
+                budget.tokens -= 1
+                self._send_in_full(sample, 1, plan)
             del self._forks[parent.seq_id]
 
     def _release_samples(self, seq: Sequence) -> None:
@@ -361,55 +350,46 @@ class Scheduler:
             self.waiting.appendleft(sample)
 
     def _num_new_tokens(self, seq: Sequence, budget: _Budget) -> int:
-        """Tokens to compute for seq this step; 0 when it must wait for a later step.
-
-        Tokens a step in flight will sample count as known (the executor feeds them itself), but
-        only for running seqs, and not past the point where the seq is certain to stop.
-        Without chunked prefill a seq waits for a step with room for all its tokens, unless it
-        could never get one (more than max_num_batched_tokens): then it is chunked anyway.
-        """
-        if seq.num_pending_tokens and (seq.status is not SequenceStatus.RUNNING
-                                       or self._stops_for_sure(seq)):
+        """Tokens to compute for a seq coming (back) onto the GPU; 0 when it must wait. One with
+        a token still to be sampled waits for it: it is sent in full, every token known."""
+        if seq.num_pending_tokens:
             return 0
-        num_new = seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens
-        too_big_ever = num_new > self.config.max_num_batched_tokens
-        if num_new > budget.tokens and not (self.config.enable_chunked_prefill or too_big_ever):
-            return 0
-        return min(num_new, budget.tokens)
+        num_new = len(seq.token_ids) - seq.num_computed_tokens
+        return num_new if num_new <= budget.tokens else self._chunk(num_new, budget.tokens)
 
-    def _stops_for_sure(self, seq: Sequence) -> bool:
-        """The tokens in flight take seq to a length limit: scheduling more would be wasted."""
-        total = seq.num_tokens + seq.num_pending_tokens
-        return total >= seq.length_limit or total >= self._pool_len_cap()
+    def _chunk(self, num_new: int, tokens_left: int) -> int:
+        """What of num_new tokens, more than the tokens_left in the budget, this step computes:
+        all those left with chunked prefill, else none (the seq waits for a step with room for
+        all) unless no step could ever hold them (more than max_num_batched_tokens)."""
+        config = self.config
+        if config.enable_chunked_prefill or num_new > config.max_num_batched_tokens:
+            return tokens_left
+        return 0
 
     def _has_seq_room(self) -> bool:
         return len(self.running) < self.config.max_num_seqs
 
-    def _add_to_plan(self, seq: Sequence, num_new: int, new_block_ids: list[int],
-                     plan: StepPlan, budget: _Budget) -> None:
-        """Known seqs go as a diff (their tables only grow), unknown ones in full."""
-        budget.tokens -= num_new
-        if seq.seq_id in self._executor_seq_ids:
-            plan.cached_seqs.append(seq.seq_id, num_new, seq.num_computed_tokens, new_block_ids)
-        else:
-            # Sent in full, so every token must be known: no sample may be outstanding.
-            assert seq.num_pending_tokens == 0, f"seq {seq.seq_id} resent with a pending token"
-            plan.new_seqs.append(NewSeqPlan(
-                seq_id=seq.seq_id, token_ids=list(seq.token_ids),
-                block_table=self.block_manager.get_block_table(seq.seq_id),
-                num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_new,
-                sampling=seq.sampling, seed=seq.seed, num_prompt_tokens=seq.num_prompt_tokens))
-            self._executor_seq_ids.add(seq.seq_id)
+    def _send_in_full(self, seq: Sequence, num_new: int, plan: StepPlan) -> None:
+        """A seq the executor does not know (new, swapped in, recomputed, forked) goes in full,
+        every token known: no sample may be outstanding. The prefix cache looks at it again."""
+        assert seq.num_pending_tokens == 0, f"seq {seq.seq_id} resent with a pending token"
+        plan.new_seqs.append(NewSeqPlan(
+            seq_id=seq.seq_id, token_ids=list(seq.token_ids),
+            block_table=self.block_manager.get_block_table(seq.seq_id),
+            num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_new,
+            sampling=seq.sampling, seed=seq.seed, num_prompt_tokens=seq.num_prompt_tokens))
+        self._executor_seq_ids.add(seq.seq_id)
         self._advance(seq, num_new, plan)
         if self.block_manager.enable_prefix_caching:
             self._seqs_to_cache.add(seq.seq_id)
 
     @staticmethod
     def _advance(seq: Sequence, num_new: int, plan: StepPlan) -> None:
-        """Counts the scheduled tokens as computed now (the next step may be planned before this
-        one's result is back); a seq this step completes will get one sampled token."""
+        """The scheduling rule: the scheduled tokens count as computed now (the next step may
+        be planned before this one's result is back), and a seq they catch up with its tokens
+        samples one more."""
         seq.num_computed_tokens += num_new
-        if seq.num_computed_tokens == seq.num_tokens + seq.num_pending_tokens:
+        if seq.num_computed_tokens == len(seq.token_ids) + seq.num_pending_tokens:
             seq.num_pending_tokens += 1
             plan.sampling_seq_ids.append(seq.seq_id)
 

@@ -22,9 +22,10 @@ def test_allocate_slots_appends_only_new_blocks():
 def test_allocate_slots_short_pool_changes_nothing():
     bm = BlockManager(block_size=4, num_gpu_blocks=2, num_cpu_blocks=0)
     bm.allocate_slots(1, 4)
-    assert not bm.can_allocate_slots(1, 13)
     assert bm.allocate_slots(1, 13) is None
+    assert bm.allocate_slots(2, 9) is None  # a seq without a table gets none
     assert bm.get_block_table(1) == [0] and bm.num_free_gpu_blocks == 1
+    assert bm.get_block_table(2) == [] and bm.allocate_slots(2, 4) == [1]
     bm.check_invariants()
 
 

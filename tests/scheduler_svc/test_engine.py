@@ -199,6 +199,41 @@ def test_size_limits_are_checked_before_anything_else():
     assert [o.field for o in outputs] == ["prompt.text", "prompt.chat.messages", "prompt.chat"]
 
 
+def test_a_request_that_can_never_fit_the_kv_cache_is_refused_and_nothing_is_queued():
+    """Admission's one fit check: prompt + max_tokens, or prompt + 1 without max_tokens, against
+    the whole GPU pool (64 blocks of 4: 256 tokens) of a model longer than the pool."""
+    class LongModelClient(FakeClient):
+        async def connect(self):
+            await super().connect()
+            self.description = dataclasses.replace(DESCRIPTION, max_model_len=1000)
+            return self.description
+
+    def ids(n):
+        return list(range(10, 10 + n))
+
+    async def body(engine):
+        refused = [await collect(engine, GenerateSpec(prompt_token_ids=ids(10),
+                                                      stopping=StoppingParams(max_tokens=247))),
+                   await collect(engine, GenerateSpec(prompt_token_ids=ids(256)))]
+        fits = await collect(engine, GenerateSpec(prompt_token_ids=ids(10),
+                                                  stopping=StoppingParams(max_tokens=246)))
+        return refused, fits, engine.scheduler.stats()
+
+    async def main():
+        engine = Engine(EngineConfig(), LongModelClient())
+        await engine.start()
+        try:
+            await engine.wait_ready()
+            return await body(engine)
+        finally:
+            await engine.stop()
+
+    refused, fits, stats = run(main())
+    assert [type(e) for e in refused] == [InvalidArgument] * 2
+    assert [e.field for e in refused] == ["max_tokens", "prompt"]
+    assert isinstance(fits, list) and stats.waiting == 0 and stats.gpu_blocks_used == 0
+
+
 def test_prefix_caching_is_on_unless_the_flag_or_its_variable_turns_it_off(monkeypatch):
     from scheduler_svc.main import parse_config
     assert parse_config([]).engine.scheduler.enable_prefix_caching
@@ -303,7 +338,7 @@ def test_a_lagging_reader_gets_what_piled_up_in_one_batch(undisturbed):
     async def lagging(engine):
         batches = engine.generate_batches(SPECS[0])
         got = [await batches.__anext__()]  # admitted, its first token out
-        while not engine._idle.is_set():  # the other steps run while nobody reads
+        while engine.num_requests:  # the other steps run while nobody reads
             await asyncio.sleep(0.01)
         return got + [b async for b in batches]
 
@@ -315,7 +350,7 @@ def test_a_lagging_reader_gets_what_piled_up_in_one_batch(undisturbed):
 
 
 def test_stream_interval_adapts_to_the_sequences_sampled():
-    from scheduler_svc.engine import STREAMS_PER_STEP, stream_interval
+    from scheduler_svc.output import STREAMS_PER_STEP, stream_interval
 
     assert [stream_interval(0, n) for n in (0, 1, STREAMS_PER_STEP, STREAMS_PER_STEP + 1,
                                             4 * STREAMS_PER_STEP)] == [1, 1, 1, 2, 4]
@@ -350,10 +385,10 @@ def test_stream_interval_flag_refuses_what_is_not_a_count(value, ok):
 
 
 def test_the_mailbox_wakes_its_reader_only_when_asked_and_survives_a_cancelled_take():
-    from scheduler_svc.engine import _Mailbox
+    from scheduler_svc.output import Mailbox
 
     async def body():
-        box = _Mailbox()
+        box = Mailbox()
         box.put("a", wake=False)
         take = asyncio.ensure_future(box.take())
         await asyncio.sleep(0)

@@ -5,10 +5,11 @@ loop never restarts, no page stays taken, and the poison seq is never sent again
 import pytest
 
 from test_engine import SPECS, FakeClient, run, serve
-from scheduler_svc import engine as engine_module
+from scheduler_svc import output as output_module
 from scheduler_svc import wire
-from scheduler_svc.engine import Engine, EngineConfig, EngineFailed, RequestFailed
+from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
+from scheduler_svc.output import EngineFailed, RequestFailed
 from scheduler_svc.plan import NewSeqPlan, StepPlan
 from scheduler_svc.request import GenerateSpec, TokenEvent
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams
@@ -116,14 +117,14 @@ def test_an_executor_that_names_a_seq_ends_its_request_only(undisturbed):
 
 
 def test_an_output_that_fails_ends_its_request_only(undisturbed, monkeypatch):
-    text_for = engine_module._RequestState.text_for
+    text_for = output_module.RequestState.text_for
 
     def failing(state, token_id):
         if state.request_id == POISON_ID and state.seq.num_output_tokens > 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a detokenizer bug")
         return text_for(state, token_id)
 
-    monkeypatch.setattr(engine_module._RequestState, "text_for", failing)
+    monkeypatch.setattr(output_module.RequestState, "text_for", failing)
     client = FakeClient()
     outputs, poisoned, engine = run(serve_with_poison(client, poison_spec()))
     check_isolated(engine, outputs, poisoned, undisturbed, "UnicodeDecodeError")
@@ -167,14 +168,14 @@ def test_bad_seq_ids_are_read_from_trailing_metadata(metadata, seq_ids):
 
 def test_generate_raises_request_failed_after_the_tokens_before_it(monkeypatch):
     """What a client sees: the tokens before the failure, then the error naming its request."""
-    text_for = engine_module._RequestState.text_for
+    text_for = output_module.RequestState.text_for
 
     def failing(state, token_id):
         if state.seq.num_output_tokens == 3:
             raise RuntimeError("boom")
         return text_for(state, token_id)
 
-    monkeypatch.setattr(engine_module._RequestState, "text_for", failing)
+    monkeypatch.setattr(output_module.RequestState, "text_for", failing)
     spec = GenerateSpec(prompt_token_ids=[5, 6, 7], request_id="r1",
                         stopping=StoppingParams(max_tokens=8, ignore_eos=True))
 

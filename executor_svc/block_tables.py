@@ -1,7 +1,5 @@
-"""BlockTables: the block tables of every sequence the executor holds, as rows of one numpy
-array that persists across steps. A plan's diff appends a few ids to a row; a step gathers its
-sequences' rows in one indexing operation instead of re-reading each table's Python ints (at
-1,024 sequences that read cost ~3 ms a step). Imports numpy only.
+"""BlockTables: every held sequence's block table as a row of one persistent numpy array, so a
+step gathers its rows in one indexing operation rather than re-reading Python ints. Numpy only.
 """
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""DecodeGraphs: decode steps (one query token per sequence) replayed from CUDA graphs captured at
-start for a ladder of batch sizes, each graph the forward (embedding to float32 logits) and the
-sampling of one GraphSampler variant (greedy; sampled; with controls, up to 256 rows); a batch is
-padded up to the nearest size. Inputs and sampling parameters are packed on the host into a pinned
-buffer, copied once, and spread into (or read from) the graphs' static buffers; input ids still on
-the device (sampled by an unfinished step) are gathered there. Imports torch only; the attention
-kernels are reached through the model's backend (a capture asks pagedserve_kernels.attention for the
-scratch tensors it must keep).
-
-Capture: 29 sizes x (greedy, sampled) + 17 sizes (<= 256) x controlled = 75 graphs, against 29
-forward-only ones before. The sampling adds 10 / 73 / 115 aten ops (greedy / sampled /
-controlled, counted on CPU) to a forward of some 600 kernels (a guess: ~20 a layer, 30-32
-layers): ~83 forward-graph equivalents, about 2.5 s at start instead of 0.9 s at ~30 ms a graph
-on the H200 (an estimate: not yet measured on a GPU). Memory: all graphs share one pool, captured
-largest first, so the pool holds the peak of one graph: the sampled variant at 1,024 rows (its
-sort and noise, ~30 bytes a logit: ~4 GB at a 128k vocabulary), which the memory profile
-measures and reserves (memory_profile.graph_reserve_bytes).
+"""DecodeGraphs: decode steps replayed from CUDA graphs (forward plus one GraphSampler variant)
+captured at start for a ladder of batch sizes, inputs staged in one pinned copy. Imports torch
+only; attention is reached through the model's backend.
 """
 from __future__ import annotations
 
@@ -35,8 +21,8 @@ from executor_svc.token_counts import TokenCounts
 log = logging.getLogger(__name__)
 
 # Steps of 16 to 128, then 32, then 64 (padding wastes at most ~1/8 of a large batch); up to
-# 1,024 sequences, vLLM's max_num_seqs on this class of GPU. Every size writes its logits into
-# one shared buffer, so the ladder's length costs capture time (~30 ms a size), not memory.
+# 1,024 sequences, vLLM's max_num_seqs. Every size writes its logits into one shared buffer, so
+# the ladder's length costs capture time, not memory.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
                448, 512, 576, 640, 704, 768, 832, 896, 960, 1024)
 _ROWS = 6  # rows of max_batch_size after the sampling parameters: see run()
@@ -113,8 +99,10 @@ class DecodeGraphs:
     def capture(self, counts: TokenCounts) -> float:
         """prepare(counts), then run every (variant, size) eagerly (kernels compiled, scratch
         workspaces at their final size), then capture largest first into one shared memory
-        pool. Everything a graph reads is a static tensor of this object, of the sampler, of
-        `counts` or of the model and cache. Returns seconds taken."""
+        pool, so the pool holds the peak of one graph (the sampled variant at the largest size,
+        which memory_profile.graph_reserve_bytes reserves). Everything a graph reads is a static
+        tensor of this object, of the sampler, of `counts` or of the model and cache. Returns
+        seconds taken."""
         start = time.perf_counter()
         self.prepare(counts)
         for bs in self.batch_sizes:

@@ -125,7 +125,7 @@ def source_identity(source: str, cache_dir: str | None = None) -> dict[str, Any]
     match): a folder's weight and tokenizer files by name and digest; a .gguf file (which holds
     its tokenizer too) by digest alone; a preset by name (its weights are drawn, not read)."""
     tokenizer = tokenizer_source(source)
-    if is_preset(source):  # the same identity as before weights were hashed: presets keep theirs
+    if is_preset(source):  # no files to hash: the name (and the seed, in fingerprint) identify it
         return {"source": source, "tokenizer": _name_and_size(tokenizer) if tokenizer else ""}
     path = Path(source).resolve()
     cache = DigestCache(cache_dir)

@@ -1,27 +1,5 @@
-"""GraphSampler: the sampling that runs inside the decode CUDA graphs, reading per-row parameters
-from static device buffers and writing token ids, raw logprobs, top logprobs (and the penalty
-counts) into static tensors. Imports torch and numpy only; CUDA-free: on CPU it runs eagerly.
-
-Three variants, each captured per batch size, so that a batch pays only for what it uses:
-- GREEDY (every row greedy, no controls): argmax + raw logprob. Every size.
-- SAMPLED (temperature, top-k, top-p, min-p, seeds; no controls): the eager sampler's whole
-  sampled path on every row, greedy rows picked by a mask. Every size.
-- CONTROLLED (any penalty, logit bias or top logprobs, greedy or not): logit bias from a padded
-  entry buffer, penalties on every row (neutral parameters and the all-zero neutral row of
-  TokenCounts on rows that use none: x / 1.0, x * 1.0 and x - 0.0 are exact, so they change
-  nothing), the sampled path, the top MAX_TOP_LOGPROBS logprobs, and the sampled ids counted
-  into TokenCounts. Sizes up to max_controlled_batch (256): its [bs, vocab] intermediates
-  (a logits copy, gathered counts and prompt mask, the sort) stay small in the shared pool.
-A step that fits no variant (a controlled batch above that size, more logit-bias entries than
-max_logit_bias, more than MAX_TOP_LOGPROBS top logprobs, or TokenCounts grown past the rows
-the graphs captured) replays the GREEDY graph for its logits and samples them with the eager
-Sampler, as every step did before. The eager Sampler is the reference and is what the graphs
-call: `tensors()` builds a SamplingTensors of static views, so the results are the same ops.
-
-Parameters are packed on the host into one region of DecodeGraphs' pinned buffer, copied with
-the step's other inputs in one transfer, and read by the graph straight from the device copy.
-The region is ordered so a variant copies only what it reads: CONTROLLED from offset 0 (bias
-entries, penalty rows, then sampled rows), SAMPLED from its rows, GREEDY none of it.
+"""GraphSampler: the sampling inside the decode CUDA graphs, from static parameter buffers into
+static outputs, with the eager Sampler's ops. Imports torch and numpy only; on CPU it runs eagerly.
 """
 from __future__ import annotations
 
@@ -97,7 +75,21 @@ def region_slots(max_batch: int, max_logit_bias: int) -> int:
 
 
 class GraphSampler:
-    """Static sampling parameters and outputs for batches of up to max_batch rows."""
+    """Static sampling parameters and outputs for batches of up to max_batch rows.
+
+    Three variants, each captured per batch size, so that a batch pays only for what it uses:
+    - GREEDY (every row greedy, no controls): argmax + raw logprob.
+    - SAMPLED (temperature, top-k, top-p, min-p, seeds): the eager sampler's sampled path on
+      every row, greedy rows picked by a mask.
+    - CONTROLLED (any penalty, logit bias or top logprobs): penalties on every row (rows that use
+      none get neutral parameters and TokenCounts' all-zero row: x / 1.0, x * 1.0 and x - 0.0
+      are exact), logit bias, the sampled path, top logprobs, the sampled ids counted. Sizes up
+      to max_controlled_batch only, so its [bs, vocab] intermediates stay small in the pool.
+    A step that fits no variant replays the GREEDY graph and samples its logits eagerly.
+
+    The host parameter region is ordered so a variant copies only what it reads: CONTROLLED
+    from offset 0 (bias entries, penalty rows, then sampled rows), SAMPLED from its rows.
+    """
 
     def __init__(self, max_batch: int, vocab_size: int, device: torch.device,
                  max_controlled_batch: int = MAX_CONTROLLED_BATCH,

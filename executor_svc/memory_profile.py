@@ -1,9 +1,5 @@
-"""GPU memory profile: how many KV pages fit in `gpu_memory_utilization` of the device once the
-weights are loaded and a forward pass of `max_num_batched_tokens` (plus sampling of a full decode
-batch, every control on) has shown its activation peak, and room is left for what the decode
-graphs hold: their pool (forward activations and the sampling peak, measured), the logits buffer,
-the penalty counts (TokenCounts reserved for a full batch) and the graph sampler's buffers.
-Imports torch only.
+"""GPU memory profile: how many KV pages fit in `gpu_memory_utilization` after the weights, a
+profiled forward's activation peak and what the decode graphs hold. Imports torch only.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""ModelRunner: executes one StepPlan (copies, then one packed forward, then sampling) and keeps a
-per-sequence cache rebuilt only from what plans say. A step is launched (GPU work queued, sampled
-ids left on the device) and finished later (ids copied to the host), so step N+1 can be launched
-before step N is finished; its input ids then come from step N's sampled ids on the device.
-Decode steps replay CUDA graphs when given DecodeGraphs; others run eagerly. Plain Python: no
-gRPC, no kernels.
+"""ModelRunner: executes StepPlans (copies, one packed forward, sampling), launched now and
+finished later so step N+1 can start first, and holds per-seq state built only from plans.
+Plain Python: no gRPC, no kernels.
 """
 from __future__ import annotations
 
@@ -172,7 +169,7 @@ class ModelRunner:
 
     def _validate(self, step: StepPlan) -> tuple[np.ndarray, list[np.ndarray]]:
         """Checks the plan; returns the rows of its cached seqs and each new seq's token ids
-        (read once: a 2,000-token list costs ~30 us to convert)."""
+        (read once: converting a long list is not free)."""
         if self.last_step_id is not None and step.step_id != self.last_step_id + 1:
             raise PlanMismatch(f"step {step.step_id} after step {self.last_step_id}: gap or repeat")
         gpu, cpu = self.info.num_gpu_blocks, self.info.num_cpu_blocks
@@ -192,7 +189,7 @@ class ModelRunner:
     def _check_new(self, new: NewSeq) -> np.ndarray:
         """Checks a new seq; returns its token ids from first_token on [n] int64."""
         vocab_size = self.info.vocab_size
-        token_ids = np.fromiter(new.token_ids, np.int64, len(new.token_ids))  # asarray: +25%
+        token_ids = np.fromiter(new.token_ids, np.int64, len(new.token_ids))  # faster than asarray
         if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
             raise BadSeq(new.seq_id, "token id out of vocabulary")
         problem = new.sampling.problem(vocab_size)
@@ -218,7 +215,7 @@ class ModelRunner:
     def _check_cached(self, cached: CachedSeqs, excluded: set[int]) -> np.ndarray:
         """Checks the plan's held seqs with whole-column ops (a seq named by `excluded` is
         dropped or new in this plan); returns their rows."""
-        if not len(cached):  # a plan of new seqs only: ~50 us of checks on empty columns
+        if not len(cached):  # a plan of new seqs only: skip the checks on empty columns
             return np.zeros(0, dtype=np.int64)
         rows = self._index.rows(cached.seq_ids)  # [n], -1 where unknown
         unknown = rows < 0
@@ -301,9 +298,8 @@ class ModelRunner:
         # One-token seqs first: the attention of a mixed step then runs them through the decode
         # kernel in one launch. Among them (and the rest) the longest contexts first, so the
         # decode kernel's CTAs (launched seq by seq) start the longest and its last wave is short
-        # ones, not one long seq's that the rest of the GPU waits for: on the H200 inside CUDA
-        # graphs, W1's ragged contexts, 2-12% off the kernel at 8-256 seqs, never slower
-        # (bench_kernels --only ragged, RESULTS.md). One lexsort a step.
+        # ones, not one long seq's that the rest of the GPU waits for (bench_kernels --only
+        # ragged, RESULTS.md). One lexsort a step.
         order = np.lexsort((-self.states.num_computed[rows], num_scheduled != 1))
         order = order[num_scheduled[order] > 0]
         return _Batch(rows[order], num_scheduled[order], seq_ids[order])
@@ -361,7 +357,7 @@ class ModelRunner:
                     int(batch.num_scheduled.sum()), len(rows), tables.shape[1])):
                 logits = self._small_step_replay(batch, tables, to_sample)
                 # After the replay is queued: the GPU needs them only after the graph, and a
-                # short step's GPU idles until the replay (their build is ~0.1 ms when sampled).
+                # short step's GPU would idle while they are built.
                 params = self._sampling_tensors(sample_rows)
             else:
                 # Built before the forward: their host-to-device copies never wait for it.

@@ -1,10 +1,6 @@
-"""The Executor gRPC service: Describe, and the Execute stream (one StepPlan in, one StepResult out).
-
-Thin: converts messages with executor_svc.wire and drives the ModelRunner through a StepPipeline
-(step N+1 is launched before step N is finished when its plan is already there). One scheduler
-drives the runner at a time, under a lease (executor_svc.lease) presented in a stream's first
-message; only a granted stream resets the runner, and a stream that is not granted never touches
-it.
+"""The Executor gRPC service: Describe, and the Execute stream (one StepPlan in, one StepResult
+out). Thin: messages through executor_svc.wire, the runner through a StepPipeline, one scheduler
+at a time under a lease (executor_svc.lease); a stream not granted never touches the runner.
 """
 from __future__ import annotations
 

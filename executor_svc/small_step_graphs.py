@@ -1,22 +1,6 @@
-"""SmallStepGraphs: steps that carry prompt tokens (prefill or mixed) of up to 512 tokens and 32
-sequences, replayed from CUDA graphs captured at a ladder of token counts, so that a short step
-(a chat turn whose prefix is cached, a few admissions) costs no eager launch of every layer.
-Imports torch only; attention is reached through the model's backend.
-
-A step is padded up to the nearest captured size: pad tokens write no slot (-1) and belong to no
-sequence, pad sequences have no query tokens, so attention gives them no work. Every sequence,
-one-token ones included, goes through the backend's prefill attention: the graph's launch grid
-is fixed by the size, not by how many one-token seqs lead the step. Only for models whose
-attention the kernels cover (bf16/fp16): the torch prefill twin reads its metadata on the host.
-
-On the CUDA backend that attention is the few-query kernel for sizes up to its FEW_QUERY_MAX
-tokens (the decode kernel's split of each context over many CTAs, a seq's query tokens sharing
-one read of it), the prefill kernel above: for a 16-token chunk over a 2,000-token cached prefix
-the prefill kernel has one 128-row query tile per head, 32 CTAs for 132 SMs, each walking the
-whole context.
-
-On a device without CUDA, `capture` captures nothing and `run` calls the same forward on the same
-static buffers eagerly: tests check the packing and padding on the CPU against the eager path.
+"""SmallStepGraphs: short steps with prompt tokens (a cached-prefix chat turn, a few admissions)
+replayed from CUDA graphs at a ladder of token counts, so they pay no eager launch of every
+layer. Imports torch only; attention is reached through the model's backend.
 """
 from __future__ import annotations
 
@@ -33,15 +17,21 @@ from executor_svc.host_staging import HostStaging
 log = logging.getLogger(__name__)
 
 # vLLM captures its piecewise graphs up to 512 tokens by default; above that a step's matrix
-# products take longer than launching it eagerly (measured: an 8192-token step's launch is
-# hidden behind its GPU time).
+# products take longer than launching it eagerly, so the launch hides behind its GPU time.
 TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_SEQS = 32
 
 
 class SmallStepGraphs:
     """Captured forwards (embedding to the float32 logits of each sequence's last token) of
-    `model` over `kv_caches` for steps of at most max(token_sizes) tokens and `max_seqs` seqs."""
+    `model` over `kv_caches` for steps of at most max(token_sizes) tokens and `max_seqs` seqs.
+
+    A step is padded up to the nearest captured size: pad tokens write no slot (-1) and belong to
+    no seq, pad seqs have no query tokens, so attention gives them no work. Every seq, one-token
+    ones included, goes through the backend's prefill attention, because a graph's launch grid is
+    fixed by its size. Only for models the attention kernels cover: the torch prefill twin reads
+    its metadata on the host. Off CUDA, `run` calls the same forward eagerly on the same static
+    buffers, so tests check the packing and padding on the CPU."""
 
     def __init__(self, model, kv_caches, max_blocks_per_seq: int,
                  token_sizes: tuple[int, ...] = TOKEN_SIZES, max_seqs: int = MAX_SEQS) -> None:

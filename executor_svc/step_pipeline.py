@@ -1,8 +1,6 @@
-"""StepPipeline: runs the plans of one Execute stream with up to `max_in_flight` steps launched and
-not finished, so that the host work of step N+1 (reading and checking its plan, building its
-inputs, queueing its GPU work) overlaps the GPU work of step N. Results come out strictly in step
-order. PlanReader reads a stream's plans in a thread, so a wait for one can time out or be
-interrupted. Plain Python: no gRPC, no torch.
+"""StepPipeline: one Execute stream's plans with up to `max_in_flight` steps unfinished, so step
+N+1's host work overlaps step N's GPU work; results in step order. PlanReader reads plans in a
+thread so a wait can time out. Plain Python: no gRPC, no torch.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""StepTimer: how long the GPU works in each step against how long it sits idle before the step,
-both read from CUDA events on the step stream, so the share of a step during which the GPU waits
-for the host (scheduling, gRPC, input building) is known whether or not the executor launches a
-step before the previous one finished. Logs cumulative figures every `log_every` steps and at
-reset. Imports torch only.
+"""StepTimer: per step, GPU busy time against GPU idle time before it, from CUDA events on the
+step stream, logged every `log_every` steps. Imports torch only.
 """
 from __future__ import annotations
 
@@ -44,6 +41,9 @@ class StepMarks:
 
 
 class StepTimer:
+    """Both figures come from the GPU's clock, so the share of a step during which the GPU waits
+    for the host (scheduling, gRPC, input building) is known whether or not steps overlap."""
+
     def __init__(self, device: torch.device, log_every: int = 100) -> None:
         self.enabled = device.type == "cuda"
         self.log_every = log_every

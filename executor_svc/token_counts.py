@@ -1,17 +1,5 @@
-"""TokenCounts: per-sequence token counts on the logits' device, for the repetition, presence and
-frequency penalties: which tokens the prompt holds and how often each was generated. Updated on
-the device from each step's sampled ids (never read on the host). Imports torch only.
-
-Rows are held only by sequences that use a penalty, and the tensors are made when the first such
-sequence arrives: a batch without penalties costs nothing. Dense rows ([rows, vocab], 5 bytes a
-token: 640 KB a seq at a 128k vocabulary) rather than vLLM's padded token-id lists turned into
-bin counts every step: a step's cost is one gather of its rows and one scatter of its sampled ids,
-whatever the sequences' lengths, and nothing is rebuilt per step.
-
-The decode graphs read these tensors, so they `reserve` rows for every seq a graph batch can
-hold, plus a neutral row (all zero, never handed out) that rows without a penalty gather and
-count nothing into; growing past the reservation makes new tensors, which the graphs notice
-(GraphSampler then samples eagerly).
+"""TokenCounts: per-seq prompt masks and generated-token counts on the logits' device, for the
+repetition, presence and frequency penalties; updated on the device only. Imports torch only.
 """
 from __future__ import annotations
 
@@ -23,6 +11,13 @@ _FIRST_ROWS = 8
 
 
 class TokenCounts:
+    """Rows only for seqs that use a penalty, tensors made when the first arrives, so a batch
+    without penalties costs nothing. Dense rows ([rows, vocab], 5 bytes a token) rather than
+    vLLM's token-id lists binned every step: a step is one gather and one scatter, whatever the
+    seqs' lengths. The decode graphs read these tensors, so `reserve` makes rows for a full graph
+    batch plus a neutral all-zero row; growing past it makes new tensors, which the graphs notice
+    (GraphSampler then samples eagerly)."""
+
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device

@@ -1,8 +1,5 @@
-"""Load the CUDA sources in pagedserve_kernels/csrc through cupy.RawModule (NVRTC), per device,
-cached.
-
-Owns architecture options, the module/function caches, launches on torch's current stream, and
-`warmup()`. Imports cupy lazily (inside functions); nothing here touches a GPU at import time.
+"""Compiles csrc through cupy.RawModule (NVRTC) per device and owns the arch options, the module
+caches, launches on torch's current stream and `warmup()`. Imports cupy lazily, no GPU at import.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Launchers of the paged attention kernels (csrc/attention.cu): validate, size the launch, launch.
-
-Same signatures and semantics as `pagedserve_kernels.reference`; imports cupy only when launching.
-Capturable in CUDA graphs: grids come from tensor shapes (host-known upper bounds) and scratch
-lives in per-device workspaces that grow only outside capture (run once eagerly first).
+"""Launchers of the paged attention kernels (csrc/attention.cu), as `pagedserve_kernels.reference`;
+capturable: grids come from tensor shapes, scratch grows only outside capture. Imports cupy lazily.
 """
 from __future__ import annotations
 
@@ -18,9 +15,8 @@ _PREFILL_BM, _PREFILL_BN = 128, 64
 _DECODE_BN = 64
 _DECODE_STAGES = {64: 4, 128: 3}  # pipeline stages of the default decode kernels (attention.cu)
 # Pages one decode split may span: bounds its smem page list (4 KiB beside hd128's 96 KiB of
-# stages, 2 CTAs per SM either way). 1,024 pages (16,384 tokens at 16 a page) let a decode graph
-# of max_model_len 8,192 (512-page tables) give each seq one split when seqs are many; 256 gave
-# every seq two and a combine (half the CTAs empty on W1's contexts).
+# stages, 2 CTAs per SM either way), and lets a decode graph of max_model_len 8,192 (512-page
+# tables) give each seq one split, with no combine, when seqs are many.
 _DECODE_MAX_PAGES = 1024
 MAX_GROUP = 16  # query heads per KV head served by one decode CTA (the MMA's M)
 _HEAD_DIMS = (64, 128)
@@ -34,10 +30,8 @@ DECODE_KERNELS = {(dt, hd): (f"decode_{name}_hd{hd}", _DECODE_STAGES[hd])
                   for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
 # Decode splits aim for about DECODE_CTAS_PER_SM CTAs per SM while the (seq, kv head) pairs are
 # fewer than DECODE_MANY_PAIRS_PER_SM per SM, and for DECODE_CTAS_PER_SM_MANY from there on
-# (see decode_splits). Measured on the H200 inside CUDA graphs, W1's ragged contexts (64-1,792
-# keys) in 512-page tables, seqs longest first (bench_kernels --only ragged, RESULTS.md): 4 per
-# SM is 3-16% faster than 12 from 64 seqs up (one split, no combine from 66 seqs), 12 is 5-35%
-# faster at 8-32 seqs.
+# (see decode_splits): few seqs need many splits to fill the GPU, many seqs are better off
+# without a combine (bench_kernels --only ragged; NOTES.md).
 DECODE_CTAS_PER_SM = 12
 DECODE_CTAS_PER_SM_MANY = 4
 DECODE_MANY_PAIRS_PER_SM = 3
@@ -192,20 +186,16 @@ def paged_prefill_attention(
 
 # Keys a few-query split keeps at least when a seq's tokens fill one CTA: its warps walk all four
 # 16-key blocks of a stage (the one-token kernel's warps split them), so it takes shorter splits
-# than decode's 256 keys. Measured on the H200 (profile_decode.py --chunk, 2,000 cached): 16
-# tokens 5.60 ms a step with 128-key splits against 5.85 with 256; at 32 and 64 tokens (two and
-# four CTAs a head) 128-key splits were slower (6.27 against 6.17, 7.33 against 6.75), so from
-# two CTAs on splits keep 256 keys.
+# than decode's 256 keys; from two CTAs a head on, shorter splits lose and splits keep 256 keys
+# (profile_decode.py --chunk; NOTES.md).
 FEW_QUERY_SPLIT_KEYS = 128
 # (dtype, head_dim) -> (multi-query decode kernel, its pipeline stages): as DECODE_KERNELS.
 DECODE_MQ_KERNELS = {(dt, hd): (f"decode_mq_{name}_hd{hd}", _DECODE_STAGES[hd])
                      for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
 # A candidate, off: entries of at most 16 query rows (a one-token seq of a mixed small step, a
 # chunk's last few tokens) with their warps splitting the keys, as the one-token kernel does,
-# where the default gives them one warp and leaves three idle. On the H200 (profile_decode.py
-# --chunk 8 16 32 --decodes 0 8 24, RESULTS.md): 0.3 ms less attention with 24 decodes beside a
-# chunk, 0.1 ms more with 8, the same for a chunk alone; such steps are rare. The GPU test
-# covers both kernels.
+# where the default gives them one warp and leaves three idle. Off because it wins only with many
+# decodes beside a chunk, which is rare (NOTES.md). The GPU test covers both kernels.
 FEW_QUERY_KEY_SPLIT = False
 DECODE_MQKS_KERNELS = {(dt, hd): (f"decode_mqks_{name}_hd{hd}", _DECODE_STAGES[hd])
                        for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
@@ -248,8 +238,8 @@ def paged_few_query_attention(
                      _i32(num_entries), _i32(tpc)))
     # Splits as for one seq's tokens (a cached prefix's new tokens, the common case): short ones
     # (FEW_QUERY_SPLIT_KEYS or 256 keys) over the whole width. Sized by the bound on entries
-    # instead, a 16-token step of 32 padded seqs got 6 splits of 1,408 keys: one CTA walked most
-    # of a 2,000-token context.
+    # instead, a short step padded to many seqs would get a few long splits, one CTA walking
+    # most of the context.
     usual = math.ceil(total / tpc)
     splits, chunk_pages = decode_splits(usual, num_kv_heads, block_tables.shape[1], block_size,
                                         _sm_count(device),

@@ -1,8 +1,6 @@
-"""Launchers of the KV-cache kernels (csrc/cache.cu): cache write, swap_blocks, copy_blocks.
-
-Same signatures and semantics as `pagedserve_kernels.reference`; imports cupy only when launching.
-CPU-side caches must be pinned: the kernel reads/writes them directly through their mapped device
-address.
+"""Launchers of the KV-cache kernels (csrc/cache.cu): cache write, swap_blocks, copy_blocks, as
+`pagedserve_kernels.reference`. CPU-side caches must be pinned: the kernel reaches them through
+their mapped device address. Imports cupy only when launching.
 """
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""F.linear's product (y = x @ w^T, bf16/fp16) through cuBLASLt with an algorithm chosen by timing
-on the model's own weights, for the row counts a step is known to have (`LinearTuner`); any other
-product stays F.linear. cuBLASLt is reached through ctypes (the library torch itself loaded).
-Choices are kept in a JSON file per GPU and library version, so a restarted executor runs the
-same kernels (the same bf16 roundings) as the one it replaces. Imports torch only.
-
-On the H200, Llama-3-8B's products over 32 distinct weights (benchmarks/bench_cublaslt_algos.py,
-RESULTS.md): the best of cuBLASLt's heuristic algorithms beats F.linear's by 0.11-0.33 ms a decode
-step at 64-256 rows and by 3.4 ms an 8,192-token step (the `o` product 7%); elsewhere it ties.
-
-A product whose row count was not tuned (an eager step's tokens, the rows it samples) runs the
-algorithm found fastest at the nearest tuned count above it (its "rung"), never F.linear where a
-rung exists: the first product of every cuBLAS kernel a process runs waits for the GPU to go idle
-(measured on the H200: CUDA_MODULE_LOADING=EAGER does not change it), and F.linear picks a kernel
-per row count, so an eager step whose row counts were new held its launch until the previous
-step's GPU work was done (W1's prefill steps: 141 ms of their 164 ms launch in the lm_head
-product). The rungs' kernels all ran while tuning, so they never wait.
+"""F.linear's product through a cuBLASLt algorithm timed on the model's own weights (ctypes, the
+library torch loaded), choices kept per GPU and library version so a restarted executor rounds
+alike (`LinearTuner`). Imports torch only.
 """
 from __future__ import annotations
 
@@ -42,7 +28,7 @@ _CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "stages": 6}
 # split-k parts added up in the output buffer (in an order assumed not fixed): never chosen
 _REDUCTION_INPLACE = 1
 WORKSPACE_BYTES = 32 << 20
-MAX_ALGOS = 16  # heuristic candidates asked for (the H200 offers 8 for these shapes)
+MAX_ALGOS = 16  # heuristic candidates asked for (more than a GPU offers for these shapes)
 MARGIN = 0.03  # a cuBLASLt algorithm replaces F.linear only when this much faster
 TIMED_WEIGHTS = 4  # weights of a group timed together (distinct: no L2 reuse); at most
 TIMED_REPLAYS = 3  # graph replays timed per candidate (median)
@@ -240,7 +226,12 @@ class LinearTuner:
 
     def _rung(self, key: tuple) -> Algo | None:
         """The algorithm of an untuned row count: that of the smallest tuned count above it
-        (the largest below, past the last); None without rungs for the weight's shape."""
+        (the largest below, past the last); None without rungs for the weight's shape.
+
+        Never F.linear where a rung exists: the first product of every cuBLAS kernel a process runs
+        waits for the GPU to go idle, and F.linear picks a kernel per row count, so an eager step
+        with new row counts would hold its launch until the previous step's GPU work was done. The
+        rungs' kernels all ran while tuning, so they never wait."""
         if key in self._untuned:
             return self._untuned[key]
         m, n, k, dtype = key

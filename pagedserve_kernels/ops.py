@@ -1,10 +1,6 @@
-"""Launchers of the elementwise kernels of the Llama forward (csrc/ops.cu): RMSNorm, RMSNorm fused
-with the residual add, rotate-half RoPE in place on q/k, SiLU-and-mul; bf16/fp16 only.
-
-Same signatures as `pagedserve_kernels.reference`. The kernels compute in fp32 and round each stored
-value once, so they agree with the twins to rounding, not bit for bit. Imports cupy only when
-launching; launches go to torch's current stream, sync nothing and allocate only a missing `out`
-(capturable in CUDA graphs).
+"""Launchers of the Llama forward's elementwise kernels (csrc/ops.cu), bf16/fp16, as the reference
+twins but in fp32 with one rounding (equal to rounding, not bit for bit); capturable, no syncs.
+Imports cupy only when launching.
 """
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Torch reference twins of the CUDA kernels: same signatures, same KV layout.
-
-The CPU backend runs on these; GPU tests hold the CuPy kernels to them. Imports torch only.
-The elementwise twins (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul) keep the
-numerics of transformers' Llama in the tensors' dtype, so the CPU backend stays token-identical
-to it.
-
-KV cache layout (shared with the CUDA kernels):
-  whole cache, one tensor for K and one for V: [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
-  one layer's view (what attention and cache writes take): [num_blocks, num_kv_heads, block_size, head_dim]
-One (page, KV head) slice is contiguous, and one page of one layer is one contiguous chunk.
-A slot is `block_id * block_size + offset_in_block`.
+"""Torch reference twins of the CUDA kernels, same signatures and KV layout (K and V each
+[num_layers, num_blocks, num_kv_heads, block_size, head_dim]; slot = block_id * block_size +
+offset): the CPU backend runs on these, GPU tests hold the kernels to them. Imports torch only.
 """
 from __future__ import annotations
 

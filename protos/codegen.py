@@ -1,7 +1,6 @@
-"""Regenerates the Python modules for protos/*.proto with grpcio-tools (`python -m protos.codegen`)
-with grpcio-tools 1.84.0: stubs from a newer 1.84.x refuse to import under an older grpcio 1.84.
-
-`generate(out_dir)` is also what the test that keeps the committed modules current calls.
+"""Regenerates the Python modules for protos/*.proto (`python -m protos.codegen`) with grpcio-tools
+1.84.0 (a newer 1.84.x's stubs refuse an older grpcio 1.84); `generate(out_dir)` is what the test
+that keeps the committed modules current calls.
 """
 from __future__ import annotations
 

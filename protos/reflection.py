@@ -1,9 +1,5 @@
 """gRPC server reflection under both names clients ask for: `grpc.reflection.v1` (current grpcurl
 and grpc tools) and `grpc.reflection.v1alpha` (older clients). Imports no service code.
-
-grpcio-reflection 1.84 ships only v1alpha. v1's messages are v1alpha's under another package, field
-for field, so v1alpha's servicer answers v1 calls too; v1's file is built from v1alpha's and added
-to the default descriptor pool so that a client can also describe the v1 service itself.
 """
 from __future__ import annotations
 
@@ -40,7 +36,9 @@ def enable(service_names, server) -> None:
 
 def add_v1_file() -> None:
     """Adds grpc/reflection/v1/reflection.proto to the default pool, once: v1alpha's file with
-    its package (and the type names that carry it) renamed."""
+    its package (and the type names that carry it) renamed. grpcio-reflection ships only
+    v1alpha; v1's messages are v1alpha's field for field, so v1alpha's servicer answers v1 calls
+    too, and this file lets a client describe the v1 service itself."""
     pool = descriptor_pool.Default()
     try:
         pool.FindFileByName(_V1_FILE)

@@ -1,11 +1,5 @@
-"""The scheduler's link to one executor: Describe, then one Execute stream of plans and results,
-opened with a lease hello (this scheduler's id and a new epoch) that the executor acknowledges.
-
-Wire module: converts plans and results with `scheduler_svc.wire`. Any failure of the link (broken
-stream, timeout, FAILED_PRECONDITION, a different model) surfaces as ExecutorLost; the engine
-resyncs and calls `connect()` again. An executor leased by another scheduler is skipped like one
-that does not answer. A stream that ends while the engine is idle, and a pass that every executor
-refused, are reported at once through the engine's hooks (`on_stream_end`, `on_refused`).
+"""The scheduler's link to one executor: Describe, then one leased Execute stream of plans and
+results (converted by `scheduler_svc.wire`). Every failure of the link surfaces as ExecutorLost.
 """
 from __future__ import annotations
 
@@ -91,7 +85,13 @@ class LinkSecurity:
 class ExecutorClient:
     """Connects to the first answering executor among `addresses` whose model matches and that
     grants this scheduler its lease. `describe_timeout_s` bounds Describe and the lease hello's
-    answer each; `keepalive_s` is the interval of the link's keepalive pings."""
+    answer each; `keepalive_s` is the interval of the link's keepalive pings.
+
+    Any failure of the link (broken stream, timeout, FAILED_PRECONDITION, a different model) is
+    ExecutorLost; the engine resyncs and calls `connect()` again. An executor leased by another
+    scheduler is skipped like one that does not answer. A stream that ends while the engine is
+    idle, and a pass that every executor refused, are reported at once through the engine's
+    hooks (`on_stream_end`, `on_refused`)."""
 
     def __init__(self, addresses: list[str], step_timeout_s: float = 60.0,
                  describe_timeout_s: float = 5.0, max_backoff_s: float = 2.0,

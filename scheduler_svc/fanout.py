@@ -1,8 +1,5 @@
 """Several engine requests of one API request (a batch of prompts, each with its n samples) as
 one stream of (choice index, event). Closing it aborts every request still running. Plain asyncio.
-
-A request's choices are its engine requests' samples in order: spec k's sample i is choice
-(the n of the specs before k, added up) + i.
 """
 from __future__ import annotations
 
@@ -14,7 +11,8 @@ from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
 
 class Fanout:
     """One task per engine request pumps its events into a shared queue. A request that fails
-    (refused at admission, or ended by the engine) ends the whole stream with its error."""
+    (refused at admission, or ended by the engine) ends the whole stream with its error. Spec k's
+    sample i is choice (the n of the specs before k, added up) + i."""
 
     def __init__(self, engine, specs: list[GenerateSpec]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()

@@ -1,7 +1,5 @@
 """Prometheus metrics of the scheduler service, refreshed from the engine once per step, and the
 periodic stats line of its log.
-
-Each Metrics instance owns its own registry, so tests can run several engines in one process.
 """
 from __future__ import annotations
 
@@ -59,6 +57,8 @@ class BatchHistogram:
 
 
 class Metrics:
+    """Owns its own registry, so tests can run several engines in one process."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests_running = Gauge("pagedserve_requests_running", "sequences running", registry=r)

@@ -1,9 +1,6 @@
-"""The OpenAI API's request bodies (pydantic models), their mapping to GenerateSpecs, and the
-response and stream-chunk bodies built from engine events (logprobs included). No HTTP, no gRPC,
-no torch.
-
-A feature the engine does not have (tools, `echo`, guided decoding, ...) is refused with
-InvalidArgument naming it unless it has a neutral value: nothing a client sets is silently dropped.
+"""The OpenAI API's request bodies (pydantic), their mapping to GenerateSpecs (a feature the engine
+lacks is refused unless neutral, never dropped), and the response and chunk bodies built from
+engine events. No HTTP, no gRPC, no torch.
 """
 from __future__ import annotations
 

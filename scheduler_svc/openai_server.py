@@ -1,10 +1,5 @@
-"""The OpenAI-compatible HTTP API (`--http-port`): chat and text completions (streamed as
-server-sent events or not), models, health and metrics, on Starlette served by uvicorn on the
-scheduler's event loop, over the same Engine as Generate: one admission path, one set of limits.
-
-Domain errors become OpenAI error bodies in `_error_response` (with the parameter renamed as the
-API calls it by `_bad_parameter`), or, once a stream has started, an error event. A client that
-goes away cancels its request. Connection bounds live in http_protocol. No gRPC, no torch.
+"""The OpenAI-compatible HTTP API (`--http-port`) on Starlette and uvicorn in the scheduler's event
+loop, over the same Engine as Generate (one admission path, one set of limits). No gRPC, no torch.
 """
 from __future__ import annotations
 
@@ -311,6 +306,8 @@ class OpenAIServer:
             return None
 
     def _error_response(self, err: Exception, request: Request) -> Response:
+        """The one place domain errors become OpenAI error bodies (the parameter renamed as the
+        API calls it by `_bad_parameter`); once a stream has started they are an error event."""
         if isinstance(err, _ClientGone):
             log.debug("%s %s: the client went away; its request was cancelled",
                       request.method, request.url.path)

@@ -41,8 +41,8 @@ class CachedSeqs:
     """The plan's known sequences as columns: entry i of each per-seq list is the i-th sequence;
     `new_block_ids` holds their appended blocks one after another, `num_new_blocks[i]` of them
     for the i-th. Columns rather than one object per sequence (as vLLM v1's CachedRequestData):
-    at 1,024 decoding sequences, an object and then a message per sequence were about a third of
-    a step's host cost. Iterating yields CachedSeqPlan views, for readers off the hot path."""
+    with many decoding sequences, an object and a message each are a large share of a step's
+    host cost. Iterating yields CachedSeqPlan views, for readers off the hot path."""
 
     seq_ids: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
@@ -123,7 +123,7 @@ class StepPlan:
 @dataclass(slots=True)
 class SeqUpdate:
     """A token sampled for `seq` in a step; finish_reason is set when the token finished it.
-    Not frozen: one is made per sampled token, and a frozen dataclass builds ~3x slower."""
+    Not frozen: one is made per sampled token, and a frozen dataclass builds several times slower."""
 
     seq: Sequence
     token_id: int

@@ -1,7 +1,5 @@
-"""Per-request sampling and stopping parameters, with validation that names the bad field.
-
-Plain Python: no torch, no protobuf. Validation is O(size limit) at most, and its messages stay
-short whatever the input: they quote counts and at most a few items, never a whole list.
+"""Per-request sampling and stopping parameters, with validation that names the bad field, costs
+O(size limit) at most and quotes a few items, never a whole list. No torch, no protobuf.
 """
 
 import math
@@ -12,8 +10,8 @@ from scheduler_svc.errors import InvalidArgument
 
 # Stop strings are delimiters ("\n\n", "</tool_call>", a chat template's end marker). OpenAI allows
 # 4 and TGI 4 by default; 64 leaves room for any template. Matching costs the same per character
-# whatever their number (stop_strings.py), but its set-up and memory grow with the total length:
-# 64 x 1024 characters is ~1 MB and ~40 ms at worst, once per request.
+# whatever their number (stop_strings.py), but its set-up and memory grow with the total length,
+# which these bound (once per request).
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024  # Unicode code points, as len() counts them
 # The scheduler tests every sampled token against them; ~1,000 covers "stop at any of these words".

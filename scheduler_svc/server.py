@@ -1,9 +1,6 @@
-"""The scheduler's two gRPC listeners. Public: Generate (server streaming) and ModelInfo, health
-and reflection; Admin calls that reach it are refused and logged. Admin: SetExecutors and
-GetStatus, health, and an optional bearer token checked in constant time.
-
-Thin servicers: message in, one engine call, messages out. Domain errors become status codes in
-`_status_for` alone; anything else is logged with the request id and answered INTERNAL.
+"""The scheduler's two gRPC listeners, public (Generate, ModelInfo) and admin (SetExecutors,
+GetStatus), as thin servicers: message in, one engine call, messages out; domain errors become
+status codes in `_status_for` alone.
 """
 from __future__ import annotations
 
@@ -40,6 +37,8 @@ MAX_DETAILS_CHARS = 1024
 
 
 def _status_for(err: Exception) -> grpc.StatusCode | None:
+    """The status code of a domain error; None for anything else, which the servicers log with
+    the request id and answer INTERNAL."""
     for kind, code in _STATUS.items():
         if isinstance(err, kind):
             return code

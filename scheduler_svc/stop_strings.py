@@ -1,9 +1,5 @@
 """Stop strings over a stream of text deltas: emit only text that cannot begin a stop string, and cut
 the output where the first stop string completes. Must not import torch, cupy, grpc or protobuf code.
-
-Linear in time and memory: one Aho-Corasick automaton over all the stop strings, in flat arrays
-(17 bytes a character), built in O(total length) and advanced in amortized O(1) a character
-whatever the number of stop strings; what is held back is shorter than the longest stop string.
 """
 
 import re
@@ -12,8 +8,10 @@ from collections import deque
 
 
 class StopAutomaton:
-    """Aho-Corasick over the stop strings. Node 0 is the empty string; node q is a prefix of some
-    stop string, `depth[q]` characters long, reached from its parent by the character `code[q]`.
+    """Aho-Corasick over the stop strings, in flat arrays (17 bytes a character): built in
+    O(total length), advanced in amortized O(1) a character whatever the number of stop strings.
+    Node 0 is the empty string; node q is a prefix of some stop string, `depth[q]` characters
+    long, reached from its parent by the character `code[q]`.
 
     The characters a stop string does not share with an earlier one become consecutive nodes, so
     nearly every edge goes from q - 1 to q and costs one array entry; the few others (at most one

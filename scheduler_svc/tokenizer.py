@@ -1,21 +1,5 @@
 """The scheduler's tokenizer: text and chat messages to token ids and back, from a local Hugging Face
 folder or a GGUF file. Must not import torch, cupy, grpc or generated protobuf code.
-
-Why GGUF files are not loaded with `from_pretrained(..., gguf_file=...)`: in transformers 5.x that
-path calls `integrations.gguf.get_gguf_tokenizer`, which imports `integrations/gguf/reader.py`, and
-that module does `import torch` at its top (it also reads tensors). So we read the GGUF metadata
-ourselves (`read_gguf_metadata` below, a metadata-only parser of the GGUF v2/v3 header), arrange it
-the way `get_gguf_tokenizer` does, and hand it to transformers' torch-free
-`convert_gguf_tokenizer`, which builds the same `tokenizers.Tokenizer` transformers would build.
-A test holds the result to transformers' own GGUF path (ids, decode, specials, chat template), and
-another holds the tokenizer built under the lowest transformers the pin admits (5.17, whose converter
-lives in `integrations/ggml`) to the one built under the current version. 5.17 itself imports torch
-when one is installed (its `tokenization_utils_tokenizers` imports `modeling_gguf_pytorch_utils`);
-nothing here does, and the scheduler's image has none.
-Folders load through `PreTrainedTokenizerFast` (their `tokenizer.json`), not `AutoTokenizer`:
-importing `AutoTokenizer` imports `configuration_utils` -> `modeling_rope_utils` -> torch.
-Measured on SmolLM2-135M-Instruct.Q4_1.gguf (CPU): 0.25-0.5 s to load (transformers' own GGUF path:
-~1.8 s), after 0.7-1.2 s importing transformers.
 """
 
 import mmap
@@ -90,7 +74,9 @@ class Tokenizer:
 
 
 def load_tokenizer(source: str) -> Tokenizer | None:
-    """The tokenizer in `source`: a local HF folder, a `.gguf` file, or "" for none (token-id prompts only)."""
+    """The tokenizer in `source`: a local HF folder, a `.gguf` file, or "" for none (token-id prompts only).
+    Folders load through `PreTrainedTokenizerFast` (their `tokenizer.json`), not `AutoTokenizer`,
+    whose import chain (`configuration_utils` -> `modeling_rope_utils`) imports torch."""
     if not source:
         return None
     if os.path.isdir(source):
@@ -103,6 +89,11 @@ def load_tokenizer(source: str) -> Tokenizer | None:
 
 
 def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """Not `from_pretrained(..., gguf_file=...)`: in transformers 5.x that path imports
+    `integrations/gguf/reader.py`, which imports torch. We read the GGUF header ourselves
+    (`read_gguf_metadata`), arrange it as `get_gguf_tokenizer` does and hand it to the torch-free
+    `convert_gguf_tokenizer`, which builds the same `tokenizers.Tokenizer`; tests hold the result
+    to transformers' own GGUF path and to the lowest transformers the pin admits (5.17)."""
     metadata = read_gguf_metadata(path, prefixes=("general.architecture", "tokenizer."))
     architecture, tokenizer_dict, tokenizer_config = _gguf_tokenizer_fields(metadata)
     _, convert_gguf_tokenizer = _gguf_tokenizer_api()

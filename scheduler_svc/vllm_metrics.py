@@ -1,7 +1,6 @@
-"""The scheduler's metrics also under vLLM's names (`vllm:*`, labelled `model_name`), where the
-meaning is the same: the Gateway API Inference Extension's endpoint picker and vLLM dashboards
-read these. A collector over the pagedserve_* metrics, read at scrape time: one measurement,
-two names.
+"""The scheduler's metrics also under vLLM's names (`vllm:*`, labelled `model_name`) where the
+meaning is the same, for the Gateway API Inference Extension's endpoint picker and vLLM
+dashboards: a collector over the pagedserve_* metrics, read at scrape time.
 """
 from __future__ import annotations
 

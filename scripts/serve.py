@@ -1,7 +1,6 @@
-"""Runs the executor and the scheduler together for `make serve`, and stops them in order.
-
-Ctrl-C or SIGTERM drains the scheduler first (admission stops, running requests finish or reach
-its --shutdown-timeout), then stops the executor. Imports neither service: it only runs them.
+"""Runs the executor and the scheduler together for `make serve`. Ctrl-C or SIGTERM drains the
+scheduler first (admission stops, running requests finish or reach its --shutdown-timeout), then
+stops the executor. Imports neither service: it only runs them.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The backend seam: the model and cache engine call these ops, never kernels directly.
-A backend owns a device and ten ops with the signatures of `pagedserve_kernels.reference`: five for
-attention and the KV cache, four elementwise ones of the forward pass, and RoPE with the cache
-write in one (what the model calls: one launch on the CUDA backend); and `linear`, F.linear's
-contract (the CUDA backend's may run a tuned cuBLASLt algorithm, pagedserve_kernels.gemm).
+"""The backend seam: the model and cache engine call these ops (the signatures of
+`pagedserve_kernels.reference`, plus `linear` with F.linear's contract), never kernels directly.
 """
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""CUDA backend: the ops are the CuPy kernels of `pagedserve_kernels.attention` /
-`pagedserve_kernels.cache_ops` / `pagedserve_kernels.ops`, launched on torch's current stream.
-Imports cupy and the launchers lazily (in __init__), so this module imports on a machine without
-CUDA; constructing the backend there fails loudly.
-
-The attention kernels exist for bf16/fp16 and head_dim 64/128. Other dtypes or head sizes (the
-float32 tiny preset of the tests: head_dim 16) run attention through torch on the GPU: a
-capturable gather-and-softmax for decode, the reference twin for prefill. `attention_impl` says
-which one a model gets; the cache write and the page copies are always the kernels. The
-elementwise ops (RMSNorm, RoPE, SiLU-and-mul; RoPE with the cache write in one launch) are kernels
-for bf16/fp16 and the reference twins for other dtypes (float32 stays bit-identical to
-transformers) or when `fused_ops` is False.
+"""CUDA backend: the CuPy kernels of pagedserve_kernels, launched on torch's current stream.
+Imports cupy and the launchers lazily (in __init__), so this module imports without CUDA.
 """
 from __future__ import annotations
 
@@ -25,12 +15,10 @@ log = logging.getLogger(__name__)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL_HEAD_DIMS = (64, 128)
 # Packed steps of at most this many query tokens take the few-query kernel (the decode kernel's
-# split of each context over CTAs, a seq's query tokens sharing one read of it) in place of the
-# prefill kernel, which gives each head one 128-row tile: 32 CTAs for 132 SMs on a 16-token chunk
-# of Llama-3-8B, each walking the whole context. The same semantics; the choice follows from the
-# tensors' shapes only, so it is fixed inside a captured graph. Measured on the H200 (small-step
-# graph, a seq's N new tokens over 2,000 cached): few-query against prefill kernel 5.60 / 6.56 ms
-# at 16, 6.17 / 7.00 at 32, 6.75 / 7.17 at 64 (benchmarks/RESULTS.md); larger sizes unmeasured.
+# split of each context over CTAs, a seq's query tokens sharing one read of it): the prefill
+# kernel gives each head one 128-row tile, too few CTAs for a short chunk over a long context.
+# The choice follows from the tensors' shapes only, so it is fixed inside a captured graph.
+# 64 is the largest size measured to pay (benchmarks/RESULTS.md).
 FEW_QUERY_MAX = 64
 
 
@@ -70,9 +58,15 @@ class CudaBackend:
         return dtype in _KERNEL_DTYPES and head_dim in _KERNEL_HEAD_DIMS
 
     def attention_impl(self, dtype: torch.dtype, head_dim: int) -> str:
+        """The kernels ("cupy") for bf16/fp16 at head_dim 64/128, else "torch" (a capturable
+        gather-and-softmax for decode, the reference twin for prefill, e.g. the tests' float32
+        tiny preset). The cache write and page copies are always the kernels."""
         return "cupy" if self.kernels_cover(dtype, head_dim) else "torch"
 
     def elementwise_impl(self, dtype: torch.dtype) -> str:
+        """RMSNorm, RoPE (with the cache write) and SiLU-and-mul: kernels for bf16/fp16, the
+        reference twins otherwise (float32 stays bit-identical to transformers) or when
+        `fused_ops` is False."""
         return "cupy" if self.fused_ops and dtype in _KERNEL_DTYPES else "torch"
 
     def _elementwise(self, dtype: torch.dtype):

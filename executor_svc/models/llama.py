@@ -1,7 +1,5 @@
 """A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache,
-gpt-fast style: weights as plain tensors; GEMMs (the backend's `linear`: F.linear, or a tuned
-cuBLASLt algorithm), attention, cache writes, RMSNorm (fused with the residual add, vLLM style),
-RoPE and SiLU-and-mul through a backend's ops.
+gpt-fast style: plain weight tensors, every GEMM and kernel through the backend's ops.
 Imports torch only (plus the backend protocol for typing).
 """
 from __future__ import annotations

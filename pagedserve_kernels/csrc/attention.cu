@@ -874,8 +874,8 @@ extern "C" __global__ void __launch_bounds__(1024)
                             num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq,         \
                             scale_log2);                                                          \
   }
-// hd64 runs 3 CTAs per SM (168 registers, ~100 B of spills: still 3% faster than 2 CTAs at 221
-// registers, measured); hd128 needs 2 (its O accumulator alone is 128 registers). NOTES.md.
+// hd64 runs 3 CTAs per SM (168 registers, a few spills: more resident warps hide the barriers
+// better than the spills cost); hd128 needs 2 (its O accumulator alone is 128 registers). NOTES.md.
 PS_PREFILL(prefill_bf16_hd64, __nv_bfloat16, 64, 3)
 PS_PREFILL(prefill_bf16_hd128, __nv_bfloat16, 128, 2)
 PS_PREFILL(prefill_fp16_hd64, __half, 64, 3)
@@ -893,8 +893,8 @@ PS_PREFILL(prefill_fp16_hd128, __half, 128, 2)
                                num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq,      \
                                scale_log2);                                                       \
   }
-// hd64: 2 CTAs per SM (128 registers, 28 B of spills, 82 KB smem each) measured 1.57 ms vs
-// 2.11 ms at 1 CTA/SM (167 registers); hd128 fits 1 (209 registers, 163 KB smem). NOTES.md.
+// hd64: 2 CTAs per SM (128 registers, 28 B of spills, 82 KB smem each): a second CTA keeps the
+// tensor cores busy through softmax; hd128 fits 1 (209 registers, 163 KB smem). NOTES.md.
 PS_PREFILL_WG(prefill_wg_bf16_hd64, __nv_bfloat16, 64, 2)
 PS_PREFILL_WG(prefill_wg_bf16_hd128, __nv_bfloat16, 128, 1)
 PS_PREFILL_WG(prefill_wg_fp16_hd64, __half, 64, 2)

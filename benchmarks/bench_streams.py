@@ -34,8 +34,10 @@ if str(ROOT) not in sys.path:
 from protos import executor_pb2  # noqa: E402
 from scheduler_svc import wire  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
-from scheduler_svc.engine import Engine, EngineConfig, freeze_startup_heap  # noqa: E402
+from scheduler_svc.engine import Engine  # noqa: E402
+from scheduler_svc.engine_types import EngineConfig  # noqa: E402
 from scheduler_svc.executor_client import ExecutorLost  # noqa: E402
+from scheduler_svc.main import freeze_startup_heap  # noqa: E402
 from scheduler_svc.plan import StepPlan  # noqa: E402
 from scheduler_svc.request import RequestLimits  # noqa: E402
 from scheduler_svc.wire import ExecutorDescription  # noqa: E402

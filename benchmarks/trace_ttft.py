@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 # (process, module, class or None, function, label, coroutine?)
 TRACE_POINTS = (
     ("scheduler", "scheduler_svc.wire", None, "spec_from_proto", "S.spec", False),
-    ("scheduler", "scheduler_svc.engine", "Engine", "_admit", "S.admit", False),
+    ("scheduler", "scheduler_svc.scheduler", "Scheduler", "add_seq", "S.admit", False),
     ("scheduler", "scheduler_svc.scheduler", "Scheduler", "schedule", "S.schedule", False),
     ("scheduler", "scheduler_svc.block_manager", "BlockManager", "find_cached_prefix",
      "S.find_prefix", False),
@@ -42,8 +42,9 @@ TRACE_POINTS = (
     ("scheduler", "scheduler_svc.scheduler", "Scheduler", "update_from_output", "S.update",
      False),
     ("scheduler", "scheduler_svc.engine", "Engine", "_account", "S.account", False),
-    ("scheduler", "scheduler_svc.engine", "Engine", "_emit_step", "S.emit_step", False),
-    ("scheduler", "scheduler_svc.engine", "Engine", "_finish", "S.finish", False),
+    ("scheduler", "scheduler_svc.output", "OutputProcessor", "process_outputs", "S.emit_step",
+     False),
+    ("scheduler", "scheduler_svc.output", "OutputProcessor", "finish", "S.finish", False),
     ("scheduler", "scheduler_svc.metrics", "Metrics", "observe_scheduler", "S.observe", False),
     ("scheduler", "scheduler_svc.wire", None, "events_to_protos", "S.events_to_protos", False),
     ("executor", "executor_svc.server", "ExecutorServicer", "_launch", "E.launch", False),

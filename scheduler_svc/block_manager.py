@@ -181,8 +181,7 @@ class BlockManager:
         chain = self._hashes.setdefault(seq_id, [])
         if len(chain) >= num_blocks:
             return chain
-        # hash_block, the new pages' ids packed at once (a 2,016-token prompt's 126 pages:
-        # ~1.5x faster than packing each page apart)
+        # hash_block, the new pages' ids packed at once rather than page by page
         size, first = self.block_size, len(chain)
         data = array("q", token_ids[first * size:num_blocks * size]).tobytes()
         parent, step = chain[-1] if chain else self._salt, size * 8

@@ -28,10 +28,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from scheduler_svc import openai_protocol as protocol
-from scheduler_svc.engine import Engine, EngineFailed, NoExecutor, QueueFull, ShuttingDown
+from scheduler_svc.admission import NoExecutor, QueueFull, ShuttingDown
+from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.fanout import Fanout
 from scheduler_svc.http_protocol import BoundedHttpToolsProtocol, HttpLimits, throttle_accept_errors
+from scheduler_svc.output import EngineFailed
 from scheduler_svc.request import check_request_id
 
 log = logging.getLogger(__name__)

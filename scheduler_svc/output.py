@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.metrics import Metrics
@@ -42,9 +42,9 @@ class Mailbox:
     """A request's events (all its samples'), taken by its reader in batches. Putting wakes the
     reader only when asked to: tokens can wait for the next hand-over, an end never does.
 
-    The step loop puts into hundreds of mailboxes a step, so a put costs one future's result at
-    most (an asyncio.Event's set and wait cost a deque, a future and a loop pass more), and a
-    reader that comes back to items already woken for takes them without suspending."""
+    The step loop puts into every stream's mailbox each step, so a put costs one future's result
+    at most (no asyncio.Event), and a reader that comes back to items already woken for takes
+    them without suspending."""
 
     __slots__ = ("_items", "_woken", "_waiter")
 
@@ -233,6 +233,18 @@ class OutputProcessor:
             self.metrics.requests_finished.labels("error").inc()
         state.mailbox.put(failure)
         return [(sample.seq.seq_id, FinishReason.ABORTED) for sample in samples]
+
+    def fail_seqs(self, seq_ids: Iterable[int], cause: Exception) -> list[tuple[int, FinishReason]]:
+        """Ends the requests of `seq_ids`, named by a lost executor link as what failed a step."""
+        to_finish: list[tuple[int, FinishReason]] = []
+        for seq_id in seq_ids:
+            state = self.requests.get(seq_id)
+            if state is not None:
+                log.error("request %s (seq %d) ended: it failed the step (%s); the others are "
+                          "recomputed", state.request_id, seq_id, cause)
+                to_finish += self.fail_request(
+                    state, f"the executor link failed on it: {str(cause)[:300]}")
+        return to_finish
 
     def fail_all(self, error: Exception) -> list[tuple[int, FinishReason]]:
         """Ends every stream with `error` (no executor, a failed step loop)."""

@@ -17,9 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from protos import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, reflection
 from scheduler_svc import wire
-from scheduler_svc.engine import (Engine, EngineFailed, NoExecutor, QueueFull,
-                                  ShuttingDown)
+from scheduler_svc.admission import NoExecutor, QueueFull, ShuttingDown
+from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.output import EngineFailed
 from scheduler_svc.request import RequestLimits
 
 log = logging.getLogger(__name__)

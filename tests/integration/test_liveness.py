@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generate_pb2
-from scheduler_svc.admission import MIN_OBSERVED_S
+from scheduler_svc.drain_rate import MIN_OBSERVED_S
 from tests.integration.harness import free_port, generate, start_services, wait_serving
 from tests.integration.test_end_to_end import TINY, random_prompts
 

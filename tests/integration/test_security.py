@@ -142,7 +142,7 @@ def test_request_ids_are_logged(services):
         replies = list(stub.Generate(req, timeout=60))
     assert {r.request_id for r in replies} == {"req-logged-1"}
     log = services.log_of("scheduler")
-    assert "DEBUG scheduler_svc.engine: request req-logged-1 finished (length): 3 prompt + 3 " \
+    assert "DEBUG scheduler_svc.output: request req-logged-1 finished (length): 3 prompt + 3 " \
         "generated tokens" in log
 
 

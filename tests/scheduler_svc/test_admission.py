@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from scheduler_svc.admission import MIN_OBSERVED_S, DrainRate, retry_hint_s
+from scheduler_svc.admission import retry_hint_s
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.drain_rate import MIN_OBSERVED_S, DrainRate
 from scheduler_svc.scheduler import Scheduler
 from sched_factories import Loop, make_samples, make_seq
 

@@ -9,10 +9,13 @@ from collections import deque
 import pytest
 
 from sched_factories import FakeExecutor
+from scheduler_svc.admission import NoExecutor, QueueFull
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine, EngineConfig, EngineFailed, NoExecutor, QueueFull
+from scheduler_svc.engine import Engine
+from scheduler_svc.engine_types import EngineConfig
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.executor_client import ExecutorLost
+from scheduler_svc.output import EngineFailed
 from scheduler_svc.plan import StepResult
 from scheduler_svc.request import FinishEvent, GenerateSpec, RequestLimits
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams
@@ -409,7 +412,7 @@ def test_the_mailbox_wakes_its_reader_only_when_asked_and_survives_a_cancelled_t
 
 
 def test_short_token_id_prompts_without_stop_strings_are_prepared_inline():
-    from scheduler_svc.engine import INLINE_PREPARE_MAX_IDS, can_prepare_inline
+    from scheduler_svc.admission import INLINE_PREPARE_MAX_IDS, can_prepare_inline
 
     assert can_prepare_inline(spec(0))
     assert can_prepare_inline(GenerateSpec(prompt_token_ids=[5] * INLINE_PREPARE_MAX_IDS))
@@ -435,7 +438,7 @@ def test_freeze_startup_heap_freezes_what_is_alive():
     import subprocess
     import sys
 
-    code = ("import gc; from scheduler_svc.engine import freeze_startup_heap; "
+    code = ("import gc; from scheduler_svc.main import freeze_startup_heap; "
             "n = freeze_startup_heap(); assert n == gc.get_freeze_count() > 1000, n; print(n)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)

@@ -7,7 +7,8 @@ import pytest
 from test_engine import SPECS, FakeClient, run, serve
 from scheduler_svc import output as output_module
 from scheduler_svc import wire
-from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.engine_types import EngineConfig
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
 from scheduler_svc.output import EngineFailed, RequestFailed
 from scheduler_svc.plan import NewSeqPlan, StepPlan

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from scheduler_svc.engine import EngineConfig
+from scheduler_svc.engine_types import EngineConfig
 from scheduler_svc.metrics import Metrics, StatsLog
 from scheduler_svc.scheduler_stats import SchedulerStats
 from test_engine import SPECS, FakeClient, run, serve

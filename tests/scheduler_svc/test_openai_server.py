@@ -7,7 +7,8 @@ import json
 import pytest
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.engine_types import EngineConfig
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.openai_server import OpenAIConfig, OpenAIServer
 from test_engine import FakeClient

@@ -48,6 +48,8 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # An unanswered ping otherwise waits a minute before the link counts as gone.
+    ("grpc.http2.ping_timeout_ms", 5_000),
     # Welcome the scheduler's own keepalive pings (every 10 s by default, never under 1 s) in
     # idle spells; the default policy (one per 5 min) answers them with GOAWAY too_many_pings.
     ("grpc.keepalive_permit_without_calls", 1),

@@ -45,6 +45,10 @@ def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
         # Keep pinging through idle spells (grpc stops after 2 pings without data by default):
         # a vanished executor is then found before the next step waits step_timeout_s for it.
         ("grpc.http2.max_pings_without_data", 0),
+        # A keepalive ping that goes out while another ping is unanswered (the executor's own,
+        # or a flow-control probe) waits under this timeout (a minute by default), not the
+        # keepalive's: a frozen idle executor would go unnoticed that long.
+        ("grpc.http2.ping_timeout_ms", 5_000),
     ]
 
 

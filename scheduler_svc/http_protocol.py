@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -51,22 +52,41 @@ class HttpLimits:
 
 class ThrottledLog:
     """A warning per kind at most every `interval_s`, saying how often it happened since: an
-    attacker who repeats a refused request cannot grow the log faster than that."""
+    attacker who repeats a refused request cannot grow the log faster than that. What a burst
+    held back is reported when its interval ends, not only when a later one comes."""
 
     def __init__(self, interval_s: float = _LOG_INTERVAL_S) -> None:
         self.interval_s = interval_s
         self._last: dict[str, float] = {}
         self._counts: dict[str, int] = {}
+        self._messages: dict[str, str] = {}
+        self._flush_due: dict[str, asyncio.AbstractEventLoop] = {}  # kind: loop of its flush
 
     def warning(self, kind: str, message: str) -> None:
         self._counts[kind] = self._counts.get(kind, 0) + 1
+        self._messages[kind] = message
         now = time.monotonic()
-        if now - self._last.get(kind, -self.interval_s) < self.interval_s:
-            return
+        due = self._last.get(kind, -math.inf) + self.interval_s
+        if now >= due:
+            self._emit(kind, now)
+        elif kind not in self._flush_due or self._flush_due[kind].is_closed():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop: the next warning reports it
+                return
+            loop.call_later(due - now, self._flush, kind)
+            self._flush_due[kind] = loop
+
+    def _flush(self, kind: str) -> None:
+        self._flush_due.pop(kind, None)
+        if self._counts.get(kind):
+            self._emit(kind, time.monotonic())
+
+    def _emit(self, kind: str, now: float) -> None:
         count = self._counts.pop(kind)
         self._last[kind] = now
-        log.warning("%s (%d time%s in the last %gs)", message, count, "" if count == 1 else "s",
-                    self.interval_s)
+        log.warning("%s (%d time%s in the last %gs)", self._messages[kind], count,
+                    "" if count == 1 else "s", self.interval_s)
 
 
 REFUSALS = ThrottledLog()

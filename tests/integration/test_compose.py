@@ -172,11 +172,13 @@ def test_cpu_profile_services_find_each_other(compose, tmp_path):
                                          running.logs["executor"])
     services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_METRICS_PORT"] = metrics_port
     services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_HTTP_PORT"] = http_port = free_port()
+    # In its container the admin listener has a loopback of its own; here it shares the host's.
+    services["scheduler"]["environment"]["PAGEDSERVE_SCHEDULER_ADMIN_PORT"] = free_port()
     running.procs["scheduler"] = _process(services["scheduler"], ports, str(models),
                                           "PAGEDSERVE_SCHEDULER_PORT", sched_port,
                                           running.logs["scheduler"])
     try:
-        wait_serving(running.scheduler_address)
+        wait_serving(running.scheduler_address, procs=running.procs)
         healthcheck = services["scheduler"]["healthcheck"]["test"][1:]
         cmd = [sys.executable, "-m", SCRIPTS[healthcheck[0]], *healthcheck[1:]]
         cmd[cmd.index("127.0.0.1:50051")] = running.scheduler_address

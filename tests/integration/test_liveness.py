@@ -6,6 +6,7 @@ small request is refused at once or served, never left to wait out its deadline.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -71,12 +72,23 @@ def request(prompt: list[int], max_tokens: int, n: int = 1) -> generate_pb2.Gene
 
 def test_an_idle_executor_killed_is_noticed_and_served_again_once_back(tmp_path):
     services = start_services(tmp_path, ["--model", TINY],
-                              ["--unavailable-grace", str(GRACE_S)])
+                              ["--unavailable-grace", str(GRACE_S), "--executor-keepalive", "2"])
     try:
         prompt = random_prompts(1, seed=41)[0]
         with grpc.insecure_channel(services.scheduler_address) as channel:
             stub = services.stub(channel)
             expected, _, _ = generate(stub, prompt, max_tokens=8)
+            # A frozen host answers no ping: found by the link's keepalive (2 s here) and its
+            # ping timeout, not a minute later; once it thaws the scheduler attaches it again.
+            executor = services.procs["executor"]
+            executor.send_signal(signal.SIGSTOP)
+            try:
+                assert wait_until(lambda: health(services.scheduler_address) == NOT_SERVING,
+                                  12) < 12
+            finally:
+                executor.send_signal(signal.SIGCONT)
+            wait_serving(services.scheduler_address, timeout=60)
+            assert generate(stub, prompt, max_tokens=8)[0] == expected
             services.procs["executor"].kill()
             services.procs["executor"].wait()
             assert wait_until(lambda: health(services.scheduler_address) == NOT_SERVING, 5) < 5

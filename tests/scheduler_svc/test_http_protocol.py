@@ -104,6 +104,19 @@ def test_refusals_are_logged_once_per_interval(caplog):
         "answered 431 (1 time in the last 60s)", "answered 408 (1 time in the last 60s)"]
 
 
+def test_what_a_burst_held_back_is_logged_when_its_interval_ends(caplog):
+    throttled = ThrottledLog(interval_s=0.2)
+
+    async def burst():
+        for _ in range(100):
+            throttled.warning("429", "answered 429")
+        await asyncio.sleep(0.4)
+    with caplog.at_level(logging.WARNING, "scheduler_svc.http_protocol"):
+        asyncio.run(burst())
+    assert [r.getMessage() for r in caplog.records] == [
+        "answered 429 (1 time in the last 0.2s)", "answered 429 (99 times in the last 0.2s)"]
+
+
 def test_accept_errors_are_logged_without_tracebacks_once_per_interval(caplog):
     """asyncio reports every failed accept (EMFILE) through the loop's exception handler."""
     async def main():

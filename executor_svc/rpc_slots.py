@@ -90,8 +90,8 @@ class MethodLimits:
         return self.max_waiting + (self.max_open or 0) + 4
 
 
-class _Evicted(Exception):
-    pass
+class Evicted(Exception):
+    """A newer call took this call's place among the calls waiting for their first message."""
 
 
 class _FirstMessage:
@@ -111,15 +111,41 @@ class _FirstMessage:
             self._inbox.put(err)
 
     def interrupt(self) -> None:
-        self._inbox.put(_Evicted())
+        self._inbox.put(Evicted())
 
     def get(self, timeout: float):
-        """The message; None if the call half-closed without one. Raises queue.Empty after
-        `timeout`, _Evicted, or the call's error."""
-        item = self._inbox.get(timeout=timeout)
+        """The message; None if the call half-closed without one. Raises TimeoutError after
+        `timeout`, Evicted, or the call's error."""
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError from None
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+def await_first(waiting: WaitingStreams, context, get, interrupt, timeout_s: float, what: str,
+                callers: str):
+    """A call's first message from `get(timeout)` while the call is registered in `waiting`
+    (`interrupt()` makes `get` raise Evicted); aborts the call if none comes within `timeout_s`
+    (`get` raises TimeoutError), a newer call evicts it, or the call breaks."""
+    key = waiting.add(interrupt, context.peer())
+    try:
+        message = get(timeout_s)
+    except TimeoutError:
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                      f"no {what} within {timeout_s:g}s of the call's start")
+    except Evicted:
+        message = None
+    except Exception:  # noqa: BLE001 - the call broke (cancelled): nothing to answer
+        context.abort(grpc.StatusCode.CANCELLED, f"the call ended before its {what}")
+    finally:
+        evicted = not waiting.remove(key)
+    if evicted:  # even if the message came as it was evicted: its Evicted is in the inbox
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"too many {callers} are waiting for their {what}")
+    return message
 
 
 class MethodSlots:
@@ -138,22 +164,8 @@ class MethodSlots:
         """The call's first message (None if it had none); ends the call if none comes within the
         deadline, a newer call evicts it, or the client leaves."""
         reader = _FirstMessage(requests)
-        key = self.waiting.add(reader.interrupt, context.peer())
-        try:
-            message = reader.get(self.timeout_s)
-        except queue.Empty:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"no request message within {self.timeout_s:g}s of the call's start")
-        except _Evicted:
-            message = None
-        except Exception:  # noqa: BLE001 - the call broke (cancelled): nothing to answer
-            context.abort(grpc.StatusCode.CANCELLED, "the call ended before its first message")
-        finally:
-            evicted = not self.waiting.remove(key)
-        if evicted:  # even if the message came as it was evicted: its _Evicted is in the inbox
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"too many {self.method} calls are waiting for their first message")
-        return message
+        return await_first(self.waiting, context, reader.get, reader.interrupt, self.timeout_s,
+                           "request message", f"{self.method} calls")
 
     def enter(self, context) -> None:
         """Counts a call past its first message against max_open; refuses it beyond."""

@@ -15,7 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from executor_svc import wire
 from executor_svc.lease import Hello, Lease, LeaseRefused
-from executor_svc.rpc_slots import CallSlots, MethodLimits, WaitingStreams
+from executor_svc.rpc_slots import (CallSlots, Evicted, MethodLimits, WaitingStreams,
+                                    await_first)
 from executor_svc.step import PlanMismatch
 from executor_svc.step_pipeline import PlanReader, StepFailed, StepPipeline
 from executor_svc.transport import AddressInUse, TransportConfig
@@ -61,10 +62,6 @@ class Superseded(Exception):
     """A later lease grant took the runner: its state is no longer this stream's."""
 
 
-class _Evicted(Exception):
-    """A newer stream took this stream's place among the streams waiting for their hello."""
-
-
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, runner, overlap_steps: bool = True, allow_takeover: bool = False,
                  hello_timeout_s: float = TransportConfig.hello_timeout_s,
@@ -102,21 +99,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def _read_hello(self, reader: PlanReader, context) -> Hello:
         """The stream's first message as a Hello; closes the stream if it is anything else, does
         not come within hello_timeout_s, or a newer stream evicts this one while it waits."""
-        key = self.waiting.add(lambda: reader.interrupt(_Evicted()), context.peer())
-        try:
-            first = reader.first(self.hello_timeout_s)
-        except TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"no lease hello within {self.hello_timeout_s:g}s")
-        except _Evicted:
-            first = None
-        except Exception:  # noqa: BLE001 - the stream broke (cancelled): nothing to answer
-            context.abort(grpc.StatusCode.CANCELLED, "the stream ended before its hello")
-        finally:
-            evicted = not self.waiting.remove(key)
-        if evicted:  # even if the hello came as it was evicted: its _Evicted is in the inbox
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          "too many Execute streams are waiting for their hello")
+        first = await_first(self.waiting, context, reader.first,
+                            lambda: reader.interrupt(Evicted()), self.hello_timeout_s,
+                            "lease hello", "Execute streams")
         hello = hello_from_proto(first)
         if hello is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,

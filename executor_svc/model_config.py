@@ -1,8 +1,9 @@
-"""ModelConfig (the shape of a Llama-family decoder) and named presets built as transformers
-configs. Imports transformers config classes only; no weights.
+"""ModelConfig (the shape of a supported decoder and its family's quirks) and named presets
+built as transformers configs. Imports transformers config classes only; no weights.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,8 +19,38 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearRope:
+    """Linear RoPE scaling: every frequency divided by `factor` (Gemma 3's global layers)."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE / su scaling (Phi-3): per-frequency short and long factors, and the attention
+    factor transformers multiplies into cos and sin."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+# model_type -> the family's name in messages; the order is the README's.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "glm", "glm4", "gemma2",
+                         "gemma3_text")
+
+
+def check_model_type(model_type: str | None) -> None:
+    """Raises ValueError naming the supported model types for any other."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; pagedserve serves "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "mistral"
+    architecture: str  # a model_type of SUPPORTED_MODEL_TYPES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,19 +60,35 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | LinearRope | LongRope | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on the q/k/v projections (Qwen2)
+    attention_bias: bool  # bias on the q/k/v projections (Qwen2, GLM)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    # Mistral-style local attention window; None = full attention.
+    # Mistral-style local attention window on every layer; None = full attention. Served as
+    # full attention up to the window (max_context), not as a window.
     sliding_window: int | None = None
+    # Per-layer windows computed as windows (Gemma 2/3, Qwen3 with use_sliding_window): a query
+    # of layer i sees its layer_windows[i] most recent positions; None = full. () = all full.
+    layer_windows: tuple[int | None, ...] = ()
+    # RoPE of the windowed layers where it differs (Gemma 3: its own base, no scaling).
+    local_rope_theta: float | None = None
+    rotary_dim: int | None = None  # the rotated leading dims of a head; None = head_dim
+    rope_interleaved: bool = False  # pairs (2i, 2i + 1) (GLM), else rotate-half
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh" (GeGLU, Gemma)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs (GLM-4, Gemma 2/3)
+    embed_scale: float | None = None  # embeddings times sqrt(hidden) (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(it); None = head_dim
+    attn_logit_softcapping: float | None = None  # Gemma 2
+    final_logit_softcapping: float | None = None  # Gemma 2
 
     @property
     def max_context(self) -> int:
-        """Longest sequence this forward pass computes exactly: full attention only, so no
-        longer than the sliding window (beyond it the model would attend to fewer tokens)."""
+        """Longest sequence this forward pass computes exactly: no longer than a Mistral-style
+        global window (served as full attention, beyond it the model would attend to fewer)."""
         limit = self.max_position_embeddings
         return min(limit, self.sliding_window) if self.sliding_window else limit
 
@@ -49,17 +96,21 @@ class ModelConfig:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, i: int) -> int | None:
+        return self.layer_windows[i] if self.layer_windows else None
+
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "ModelConfig":
-        """From a transformers LlamaConfig / Qwen2Config / MistralConfig (v4 or v5 rope fields)."""
+        """From a transformers config of a supported model_type (v4 or v5 rope fields)."""
         arch = cfg.model_type
-        if arch not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"unsupported model_type {arch!r}: Llama-family decoders only")
-        rope = _rope_params(cfg)
-        eos = cfg.eos_token_id
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        check_model_type(arch)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(
+        rope = _rope_params(cfg, "full_attention")
+        common = dict(
             architecture=arch,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -70,27 +121,95 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(rope, cfg.max_position_embeddings),
+            rope_scaling=_rope_scaling(rope, cfg),
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             bos_token_id=cfg.bos_token_id,
-            eos_token_ids=eos_ids,
-            sliding_window=_sliding_window(cfg),
+            eos_token_ids=_token_ids(cfg.eos_token_id),
+            rotary_dim=_rotary_dim(rope, cfg, head_dim),
         )
+        return cls(**common, **_FAMILY_FIELDS.get(arch, _llama_fields)(cfg))
 
 
-def _sliding_window(cfg: Any) -> int | None:
-    """Qwen2 configs carry a window that only applies with use_sliding_window."""
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _rotary_dim(rope: dict, cfg: Any, head_dim: int) -> int | None:
+    factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    if factor is None or float(factor) == 1.0:
+        return None
+    return int(head_dim * float(factor))
+
+
+def _llama_fields(cfg: Any) -> dict:
+    """Llama, Mistral, Qwen2: a Qwen2 window applies only with use_sliding_window."""
     window = getattr(cfg, "sliding_window", None)
     if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-        return None
-    return int(window) if window else None
+        window = None
+    return dict(sliding_window=int(window) if window else None)
 
 
-def _rope_params(cfg: Any) -> dict:
-    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in rope_theta/rope_scaling.
+def _layer_windows(cfg: Any) -> tuple[int | None, ...]:
+    """transformers' layer_types: "sliding_attention" layers see cfg.sliding_window positions."""
+    types = getattr(cfg, "layer_types", None) or ()
+    window = getattr(cfg, "sliding_window", None)
+    if not window or "sliding_attention" not in types:
+        return ()
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def _qwen3_fields(cfg: Any) -> dict:
+    return dict(qk_norm=True, layer_windows=_layer_windows(cfg))
+
+
+def _phi3_fields(cfg: Any) -> dict:
+    return _llama_fields(cfg)
+
+
+def _glm_fields(cfg: Any) -> dict:
+    return dict(rope_interleaved=True, sandwich_norms=cfg.model_type == "glm4")
+
+
+def _gemma_fields(cfg: Any) -> dict:
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported hidden_activation {act!r} for {cfg.model_type} "
+                         "(gelu_pytorch_tanh only)")
+    fields = dict(
+        hidden_act="gelu_tanh", norm_plus_one=True, sandwich_norms=True,
+        embed_scale=cfg.hidden_size**0.5, query_pre_attn_scalar=float(cfg.query_pre_attn_scalar),
+        attn_logit_softcapping=_optional_float(getattr(cfg, "attn_logit_softcapping", None)),
+        final_logit_softcapping=_optional_float(getattr(cfg, "final_logit_softcapping", None)),
+        layer_windows=_layer_windows(cfg),
+    )
+    if cfg.model_type == "gemma3_text":
+        local = _rope_params(cfg, "sliding_attention")
+        if _rope_scaling(local, cfg) is not None:
+            raise ValueError("unsupported rope scaling on gemma3's sliding layers")
+        fields.update(qk_norm=True, local_rope_theta=float(local.get("rope_theta", 10000.0)))
+    return fields
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+_FAMILY_FIELDS: dict[str, Callable[[Any], dict]] = {
+    "qwen3": _qwen3_fields, "phi3": _phi3_fields, "glm": _glm_fields, "glm4": _glm_fields,
+    "gemma2": _gemma_fields, "gemma3_text": _gemma_fields,
+}
+
+
+def _rope_params(cfg: Any, layer_type: str) -> dict:
+    # transformers 5 keeps theta and scaling in `rope_parameters` (per layer type for Gemma 3);
+    # 4.x in rope_theta/rope_scaling.
     params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if layer_type in params:
+        params = dict(params[layer_type] or {})
     if "rope_theta" not in params and getattr(cfg, "rope_theta", None) is not None:
         params["rope_theta"] = cfg.rope_theta
     legacy = getattr(cfg, "rope_scaling", None)
@@ -99,20 +218,42 @@ def _rope_params(cfg: Any) -> dict:
     return params
 
 
-def _rope_scaling(params: dict, max_positions: int) -> RopeScaling | None:
+def _rope_scaling(params: dict, cfg: Any):
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return None
+    if rope_type == "linear":
+        return LinearRope(factor=float(params["factor"]))
+    if rope_type in ("longrope", "su"):
+        return _long_rope(params, cfg)
     if rope_type != "llama3":
-        raise ValueError(f"unsupported rope type {rope_type!r} (default and llama3 only)")
+        raise ValueError(f"unsupported rope type {rope_type!r} (default, linear, llama3 and "
+                         "longrope only)")
     return RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", max_positions)
+            params.get("original_max_position_embeddings", cfg.max_position_embeddings)
         ),
     )
+
+
+def _long_rope(params: dict, cfg: Any) -> LongRope:
+    """As transformers' _compute_longrope_parameters: `factor` defaults to max / original
+    positions, and the attention factor to sqrt(1 + ln(factor) / ln(original))."""
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(cfg, "original_max_position_embeddings", None)
+                   or cfg.max_position_embeddings)
+    factor = params.get("factor") or cfg.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return LongRope(short_factor=tuple(float(f) for f in params["short_factor"]),
+                    long_factor=tuple(float(f) for f in params["long_factor"]),
+                    original_max_position_embeddings=original,
+                    attention_factor=float(attention_factor))
 
 
 # Presets: transformers configs, so that tests can build the identical HF model. The tiny ones

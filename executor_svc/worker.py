@@ -46,6 +46,7 @@ class Worker:
         if max_model_len > mc.max_context:
             raise ValueError(f"max_model_len {max_model_len} > the model's {mc.max_context} "
                              "(max positions, or its sliding window: attention here is full)")
+        self.model.set_max_model_len(max_model_len)  # LongRoPE's factor set follows it
         if self.backend.name == "cuda":
             self._tune_linears()
         self.memory_profile = None

@@ -45,8 +45,11 @@ def gather_kv(
     return rows[:seq_len]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last q_len positions of a context of len(k) rows.
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of the last q_len positions of a context of len(k) rows; with
+    `sliding_window` W a query sees the W most recent positions (itself included), with
+    `soft_cap` c the scaled scores become c * tanh(score / c) before the mask (Gemma 2).
 
     q: [q_len, num_heads, head_dim]; k, v: [ctx_len, num_kv_heads, head_dim] -> [q_len, num_heads, head_dim]
     """
@@ -58,9 +61,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     kf = k.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, ctx, hd]
     vf = v.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [heads, q_len, ctx]
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
     k_pos = torch.arange(ctx_len, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    hidden = k_pos > q_pos  # [q_len, ctx]
+    if sliding_window is not None:
+        hidden |= k_pos <= q_pos - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vf).transpose(0, 1)  # [q_len, heads, hd]
 
@@ -74,6 +82,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over everything cached for their sequence.
 
@@ -84,6 +94,8 @@ def paged_prefill_attention(
     cu_seqlens_q: [num_seqs + 1] int32, query offsets into q
     seq_lens: [num_seqs] int32, context length per sequence including its new tokens; query i of
         a sequence with q_len new tokens sits at position seq_len - q_len + i
+    sliding_window: None (full attention) or W: a query sees only the W most recent positions
+    soft_cap: None or c: scores (after `scale`) pass through c * tanh(score / c)
     returns out: [total_q_tokens, num_heads, head_dim] in q's dtype
     """
     if out is None:
@@ -95,7 +107,7 @@ def paged_prefill_attention(
             continue
         k = gather_kv(k_cache, block_tables[i], seq_len)
         v = gather_kv(v_cache, block_tables[i], seq_len)
-        out[starts[i] : starts[i + 1]] = _attend(qs, k, v, scale).to(out.dtype)
+        out[starts[i] : starts[i + 1]] = _attend(qs, k, v, scale, sliding_window, soft_cap).to(out.dtype)
     return out
 
 
@@ -107,6 +119,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last position) over its pages.
 
@@ -114,7 +128,8 @@ def paged_decode_attention(
     other arguments as paged_prefill_attention. returns out: [num_seqs, num_heads, head_dim]
     """
     cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
-    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                   out, sliding_window, soft_cap)
 
 
 def _check_mapping(block_mapping: torch.Tensor) -> torch.Tensor:
@@ -181,17 +196,27 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
+    interleaved: bool = False,
 ) -> None:
-    """Rotate-half (HF/neox) RoPE in place, as transformers: cos/sin rounded to q's dtype, then
-    x * cos + rotate_half(x) * sin in that dtype.
+    """RoPE in place, as transformers: cos/sin rounded to q's dtype, then x * cos +
+    rotate(x) * sin in that dtype, on the first rotary_dim = cos_table.shape[1] dims of each head
+    (partial rotary when below head_dim; the rest pass through). Rotate-half (HF/neox) pairs
+    (i, i + rotary_dim / 2) by default; `interleaved` pairs (2i, 2i + 1), as GLM.
 
     positions: [num_tokens] int64; q: [num_tokens, num_heads, head_dim], k: [num_tokens,
-    num_kv_heads, head_dim] (may be strided views); cos_table, sin_table: [max_pos, head_dim]
+    num_kv_heads, head_dim] (may be strided views); cos_table, sin_table: [max_pos, rotary_dim]
+    float32, each row cat(f, f) over the rotary_dim / 2 frequencies f
     """
-    cos = cos_table[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+    rotary_dim = cos_table.shape[1]
+    cos = cos_table[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, rotary_dim]
     sin = sin_table[positions].to(q.dtype).unsqueeze(1)
-    q.copy_(_rotate(q, cos, sin))
-    k.copy_(_rotate(k, cos, sin))
+    rotate = _rotate
+    if interleaved:  # each frequency once, repeated for the two members of its pair
+        cos = cos[..., : rotary_dim // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : rotary_dim // 2].repeat_interleave(2, dim=-1)
+        rotate = _rotate_interleaved
+    q[..., :rotary_dim] = rotate(q[..., :rotary_dim], cos, sin)
+    k[..., :rotary_dim] = rotate(k[..., :rotary_dim], cos, sin)
 
 
 def rotary_embedding_and_cache(
@@ -204,10 +229,11 @@ def rotary_embedding_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    interleaved: bool = False,
 ) -> None:
     """rotary_embedding(positions, q, k, ...), then reshape_and_cache(k, value, ...): the rotated
     k and value written to their cache slots (the CUDA kernel does both in one launch)."""
-    rotary_embedding(positions, q, k, cos_table, sin_table)
+    rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
     reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
 
 
@@ -216,11 +242,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return x * cos + torch.stack((-x2, x1), dim=-1).flatten(-2) * sin
+
+
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up in x's dtype, gate, up = x.chunk(2, -1). x: [num_tokens, 2 * d];
     returns out [num_tokens, d]."""
     gate, up = x.chunk(2, dim=-1)
     result = F.silu(gate) * up
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up in x's dtype (GeGLU, Gemma), gate, up = x.chunk(2, -1).
+    x: [num_tokens, 2 * d]; returns out [num_tokens, d]."""
+    gate, up = x.chunk(2, dim=-1)
+    result = F.gelu(gate, approximate="tanh") * up
     if out is None:
         return result
     return out.copy_(result)

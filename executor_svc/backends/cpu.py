@@ -23,4 +23,9 @@ class CpuBackend:
     rotary_embedding = staticmethod(reference.rotary_embedding)
     rotary_embedding_and_cache = staticmethod(reference.rotary_embedding_and_cache)
     silu_and_mul = staticmethod(reference.silu_and_mul)
+    gelu_tanh_and_mul = staticmethod(reference.gelu_tanh_and_mul)
     linear = staticmethod(F.linear)
+
+    @staticmethod
+    def check_model(config) -> None:
+        """The reference twins compute every feature of every supported family."""

@@ -54,6 +54,15 @@ class CudaBackend:
                  arch_used(self.device))
 
     @staticmethod
+    def check_model(config) -> None:
+        """Refuses a model needing what the kernels lack (missing_features), by name: the ops
+        below are never called with those arguments set, so they do not look at them."""
+        missing = missing_features(config)
+        if missing:
+            raise ValueError(f"{config.architecture} needs {' and '.join(missing)}, which the "
+                             "CUDA kernels do not have yet (--backend cpu computes it)")
+
+    @staticmethod
     def kernels_cover(dtype: torch.dtype, head_dim: int) -> bool:
         return dtype in _KERNEL_DTYPES and head_dim in _KERNEL_HEAD_DIMS
 
@@ -78,7 +87,7 @@ class CudaBackend:
         self._cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                scale, out=None) -> torch.Tensor:
+                                scale, out=None, sliding_window=None, soft_cap=None) -> torch.Tensor:
         if self.kernels_cover(q.dtype, q.shape[-1]):
             if (q.shape[0] <= self.few_query_max
                     and q.shape[1] // k_cache.shape[1] <= self._attention.MAX_GROUP):
@@ -90,7 +99,7 @@ class CudaBackend:
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                               out=None) -> torch.Tensor:
+                               out=None, sliding_window=None, soft_cap=None) -> torch.Tensor:
         if self.kernels_cover(q.dtype, q.shape[-1]):
             return self._attention.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, out)
@@ -110,11 +119,11 @@ class CudaBackend:
     def fused_add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
         return self._elementwise(x.dtype).fused_add_rms_norm(x, residual, weight, eps)
 
-    def rotary_embedding(self, positions, q, k, cos_table, sin_table) -> None:
+    def rotary_embedding(self, positions, q, k, cos_table, sin_table, interleaved=False) -> None:
         self._elementwise(q.dtype).rotary_embedding(positions, q, k, cos_table, sin_table)
 
     def rotary_embedding_and_cache(self, positions, q, k, value, cos_table, sin_table, k_cache,
-                                   v_cache, slot_mapping) -> None:
+                                   v_cache, slot_mapping, interleaved=False) -> None:
         """RoPE on q and k, then k and value to their cache slots: one kernel for bf16/fp16
         (pagedserve_kernels.ops), else the twin's RoPE and the cache kernel."""
         if self.elementwise_impl(q.dtype) == "cupy":
@@ -126,6 +135,10 @@ class CudaBackend:
 
     def silu_and_mul(self, x, out=None) -> torch.Tensor:
         return self._elementwise(x.dtype).silu_and_mul(x, out)
+
+    def gelu_tanh_and_mul(self, x, out=None) -> torch.Tensor:
+        """GeGLU: the torch twin on the GPU (no fused kernel yet; correct, capturable)."""
+        return reference.gelu_tanh_and_mul(x, out)
 
     # -- matrix products --------------------------------------------------------------------------
 
@@ -146,6 +159,21 @@ class CudaBackend:
                  time.perf_counter() - start, len(report), self.gemm.cache_dir,
                  len(self.gemm.algos))
         return report
+
+
+# ModelConfig feature -> its name in the load-time refusal; each is GPU work still to do.
+_MISSING_FEATURES = (
+    (lambda c: any(w is not None for w in c.layer_windows), "per-layer sliding-window attention"),
+    (lambda c: c.attn_logit_softcapping is not None, "attention logit soft-capping"),
+    (lambda c: c.rotary_dim is not None, "partial rotary embedding"),
+    (lambda c: c.rope_interleaved, "interleaved-pair rotary embedding"),
+)
+
+
+def missing_features(config) -> list[str]:
+    """What `config` (a ModelConfig) needs that neither the kernels nor their torch fallbacks
+    (float32, other head sizes) compute."""
+    return [name for needs, name in _MISSING_FEATURES if needs(config)]
 
 
 def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):

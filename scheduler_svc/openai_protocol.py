@@ -165,6 +165,10 @@ _UNSUPPORTED_COMPLETION = {
     "add_special_tokens": (_ON, "only true is supported"),
     "response_format": ((None, {"type": "text"}), "only {\"type\": \"text\"} is supported"),
 }
+# Fields beyond the API's own (vLLM's that the engine lacks, and unknown ones) a body may carry:
+# generous for a client that sends every vLLM field at its default, and a bound on the work
+# and the log lines they cause.
+MAX_EXTRA_FIELDS = 128
 # Names of ignored unknown fields already logged: a warning once per name (a client that sends one
 # with every request must not flood the log), up to this many names.
 _MAX_WARNED_NAMES = 256
@@ -178,19 +182,40 @@ def _same(value, neutral) -> bool:
     return value == neutral
 
 
-def _refuse_unsupported(req: _SamplingRequest, unsupported: dict[str, tuple[tuple, str]]) -> None:
-    """A 400 for a known field the engine lacks, set to anything but a neutral value; unknown
-    fields are ignored (logged once per name)."""
-    unknown = []
-    for name, value in (req.model_extra or {}).items():
-        if name not in unsupported:
-            unknown.append(name)
-            continue
-        neutral, reason = unsupported[name]
-        if not any(_same(value, v) for v in neutral):
-            raise InvalidArgument(name, reason)
-    new = [name for name in unknown if name not in _warned_names]
-    if new and len(_warned_names) < _MAX_WARNED_NAMES:
+def _unsupported(req: _SamplingRequest) -> dict[str, tuple[tuple, str]]:
+    """Fields of `req`'s endpoint the engine lacks: (neutral values, why another is refused)."""
+    if isinstance(req, ChatCompletionRequest):
+        return {**_UNSUPPORTED_CHAT,
+                "best_of": ((None, 1, req.n), f"only equal to n ({req.n}) is supported")}
+    return _UNSUPPORTED_COMPLETION
+
+
+def _refuse_unsupported(req: _SamplingRequest) -> None:
+    """A 400 for a known field the engine lacks, set to anything but a neutral value, or for more
+    than MAX_EXTRA_FIELDS fields beyond the API's; unknown fields are ignored (`ignored_fields`)."""
+    extra = req.model_extra or {}
+    if len(extra) > MAX_EXTRA_FIELDS:  # first, so that what follows is O(limit)
+        raise InvalidArgument(next(iter(extra))[:64], f"one of {len(extra)} fields beyond the "
+                              f"API's; at most {MAX_EXTRA_FIELDS} are accepted")
+    unsupported = _unsupported(req)
+    for name, value in extra.items():
+        if name in unsupported:
+            neutral, reason = unsupported[name]
+            if not any(_same(value, v) for v in neutral):
+                raise InvalidArgument(name, reason)
+
+
+def ignored_fields(req: _SamplingRequest) -> list[str]:
+    """The fields of `req` this server does not know, which it ignores as vLLM does."""
+    unsupported = _unsupported(req)
+    return [name for name in req.model_extra or {} if name not in unsupported]
+
+
+def warn_ignored(names: Sequence[str]) -> None:
+    """Logs the ignored field names not logged before, while fewer than _MAX_WARNED_NAMES were."""
+    new = [name for name in dict.fromkeys(names) if name not in _warned_names]
+    new = new[:max(_MAX_WARNED_NAMES - len(_warned_names), 0)]
+    if new:
         _warned_names.update(new)
         log.warning("ignored request fields this server does not know: %s",
                     ", ".join(repr(name[:64]) for name in new[:16]))
@@ -204,8 +229,7 @@ def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
         raise InvalidArgument("tool_choice", "tool calling is not supported")
     if req.response_format is not None and req.response_format.get("type") != "text":
         raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
-    best_of = ((None, 1, req.n), f"only equal to n ({req.n}) is supported")
-    _refuse_unsupported(req, {**_UNSUPPORTED_CHAT, "best_of": best_of})
+    _refuse_unsupported(req)
 
 
 def _refuse_completion_extras(req: CompletionRequest) -> None:
@@ -215,7 +239,7 @@ def _refuse_completion_extras(req: CompletionRequest) -> None:
         raise InvalidArgument("suffix", "not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidArgument("best_of", f"only equal to n ({req.n}) is supported")
-    _refuse_unsupported(req, _UNSUPPORTED_COMPLETION)
+    _refuse_unsupported(req)
 
 
 def _sampling(req: _SamplingRequest, sample: int) -> SamplingParams:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -29,6 +28,7 @@ from starlette.routing import Route
 
 from scheduler_svc import openai_protocol as protocol
 from scheduler_svc.admission import NoExecutor, QueueFull, ShuttingDown
+from scheduler_svc.body_parser import BodyParser, ParsedBody, ParserUnavailable
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.fanout import Fanout
@@ -45,9 +45,8 @@ _STATUS = {
     NoExecutor: (503, "service_unavailable_error"),
     ShuttingDown: (503, "service_unavailable_error"),
     EngineFailed: (500, "server_error"),
+    ParserUnavailable: (503, "service_unavailable_error"),
 }
-# A body this large is parsed off the event loop (parsing time grows with it).
-_PARSE_IN_THREAD_BYTES = 64 * 1024
 # The status nginx logs for a client that closed its connection; nobody receives it.
 _CLIENT_GONE = 499
 _KERNEL_BACKLOG = 2048  # uvicorn's default
@@ -97,14 +96,12 @@ class _ClientGone(Exception):
 class _Endpoint:
     """What differs between /v1/chat/completions and /v1/completions."""
 
-    body: type[BaseModel]
-    specs: object  # callable(request body, request id) -> list[GenerateSpec]
+    kind: str  # of body_parser.parse
     format: type
 
 
-_CHAT = _Endpoint(protocol.ChatCompletionRequest, protocol.chat_specs, protocol.ChatFormat)
-_COMPLETIONS = _Endpoint(protocol.CompletionRequest, protocol.completion_specs,
-                         protocol.CompletionFormat)
+_CHAT = _Endpoint("chat", protocol.ChatFormat)
+_COMPLETIONS = _Endpoint("completions", protocol.CompletionFormat)
 
 
 class _Server(uvicorn.Server):
@@ -144,6 +141,7 @@ class OpenAIServer:
         self._socket: socket.socket | None = None
         self._task: asyncio.Task | None = None
         self._texts: protocol.TokenTexts | None = None
+        self.body_parser = BodyParser(engine.config.limits)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -167,6 +165,7 @@ class OpenAIServer:
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]),
                                          name="http-server")
         self._task.add_done_callback(self._on_server_end)
+        await self.body_parser.start()
         return self._socket.getsockname()[1]
 
     def _on_server_end(self, task: asyncio.Task) -> None:
@@ -177,10 +176,10 @@ class OpenAIServer:
 
     async def stop(self) -> None:
         """Stops listening, lets running responses end (up to 5 s), then closes."""
-        if self._server is None:
-            return
-        self._server.should_exit = True
-        await self._task
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+        await self.body_parser.stop()
 
     # --- routes ---------------------------------------------------------------------------------
 
@@ -232,9 +231,10 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, endpoint: _Endpoint) -> Response:
         request_id = _request_id(request)
-        body = await self._parse(request, endpoint.body)
+        parsed = await self._parse(request, endpoint.kind, request_id)
+        body = parsed.body
         try:
-            fanout, model = await self._start(request, endpoint, body, request_id)
+            fanout, model = await self._start(request, parsed)
         except InvalidArgument as err:
             raise _bad_parameter(err, body) from None
         if body.user:
@@ -251,14 +251,16 @@ class OpenAIServer:
             await fanout.close()
         return JSONResponse(endpoint.format.response(reply, choices, body.n))
 
-    async def _start(self, request: Request, endpoint: _Endpoint, body,
-                     request_id: str) -> tuple[Fanout, str]:
-        """Admits the engine requests of `body` and waits for their first tokens, so that a
+    async def _start(self, request: Request, parsed: ParsedBody) -> tuple[Fanout, str]:
+        """Admits the engine requests of the body and waits for their first tokens, so that a
         refusal is still a status code; returns them and the model name to report."""
+        body = parsed.body
         names = self._model_names()
         if names is not None:
             _check_model(body.model, names)
-        fanout = Fanout(self.engine, _with_deadline(endpoint.specs(body, request_id), request))
+        if parsed.refusal is not None:
+            raise InvalidArgument(*parsed.refusal)
+        fanout = Fanout(self.engine, _with_deadline(parsed.specs, request))
         try:
             await _unless_disconnected(request, fanout.started())
             if names is None:  # no executor had attached: its model is known now
@@ -276,15 +278,16 @@ class OpenAIServer:
             self._texts = protocol.TokenTexts(tokenizer)
         return self._texts
 
-    async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+    async def _parse(self, request: Request, kind: str, request_id: str) -> ParsedBody:
+        """The body read and parsed (a large one in a child process: body_parser); a 400 if it is
+        not a request at all."""
         _check_json(request)
-        body = await _read_body(request, self.config.max_body_bytes)
-        try:
-            if len(body) > _PARSE_IN_THREAD_BYTES:
-                return await asyncio.to_thread(model.model_validate_json, body)
-            return model.model_validate_json(body)
-        except ValidationError as err:
-            raise _invalid(err) from None
+        data = await _read_body(request, self.config.max_body_bytes)
+        parsed = await self.body_parser.parse(kind, data, request_id)
+        if parsed.invalid is not None:
+            raise _invalid(*parsed.invalid)
+        protocol.warn_ignored(parsed.ignored)
+        return parsed
 
     def _model_names(self) -> tuple[str, ...] | None:
         """--served-model-name, else the attached executor's model name (which it derives from
@@ -320,7 +323,8 @@ class OpenAIServer:
             if isinstance(err, kind):
                 response = ApiError(status, str(err), type_,
                                     getattr(err, "field", None)).response()
-                if isinstance(err, QueueFull):  # OpenAI's SDKs retry after it (up to 60 s)
+                # OpenAI's SDKs retry after it (up to 60 s)
+                if isinstance(err, (QueueFull, ParserUnavailable)):
                     response.headers["Retry-After"] = str(err.retry_after_s)
                 return response
         log.error("%s %s failed", request.method, request.url.path, exc_info=err)
@@ -394,14 +398,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _invalid(err: ValidationError) -> ApiError:
-    """A pydantic error as a 400 naming the parameter (`messages[0].role`)."""
-    first = err.errors()[0]
-    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+def _invalid(type_: str, loc: tuple, message: str) -> ApiError:
+    """Pydantic's first error as a 400 naming the parameter (`messages[0].role`)."""
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
     param = clip(param.lstrip(".")) or None  # a dict key (logit_bias) is the client's
-    if first["type"] == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {first['msg']}")
-    return ApiError(400, f"{param}: {first['msg']}", param=param)
+    if type_ == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {message}")
+    return ApiError(400, f"{param}: {message}", param=param)
 
 
 async def _unless_disconnected(request: Request, work):

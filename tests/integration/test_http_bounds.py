@@ -1,6 +1,7 @@
 """Attacks on the scheduler's listeners, each against real processes (the tiny preset) while a
 bystander gRPC stream and a bystander HTTP stream run: huge and countless headers, slow and idle
-connections, a connection flood on each port, a mid-upload disconnect. Each bystander must end
+connections, a connection flood on each port, a mid-upload disconnect, huge JSON bodies that are
+slow to parse. Each bystander must end
 with the tokens it gets undisturbed, and a fresh client must be served within 1 s after the attack
 stops. One pair of services, with small caps and timeouts, serves the module."""
 from __future__ import annotations
@@ -11,11 +12,13 @@ import select
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import grpc
 import pytest
 
+from protos import generate_pb2
 from tests.integration.harness import generate, start_services
 
 pytestmark = pytest.mark.slow
@@ -206,4 +209,105 @@ def test_a_grpc_connection_flood_is_closed_beyond_the_cap(services):
         assert replies.count(b"") >= 8, replies
         for sock in flood:
             sock.close()
+    assert_fresh_clients_served(services)
+
+
+# --- huge JSON bodies (parsed in child processes: scheduler_svc/body_parser.py) ---------------
+
+MAX_GAP_S = 0.5  # for a bystander's first token, and between two of its messages
+
+
+def timed_grpc_tokens(services) -> tuple[list[int], float]:
+    """A gRPC stream's tokens and the longest wait for one of its messages (the first too)."""
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)
+        req = generate_pb2.GenerateRequest()
+        req.token_ids.ids.extend(PROMPT)
+        req.stopping.max_tokens, req.stopping.ignore_eos = BYSTANDER_TOKENS, True
+        ids, gaps, last = [], [], time.monotonic()
+        for msg in services.stub(channel).Generate(req, timeout=60):
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+            ids.extend(msg.token_ids)
+        return ids, max(gaps)
+
+
+def timed_http_text(services) -> tuple[str, float]:
+    """A streamed greedy completion's text and the longest wait for one of its events."""
+    conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=60)
+    try:
+        last = time.monotonic()
+        conn.request("POST", "/v1/completions", json.dumps({
+            "prompt": PROMPT, "max_tokens": BYSTANDER_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}), {"content-type": "application/json"})
+        reply = conn.getresponse()
+        pieces, gaps = [], []
+        for line in reply:
+            if line.startswith(b"data: {"):
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+                pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
+        return "".join(pieces), max(gaps)
+    finally:
+        conn.close()
+
+
+@contextmanager
+def streaming_bystanders(services):
+    """A gRPC and an HTTP bystander, each streaming one request after another until the block
+    ends; yields {name: [(output, longest wait)]}, a run of each done before the block runs."""
+    results, threads, done = {"grpc": [], "http": []}, [], threading.Event()
+
+    def stream(name, run):
+        while not done.is_set() or not results[name]:
+            results[name].append(run(services))
+    for name, run in (("grpc", timed_grpc_tokens), ("http", timed_http_text)):
+        threads.append(threading.Thread(target=stream, args=(name, run), daemon=True))
+        threads[-1].start()
+    while not all(results.values()):
+        time.sleep(0.01)
+    try:
+        yield results
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(60)
+
+
+def post(services, path: str, body: bytes) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=60)
+    try:
+        conn.request("POST", path, body, {"content-type": "application/json"})
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+def huge_bodies() -> list[tuple[str, bytes, str]]:
+    """(path, body, its 400's message) of bodies near the 3 MiB limit, each slow to parse: 290k
+    unknown keys, 100k chat messages."""
+    keys = ",".join(f'"{i:x}":0' for i in range(290_000))
+    messages = ",".join(['{"role":"user","content":"x"}'] * 100_000)
+    bodies = [("/v1/completions", f'{{"prompt":{PROMPT},{keys}}}'.encode(),
+               "0: one of 290000 fields beyond the API's; at most 128 are accepted"),
+              ("/v1/chat/completions", f'{{"messages":[{messages}]}}'.encode(),
+               "messages: at most 1024 messages, got 100000")]
+    assert all(2_800_000 <= len(body) <= 3 << 20 for _, body, _ in bodies)
+    return bodies
+
+
+def test_huge_json_bodies_stall_no_stream(services):
+    """8 huge bodies posted at once while a gRPC and an HTTP bystander stream: each body gets its
+    400; every bystander stream is unchanged and never waits over MAX_GAP_S for a token."""
+    bodies = huge_bodies() * 4
+    with streaming_bystanders(services) as results:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: post(services, b[0], b[1]), bodies))
+    for (status, reply), (_, _, message) in zip(answers, bodies):
+        assert (status, reply["error"]["message"]) == (400, message)
+    for name, reference in zip(("grpc", "http"), services.reference):
+        assert all(output == reference for output, _ in results[name]), name
+        waits = [wait for _, wait in results[name]]
+        assert max(waits) < MAX_GAP_S, (name, waits)
     assert_fresh_clients_served(services)

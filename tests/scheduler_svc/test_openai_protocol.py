@@ -6,10 +6,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from scheduler_svc import openai_protocol
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest,
-                                           apply, chat_specs, completion_specs, param_name,
-                                           usage)
+from scheduler_svc.openai_protocol import (MAX_EXTRA_FIELDS, ChatCompletionRequest, Choice,
+                                           CompletionRequest, apply, chat_specs,
+                                           completion_specs, ignored_fields, param_name, usage,
+                                           warn_ignored)
 from scheduler_svc.request import FinishEvent, TokenEvent
 from scheduler_svc.sampling_params import MAX_LOGPROBS
 from scheduler_svc.sequence import FinishReason
@@ -282,6 +284,21 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(caplog):
     name = "an_unknown_field_of_this_test"
     with caplog.at_level("WARNING", logger="scheduler_svc.openai_protocol"):
         for _ in range(3):
-            [spec] = chat_specs(chat_json(**{name: {"x": 1}, "user": "u", "metadata": {}}), "r")
+            body = chat_json(**{name: {"x": 1}, "user": "u", "metadata": {}, "store": False})
+            [spec] = chat_specs(body, "r")
+            assert ignored_fields(body) == [name, "metadata"]
+            warn_ignored(ignored_fields(body))
     assert spec.chat == USER
     assert sum(name in r.getMessage() for r in caplog.records) == 1
+
+
+def test_extra_fields_are_bounded_and_so_are_the_names_logged(caplog, monkeypatch):
+    extra = {f"x{i}": 0 for i in range(MAX_EXTRA_FIELDS + 1)}
+    with pytest.raises(InvalidArgument, match=f"one of {MAX_EXTRA_FIELDS + 1} fields beyond"):
+        chat_specs(chat_json(**extra), "r")
+    chat_specs(chat_json(**dict(list(extra.items())[:MAX_EXTRA_FIELDS])), "r")
+    monkeypatch.setattr(openai_protocol, "_warned_names", set())
+    with caplog.at_level("WARNING", logger="scheduler_svc.openai_protocol"):
+        for i in range(4):  # 4 x 100 new names: the first 256 are logged, then none
+            warn_ignored([f"n{i}-{j}" for j in range(100)])
+    assert len(openai_protocol._warned_names) == 256 and len(caplog.records) == 3

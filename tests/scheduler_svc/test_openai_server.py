@@ -3,6 +3,8 @@ status in OpenAI's shape, the API key, and a client that goes away cancelling it
 pages back in the pool at once), streamed or not. Real sockets and the SDK: tests/integration."""
 import asyncio
 import json
+import os
+import signal
 
 import pytest
 
@@ -23,7 +25,7 @@ class Client:
         self.app = app
 
     async def request(self, method: str, path: str, body=None, headers=(), gone=None,
-                      on_body=None) -> tuple[int, bytes]:
+                      on_body=None, reply_headers=None) -> tuple[int, bytes]:
         raw = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
                  "http_version": "1.1", "method": method, "path": path, "raw_path": path.encode(),
@@ -45,6 +47,8 @@ class Client:
         async def send(message):
             if message["type"] == "http.response.start":
                 status.append(message["status"])
+                if reply_headers is not None:
+                    reply_headers.update((k.decode(), v.decode()) for k, v in message["headers"])
             elif message.get("body"):
                 chunks.append(message["body"])
                 if on_body is not None:
@@ -59,10 +63,13 @@ async def with_server(test, config: EngineConfig = EngineConfig(),
     fake = client or FakeClient()
     engine = Engine(config, fake, Metrics())
     await engine.start()
+    server = OpenAIServer(engine, api, engine.metrics.registry)
+    client = Client(server.app)
+    client.server = server
     try:
-        server = OpenAIServer(engine, api, engine.metrics.registry)
-        return await asyncio.wait_for(test(Client(server.app), engine, fake), 60)
+        return await asyncio.wait_for(test(client, engine, fake), 60)
     finally:
+        await server.stop()  # and its body parser's children
         await engine.stop()
 
 
@@ -293,3 +300,58 @@ def test_a_mid_upload_disconnect_is_quiet(caplog):
     with caplog.at_level("DEBUG"):
         run(test)
     assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+
+
+
+def test_a_large_body_is_answered_as_a_small_one_and_its_faults_are_400(caplog):
+    """Over body_parser.INLINE_PARSE_BYTES a body is parsed in a child process: the same answer,
+    the same 400s naming the parameter, the model checked first, the unknown field logged once."""
+    async def test(client, engine, fake):
+        await engine.wait_ready()
+        small = await client.request("POST", "/v1/completions", completion(seed=1))
+        big = completion(seed=1, padding_of_this_test="x" * 100_000)
+        for _ in range(2):
+            status, body = await client.request("POST", "/v1/completions", big)
+            assert status == 200 and json.loads(body)["choices"] == json.loads(small[1])["choices"]
+        status, error = error_of(*await client.request("POST", "/v1/completions", completion(
+            **{f"k{i}": 0 for i in range(20_000)})))
+        assert (status, error["message"]) == (
+            400, "k0: one of 20000 fields beyond the API's; at most 128 are accepted")
+        status, error = error_of(*await client.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": ""}] * 5000}))
+        assert (status, error["param"]) == (400, "messages")
+        assert error["message"] == "messages: at most 1024 messages, got 5000"
+        status, error = error_of(*await client.request("POST", "/v1/completions", completion(
+            prompt=[[1]] * 10_000, model="nope")))
+        assert status == 404
+        status, error = error_of(*await client.request("POST", "/v1/completions", completion(
+            n="2", pad="x" * 20_000)))
+        assert (status, error["param"]) == (400, "n")
+    with caplog.at_level("WARNING", logger="scheduler_svc.openai_protocol"):
+        run(test)
+    assert sum("padding_of_this_test" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_parser_child_killed_mid_parse_is_503_and_the_next_body_is_served():
+    async def test(client, engine, fake):
+        await engine.wait_ready()
+        parser = client.server.body_parser
+        await parser.start()
+        pids = [child.proc.pid for child in parser.children]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        big = completion(pad="x" * 100_000)
+        headers = [{} for _ in pids]
+        calls = [asyncio.create_task(client.request("POST", "/v1/completions", big,
+                                                    reply_headers=h)) for h in headers]
+        await asyncio.sleep(0.2)  # each is written to a stopped child
+        os.kill(pids[0], signal.SIGKILL)
+        os.kill(pids[1], signal.SIGCONT)
+        (killed, error), (served, _) = await asyncio.gather(*calls)
+        assert (killed, served) == (503, 200) and headers[0]["retry-after"] == "1"
+        error = json.loads(error)["error"]
+        assert error["type"] == "service_unavailable_error"
+        assert error["message"] == ("the process parsing this body ended (signal 9); retry in 1s")
+        assert (await client.request("POST", "/v1/completions", big))[0] == 200
+        assert engine.num_requests == 0
+    run(test)

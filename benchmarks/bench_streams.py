@@ -12,6 +12,10 @@ writers and grpc aio's callbacks all run there) and of its whole process, over t
 
     python -m benchmarks.bench_streams --streams 256 1024 --stream-interval 1 0
 
+The public listener is the scheduler's own (build_servers): grpc behind the connection gate, or,
+with `--gate off`, grpc on the TCP port itself; `--gate on off --repeat 5` gives the gate's cost
+as the median of interleaved runs, with the round trip of a unary call (ModelInfo) each way.
+
 No torch, no model, no tokenizer (token ids in, token ids out, as bench_serving sends them).
 """
 from __future__ import annotations
@@ -156,10 +160,38 @@ def _clients(address: str, num: int, prompt_len: int, max_tokens: int, out) -> N
     out.send(asyncio.run(run()))
 
 
-async def _serve_and_measure(args, num_streams: int, interval: int, depth: int = 2) -> dict:
+def _round_trips(address: str, num: int, out) -> None:
+    """In its own process: `num` ModelInfo calls one after another; sends back their median."""
     import grpc
 
-    from scheduler_svc.server import _add_generator, GeneratorServicer
+    from protos import generate_pb2, generate_pb2_grpc
+
+    async def run() -> float:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generate_pb2_grpc.GeneratorStub(channel)
+            walls = []
+            for _ in range(num):
+                start = time.perf_counter()
+                await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+                walls.append(time.perf_counter() - start)
+            return statistics.median(walls)
+
+    out.send(asyncio.run(run()))
+
+
+def _in_process(target, *args):
+    """What `target(*args, sender)` sends, run in a fresh process."""
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, sender))
+    proc.start()
+    return proc, receiver
+
+
+async def _serve_and_measure(args, num_streams: int, interval: int, depth: int = 2,
+                             gate: bool = True) -> dict:
+    from scheduler_svc.connection_gate import GateLimits
+    from scheduler_svc.server import Listeners, build_servers
 
     gpu = SimulatedGpu(args.base_ms, args.per_token_us)
     config = EngineConfig(
@@ -170,28 +202,32 @@ async def _serve_and_measure(args, num_streams: int, interval: int, depth: int =
     await engine.start()
     await engine.wait_ready()
     freeze_startup_heap()  # as scheduler_svc.main does once ready
-    server = grpc.aio.server()
-    _add_generator(GeneratorServicer(engine, RequestLimits()), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    server, admin, _, port, _ = build_servers(engine, Listeners(
+        public="127.0.0.1:0", admin="127.0.0.1:0", limits=RequestLimits(),
+        gate=GateLimits() if gate else None))
     await server.start()
-    receiver, sender = multiprocessing.get_context("spawn").Pipe(duplex=False)
-    clients = multiprocessing.get_context("spawn").Process(
-        target=_clients, args=(f"127.0.0.1:{port}", num_streams, args.prompt_len,
-                               args.max_tokens, sender))
+    address = f"127.0.0.1:{port}"
     try:
-        clients.start()
+        clients, receiver = _in_process(_clients, address, num_streams, args.prompt_len,
+                                        args.max_tokens)
         loop_cpu, process_cpu = time.thread_time(), time.process_time()
         while not receiver.poll():
             await asyncio.sleep(0.05)
         loop_cpu, process_cpu = time.thread_time() - loop_cpu, time.process_time() - process_cpu
         tokens, wall, ttfts = receiver.recv()
-    finally:
         clients.join(30)
+        caller, receiver = _in_process(_round_trips, address, args.round_trips)
+        while not receiver.poll():
+            await asyncio.sleep(0.01)
+        round_trip_s = receiver.recv()
+        caller.join(30)
+    finally:
         await server.stop(None)
+        await admin.stop(None)
         await engine.stop()
     expected = num_streams * args.max_tokens
     return {"streams": num_streams, "stream_interval": interval, "steps_in_flight": depth,
-            "tokens": tokens,
+            "gate": gate, "round_trip_s": round_trip_s, "tokens": tokens,
             "expected_tokens": expected, "wall_s": wall, "tok_s": tokens / wall,
             "steps": gpu.num_steps, "gpu_busy_s": gpu.busy_s, "gpu_idle_s": gpu.idle_s,
             "gpu_idle_frac": gpu.idle_s / max(gpu.idle_s + gpu.busy_s, 1e-9),
@@ -200,21 +236,27 @@ async def _serve_and_measure(args, num_streams: int, interval: int, depth: int =
             "ttft_p50_s": statistics.median(t for t in ttfts if t is not None)}
 
 
-def _row(args, num_streams: int, interval: int, depth: int, out) -> None:
-    out.send(asyncio.run(_serve_and_measure(args, num_streams, interval, depth)))
+def _row(args, num_streams: int, interval: int, depth: int, gate: bool, out) -> None:
+    out.send(asyncio.run(_serve_and_measure(args, num_streams, interval, depth, gate)))
 
 
-def measure(args, num_streams: int, interval: int, depth: int = 2) -> dict:
+def measure(args, num_streams: int, interval: int, depth: int = 2, gate: bool = True) -> dict:
     """One row in a fresh process: grpc aio keeps state per process that a second event loop
     may trip over."""
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_row, args=(args, num_streams, interval, depth, sender))
-    proc.start()
+    proc, receiver = _in_process(_row, args, num_streams, interval, depth, gate)
     try:
         return receiver.recv()
     finally:
         proc.join(30)
+
+
+def median_row(rows: list[dict]) -> dict:
+    """Each number the median of the repeats (the first row's for the others)."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(row[key] for row in rows)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,23 +273,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps-in-flight", type=int, nargs="+", default=[2],
                    help="the engine's plans out at once, values to compare (the executor "
                         "launches two; a third waits in its inbox, as the simulated GPU's)")
+    p.add_argument("--gate", nargs="+", choices=("on", "off"), default=["on"],
+                   help="the public port behind the connection gate (the scheduler's), or grpc "
+                        "on it directly; values to compare")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each row, interleaved across --gate; the table gives medians")
+    p.add_argument("--round-trips", type=int, default=2000,
+                   help="ModelInfo calls one after another, after the streams")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     rows = []
-    print("| streams | stream interval | steps in flight | tokens | steps | GPU idle (waiting "
-          "for a plan) | streamed tok/s | TTFT p50 | scheduler CPU per step: loop thread, "
-          "process |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| streams | stream interval | steps in flight | gate | tokens | steps | GPU idle "
+          "(waiting for a plan) | streamed tok/s | TTFT p50 | scheduler CPU per step: loop "
+          "thread, process | ModelInfo round trip p50 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for num_streams, interval, depth in itertools.product(args.streams, args.stream_interval,
                                                          args.max_steps_in_flight):
-        row = measure(args, num_streams, interval, depth)
-        rows.append(row)
-        print(f"| {num_streams} | {interval or 'adaptive'} | {depth} | {row['tokens']} / "
-              f"{row['expected_tokens']} | {row['steps']} | "
-              f"{100 * row['gpu_idle_frac']:.1f}% ({row['gpu_idle_s']:.2f} s) | "
-              f"{row['tok_s']:.0f} | {1e3 * row['ttft_p50_s']:.0f} ms | "
-              f"{row['loop_cpu_ms_per_step']:.2f}, {row['process_cpu_ms_per_step']:.2f} ms |",
-              flush=True)
+        runs: dict[str, list[dict]] = {gate: [] for gate in args.gate}
+        for _, gate in itertools.product(range(args.repeat), args.gate):
+            runs[gate].append(measure(args, num_streams, interval, depth, gate == "on"))
+        for gate, repeats in runs.items():
+            row = median_row(repeats)
+            rows.append(row)
+            print(f"| {num_streams} | {interval or 'adaptive'} | {depth} | {gate} | "
+                  f"{row['tokens']} / {row['expected_tokens']} | {row['steps']} | "
+                  f"{100 * row['gpu_idle_frac']:.1f}% ({row['gpu_idle_s']:.2f} s) | "
+                  f"{row['tok_s']:.0f} | {1e3 * row['ttft_p50_s']:.0f} ms | "
+                  f"{row['loop_cpu_ms_per_step']:.2f}, {row['process_cpu_ms_per_step']:.2f} ms | "
+                  f"{1e3 * row['round_trip_s']:.3f} ms |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

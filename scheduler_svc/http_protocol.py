@@ -1,6 +1,7 @@
 """The HTTP API's connection bounds: uvicorn's httptools protocol with header size and count
-limits, header, body and keep-alive deadlines, and a connection cap answered with 429, plus the
-throttled log of refusals and accept errors. Knows nothing of the API's routes. No gRPC, no torch.
+limits, header, body and keep-alive deadlines, and a connection cap (idle connections closed for
+newcomers, else 429), plus the throttled log of refusals and accept errors. Knows nothing of the
+API's routes. No gRPC, no torch.
 """
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import json
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from scheduler_svc.connection_table import STALL_S, ConnectionTable, ConnState, peer_key
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class HttpLimits:
     header_timeout_s: float = 10.0  # from the connection's (or request's) first byte
     body_timeout_s: float = 30.0  # from the end of the headers to the end of the body
     keep_alive_timeout_s: float = 5.0  # vLLM's: idle between two requests
+    stall_s: float = STALL_S  # a request arriving no faster is as evictable as an idle connection
     # Connections asyncio accepts at a wakeup, before any of them is counted against the cap.
     accept_batch: int = 256
 
@@ -45,9 +50,10 @@ class HttpLimits:
         return self.max_connections + self.max_connections // _REFUSAL_ROOM + _MIN_REFUSAL_ROOM
 
     def max_descriptors(self) -> int:
-        """Descriptors the HTTP API holds at most: `max_open`, and the connections accepted in
-        the few loop turns before the cap sees (and closes) them."""
-        return self.max_open() + 4 * self.accept_batch
+        """Descriptors the HTTP API holds at most: `max_open`, the connections accepted in the
+        few loop turns before the cap sees (and closes) them, and those closed for newcomers,
+        gone a loop turn later."""
+        return self.max_open() + 5 * self.accept_batch
 
 
 class ThrottledLog:
@@ -97,7 +103,7 @@ def throttle_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     each second per listener; those go to the throttled log instead, without the traceback."""
     def handle(loop, context) -> None:
         if context.get("message") == "socket.accept() out of system resource":
-            REFUSALS.warning("accept", f"HTTP API: cannot accept connections: "
+            REFUSALS.warning("accept", f"cannot accept connections: "
                                        f"{context.get('exception')}")
         else:
             loop.default_exception_handler(context)
@@ -124,6 +130,17 @@ def error_response(status: int, message: str, extra_headers: tuple[tuple[str, st
     return b"".join([*head, b"\r\n", body])
 
 
+# uvicorn's state shared by one server's connections: the table of those the cap admitted
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _table_of(server_state, limits: HttpLimits) -> ConnectionTable:
+    table = _TABLES.get(server_state)
+    if table is None:
+        table = _TABLES[server_state] = ConnectionTable(limits.max_connections, limits.stall_s)
+    return table
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, bounded. uvicorn itself has no header limit with httptools
     (which grows a header by concatenation: quadratic time on the shared event loop), no deadline
@@ -132,6 +149,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args, limits: HttpLimits, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self._table = _table_of(self.server_state, limits)
         self._deadline: asyncio.TimerHandle | None = None
         self._reading_headers = True  # until this request's headers end
         self._header_bytes = 0
@@ -141,10 +159,46 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
+        if self._table.full() and not self._evict_for_newcomer():
             self._refuse_connection()
+            return
+        self._table.add(self, peer_key(self.client[0] if self.client else None))
+        self._arm(self.limits.header_timeout_s, self._on_header_timeout)
+
+    def _evict_for_newcomer(self) -> bool:
+        """Closes the most crowded peer's least recently active idle connection; False if every
+        connection is answering or reading a request."""
+        victim = self._table.victim()
+        if victim is None:
+            return False
+        REFUSALS.warning("evicted", f"HTTP API: at the cap of {self.limits.max_connections} "
+                                    "connections, closed idle ones of the peers holding the "
+                                    "most for newcomers")
+        self._table.remove(victim)
+        victim._evict()
+        return True
+
+    def _evict(self) -> None:
+        """Closes an idle connection, as its keep-alive timeout would (at once if its client
+        does not read what it was sent)."""
+        self._refused = True
+        self._disarm()
+        if self.transport.get_write_buffer_size():
+            self.transport.abort()
         else:
-            self._arm(self.limits.header_timeout_s, self._on_header_timeout)
+            self.transport.close()
+
+    def _restate(self) -> None:
+        """Idle (nothing asked), reading a request, or answering one (never evicted)."""
+        cycle = self.cycle
+        if self.pipeline or cycle is not None and not cycle.response_complete and (
+                not cycle.more_body or cycle.response_started):
+            state = ConnState.BUSY
+        elif self._header_bytes or cycle is not None and not cycle.response_complete:
+            state = ConnState.READING
+        else:
+            state = ConnState.IDLE
+        self._table.set_state(self, state)
 
     def _refuse_connection(self) -> None:
         """429 with Retry-After, then the linger; closed unanswered past the refusal room."""
@@ -169,7 +223,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._table.remove(self)
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._restate()
 
     # --- reading --------------------------------------------------------------------------------
 
@@ -191,6 +250,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 self._header_bytes += len(piece)
             if not self._feed(piece):
                 return
+        self._restate()
+        self._table.touch(self)
 
     def _feed(self, data: bytes) -> bool:
         """Parses `data`; False once the connection is answered and closing."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.connection_gate import GateLimits
 from scheduler_svc.engine_types import EngineConfig
 from scheduler_svc.executor_client import LinkSecurity
 from scheduler_svc.http_protocol import HttpLimits
@@ -53,7 +54,7 @@ class ServiceConfig:
     executor_retry_interval_s: float
     log_level: str
     http_limits: HttpLimits
-    grpc_max_connections: int  # on the public listener
+    grpc_limits: GateLimits  # of the public gRPC port
 
 
 _PROG = "pagedserve-scheduler"
@@ -119,13 +120,15 @@ _FLAGS = (
     _Flag("--shutdown-timeout", 30.0, "seconds SIGTERM waits for running requests", float),
     _Flag("--metrics-port", 0, "port of the Prometheus /metrics endpoint (0: off)", int),
     _Flag("--http-port", 8000, "port of the OpenAI-compatible HTTP API, on --host (0: off)", int),
-    _Flag("--http-max-connections", 0, "HTTP connections open at once; beyond them a new one is "
-          "answered 429 with Retry-After (0: derived from the open-file limit, ulimit -n, raised "
-          "to its hard limit: half of what the reserved descriptors leave, at most "
-          f"{_MAX_DERIVED_HTTP_CONNECTIONS})", int),
-    _Flag("--grpc-max-connections", 0, "connections to the public gRPC port open at once; "
-          "beyond them a new one is closed (0: derived from the open-file limit: a quarter of "
-          "what the reserved descriptors leave)", int),
+    _Flag("--http-max-connections", 0, "HTTP connections open at once; at the cap a newcomer "
+          "takes the place of the least recently active idle connection of the peer holding the "
+          "most, or, all busy, is answered 429 with Retry-After (0: derived from the open-file "
+          "limit, ulimit -n, raised to its hard limit: half of what the reserved descriptors "
+          f"leave, at most {_MAX_DERIVED_HTTP_CONNECTIONS})", int),
+    _Flag("--grpc-max-connections", 0, "connections to the public gRPC port open at once; at "
+          "the cap a newcomer takes the place of an idle one as over HTTP, or, all busy, is "
+          "closed (0: derived from the open-file limit: a quarter of what the reserved "
+          "descriptors leave, three a connection)", int),
     _Flag("--http-header-timeout", 10.0, "seconds a client has to send a request's line and "
           "headers, from its first byte (or from the connection's opening): 408 after", float),
     _Flag("--http-body-timeout", 30.0, "seconds a client has to send a request's body, from the "
@@ -209,12 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def connection_caps(open_files: int) -> tuple[int, int, int]:
-    """(HTTP cap, gRPC cap, HTTP accept batch) the open-file limit leaves room for: of what the
-    reserved descriptors and the connections accepted before the HTTP cap sees them leave, a half
-    (and the 429 answers' linger above it) and a quarter."""
+    """(HTTP cap, gRPC cap, accept batch) the open-file limit leaves room for: of what the
+    reserved descriptors and both listeners' passing ones (accepted, not yet counted; closed, not
+    yet gone) leave, a half for HTTP (the 429 answers' linger above it) and a quarter for gRPC
+    (three descriptors a connection behind the gate)."""
     batch = min(max(open_files // 64, 16), 256)
-    spare = max(open_files - _RESERVED_FILES - 4 * batch, 4)
-    return min(spare // 2, _MAX_DERIVED_HTTP_CONNECTIONS), max(spare // 4, 1), batch
+    passing = (HttpLimits(max_connections=0, accept_batch=batch).max_descriptors()
+               + GateLimits(max_connections=0, accept_batch=batch).max_descriptors())
+    spare = max(open_files - _RESERVED_FILES - passing, 12)
+    return min(spare // 2, _MAX_DERIVED_HTTP_CONNECTIONS), spare // 12, batch
 
 
 def _open_file_limit() -> int:
@@ -244,7 +250,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode,
                                 enable_prefix_caching=not a.no_prefix_caching)
-    http_limits, grpc_max_connections = _connection_limits(p, a)
+    http_limits, grpc_limits = _connection_limits(p, a)
     return ServiceConfig(
         host=a.host, port=a.port, admin_host=a.admin_host, admin_port=a.admin_port,
         admin_token=admin_token,
@@ -265,8 +271,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         executor_keepalive_s=a.executor_keepalive,
         executor_connect_timeout_s=a.executor_connect_timeout,
         executor_retry_interval_s=a.executor_retry_interval,
-        log_level=a.log_level, http_limits=http_limits,
-        grpc_max_connections=grpc_max_connections)
+        log_level=a.log_level, http_limits=http_limits, grpc_limits=grpc_limits)
 
 
 def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -288,8 +293,8 @@ def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def _connection_limits(p: argparse.ArgumentParser, a: argparse.Namespace
-                       ) -> tuple[HttpLimits, int]:
-    """The HTTP limits and the gRPC connection cap; caps the open-file limit cannot hold are an
+                       ) -> tuple[HttpLimits, GateLimits]:
+    """The HTTP and the public gRPC port's limits; caps the open-file limit cannot hold are an
     error here rather than accept failures under load."""
     open_files = _open_file_limit()
     http_cap, grpc_cap, batch = connection_caps(open_files)
@@ -297,13 +302,13 @@ def _connection_limits(p: argparse.ArgumentParser, a: argparse.Namespace
                         header_timeout_s=a.http_header_timeout,
                         body_timeout_s=a.http_body_timeout,
                         keep_alive_timeout_s=a.http_keep_alive_timeout, accept_batch=batch)
-    grpc_cap = a.grpc_max_connections or grpc_cap
-    needed = limits.max_descriptors() + grpc_cap + _RESERVED_FILES
+    grpc = GateLimits(max_connections=a.grpc_max_connections or grpc_cap, accept_batch=batch)
+    needed = limits.max_descriptors() + grpc.max_descriptors() + _RESERVED_FILES
     if (a.http_max_connections or a.grpc_max_connections) and needed > open_files:
         p.error(f"--http-max-connections {limits.max_connections} and --grpc-max-connections "
-                f"{grpc_cap} need an open-file limit of at least {needed} (ulimit -n is "
-                f"{open_files}): raise it, or lower them")
-    return limits, grpc_cap
+                f"{grpc.max_connections} need an open-file limit of at least {needed} (ulimit "
+                f"-n is {open_files}): raise it, or lower them")
+    return limits, grpc
 
 
 def _token(parser, value: str | None, path: str | None, flag: str) -> str | None:
@@ -390,8 +395,9 @@ async def serve(config: ServiceConfig) -> None:
              f"; OpenAI API on http://{config.host}:{http_port}/v1"
              f"{', API key required' if config.api_key else ''}" if http_port else "",
              ", ".join(config.executor_addresses))
-    log.info("connections open at once: HTTP %d (then 429), gRPC %d (open-file limit %d)",
-             config.http_limits.max_connections, config.grpc_max_connections, _open_file_limit())
+    log.info("connections open at once: HTTP %d, gRPC %d (open-file limit %d); then idle ones "
+             "make room, else 429 / closed", config.http_limits.max_connections,
+             config.grpc_limits.max_connections, _open_file_limit())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -447,7 +453,7 @@ async def _listen(config: ServiceConfig, engine, metrics, http, max_message_byte
         public, admin, health, port, admin_port = build_servers(engine, Listeners(
             public=f"{config.host}:{config.port}", admin=f"{config.admin_host}:{config.admin_port}",
             admin_token=config.admin_token, limits=config.engine.limits,
-            max_message_bytes=max_message_bytes, max_connections=config.grpc_max_connections))
+            max_message_bytes=max_message_bytes, gate=config.grpc_limits))
         servers = (public, admin)
         await public.start()
         await admin.start()

@@ -1,6 +1,6 @@
-"""The scheduler's two gRPC listeners, public (Generate, ModelInfo) and admin (SetExecutors,
-GetStatus), as thin servicers: message in, one engine call, messages out; domain errors become
-status codes in `_status_for` alone.
+"""The scheduler's two gRPC listeners, public (Generate, ModelInfo; behind the connection gate)
+and admin (SetExecutors, GetStatus), as thin servicers: message in, one engine call, messages
+out; domain errors become status codes in `_status_for` alone.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from protos import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc, reflection
 from scheduler_svc import wire
 from scheduler_svc.admission import NoExecutor, QueueFull, ShuttingDown
+from scheduler_svc.connection_gate import ConnectionGate, GateLimits, PrivateSocketDir, client_peer
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.output import EngineFailed
@@ -158,7 +159,7 @@ class _AdminToken(grpc.aio.ServerInterceptor):
 def _refusal(method: str, code: grpc.StatusCode, reason: str):
     """A handler that logs the refused call with its peer and answers `code`."""
     async def refuse(request, context):
-        log.warning("refused %s from %s: %s", method, context.peer(), reason)
+        log.warning("refused %s from %s: %s", method, client_peer(context.peer()), reason)
         await context.abort(code, reason)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
@@ -205,7 +206,9 @@ class Listeners:
     # gRPC's own cap on a request, above the prompt limit (room for the other fields): a larger
     # message is refused by the transport before it is parsed.
     max_message_bytes: int = 4 * 1024 * 1024
-    max_connections: int = 256  # on the public listener; beyond it a connection is closed at once
+    # the public port's connections; None: grpc on the TCP port itself, with no gate in front
+    # (what benchmarks compare the gate with)
+    gate: GateLimits | None = GateLimits()
 
 
 class ListenError(RuntimeError):
@@ -252,20 +255,70 @@ def _server(name: str, listen: str, max_receive: int, max_connections: int, inte
     return server, port
 
 
+class GatedServer:
+    """The public grpc server on a unix socket in a private directory, behind the gate that owns
+    the TCP port: started and stopped as one server."""
+
+    def __init__(self, listen: str, max_receive: int, limits: GateLimits) -> None:
+        self.socket_dir = PrivateSocketDir()
+        self.gate = ConnectionGate(limits, self.socket_dir.socket_path)
+        host, _, port = listen.rpartition(":")
+        try:
+            self.port = self.gate.listen(host, int(port))
+            self.grpc, _ = _server("public", f"unix:{self.socket_dir.socket_path}", max_receive,
+                                   limits.grpc_max_connections())
+        except (OSError, ValueError, ListenError) as err:
+            self.abandon()
+            raise ListenError("public", listen) from err
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        await self.gate.start()
+
+    async def stop(self, grace: float | None) -> None:
+        """The gate stops accepting as grpc does; grpc's streams drain through it, then what is
+        left of it (connections that never proved themselves) is closed."""
+        self.gate.close()
+        try:
+            await self.grpc.stop(grace)
+        finally:
+            self.gate.close_all()
+            self.socket_dir.remove()
+
+    def abandon(self) -> None:
+        """Lets go of the port and the directory of a server never started."""
+        self.gate.close()
+        self.socket_dir.remove()
+
+
+def _public_server(listeners: Listeners):
+    """(the server to start and stop, the grpc server to add services to, its port)."""
+    if listeners.gate is None:
+        server, port = _server("public", listeners.public, listeners.max_message_bytes,
+                               GateLimits().max_connections)
+        return server, server, port
+    gated = GatedServer(listeners.public, listeners.max_message_bytes, listeners.gate)
+    return gated, gated.grpc, gated.port
+
+
 def build_servers(engine: Engine, listeners: Listeners):
     """(public server, admin server, health servicer, public port, admin port). Both listeners
     share the health servicer; reflection (v1 and v1alpha) describes only what each one serves."""
     health = HealthServicer()
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    public, public_port = _server("public", listeners.public, listeners.max_message_bytes,
-                                  listeners.max_connections)
-    _add_generator(GeneratorServicer(engine, listeners.limits), public)
-    _refuse_admin(public)
-    health_pb2_grpc.add_HealthServicer_to_server(health, public)
-    reflection.enable((SERVICE_NAME, health_name), public)
+    public, services, public_port = _public_server(listeners)
+    _add_generator(GeneratorServicer(engine, listeners.limits), services)
+    _refuse_admin(services)
+    health_pb2_grpc.add_HealthServicer_to_server(health, services)
+    reflection.enable((SERVICE_NAME, health_name), services)
     interceptors = [_AdminToken(listeners.admin_token)] if listeners.admin_token else []
-    admin, admin_port = _server("admin", listeners.admin, 1024 * 1024, _MAX_ADMIN_CONNECTIONS,
-                                interceptors)
+    try:
+        admin, admin_port = _server("admin", listeners.admin, 1024 * 1024,
+                                    _MAX_ADMIN_CONNECTIONS, interceptors)
+    except ListenError:
+        if isinstance(public, GatedServer):
+            public.abandon()
+        raise
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), admin)
     health_pb2_grpc.add_HealthServicer_to_server(health, admin)
     reflection.enable((ADMIN_SERVICE_NAME, health_name), admin)

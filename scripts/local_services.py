@@ -155,12 +155,13 @@ def start_executor(args: list[str], port: int, log_path: str, env: dict | None =
 def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: list[str] = (),
                    extra_executor_addresses: tuple[str, ...] = (),
                    executor_file=None, admin_token: str | None = None,
-                   wait: bool = True) -> Services:
+                   wait: bool = True, scheduler_preexec_fn=None) -> Services:
     """Executor, then scheduler (its Admin API on a port of its own, with `admin_token` if given).
     With `executor_file` the scheduler reads its executor addresses from that file
     (`--executor @FILE`, re-read on SIGHUP); it is written here first. `wait=False` returns as
     soon as both processes are started; `executor_args=None` starts no executor (the caller
-    starts one at `executor_address` later)."""
+    starts one at `executor_address` later). `scheduler_preexec_fn` runs in the scheduler's
+    process before it starts (a lower open-file limit, say)."""
     ex_port, sch_port, metrics_port, admin_port = free_port(), free_port(), free_port(), free_port()
     services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port,
                         f"127.0.0.1:{admin_port}", admin_token, http_port=free_port())
@@ -180,7 +181,8 @@ def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: li
     if admin_token:
         cmd += ["--admin-token", admin_token]
     services.procs["scheduler"] = subprocess.Popen(
-        cmd, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT)
+        cmd, stdout=open(services.logs["scheduler"], "w"), stderr=subprocess.STDOUT,
+        preexec_fn=scheduler_preexec_fn)
     if wait:
         wait_started(services)
     return services

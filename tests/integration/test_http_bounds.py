@@ -186,8 +186,13 @@ def test_a_mid_upload_disconnect_is_quiet(services):
 
 
 def test_an_http_connection_flood_is_429_and_grpc_serves(services):
+    """Connections each reading a request (not idle: none makes room for a newcomer)."""
     with bystanders(services):
-        flood = [connect(services.http_port) for _ in range(HTTP_CAP + 8)]
+        flood = []
+        for _ in range(HTTP_CAP + 8):
+            flood.append(connect(services.http_port))
+            flood[-1].sendall(b"GET /health HTTP/1.1\r\n")
+            time.sleep(0.005)
         time.sleep(0.3)
         replies = [pending(sock) for sock in flood]
         refused = [reply for reply in replies if reply]

@@ -1,13 +1,17 @@
 """The HTTP API's connection bounds in-process, on a real uvicorn listener over raw sockets: the
-connection cap's 429, header size and count limits, the header, body and keep-alive deadlines,
-and the throttled log of refusals and accept errors. Against real processes, with bystanders:
-tests/integration/test_http_bounds.py."""
+connection cap (idle connections closed for newcomers, else 429), header size and count limits,
+the header, body and keep-alive deadlines, and the throttled log of refusals and accept errors.
+Against real processes, with bystanders: tests/integration/test_http_bounds.py."""
 import asyncio
+import dataclasses
 import logging
 
 import pytest
 from prometheus_client import CollectorRegistry
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 
+from scheduler_svc.engine_types import EngineConfig
 from scheduler_svc.http_protocol import HttpLimits, ThrottledLog, throttle_accept_errors
 from scheduler_svc.openai_server import OpenAIConfig, OpenAIServer
 
@@ -20,11 +24,25 @@ class AttachedEngine:
     """What /health asks of the engine."""
 
     attached, draining = True, False
+    config = EngineConfig()
 
 
-def run(test, limits: HttpLimits = LIMITS):
+SLOW = asyncio.Event()
+
+
+async def slow(request):
+    """An answer that takes until the test releases it."""
+    await SLOW.wait()
+    return PlainTextResponse("done")
+
+
+def run(test, limits: HttpLimits = LIMITS, slow_route: bool = False):
     async def main():
+        global SLOW
+        SLOW = asyncio.Event()
         server = OpenAIServer(AttachedEngine(), OpenAIConfig(limits=limits), CollectorRegistry())
+        if slow_route:
+            server.app.router.routes.append(Route("/slow", slow))
         port = await server.start("127.0.0.1", 0)
         try:
             await asyncio.wait_for(test(port), 30)
@@ -43,9 +61,26 @@ async def exchange(port: int, data: bytes = b"", timeout: float = 5.0) -> bytes:
         writer.close()
 
 
+async def reading(port: int, host: str = "127.0.0.1"):
+    """A connection whose request is arriving (not evictable before it stalls)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+    writer.write(b"GET /hea")
+    await writer.drain()
+    return reader, writer
+
+
+async def closed_by_server(reader: asyncio.StreamReader, timeout: float = 2.0) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), timeout) == b""
+    except asyncio.TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
 def test_connections_over_the_cap_get_429_with_retry_after():
     async def test(port):
-        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        held = [await reading(port) for _ in range(2)]
         reply = await exchange(port, HEALTH + b"\r\n")
         assert reply.startswith(b"HTTP/1.1 429 ") and b"\r\nretry-after: 1\r\n" in reply
         assert b'"type": "rate_limit_error"' in reply
@@ -54,17 +89,60 @@ def test_connections_over_the_cap_get_429_with_retry_after():
         assert (await exchange(port, HEALTH + b"connection: close\r\n\r\n")).startswith(
             b"HTTP/1.1 200 ")
         held[1][1].close()
-    run(test)
+    run(test, dataclasses.replace(LIMITS, header_timeout_s=5, stall_s=30))
 
 
 def test_over_the_refusal_room_a_connection_is_closed_unanswered():
     async def test(port):
-        held = [await asyncio.open_connection("127.0.0.1", port)
-                for _ in range(LIMITS.max_open())]
+        held = [await reading(port) for _ in range(LIMITS.max_open())]
         assert await exchange(port, HEALTH + b"\r\n") == b""
         for _, writer in held:
             writer.close()
-    run(test, HttpLimits(max_connections=2, header_timeout_s=5))
+    run(test, HttpLimits(max_connections=2, header_timeout_s=5, stall_s=30))
+
+
+def test_at_the_cap_an_idle_connection_of_the_most_crowded_peer_makes_room():
+    """127.0.0.2 holds two connections (one idle, one reading), 127.0.0.3 one, idle longer: a
+    newcomer takes the place of 127.0.0.2's idle one, each time."""
+    async def test(port):
+        lone = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.3", 0))
+        crowded_reading = await reading(port, "127.0.0.2")
+        for _ in range(2):
+            crowded = await asyncio.open_connection("127.0.0.1", port,
+                                                    local_addr=("127.0.0.2", 0))
+            await asyncio.sleep(0.05)
+            assert (await exchange(port, HEALTH + b"connection: close\r\n\r\n")).startswith(
+                b"HTTP/1.1 200 ")
+            assert await closed_by_server(crowded[0])
+        assert not await closed_by_server(lone[0], timeout=0.1)
+        crowded_reading[1].write(b"lth HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert (await crowded_reading[0].read()).startswith(b"HTTP/1.1 200 ")  # untouched
+    run(test, HttpLimits(max_connections=3, header_timeout_s=5, stall_s=30))
+
+
+def test_a_kept_alive_connection_makes_room_and_one_being_answered_never_does():
+    """A connection idle after its answer is closed for a newcomer; one whose request is whole
+    and being answered is not, however long ago it spoke: the newcomer gets 429."""
+    async def test(port):
+        kept = await asyncio.open_connection("127.0.0.1", port)
+        kept[1].write(HEALTH + b"\r\n")
+        assert (await kept[0].readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        answering = [await asyncio.open_connection("127.0.0.1", port)]
+        answering[0][1].write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.sleep(0.1)
+        assert (await exchange(port, HEALTH + b"connection: close\r\n\r\n")).startswith(
+            b"HTTP/1.1 200 ")
+        assert await closed_by_server(kept[0])
+        answering.append(await asyncio.open_connection("127.0.0.1", port))
+        answering[1][1].write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.sleep(0.1)
+        refused = await exchange(port, HEALTH + b"connection: close\r\n\r\n")
+        assert refused.startswith(b"HTTP/1.1 429 ")
+        SLOW.set()
+        for reader, _ in answering:
+            assert (await reader.readuntil(b"done")).startswith(b"HTTP/1.1 200 ")
+    run(test, HttpLimits(max_connections=2, header_timeout_s=5, keep_alive_timeout_s=5,
+                         stall_s=0.01), slow_route=True)
 
 
 @pytest.mark.parametrize("headers,status", [  # host and connection are two more headers

@@ -33,18 +33,19 @@ def test_help_shows_the_built_in_default_not_the_environments(monkeypatch, capsy
 
 
 @pytest.mark.parametrize("open_files,http,grpc,batch", [
-    (1024, 416, 208, 16), (300, 54, 27, 16), (20000, 9424, 4712, 256),
-    (1 << 20, 16384, 261856, 256)])
+    (1024, 336, 56, 16), (512, 80, 13, 16), (20000, 8264, 1377, 256),
+    (1 << 20, 16384, 87092, 256)])
 def test_connection_caps_derive_from_the_open_file_limit(monkeypatch, open_files, http, grpc,
                                                          batch):
     assert main.connection_caps(open_files) == (http, grpc, batch)
     monkeypatch.setattr(resource, "getrlimit", lambda _: (open_files, open_files))
     config = main.parse_config([])
     limits = config.http_limits
-    assert (limits.max_connections, config.grpc_max_connections, limits.accept_batch) == (
+    assert (limits.max_connections, config.grpc_limits.max_connections, limits.accept_batch) == (
         http, grpc, batch)
-    # the HTTP connections held, lingering or not yet counted, the gRPC ones and the reserve fit
-    assert limits.max_descriptors() + grpc + 128 <= open_files
+    # the HTTP connections held, lingering or passing, the gRPC ones (three descriptors each
+    # behind the gate) and the reserve fit
+    assert limits.max_descriptors() + config.grpc_limits.max_descriptors() + 128 <= open_files
 
 
 def test_the_soft_open_file_limit_is_raised_to_the_hard_one(monkeypatch):
@@ -57,8 +58,9 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_one(monkeypatch):
 
 def test_caps_the_open_file_limit_cannot_hold_are_refused(monkeypatch, capsys):
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
-    config = main.parse_config(["--http-max-connections", "600", "--grpc-max-connections", "10"])
-    assert config.http_limits.max_connections == 600  # 600 + 91 lingering + 10 + 64 + 128
+    config = main.parse_config(["--http-max-connections", "550", "--grpc-max-connections", "10"])
+    # HTTP 550 + 84 lingering + 80 passing; gRPC 3 x 10 + 128 passing; 128 reserved: 1,000
+    assert config.http_limits.max_connections == 550
     with pytest.raises(SystemExit):
         main.parse_config(["--http-max-connections", "900"])
     err = capsys.readouterr().err

@@ -122,7 +122,7 @@ def make_runner(fakes: Fakes, small_steps: bool = False) -> ModelRunner:
         small = SmallStepGraphs(fakes, fakes.kv_caches, max_blocks_per_seq)
         small.graphs = {size: _NoReplay(fakes) for size in small.token_sizes}
     runner = ModelRunner(fakes, backend, fakes, info, graphs, small)
-    graphs.prepare(runner.token_counts)
+    graphs.prepare(runner.input_batch.token_counts)
     graphs.graphs = {(variant, bs): _NoReplay(fakes)
                      for bs in graphs.batch_sizes for variant in graphs.variants(bs)}
     runner.sampler = fakes

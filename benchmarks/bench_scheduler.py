@@ -68,8 +68,8 @@ class FakeExecutor:
         alive = [i for i in ids if i not in self.doomed]
         eos = set(self.rng.sample(alive, min(self.finish, len(alive))))
         self.doomed |= eos
-        sampled = [executor_pb2.SampledToken(
-            seq_id=i, token_id=EOS if i in eos else self.rng.randrange(1, VOCAB)) for i in ids]
+        sampled = executor_pb2.SampledTokens(
+            seq_ids=ids, token_ids=[EOS if i in eos else self.rng.randrange(1, VOCAB) for i in ids])
         result = executor_pb2.StepResult(step_id=plan.step_id, sampled=sampled, forward_ms=9.5,
                                          step_ms=10.2)
         return result.SerializeToString()

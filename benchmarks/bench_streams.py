@@ -116,9 +116,9 @@ class SimulatedGpu:
                 self._replies.clear()
             variants = self._replies[key] = []
         if len(variants) < REPLY_VARIANTS:
-            variants.append(executor_pb2.StepResult(sampled=[
-                executor_pb2.SampledToken(seq_id=i, token_id=self.rng.randrange(1, VOCAB))
-                for i in seq_ids]).SerializeToString())
+            variants.append(executor_pb2.StepResult(sampled=executor_pb2.SampledTokens(
+                seq_ids=seq_ids, token_ids=[self.rng.randrange(1, VOCAB) for _ in seq_ids]
+            )).SerializeToString())
             return variants[-1]
         self._num_replies += 1
         return variants[self._num_replies % REPLY_VARIANTS]

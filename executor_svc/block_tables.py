@@ -1,5 +1,6 @@
-"""BlockTables: every held sequence's block table as a row of one persistent numpy array, so a
-step gathers its rows in one indexing operation rather than re-reading Python ints. Numpy only.
+"""BlockTables: the block-table columns of the InputBatch, one row per held seq in one persistent
+numpy array, so a step gathers its rows in one indexing operation. Rows are given out by the
+InputBatch, not here. Numpy only.
 """
 from __future__ import annotations
 
@@ -7,20 +8,15 @@ import numpy as np
 
 
 class BlockTables:
-    def __init__(self, max_blocks_per_seq: int, rows: int = 64) -> None:
+    def __init__(self, max_blocks_per_seq: int, rows: int) -> None:
         self.width = max_blocks_per_seq
         self.array = np.zeros((rows, self.width), dtype=np.int32)  # [rows, width]; see gather
         self.lengths = np.zeros(rows, dtype=np.int64)  # [rows]: blocks held by each row
-        self._free = list(range(rows - 1, -1, -1))  # popped from the end: low rows first
 
-    def add(self, block_ids: list[int]) -> int:
-        """A row holding `block_ids`; returns its index."""
-        if not self._free:
-            self._grow()
-        row = self._free.pop()
+    def set(self, row: int, block_ids: list[int]) -> None:
+        """Row `row` now holds exactly `block_ids`."""
         self.lengths[row] = 0
         self.append(row, block_ids)
-        return row
 
     def append(self, row: int, block_ids: list[int]) -> None:
         start = int(self.lengths[row])
@@ -42,16 +38,6 @@ class BlockTables:
         self.array[np.repeat(rows, counts), columns] = block_ids
         self.lengths[rows] = ends
 
-    def free(self, row: int) -> None:
-        self._free.append(row)
-
-    def clear(self) -> None:
-        self._free = list(range(len(self.lengths) - 1, -1, -1))
-        self.lengths[:] = 0
-
-    def num_blocks(self, row: int) -> int:
-        return int(self.lengths[row])
-
     def table(self, row: int) -> list[int]:
         return self.array[row, :self.lengths[row]].tolist()
 
@@ -62,8 +48,11 @@ class BlockTables:
         width = int(self.lengths[rows].max()) if len(rows) else 0
         return self.array[rows, :width]
 
-    def _grow(self) -> None:
+    def grow(self, rows: int) -> None:
+        """Makes room for `rows` rows; the rows held keep their tables."""
         old = len(self.lengths)
-        self.array = np.concatenate([self.array, np.zeros_like(self.array)])
-        self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
-        self._free = list(range(2 * old - 1, old - 1, -1))
+        array = np.zeros((rows, self.width), dtype=self.array.dtype)
+        array[:old] = self.array
+        lengths = np.zeros(rows, dtype=self.lengths.dtype)
+        lengths[:old] = self.lengths
+        self.array, self.lengths = array, lengths

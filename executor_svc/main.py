@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     _switch(p, "--enforce-eager", "cuda: launch every step eagerly instead of replaying CUDA "
             "graphs")
     _switch(p, "--no-overlap-steps", "finish each step before launching the next (by default "
-            "step N+1 is launched, when its plan is there, while the GPU still runs step N)",
+            "step N+1 is launched, when its plan is there, while the GPU still runs step N; the "
+            "scheduler's --max-steps-in-flight sets how many plans it sends ahead)",
             dest="overlap_steps", action="store_false")
     _option(p, "--max-model-len", "longest sequence served", None, int,
             shown="the model's, at most 4096")

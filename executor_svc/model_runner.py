@@ -1,6 +1,6 @@
 """ModelRunner: executes StepPlans (copies, one packed forward, sampling), launched now and
-finished later so step N+1 can start first, and holds per-seq state built only from plans.
-Plain Python: no gRPC, no kernels.
+finished later so step N+1 can start first; its InputBatch holds the per-seq rows, built only
+from plans. Plain Python: no gRPC, no kernels.
 """
 from __future__ import annotations
 
@@ -12,34 +12,21 @@ import numpy as np
 import torch
 
 from executor_svc.attention_metadata import build_attention_metadata, host_metadata, to_device
-from executor_svc.block_tables import BlockTables
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.device_tokens import DeviceTokens
 from executor_svc.graph_sampler import StepSampling
+from executor_svc.input_batch import InputBatch
 from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, top_from_host
-from executor_svc.seq_states import RowIndex, SeqStates
 from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step_timing import StepMarks, StepTimer
-from executor_svc.token_counts import TokenCounts
 from executor_svc.step import (
-    BadSeq, CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, SamplingOptions,
-    StepPlan, StepResult,
+    BadSeq, CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, StepPlan, StepResult,
 )
 
 
 @dataclass(frozen=True)
-class SeqState:
-    """A held seq: its row of the runner's BlockTables and SeqStates (where its tokens and
-    counters live), and what it samples with."""
-
-    row: int
-    sampling: SamplingOptions
-    count_row: int | None = None  # of the runner's TokenCounts, if the seq uses a penalty
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """The seqs that compute tokens in a step, one-token seqs first."""
+class _StepBatch:
+    """The seqs that compute tokens in a step, one-token seqs first: their InputBatch rows."""
 
     rows: np.ndarray  # [n] int64
     num_scheduled: np.ndarray  # [n] int64
@@ -52,11 +39,11 @@ class PendingStep:
     inputs; `results` is their host copy, valid once the step's GPU work is done."""
 
     step_id: int
-    # The seqs that sample, in row order: their ids, rows, row generations (SeqStates) and the
-    # position each sampled token takes in its seq; [num_sampled] each
+    # The seqs that sample, in row order: their ids, rows, the rows' occupancies (InputBatch)
+    # and the position each sampled token takes in its seq; [num_sampled] each
     seq_ids: np.ndarray
     rows: np.ndarray
-    generations: np.ndarray
+    occupancies: np.ndarray
     positions: np.ndarray
     token_ids: torch.Tensor | None  # [num_sampled] int64 on the device
     # [2 (+ 2k), num_sampled] float64 on the host: ids, logprobs (, top ids, top logprobs)
@@ -90,25 +77,15 @@ class ModelRunner:
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
         self.small_step_graphs = small_step_graphs  # None: steps with prompt tokens run eagerly
         self.timer = StepTimer(backend.device)
-        self.seqs: dict[int, SeqState] = {}
-        self._index = RowIndex()  # seq_id -> row, for the plans' columns
-        self._by_row: list[SeqState | None] = []  # row -> its seq's state
-        self.tables = BlockTables(-(-info.max_model_len // info.block_size))
-        self.states = SeqStates(info.max_model_len)
-        self.token_counts = TokenCounts(info.vocab_size, backend.device)
-        self._num_controlled = 0  # held seqs using a penalty, a logit bias or logprobs
+        self.input_batch = InputBatch(info.max_model_len, info.block_size, info.vocab_size,
+                                      backend.device)
         self.last_step_id: int | None = None
         self._pending: deque[PendingStep] = deque()  # launched, not finished, in step order
 
     def reset(self) -> None:
         """Forget every sequence, every unfinished step and the step counter (a new Execute
         stream). GPU work already queued still runs; later steps queue behind it."""
-        self.seqs.clear()
-        self._index = RowIndex()
-        self._by_row = []
-        self.tables.clear()
-        self.token_counts.clear()
-        self._num_controlled = 0
+        self.input_batch.clear()
         self.last_step_id = None
         self._pending.clear()
         self.timer.reset()
@@ -116,14 +93,6 @@ class ModelRunner:
     @property
     def num_pending_steps(self) -> int:
         return len(self._pending)
-
-    def token_ids(self, seq_id: int) -> np.ndarray:
-        """A held seq's tokens known on the host (a view of its row: writes change them)."""
-        return self.states.tokens(self.seqs[seq_id].row)
-
-    def num_tokens(self, seq_id: int) -> int:
-        """A held seq's tokens, those sampled by unfinished steps included."""
-        return int(self.states.num_tokens[self.seqs[seq_id].row])
 
     def idle(self) -> None:
         """No step in flight and none coming for a while: logs the step timing of the steps
@@ -157,8 +126,8 @@ class ModelRunner:
         token_ids, logprobs = np.zeros(0, dtype=np.int64), ()
         if pending.results is not None:
             token_ids = pending.results[0].numpy().astype(np.int64)  # [num_sampled]
-            self.states.record_sampled(pending.rows, pending.generations, pending.positions,
-                                       token_ids)
+            self.input_batch.record_sampled(pending.rows, pending.occupancies, pending.positions,
+                                            token_ids)
             logprobs = _logprobs(pending, token_ids)
         step_ms = pending.launch_ms + (time.perf_counter() - start) * 1e3
         self.timer.finish(pending.marks, pending.kind, step_ms, pending.launch_ms)
@@ -179,15 +148,16 @@ class ModelRunner:
         dropped = set(step.finished_seq_ids) | set(step.preempted_seq_ids)
         seen: set[int] = set()
         new_token_ids = []
+        input_batch = self.input_batch
         for new in step.new_seqs:
-            if (new.seq_id in self.seqs and new.seq_id not in dropped) or new.seq_id in seen:
+            if (new.seq_id in input_batch and new.seq_id not in dropped) or new.seq_id in seen:
                 raise PlanMismatch(f"new seq {new.seq_id} is already known")
             seen.add(new.seq_id)
             new_token_ids.append(self._check_new(new))
         return self._check_cached(step.cached_seqs, dropped | seen), new_token_ids
 
     def _check_new(self, new: NewSeq) -> np.ndarray:
-        """Checks a new seq; returns its token ids from first_token on [n] int64."""
+        """Checks a new seq; returns its token ids from first_position on [n] int64."""
         vocab_size = self.info.vocab_size
         token_ids = np.fromiter(new.token_ids, np.int64, len(new.token_ids))  # faster than asarray
         if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
@@ -196,17 +166,17 @@ class ModelRunner:
         if problem is not None:
             raise BadSeq(new.seq_id, problem)
         num_tokens = new.num_tokens
-        if not 0 <= new.first_token <= new.num_computed_tokens:
-            raise PlanMismatch(f"seq {new.seq_id}: first_token {new.first_token} outside "
+        if not 0 <= new.first_position <= new.num_computed_tokens:
+            raise PlanMismatch(f"seq {new.seq_id}: first_position {new.first_position} outside "
                                f"[0, {new.num_computed_tokens}] (its computed tokens)")
-        if new.first_token and new.sampling.uses_penalties:
-            raise PlanMismatch(f"seq {new.seq_id}: a penalty counts every token: first_token "
+        if new.first_position and new.sampling.uses_penalties:
+            raise PlanMismatch(f"seq {new.seq_id}: a penalty counts every token: first_position "
                                f"must be 0")
         num_prompt = new.num_prompt_tokens
         if num_prompt is not None and not 0 < num_prompt <= num_tokens:
             raise PlanMismatch(f"seq {new.seq_id}: num_prompt_tokens {new.num_prompt_tokens} "
                                f"outside [1, {num_tokens}]")
-        if num_tokens > self.states.width:
+        if num_tokens > self.input_batch.max_num_tokens:
             raise PlanMismatch(f"seq {new.seq_id}: {num_tokens} tokens exceed max_model_len")
         self._check_counts(new.seq_id, num_tokens, new.num_computed_tokens,
                            new.num_scheduled_tokens, len(new.block_table), new.block_table)
@@ -217,7 +187,8 @@ class ModelRunner:
         dropped or new in this plan); returns their rows."""
         if not len(cached):  # a plan of new seqs only: skip the checks on empty columns
             return np.zeros(0, dtype=np.int64)
-        rows = self._index.rows(cached.seq_ids)  # [n], -1 where unknown
+        input_batch = self.input_batch
+        rows = input_batch.rows(cached.seq_ids)  # [n], -1 where unknown
         unknown = rows < 0
         if excluded:
             unknown |= np.isin(cached.seq_ids, np.array(list(excluded), dtype=np.uint64))
@@ -226,8 +197,7 @@ class ModelRunner:
             bad = (np.flatnonzero(unknown)[0] if unknown.any()
                    else next(i for i, s in enumerate(seq_ids) if s in seq_ids[:i]))
             raise PlanMismatch(f"cached seq {seq_ids[bad]} is unknown or listed twice")
-        st = self.states
-        computed = st.num_computed[rows]
+        computed = input_batch.num_computed[rows]
         mismatch = np.flatnonzero(cached.num_computed_tokens != computed)
         if len(mismatch):
             i = mismatch[0]
@@ -235,11 +205,11 @@ class ModelRunner:
                 f"seq {cached.seq_ids[i]}: plan says {cached.num_computed_tokens[i]} computed "
                 f"tokens, executor has {computed[i]}")
         # The held tables were checked when they arrived: only the appended ids are new.
-        num_blocks = self.tables.lengths[rows] + cached.num_new_blocks
+        num_blocks = input_batch.block_table.lengths[rows] + cached.num_new_blocks
         end = computed + cached.num_scheduled_tokens
-        bad = ((cached.num_scheduled_tokens < 0) | (end > st.num_tokens[rows])
+        bad = ((cached.num_scheduled_tokens < 0) | (end > input_batch.num_tokens[rows])
                | (end > self.info.max_model_len) | (num_blocks * self.info.block_size < end)
-               | (num_blocks > self.tables.width))
+               | (num_blocks > input_batch.block_table.width))
         blocks = cached.new_block_ids
         bad_blocks = (blocks < 0) | (blocks >= self.info.num_gpu_blocks)
         if bad_blocks.any():
@@ -247,7 +217,7 @@ class ModelRunner:
         if bad.any():  # the per-seq check says what is wrong
             i = np.flatnonzero(bad)[0]
             first = int(cached.num_new_blocks[:i].sum())
-            self._check_counts(int(cached.seq_ids[i]), int(st.num_tokens[rows[i]]),
+            self._check_counts(int(cached.seq_ids[i]), int(input_batch.num_tokens[rows[i]]),
                                int(computed[i]), int(cached.num_scheduled_tokens[i]),
                                int(num_blocks[i]),
                                blocks[first:first + cached.num_new_blocks[i]].tolist())
@@ -267,28 +237,31 @@ class ModelRunner:
             raise PlanMismatch(f"seq {seq_id}: block id out of range [0, {self.info.num_gpu_blocks})")
         if num_blocks * self.info.block_size < end:
             raise PlanMismatch(f"seq {seq_id}: {num_blocks} blocks cannot hold {end} tokens")
-        if num_blocks > self.tables.width:
+        max_blocks = self.input_batch.block_table.width
+        if num_blocks > max_blocks:
             raise PlanMismatch(f"seq {seq_id}: {num_blocks} blocks, more than max_model_len needs "
-                               f"({self.tables.width})")
+                               f"({max_blocks})")
 
     # -- state updates --------------------------------------------------------------------------
 
     def _apply(self, step: StepPlan, cached_rows: np.ndarray,
-               new_token_ids: list[np.ndarray]) -> _Batch:
+               new_token_ids: list[np.ndarray]) -> _StepBatch:
         """Drops, then copies queued on the device, then the seqs' diffs; returns the seqs that
         compute tokens this step. new_token_ids: the new seqs' token ids, as _validate read
         them."""
         self.last_step_id = step.step_id
+        input_batch = self.input_batch
         for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
-            self._drop(seq_id)
+            input_batch.remove(seq_id)
         self.cache_engine.swap_out(step.swap_out)
         self.cache_engine.swap_in(step.swap_in)
         self.cache_engine.copy(step.copy)
-        new_rows = [self._register(new, token_ids)
+        new_rows = [input_batch.add(new.seq_id, token_ids, new.block_table,
+                                    new.num_computed_tokens, new.sampling, new.first_position,
+                                    new.num_prompt_tokens)
                     for new, token_ids in zip(step.new_seqs, new_token_ids)]
         cached = step.cached_seqs
-        if len(cached.new_block_ids):
-            self.tables.append_many(cached_rows, cached.num_new_blocks, cached.new_block_ids)
+        input_batch.append_blocks(cached_rows, cached.num_new_blocks, cached.new_block_ids)
         rows = np.concatenate([np.array(new_rows, dtype=np.int64), cached_rows])
         num_scheduled = np.concatenate([
             np.array([new.num_scheduled_tokens for new in step.new_seqs], dtype=np.int64),
@@ -300,54 +273,24 @@ class ModelRunner:
         # decode kernel's CTAs (launched seq by seq) start the longest and its last wave is short
         # ones, not one long seq's that the rest of the GPU waits for (bench_kernels --only
         # ragged, RESULTS.md). One lexsort a step.
-        order = np.lexsort((-self.states.num_computed[rows], num_scheduled != 1))
+        order = np.lexsort((-input_batch.num_computed[rows], num_scheduled != 1))
         order = order[num_scheduled[order] > 0]
-        return _Batch(rows[order], num_scheduled[order], seq_ids[order])
-
-    def _drop(self, seq_id: int) -> None:
-        state = self.seqs.pop(seq_id, None)
-        if state is None:
-            return
-        self._index.remove(seq_id)
-        self._by_row[state.row] = None
-        self.tables.free(state.row)
-        if state.count_row is not None:
-            self.token_counts.free(state.count_row)
-        self._num_controlled -= state.sampling.has_controls
-
-    def _register(self, new: NewSeq, token_ids: np.ndarray) -> int:
-        """Holds a new seq (token_ids: new.token_ids as an array, from new.first_token on);
-        returns its row."""
-        row = self.tables.add(new.block_table)
-        self.states.add(row, token_ids, new.num_computed_tokens,
-                        new.sampling.temperature <= 0.0, first=new.first_token)
-        count_row = None
-        if new.sampling.uses_penalties:  # counts rebuilt from the plan's ids, prompt apart
-            num_prompt = new.num_prompt_tokens or new.num_tokens  # first_token is 0 here
-            count_row = self.token_counts.add(new.token_ids[:num_prompt],
-                                              new.token_ids[num_prompt:])
-        self._num_controlled += new.sampling.has_controls
-        state = SeqState(row, new.sampling, count_row)
-        self.seqs[new.seq_id] = state
-        self._index.add(new.seq_id, row)
-        if row >= len(self._by_row):
-            self._by_row += [None] * (row + 1 - len(self._by_row))
-        self._by_row[row] = state
-        return row
+        return _StepBatch(rows[order], num_scheduled[order], seq_ids[order])
 
     # -- forward and sampling ---------------------------------------------------------------------
 
-    def _run(self, step_id: int, batch: _Batch, marks: StepMarks) -> PendingStep:
+    def _run(self, step_id: int, batch: _StepBatch, marks: StepMarks) -> PendingStep:
         """One forward over the packed batch, then sampling, all queued without a host sync.
         Returns the pending step: the seqs that sampled, their token ids and logprobs (and the
         top ones when some seq asked) on the device and their host copy queued."""
-        st, rows = self.states, batch.rows
-        ends = st.num_computed[rows] + batch.num_scheduled  # [n]
-        to_sample = np.flatnonzero(ends == st.num_tokens[rows])  # [num_sampled]
+        input_batch, rows = self.input_batch, batch.rows
+        ends = input_batch.num_computed[rows] + batch.num_scheduled  # [n]
+        # Those that catch up with their tokens sample one more.
+        to_sample = np.flatnonzero(ends == input_batch.num_tokens[rows])  # [num_sampled]
         sample_rows = rows[to_sample]
         kind, params, sampled = "other", None, None
         if len(rows):
-            tables = self.tables.gather(rows)  # [num_seqs, longest table]
+            tables = input_batch.block_table.gather(rows)  # [num_seqs, longest table]
             graphs = self.decode_graphs
             if (graphs is not None and bool((batch.num_scheduled == 1).all())
                     and graphs.can_run(len(rows), tables.shape[1])):
@@ -363,21 +306,18 @@ class ModelRunner:
                 # Built before the forward: their host-to-device copies never wait for it.
                 params = self._sampling_tensors(sample_rows)
                 logits = self._forward_eager(batch, tables, to_sample)
-            st.num_computed[rows] = ends
         pending = PendingStep(step_id, batch.seq_ids[to_sample], sample_rows,
-                              st.generation[sample_rows], st.num_tokens[sample_rows], None, None,
-                              kind, marks, 0.0, 0.0)
-        if not len(to_sample):
-            return pending
-        if sampled is None:  # not sampled in a graph: by the eager Sampler
-            sampled = self._sample_eagerly(logits, params or self._sampling_tensors(sample_rows))
-        token_ids, logprobs, top = sampled
-        st.num_tokens[sample_rows] += 1
-        pending.token_ids, pending.results = token_ids, copy_to_host(token_ids, logprobs, top)
-        if self._num_controlled:
-            pending.logprobs_asked = [
-                (i, k) for i, row in enumerate(sample_rows.tolist())
-                if (k := self._by_row[row].sampling.logprobs) is not None]
+                              input_batch.occupancy[sample_rows],
+                              input_batch.num_tokens[sample_rows], None, None, kind, marks,
+                              0.0, 0.0)
+        if len(to_sample):
+            if sampled is None:  # not sampled in a graph: by the eager Sampler
+                sampled = self._sample_eagerly(logits,
+                                               params or self._sampling_tensors(sample_rows))
+            token_ids, logprobs, top = sampled
+            pending.token_ids, pending.results = token_ids, copy_to_host(token_ids, logprobs, top)
+            pending.logprobs_asked = input_batch.logprobs_asked(sample_rows)
+        input_batch.advance(rows, ends, sample_rows)
         return pending
 
     def _sample_eagerly(self, logits: torch.Tensor, params: SamplingTensors) -> tuple:
@@ -386,7 +326,7 @@ class ModelRunner:
         token_ids, logprobs = self.sampler.sample(logits, params)
         if params.penalties is not None:  # on the device: the next step's penalties see them
             p = params.penalties
-            self.token_counts.count(p.count_rows, token_ids[p.index])
+            self.input_batch.token_counts.count(p.count_rows, token_ids[p.index])
         top = (self.sampler.top_logprobs(logits, params.num_top_logprobs)
                if params.num_top_logprobs else None)
         return token_ids, logprobs, top
@@ -394,32 +334,32 @@ class ModelRunner:
     def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
         """The sampling parameters of the seqs in these rows; no look at each seq's options when
         all are greedy and none uses a control (the common batch)."""
-        if not self._num_controlled and bool(self.states.greedy[rows].all()):
+        input_batch = self.input_batch
+        if input_batch.all_greedy_plain(rows):
             return SamplingTensors.for_greedy(len(rows))
-        states = [self._by_row[row] for row in rows.tolist()]
-        return SamplingTensors.build([s.sampling for s in states],
-                                     self.states.num_tokens[rows].tolist(),
-                                     self.info.vocab_size, self.backend.device, self.token_counts,
-                                     [s.count_row for s in states] if self._num_controlled
-                                     else None, self._num_controlled > 0)
+        return SamplingTensors.build(input_batch.sampling_of(rows),
+                                     input_batch.num_tokens[rows].tolist(),
+                                     self.info.vocab_size, self.backend.device,
+                                     input_batch.token_counts, input_batch.count_rows_of(rows),
+                                     input_batch.num_controlled > 0)
 
     def _step_sampling(self, to_sample: np.ndarray, rows: np.ndarray) -> StepSampling:
         """What the batch rows `to_sample` (seqs in `rows`) sample, for a decode graph; no look
         at each seq's options in the common batch (all greedy, no controls)."""
-        if not self._num_controlled and bool(self.states.greedy[rows].all()):
+        input_batch = self.input_batch
+        if input_batch.all_greedy_plain(rows):
             return StepSampling(to_sample)
-        states = [self._by_row[row] for row in rows.tolist()]
-        return StepSampling(to_sample, [s.sampling for s in states], self.states.num_tokens[rows],
-                            [s.count_row for s in states] if self._num_controlled else None)
+        return StepSampling(to_sample, input_batch.sampling_of(rows),
+                            input_batch.num_tokens[rows], input_batch.count_rows_of(rows))
 
-    def _input_ids(self, batch: _Batch) -> tuple[np.ndarray, DeviceTokens | None]:
+    def _input_ids(self, batch: _StepBatch) -> tuple[np.ndarray, DeviceTokens | None]:
         """The packed input ids of the batch [num_tokens] int64. A token sampled by an unfinished
         step is a 0 here and comes from that step's sampled ids on the device (the
         DeviceTokens)."""
-        st = self.states
-        token_rows, positions = st.input_positions(batch.rows, batch.num_scheduled)
-        known = positions < st.num_known[token_rows]  # [num_tokens]
-        ids = np.where(known, st.token_ids[token_rows, positions], 0).astype(np.int64)
+        input_batch = self.input_batch
+        token_rows, positions = input_batch.input_positions(batch.rows, batch.num_scheduled)
+        known = positions < input_batch.num_known[token_rows]  # [num_tokens]
+        ids = np.where(known, input_batch.token_ids[token_rows, positions], 0).astype(np.int64)
         unknown = np.flatnonzero(~known)
         if not len(unknown):
             return ids, None
@@ -428,12 +368,12 @@ class ModelRunner:
     def _device_tokens(self, rows: np.ndarray, positions: np.ndarray, dst_rows: np.ndarray
                        ) -> DeviceTokens:
         """Where input rows `dst_rows`, tokens at `positions` of `rows` sampled by unfinished
-        steps, find their ids: each unfinished step's sampled rows are matched by row, row
-        generation and position."""
+        steps, find their ids: each unfinished step's sampled rows are matched by row, the row's
+        occupancy and position."""
         found = np.zeros(len(rows), dtype=bool)
         sampled, src, dst, offset = [], [], [], 0
-        generations = self.states.generation[rows]
-        index = np.full(len(self.states.num_known), -1, dtype=np.int64)  # row -> sampled index
+        occupancies = self.input_batch.occupancy[rows]
+        index = np.full(self.input_batch.capacity, -1, dtype=np.int64)  # row -> sampled index
         for p in self._pending:
             if p.token_ids is None:
                 continue
@@ -441,7 +381,7 @@ class ModelRunner:
             i = index[rows]
             hit = (i >= 0) & ~found
             hit[hit] = ((p.positions[i[hit]] == positions[hit])
-                        & (p.generations[i[hit]] == generations[hit]))
+                        & (p.occupancies[i[hit]] == occupancies[hit]))
             index[p.rows] = -1
             if hit.any():
                 sampled.append(p.token_ids)
@@ -454,7 +394,7 @@ class ModelRunner:
         return DeviceTokens(sampled[0] if len(sampled) == 1 else torch.cat(sampled),
                             np.concatenate(src), np.concatenate(dst))
 
-    def _forward_eager(self, batch: _Batch, tables: np.ndarray,
+    def _forward_eager(self, batch: _StepBatch, tables: np.ndarray,
                        to_sample: np.ndarray) -> torch.Tensor:
         device = self.backend.device
         ids, device_tokens = self._input_ids(batch)
@@ -462,7 +402,7 @@ class ModelRunner:
         if device_tokens is not None:
             device_tokens.scatter_into(input_ids)
         positions, metadata = build_attention_metadata(
-            tables, self.states.num_computed[batch.rows], batch.num_scheduled,
+            tables, self.input_batch.num_computed[batch.rows], batch.num_scheduled,
             self.info.block_size, device,
         )
         hidden = self.model.forward(input_ids, positions, metadata, self.cache_engine.kv_caches)
@@ -472,23 +412,23 @@ class ModelRunner:
         return self.model.compute_logits(
             hidden[to_device(torch.from_numpy(last_rows), device)])  # [num_sampled, vocab]
 
-    def _small_step_replay(self, batch: _Batch, tables: np.ndarray,
+    def _small_step_replay(self, batch: _StepBatch, tables: np.ndarray,
                            to_sample: np.ndarray) -> torch.Tensor:
         ids, device_tokens = self._input_ids(batch)
         positions, slots, cu_seqlens_q, seq_lens = host_metadata(
-            tables, self.states.num_computed[batch.rows], batch.num_scheduled,
+            tables, self.input_batch.num_computed[batch.rows], batch.num_scheduled,
             self.info.block_size)
         last_rows = np.cumsum(batch.num_scheduled)[to_sample] - 1  # [num_sampled]
         return self.small_step_graphs.run(ids, positions, slots, cu_seqlens_q, seq_lens, tables,
                                           last_rows, device_tokens)  # [num_sampled, vocab]
 
-    def _decode_replay(self, batch: _Batch, tables: np.ndarray, to_sample: np.ndarray
+    def _decode_replay(self, batch: _StepBatch, tables: np.ndarray, to_sample: np.ndarray
                        ) -> tuple[torch.Tensor | None, tuple | None]:
         """Replays the decode graph of the batch. Returns (None, what _sample_eagerly returns)
         when the graph sampled the rows `to_sample`, else (their logits [m, vocab], None)."""
         block_size = self.info.block_size
         ids, device_tokens = self._input_ids(batch)
-        positions = self.states.num_computed[batch.rows]  # [num_seqs]
+        positions = self.input_batch.num_computed[batch.rows]  # [num_seqs]
         slots = (tables[np.arange(len(positions)), positions // block_size].astype(np.int64)
                  * block_size + positions % block_size)  # [num_seqs]
         sampling = self._step_sampling(to_sample, batch.rows[to_sample])

@@ -69,7 +69,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.runner = runner  # a ModelRunner: info, reset(), launch(step), finish(pending)
         self.instance_id = random.getrandbits(63)
         # 2: launch step N+1 before finishing step N; 1: one step at a time.
-        self.max_steps_in_flight = 2 if overlap_steps else 1
+        self.max_launched_steps = 2 if overlap_steps else 1
         self.hello_timeout_s = hello_timeout_s
         self.lease = Lease(allow_takeover)
         self.waiting = WaitingStreams(max_waiting_streams)
@@ -86,7 +86,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             yield executor_pb2.StepResult(step_id=0)  # the lease is this stream's
             pipeline = StepPipeline(functools.partial(self._launch, generation),
                                     functools.partial(self._finish, generation),
-                                    self.max_steps_in_flight, on_idle=self._idle)
+                                    self.max_launched_steps, on_idle=self._idle)
             for result in pipeline.run(reader):
                 yield wire.result_to_proto(result)
         except StepFailed as failure:
@@ -107,6 +107,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "the first message of an Execute stream must be a lease hello: step 0 "
                           "with only `lease` set (a scheduler_id and an epoch >= 1)")
+        if first.lease.protocol_version != executor_pb2.PROTOCOL_VERSION:
+            refusal = (f"the scheduler speaks executor protocol version "
+                       f"{first.lease.protocol_version}, this executor version "
+                       f"{executor_pb2.PROTOCOL_VERSION} (run one pagedserve release on both)")
+            log.warning("Execute from %s refused: %s", context.peer(), refusal)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         return hello
 
     def _grant(self, hello: Hello, reader: PlanReader, context) -> int:

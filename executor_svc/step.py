@@ -61,11 +61,11 @@ class SamplingOptions:
 @dataclass(frozen=True)
 class NewSeq:
     """A sequence the executor has not seen (or must forget and rebuild): sent whole but for the
-    tokens before `first_token`, which a cached prefix holds (never past num_computed_tokens;
+    tokens before `first_position`, which a cached prefix holds (never past num_computed_tokens;
     0 when the seq uses a penalty, which counts them)."""
 
     seq_id: int
-    token_ids: list[int]  # the seq's tokens from position first_token on
+    token_ids: list[int]  # the seq's tokens from position first_position on
     block_table: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
@@ -73,21 +73,15 @@ class NewSeq:
     # token_ids[:num_prompt_tokens] are the prompt, the rest were generated (presence and
     # frequency penalties count those); None: all of them are prompt
     num_prompt_tokens: int | None = None
-    first_token: int = 0
+    first_position: int = 0  # position of token_ids[0] in the seq
 
     @property
     def num_tokens(self) -> int:
-        return self.first_token + len(self.token_ids)
+        return self.first_position + len(self.token_ids)
 
 
-@dataclass(frozen=True)
-class CachedSeq:
-    """A sequence the executor already holds: a diff (tokens to compute, appended blocks)."""
-
-    seq_id: int
-    num_scheduled_tokens: int
-    num_computed_tokens: int
-    new_block_ids: list[int] = field(default_factory=list)
+# A held seq as one row: (seq_id, num_scheduled_tokens, num_computed_tokens, new_block_ids)
+CachedRow = tuple[int, int, int, list[int]]
 
 
 def _column(values, dtype=np.int64) -> np.ndarray:
@@ -96,11 +90,10 @@ def _column(values, dtype=np.int64) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CachedSeqs:
-    """The plan's known seqs as columns: entry i of each column is the i-th seq; `new_block_ids`
-    holds their appended blocks one seq after another, num_new_blocks[i] of them for the i-th.
-    Columns rather than one CachedSeq per seq: with many decoding seqs the objects alone are a
-    large share of a step's host cost. Iterating yields CachedSeq views, for readers off the
-    hot path."""
+    """The plan's held seqs as a diff (tokens to compute, appended blocks), in columns: entry i of
+    each column is the i-th seq; `new_block_ids` holds their appended blocks one seq after
+    another, num_new_blocks[i] of them for the i-th. Columns rather than an object per seq: with
+    many decoding seqs the objects alone are a large share of a step's host cost."""
 
     seq_ids: np.ndarray = field(default_factory=lambda: _column((), np.uint64))  # [n] uint64
     num_scheduled_tokens: np.ndarray = field(default_factory=lambda: _column(()))  # [n] int64
@@ -109,30 +102,27 @@ class CachedSeqs:
     new_block_ids: np.ndarray = field(default_factory=lambda: _column(()))  # [sum] int64
 
     @classmethod
-    def of(cls, seqs: Iterable[CachedSeq]) -> "CachedSeqs":
-        seqs = list(seqs)
-        return cls(_column([s.seq_id for s in seqs], np.uint64),
-                   _column([s.num_scheduled_tokens for s in seqs]),
-                   _column([s.num_computed_tokens for s in seqs]),
-                   _column([len(s.new_block_ids) for s in seqs]),
-                   _column([b for s in seqs for b in s.new_block_ids]))
+    def of(cls, rows: Iterable[CachedRow]) -> "CachedSeqs":
+        """The columns of hand-made rows (tests, warm-up plans); the wire's are read whole."""
+        seq_ids, num_scheduled, num_computed, blocks = list(zip(*rows)) or [()] * 4
+        return cls(_column(seq_ids, np.uint64), _column(num_scheduled), _column(num_computed),
+                   _column([len(b) for b in blocks]), _column([i for b in blocks for i in b]))
 
     def __len__(self) -> int:
         return len(self.seq_ids)
 
-    def __iter__(self) -> Iterator[CachedSeq]:
+    def __iter__(self) -> Iterator[CachedRow]:
+        """The rows `of` takes, for readers off the hot path (tests, logs)."""
         ends = np.cumsum(self.num_new_blocks).tolist()
         for i, seq_id in enumerate(self.seq_ids.tolist()):
             blocks = self.new_block_ids[ends[i] - int(self.num_new_blocks[i]):ends[i]]
-            yield CachedSeq(seq_id, int(self.num_scheduled_tokens[i]),
-                            int(self.num_computed_tokens[i]), blocks.tolist())
+            yield (seq_id, int(self.num_scheduled_tokens[i]), int(self.num_computed_tokens[i]),
+                   blocks.tolist())
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step as the scheduler planned it (StepPlan on the wire and in scheduler_svc.plan).
-    `cached_seqs` may be given as a list of CachedSeq (hand-made plans); it is kept as
-    CachedSeqs."""
+    """One step as the scheduler planned it (StepPlan on the wire and in scheduler_svc.plan)."""
 
     step_id: int
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
@@ -142,10 +132,6 @@ class StepPlan:
     cached_seqs: CachedSeqs = field(default_factory=CachedSeqs)
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.cached_seqs, CachedSeqs):
-            object.__setattr__(self, "cached_seqs", CachedSeqs.of(self.cached_seqs))
 
 
 @dataclass(slots=True)

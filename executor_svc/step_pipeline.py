@@ -1,6 +1,6 @@
-"""StepPipeline: one Execute stream's plans with up to `max_in_flight` steps unfinished, so step
-N+1's host work overlaps step N's GPU work; results in step order. PlanReader reads plans in a
-thread so a wait can time out. Plain Python: no gRPC, no torch.
+"""StepPipeline: one Execute stream's plans with up to `max_launched` steps launched and not
+finished, so step N+1's host work overlaps step N's GPU work; results in step order. PlanReader
+reads plans in a thread so a wait can time out. Plain Python: no gRPC, no torch.
 """
 from __future__ import annotations
 
@@ -25,14 +25,18 @@ class StepFailed(Exception):
 class StepPipeline:
     """`launch(plan) -> pending` queues a step; `finish(pending) -> result` waits for it. A
     pending step has `step_id`, `is_ready()` (finish would not wait) and `wait()` (blocks until
-    it is ready). Plans have `step_id`."""
+    it is ready). Plans have `step_id`.
 
-    def __init__(self, launch: Callable, finish: Callable, max_in_flight: int = 2,
+    max_launched bounds the steps launched and not finished (the executor's side); the
+    scheduler's max_steps_in_flight bounds the plans it has sent and not had answered: a plan
+    beyond max_launched waits here, unlaunched, until the oldest step finishes."""
+
+    def __init__(self, launch: Callable, finish: Callable, max_launched: int = 2,
                  on_idle: Callable[[], None] | None = None, idle_after_s: float = 0.5) -> None:
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if max_launched < 1:
+            raise ValueError(f"max_launched must be >= 1, got {max_launched}")
         self._launch, self._finish = launch, finish
-        self.max_in_flight = max_in_flight
+        self.max_launched = max_launched
         # Called once each time no step is in flight and no plan has come for idle_after_s
         # (the executor then logs its step timing: the steps since the last periodic line
         # would otherwise go unreported at the end of a burst of work).
@@ -51,37 +55,37 @@ class StepPipeline:
         reader = plans if isinstance(plans, PlanReader) else PlanReader(plans)
         inbox = reader.inbox
         watcher = _Watcher(inbox)
-        in_flight: deque = deque()
+        launched: deque = deque()
         try:
             while True:
-                plan = self._next_plan(inbox, in_flight, watcher)
+                plan = self._next_plan(inbox, launched, watcher)
                 if plan is _END:
                     return
                 if plan is None:
-                    yield self._call(self._finish, in_flight.popleft())
+                    yield self._call(self._finish, launched.popleft())
                     continue
                 try:
-                    in_flight.append(self._call(self._launch, plan))
+                    launched.append(self._call(self._launch, plan))
                 except StepFailed:
-                    while in_flight:  # the steps launched before it still count
-                        yield self._call(self._finish, in_flight.popleft())
+                    while launched:  # the steps launched before it still count
+                        yield self._call(self._finish, launched.popleft())
                     raise
         finally:
             watcher.stop()
 
-    def _next_plan(self, inbox: queue.SimpleQueue, in_flight: deque, watcher: "_Watcher"):
+    def _next_plan(self, inbox: queue.SimpleQueue, launched: deque, watcher: "_Watcher"):
         """The next plan to launch; None to finish the oldest step first; _END when done."""
         ended = False
         while True:
-            if ended or len(in_flight) >= self.max_in_flight:
-                return None if in_flight else _END
-            if in_flight and in_flight[0].is_ready():
+            if ended or len(launched) >= self.max_launched:
+                return None if launched else _END
+            if launched and launched[0].is_ready():
                 return None
             item = _poll(inbox)
             if item is None:
-                if in_flight:
-                    watcher.watch(in_flight[0])
-                item = self._wait(inbox, idle=not in_flight)
+                if launched:
+                    watcher.watch(launched[0])
+                item = self._wait(inbox, idle=not launched)
             if item is _END:
                 ended = True
                 inbox.put(_END)  # stays the last item: later calls see it again

@@ -3,6 +3,8 @@ repetition, presence and frequency penalties; updated on the device only. Import
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from executor_svc.attention_metadata import to_device
@@ -30,16 +32,17 @@ class TokenCounts:
     def num_rows(self) -> int:
         return 0 if self.output_counts is None else self.output_counts.shape[0]
 
-    def add(self, prompt_ids: list[int], output_ids: list[int]) -> int:
-        """A row counting these tokens (queued on the device); returns its index."""
+    def add(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> int:
+        """A row counting these tokens (lists or int arrays; queued on the device); returns its
+        index."""
         if not self._free:
             self._grow()
         row = self._free.pop()
         self.prompt_mask[row] = False
         self.output_counts[row] = 0
-        if prompt_ids:
+        if len(prompt_ids):
             self.prompt_mask[row, self._ids(prompt_ids)] = True
-        if output_ids:
+        if len(output_ids):
             ids = self._ids(output_ids)
             self.output_counts[row].index_add_(
                 0, ids, torch.ones(ids.shape, dtype=torch.int32, device=self.device))
@@ -79,8 +82,8 @@ class TokenCounts:
         """The rows' prompt masks and output counts: [m, vocab] bool and int32."""
         return self.prompt_mask[rows], self.output_counts[rows]
 
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        return to_device(torch.tensor(ids, dtype=torch.int64), self.device)
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return to_device(torch.as_tensor(ids, dtype=torch.int64), self.device)
 
     def _grow(self, rows: int | None = None) -> None:
         """Doubles the rows, or makes them `rows` (device copies, no host sync)."""

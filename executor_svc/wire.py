@@ -1,13 +1,12 @@
 """Conversions between the Executor protobuf messages and executor_svc.step's dataclasses. The
-per-seq columns of a plan and of a result cross as numpy arrays, never an object per seq."""
+per-seq columns of a plan and of a result cross whole (packed fields, numpy arrays), never as an
+object per seq."""
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
 from protos import executor_pb2
-from executor_svc.step import (CachedSeq, CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch,
+from executor_svc.step import (CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch, SampledToken,
                                SamplingOptions, StepPlan, StepResult)
 
 
@@ -36,10 +35,11 @@ def plan_from_proto(plan: executor_pb2.StepPlan) -> StepPlan:
             NewSeq(seq_id=s.seq_id, token_ids=_ints(s.token_ids), block_table=list(s.block_table),
                    num_computed_tokens=s.num_computed_tokens,
                    num_scheduled_tokens=s.num_scheduled_tokens, sampling=_sampling(s.sampling),
-                   num_prompt_tokens=s.num_prompt_tokens or None, first_token=s.first_token)
+                   num_prompt_tokens=s.num_prompt_tokens or None,
+                   first_position=s.first_position)
             for s in plan.new_seqs
         ],
-        cached_seqs=_cached_seqs(plan),
+        cached_seqs=_cached_columns(plan.cached),
         finished_seq_ids=list(plan.finished_seq_ids),
         preempted_seq_ids=list(plan.preempted_seq_ids),
     )
@@ -49,18 +49,6 @@ def _ints(values) -> list[int]:
     """A repeated integer field as a list: read through numpy (upb hands it over as one buffer),
     faster than list() for long fields."""
     return np.asarray(values).tolist()
-
-
-def _cached_seqs(plan: executor_pb2.StepPlan) -> CachedSeqs:
-    """`cached_seqs` (one message each: hand-made plans), then the columns of `cached`."""
-    columns = _cached_columns(plan.cached)
-    if not plan.cached_seqs:
-        return columns
-    messages = CachedSeqs.of(
-        CachedSeq(s.seq_id, s.num_scheduled_tokens, s.num_computed_tokens, list(s.new_block_ids))
-        for s in plan.cached_seqs)
-    return CachedSeqs(*(np.concatenate([getattr(messages, f.name), getattr(columns, f.name)])
-                        for f in dataclasses.fields(CachedSeqs)))
 
 
 def _cached_columns(cached: executor_pb2.CachedSeqs) -> CachedSeqs:
@@ -95,71 +83,24 @@ def failure_metadata(err: BaseException) -> tuple[tuple[str, str], ...]:
 
 
 def result_to_proto(result: StepResult) -> executor_pb2.StepResult:
-    msg = executor_pb2.StepResult(
-        step_id=result.step_id,
-        logprobs=[executor_pb2.SampledLogprobs(seq_id=t.seq_id, logprob=t.logprob,
-                                               top_token_ids=t.top_token_ids,
-                                               top_logprobs=t.top_logprobs)
-                  for t in result.logprobs],
-        forward_ms=result.forward_ms,
-        step_ms=result.step_ms,
-    )
-    if len(result.seq_ids) < _FEW_SAMPLED:
-        msg.sampled.extend(executor_pb2.SampledToken(seq_id=seq_id, token_id=token_id)
-                           for seq_id, token_id in zip(_ints(result.seq_ids),
-                                                       _ints(result.token_ids)))
-    else:
-        msg.MergeFromString(_sampled_field(result.seq_ids, result.token_ids))
+    """The result's message; its columns are extended into the fields in place (building the
+    sub-messages apart would copy them once more)."""
+    msg = executor_pb2.StepResult(step_id=result.step_id, forward_ms=result.forward_ms,
+                                  step_ms=result.step_ms)
+    if len(result.seq_ids):
+        msg.sampled.seq_ids.extend(result.seq_ids.tolist())  # lists: extend reads them faster
+        msg.sampled.token_ids.extend(result.token_ids.tolist())
+    if result.logprobs:
+        _fill_logprobs(result.logprobs, msg.logprobs)
     return msg
 
 
-# Below this many sampled seqs, building the messages one by one costs less than
-# _sampled_field's fixed ~20 whole-array ops.
-_FEW_SAMPLED = 64
-
-
-_SAMPLED_TAG = 2 << 3 | 2  # StepResult.sampled: field 2, length-delimited
-_SEQ_ID_TAG, _TOKEN_ID_TAG = 1 << 3, 2 << 3  # SampledToken's fields 1 and 2, varints
-
-
-def _sampled_field(seq_ids: np.ndarray, token_ids: np.ndarray) -> bytes:
-    """StepResult.sampled encoded with whole-array ops: one SampledToken per (seq id, token id)
-    (what upb parses into the message; building a SampledToken per seq in Python is what this
-    avoids at large batches). Each entry: tag, length, tag, varint seq id, tag, varint token id."""
-    seq_ids = np.asarray(seq_ids, dtype=np.uint64)
-    token_ids = np.asarray(token_ids, dtype=np.uint64)
-    seq_len, token_len = _varint_lengths(seq_ids), _varint_lengths(token_ids)
-    entry_len = 2 + seq_len + token_len  # < 128: a one-byte length
-    ends = np.cumsum(entry_len + 2)
-    starts = ends - entry_len - 2
-    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.uint8)
-    out[starts] = _SAMPLED_TAG
-    out[starts + 1] = entry_len
-    out[starts + 2] = _SEQ_ID_TAG
-    _put_varints(out, starts + 3, seq_ids, seq_len)
-    token_at = starts + 3 + seq_len
-    out[token_at] = _TOKEN_ID_TAG
-    _put_varints(out, token_at + 1, token_ids, token_len)
-    return out.tobytes()
-
-
-_VARINT_LIMITS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=np.uint64)
-
-
-def _varint_lengths(values: np.ndarray) -> np.ndarray:
-    """Bytes of each value's varint (7 bits a byte): [n] int64."""
-    return np.searchsorted(_VARINT_LIMITS, values, side="right") + 1
-
-
-def _put_varints(out: np.ndarray, at: np.ndarray, values: np.ndarray, lengths: np.ndarray
-                 ) -> None:
-    """Writes value i's varint at out[at[i]:at[i] + lengths[i]]: low 7 bits first, the high
-    bit set on all bytes but the last."""
-    first = np.cumsum(lengths) - lengths  # [n]: where each value's bytes start, packed
-    k = np.arange(int(lengths.sum())) - np.repeat(first, lengths)  # [bytes]: index in its value
-    groups = (np.repeat(values, lengths) >> (7 * k).astype(np.uint64)) & np.uint64(0x7F)
-    more = (k < np.repeat(lengths - 1, lengths)).astype(np.uint64) << np.uint64(7)
-    out[np.repeat(at, lengths) + k] = groups | more
+def _fill_logprobs(asked: tuple[SampledToken, ...], out: executor_pb2.SampledLogprobs) -> None:
+    out.seq_ids.extend([t.seq_id for t in asked])
+    out.logprobs.extend([t.logprob for t in asked])
+    out.num_top_logprobs.extend([len(t.top_token_ids) for t in asked])
+    out.top_token_ids.extend([i for t in asked for i in t.top_token_ids])
+    out.top_logprobs.extend([lp for t in asked for lp in t.top_logprobs])
 
 
 def info_to_proto(info: ExecutorInfo, instance_id: int) -> executor_pb2.DescribeResponse:
@@ -175,4 +116,5 @@ def info_to_proto(info: ExecutorInfo, instance_id: int) -> executor_pb2.Describe
         tokenizer=info.tokenizer,
         backend=info.backend,
         instance_id=instance_id,
+        protocol_version=executor_pb2.PROTOCOL_VERSION,
     )

@@ -17,7 +17,7 @@ from executor_svc.fingerprint import model_fingerprint, start_source_identity
 from executor_svc.model_loader import DTYPES, default_model_source, load_model
 from executor_svc.model_runner import ModelRunner
 from executor_svc.small_step_graphs import SmallStepGraphs
-from executor_svc.step import CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, StepPlan
+from executor_svc.step import CachedSeqs, ExecutorInfo, NewSeq, SamplingOptions, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Worker:
         self.runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs,
                                   small_graphs)
         if graphs is not None:  # captured here: the graphs count penalties in the runner's rows
-            graphs.capture(self.runner.token_counts)
+            graphs.capture(self.runner.input_batch.token_counts)
         if self.backend.name == "cuda":
             self._warm_up()
         log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %.1f GiB), %d CPU swap "
@@ -138,7 +138,7 @@ class Worker:
                for i, opt in enumerate((greedy, seeded))]
         prefill = self.runner.launch(StepPlan(1, new_seqs=new))
         decode = self.runner.launch(
-            StepPlan(2, cached_seqs=[CachedSeq(i, 1, len(prompt)) for i in range(2)]))
+            StepPlan(2, cached_seqs=CachedSeqs.of((i, 1, len(prompt), []) for i in range(2))))
         self.runner.finish(prefill)
         self.runner.finish(decode)
         self.runner.reset()

@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\rpagedserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x82\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x11\n\ttokenizer\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\x04J\x04\x08\x0c\x10\rR\x08\x66\x65\x61tures\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x9f\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x1c\n\x14logit_bias_token_ids\x18\n \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0b \x03(\x02\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobsJ\x04\x08\x06\x10\x07R\x08has_seed\"\xdd\x01\n\x06NewSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x62lock_table\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x30\n\x08sampling\x18\x06 \x01(\x0b\x32\x1e.pagedserve.v1.SamplingOptions\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x08 \x01(\r\"m\n\tCachedSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_block_ids\x18\x04 \x03(\r\"\x87\x01\n\nCachedSeqs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\">\n\x05Lease\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08takeover\x18\x03 \x01(\x08\"\xf7\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x08swap_out\x18\x02 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12)\n\x07swap_in\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12&\n\x04\x63opy\x18\x04 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12\'\n\x08new_seqs\x18\x05 \x03(\x0b\x32\x15.pagedserve.v1.NewSeq\x12-\n\x0b\x63\x61\x63hed_seqs\x18\x06 \x03(\x0b\x32\x18.pagedserve.v1.CachedSeq\x12\x18\n\x10\x66inished_seq_ids\x18\x07 \x03(\x04\x12\x19\n\x11preempted_seq_ids\x18\x08 \x03(\x04\x12#\n\x05lease\x18\t \x01(\x0b\x32\x14.pagedserve.v1.Lease\x12)\n\x06\x63\x61\x63hed\x18\n \x01(\x0b\x32\x19.pagedserve.v1.CachedSeqs\"?\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\rJ\x04\x08\x03\x10\x04R\x07logprob\"_\n\x0fSampledLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb8\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x07sampled\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x0f\n\x07step_ms\x18\x04 \x01(\x01\x12\x30\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1e.pagedserve.v1.SampledLogprobsJ\x04\x08\x05\x10\x06R\x0e\x65xecuted_steps2\x9a\x01\n\x08\x45xecutor\x12K\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1f.pagedserve.v1.DescribeResponse\x12\x41\n\x07\x45xecute\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/executor.proto\x12\rpagedserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x9c\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x11\n\ttokenizer\x18\t \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x13\n\x0binstance_id\x18\x0b \x01(\x04\x12\x18\n\x10protocol_version\x18\r \x01(\rJ\x04\x08\x0c\x10\rR\x08\x66\x65\x61tures\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x9f\x02\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x1c\n\x14logit_bias_token_ids\x18\n \x03(\r\x12\x19\n\x11logit_bias_values\x18\x0b \x03(\x02\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobsJ\x04\x08\x06\x10\x07R\x08has_seed\"\xe0\x01\n\x06NewSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x62lock_table\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x30\n\x08sampling\x18\x06 \x01(\x0b\x32\x1e.pagedserve.v1.SamplingOptions\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x16\n\x0e\x66irst_position\x18\x08 \x01(\r\"\x87\x01\n\nCachedSeqs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\"X\n\x05Lease\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08takeover\x18\x03 \x01(\x08\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\"\xdb\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x08swap_out\x18\x02 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12)\n\x07swap_in\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12&\n\x04\x63opy\x18\x04 \x03(\x0b\x32\x18.pagedserve.v1.BlockPair\x12\'\n\x08new_seqs\x18\x05 \x03(\x0b\x32\x15.pagedserve.v1.NewSeq\x12\x18\n\x10\x66inished_seq_ids\x18\x07 \x03(\x04\x12\x19\n\x11preempted_seq_ids\x18\x08 \x03(\x04\x12#\n\x05lease\x18\t \x01(\x0b\x32\x14.pagedserve.v1.Lease\x12)\n\x06\x63\x61\x63hed\x18\n \x01(\x0b\x32\x19.pagedserve.v1.CachedSeqsJ\x04\x08\x06\x10\x07R\x0b\x63\x61\x63hed_seqs\"3\n\rSampledTokens\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"{\n\x0fSampledLogprobs\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x18\n\x10num_top_logprobs\x18\x03 \x03(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xc5\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x0f\n\x07step_ms\x18\x04 \x01(\x01\x12-\n\x07sampled\x18\x07 \x01(\x0b\x32\x1c.pagedserve.v1.SampledTokens\x12\x30\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1e.pagedserve.v1.SampledLogprobsJ\x04\x08\x02\x10\x03J\x04\x08\x06\x10\x07J\x04\x08\x05\x10\x06R\x0e\x65xecuted_steps*:\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x14\n\x10PROTOCOL_VERSION\x10\x01\x32\x9a\x01\n\x08\x45xecutor\x12K\n\x08\x44\x65scribe\x12\x1e.pagedserve.v1.DescribeRequest\x1a\x1f.pagedserve.v1.DescribeResponse\x12\x41\n\x07\x45xecute\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.executor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PROTOCOL']._serialized_start=1858
+  _globals['_PROTOCOL']._serialized_end=1916
   _globals['_DESCRIBEREQUEST']._serialized_start=40
   _globals['_DESCRIBEREQUEST']._serialized_end=57
   _globals['_DESCRIBERESPONSE']._serialized_start=60
-  _globals['_DESCRIBERESPONSE']._serialized_end=318
-  _globals['_BLOCKPAIR']._serialized_start=320
-  _globals['_BLOCKPAIR']._serialized_end=357
-  _globals['_SAMPLINGOPTIONS']._serialized_start=360
-  _globals['_SAMPLINGOPTIONS']._serialized_end=647
-  _globals['_NEWSEQ']._serialized_start=650
-  _globals['_NEWSEQ']._serialized_end=871
-  _globals['_CACHEDSEQ']._serialized_start=873
-  _globals['_CACHEDSEQ']._serialized_end=982
-  _globals['_CACHEDSEQS']._serialized_start=985
-  _globals['_CACHEDSEQS']._serialized_end=1120
-  _globals['_LEASE']._serialized_start=1122
-  _globals['_LEASE']._serialized_end=1184
-  _globals['_STEPPLAN']._serialized_start=1187
-  _globals['_STEPPLAN']._serialized_end=1562
-  _globals['_SAMPLEDTOKEN']._serialized_start=1564
-  _globals['_SAMPLEDTOKEN']._serialized_end=1627
-  _globals['_SAMPLEDLOGPROBS']._serialized_start=1629
-  _globals['_SAMPLEDLOGPROBS']._serialized_end=1724
-  _globals['_STEPRESULT']._serialized_start=1727
-  _globals['_STEPRESULT']._serialized_end=1911
-  _globals['_EXECUTOR']._serialized_start=1914
-  _globals['_EXECUTOR']._serialized_end=2068
+  _globals['_DESCRIBERESPONSE']._serialized_end=344
+  _globals['_BLOCKPAIR']._serialized_start=346
+  _globals['_BLOCKPAIR']._serialized_end=383
+  _globals['_SAMPLINGOPTIONS']._serialized_start=386
+  _globals['_SAMPLINGOPTIONS']._serialized_end=673
+  _globals['_NEWSEQ']._serialized_start=676
+  _globals['_NEWSEQ']._serialized_end=900
+  _globals['_CACHEDSEQS']._serialized_start=903
+  _globals['_CACHEDSEQS']._serialized_end=1038
+  _globals['_LEASE']._serialized_start=1040
+  _globals['_LEASE']._serialized_end=1128
+  _globals['_STEPPLAN']._serialized_start=1131
+  _globals['_STEPPLAN']._serialized_end=1478
+  _globals['_SAMPLEDTOKENS']._serialized_start=1480
+  _globals['_SAMPLEDTOKENS']._serialized_end=1531
+  _globals['_SAMPLEDLOGPROBS']._serialized_start=1533
+  _globals['_SAMPLEDLOGPROBS']._serialized_end=1656
+  _globals['_STEPRESULT']._serialized_start=1659
+  _globals['_STEPRESULT']._serialized_end=1856
+  _globals['_EXECUTOR']._serialized_start=1919
+  _globals['_EXECUTOR']._serialized_end=2073
 # @@protoc_insertion_point(module_scope)

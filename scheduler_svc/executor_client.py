@@ -15,6 +15,7 @@ import grpc
 
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler_svc import wire
+from scheduler_svc.errors import ExecutorDisagreement
 from scheduler_svc.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,9 @@ class ExecutorClient:
             await channel.close()
             return None
         description = wire.description_from_proto(reply)
-        if self.fingerprint is not None and description.fingerprint != self.fingerprint:
-            log.error("refusing executor %s: it serves model %s (fingerprint %s), not fingerprint %s",
-                      address, description.model_name, description.fingerprint, self.fingerprint)
+        refusal = self._refusal(description)
+        if refusal is not None:
+            log.error("refusing executor %s: %s", address, refusal)
             await channel.close()
             return None
         call = await self._open_leased_stream(stub, metadata, address)
@@ -178,6 +179,18 @@ class ExecutorClient:
         self.description, self.connected_address = description, address
         self.disconnected_since, self._last_refusal = None, None
         return description
+
+    def _refusal(self, description: wire.ExecutorDescription) -> str | None:
+        """Why this scheduler cannot drive the executor that answered Describe so; None if it
+        can."""
+        if description.protocol_version != wire.PROTOCOL_VERSION:
+            return (f"it speaks executor protocol version {description.protocol_version}, this "
+                    f"scheduler version {wire.PROTOCOL_VERSION} (run one pagedserve release on "
+                    "both)")
+        if self.fingerprint is not None and description.fingerprint != self.fingerprint:
+            return (f"it serves model {description.model_name} (fingerprint "
+                    f"{description.fingerprint}), not fingerprint {self.fingerprint}")
+        return None
 
     def _log_attached(self, address: str, description: wire.ExecutorDescription) -> None:
         """The attach line; before it, when the address attached last answers another instance
@@ -196,7 +209,8 @@ class ExecutorClient:
         acknowledged it, None if it refused (leased by another scheduler) or did not answer."""
         call = stub.Execute(metadata=metadata)
         lease = executor_pb2.Lease(scheduler_id=self.scheduler_id, epoch=next(_EPOCHS),
-                                   takeover=self.security.takeover)
+                                   takeover=self.security.takeover,
+                                   protocol_version=wire.PROTOCOL_VERSION)
         try:
             await asyncio.wait_for(call.write(executor_pb2.StepPlan(lease=lease)),
                                    self.describe_timeout_s)
@@ -265,7 +279,10 @@ class ExecutorClient:
             raise self.lost("executor closed the stream")
         if result.step_id != plan.step_id:
             raise self.lost(f"result for step {result.step_id}, expected {plan.step_id}")
-        return wire.result_from_proto(result)
+        try:
+            return wire.result_from_proto(result)
+        except ExecutorDisagreement as err:
+            raise self.lost(f"its result for step {plan.step_id} does not read: {err}") from err
 
     async def _guard(self, plan: StepPlan, operation):
         """Awaits a stream operation; every way it can fail becomes ExecutorLost. The deadline is

@@ -12,7 +12,7 @@ from scheduler_svc.sequence import FinishReason, Sequence
 @dataclass(frozen=True)
 class NewSeqPlan:
     """A sequence the executor does not know: sent with its whole block table and its tokens
-    (on the wire from wire.first_token on: not a cached prefix's)."""
+    (on the wire from wire.first_position on: not a cached prefix's)."""
 
     seq_id: int
     token_ids: list[int]
@@ -26,23 +26,18 @@ class NewSeqPlan:
     num_prompt_tokens: int | None = None
 
 
-@dataclass(frozen=True)
-class CachedSeqPlan:
-    """A sequence the executor knows: only the diff (blocks appended since the last step)."""
-
-    seq_id: int
-    num_scheduled_tokens: int
-    num_computed_tokens: int
-    new_block_ids: list[int]
+# A held seq as one row: (seq_id, num_scheduled_tokens, num_computed_tokens, new_block_ids)
+CachedRow = tuple[int, int, int, list[int]]
 
 
 @dataclass
 class CachedSeqs:
-    """The plan's known sequences as columns: entry i of each per-seq list is the i-th sequence;
+    """The plan's sequences the executor knows, as a diff (tokens to compute, blocks appended
+    since the last step), in columns: entry i of each per-seq list is the i-th sequence;
     `new_block_ids` holds their appended blocks one after another, `num_new_blocks[i]` of them
     for the i-th. Columns rather than one object per sequence (as vLLM v1's CachedRequestData):
     with many decoding sequences, an object and a message each are a large share of a step's
-    host cost. Iterating yields CachedSeqPlan views, for readers off the hot path."""
+    host cost."""
 
     seq_ids: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
@@ -51,11 +46,11 @@ class CachedSeqs:
     new_block_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, seqs: Iterable[CachedSeqPlan]) -> "CachedSeqs":
+    def of(cls, rows: Iterable[CachedRow]) -> "CachedSeqs":
+        """The columns of hand-made rows (tests, tools); the scheduler appends as it plans."""
         cached = cls()
-        for s in seqs:
-            cached.append(s.seq_id, s.num_scheduled_tokens, s.num_computed_tokens,
-                          s.new_block_ids)
+        for row in rows:
+            cached.append(*row)
         return cached
 
     def append(self, seq_id: int, num_scheduled_tokens: int, num_computed_tokens: int,
@@ -69,24 +64,19 @@ class CachedSeqs:
     def __len__(self) -> int:
         return len(self.seq_ids)
 
-    def __iter__(self) -> Iterator[CachedSeqPlan]:
+    def __iter__(self) -> Iterator[CachedRow]:
+        """The rows `of` takes, for readers off the hot path (tests, logs)."""
         start = 0
         for seq_id, num_scheduled, num_computed, num_blocks in zip(
                 self.seq_ids, self.num_scheduled_tokens, self.num_computed_tokens,
                 self.num_new_blocks):
-            yield CachedSeqPlan(seq_id, num_scheduled, num_computed,
-                                self.new_block_ids[start:start + num_blocks])
+            yield seq_id, num_scheduled, num_computed, self.new_block_ids[start:start + num_blocks]
             start += num_blocks
-
-    def __getitem__(self, index: int) -> CachedSeqPlan:
-        return list(self)[index]  # O(n): for tests and logs
 
 
 @dataclass
 class StepPlan:
-    """One step. Copies apply in the order swap_out, swap_in, copy, before the forward pass.
-    `cached_seqs` may be given as a list of CachedSeqPlan (hand-made plans); it is kept as
-    CachedSeqs."""
+    """One step. Copies apply in the order swap_out, swap_in, copy, before the forward pass."""
 
     step_id: int
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
@@ -99,10 +89,6 @@ class StepPlan:
     # Seqs whose scheduled tokens complete them, so the executor samples one token each.
     # Scheduler bookkeeping, not sent: the executor derives the same set.
     sampling_seq_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.cached_seqs, CachedSeqs):
-            self.cached_seqs = CachedSeqs.of(self.cached_seqs)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from protos import executor_pb2, generate_pb2
 from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan, StepResult
-from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, TokenEvent,
                                    check_request_id)
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams, TokenLogprobs
@@ -21,6 +21,10 @@ _FINISH_REASONS = {
     FinishReason.STOP_STRING: generate_pb2.FINISH_REASON_STOP_STRING,
     FinishReason.ABORTED: generate_pb2.FINISH_REASON_ABORTED,
 }
+
+
+# The executor protocol this build speaks: an executor that names another is refused.
+PROTOCOL_VERSION = executor_pb2.PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class ExecutorDescription:
     tokenizer: str
     backend: str
     instance_id: int
+    protocol_version: int = PROTOCOL_VERSION  # what Describe named; 0: none
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -161,7 +166,7 @@ def unencodable_seq_ids(plan: StepPlan) -> list[int]:
 
 
 def _new_seq(s: NewSeqPlan) -> executor_pb2.NewSeq:
-    first = first_token(s)
+    first = first_position(s)
     return executor_pb2.NewSeq(
         seq_id=s.seq_id,
         token_ids=s.token_ids[first:] if first else s.token_ids,
@@ -170,11 +175,11 @@ def _new_seq(s: NewSeqPlan) -> executor_pb2.NewSeq:
         num_scheduled_tokens=s.num_scheduled_tokens,
         sampling=_sampling_options(s.sampling, s.seed),
         num_prompt_tokens=s.num_prompt_tokens or 0,
-        first_token=first,
+        first_position=first,
     )
 
 
-def first_token(s: NewSeqPlan) -> int:
+def first_position(s: NewSeqPlan) -> int:
     """Where a new seq's tokens on the wire start: past its computed ones (a cached prefix's:
     the KV cache holds them and the executor never reads them), unless a penalty counts every
     token. A chat turn over a 2,000-token conversation then sends its new tokens, not 2,000 ids
@@ -225,10 +230,30 @@ def bad_seq_ids(metadata) -> tuple[int, ...]:
 
 
 def result_from_proto(result: executor_pb2.StepResult) -> StepResult:
-    logprobs = {t.seq_id: TokenLogprobs(t.logprob, tuple(zip(t.top_token_ids, t.top_logprobs)))
-                for t in result.logprobs}
-    return StepResult({t.seq_id: t.token_id for t in result.sampled}, result.forward_ms,
-                      result.step_ms, logprobs)
+    """The result in plain Python; ExecutorDisagreement if its columns do not line up."""
+    sampled = result.sampled
+    tokens = dict(zip(sampled.seq_ids, sampled.token_ids))
+    if not len(tokens) == len(sampled.seq_ids) == len(sampled.token_ids):
+        raise ExecutorDisagreement(f"sampled: {len(sampled.seq_ids)} seq ids, "
+                                   f"{len(tokens)} of them distinct, {len(sampled.token_ids)} "
+                                   "token ids")
+    logprobs = _logprobs(result.logprobs) if result.HasField("logprobs") else {}
+    return StepResult(tokens, result.forward_ms, result.step_ms, logprobs)
+
+
+def _logprobs(columns: executor_pb2.SampledLogprobs) -> dict[int, TokenLogprobs]:
+    seq_ids, num_top = columns.seq_ids, columns.num_top_logprobs
+    top = list(zip(columns.top_token_ids, columns.top_logprobs))
+    if not (len(seq_ids) == len(columns.logprobs) == len(num_top)
+            and sum(num_top) == len(top) == len(columns.top_token_ids)
+            == len(columns.top_logprobs)):
+        raise ExecutorDisagreement("logprobs: columns of different lengths, or "
+                                   "num_top_logprobs does not add up to the top ones")
+    out, start = {}, 0
+    for seq_id, logprob, k in zip(seq_ids, columns.logprobs, num_top):
+        out[seq_id] = TokenLogprobs(logprob, tuple(top[start:start + k]))
+        start += k
+    return out
 
 
 def description_from_proto(d: executor_pb2.DescribeResponse) -> ExecutorDescription:
@@ -244,4 +269,5 @@ def description_from_proto(d: executor_pb2.DescribeResponse) -> ExecutorDescript
         tokenizer=d.tokenizer,
         backend=d.backend,
         instance_id=d.instance_id,
+        protocol_version=d.protocol_version,
     )

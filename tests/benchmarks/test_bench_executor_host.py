@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.bench_executor_host import (NEW_TOKENS, PHASES, PREFIX_TOKENS, Bench,
                                             PrefixBench, run_case)
+from tests.executor_svc.helpers import held_tokens
 
 
 @pytest.mark.parametrize("case, kind", [("decode", "decode"), ("mixed", "other")])
@@ -25,7 +26,7 @@ def test_the_runner_holds_what_the_scheduler_holds():
         _, pending = bench.in_flight.popleft()
         bench.runner.finish(pending)
     for seq in bench.sched.running:
-        held = bench.runner.token_ids(seq.seq_id).tolist()
+        held = held_tokens(bench.runner, seq.seq_id).tolist()
         assert held[:len(seq.token_ids)] == seq.token_ids
 
 
@@ -41,7 +42,7 @@ def test_the_prefix_case_admits_one_cached_prefix_seq_a_step_through_the_small_s
         (new,) = plan.new_seqs
         assert (new.num_computed_tokens, new.num_scheduled_tokens) == (PREFIX_TOKENS, NEW_TOKENS)
     assert num_runs == [NEW_TOKENS] * 5
-    assert len(bench.runner.seqs) == 1  # each seq dropped by the plan after its one token
+    assert len(bench.runner.input_batch) == 1  # each seq dropped by the plan after its one token
     result = run_case("prefix", num_seqs=1, steps=4, seed=1)
     assert result["step_kinds"]["other"] == 4 and result["running_at_end"] == 1
     assert 0 < result["phases"]["to_replay"]["median_ms"] < result["phases"]["launch"]["median_ms"]

@@ -16,8 +16,8 @@ from executor_svc.cache_engine import CacheEngine
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
-from executor_svc.step import (CachedSeq, ExecutorInfo, NewSeq, SamplingOptions, StepPlan,
-                               StepResult)
+from executor_svc.step import (CachedRow, CachedSeqs, ExecutorInfo, NewSeq, SamplingOptions,
+                               StepPlan, StepResult)
 from scheduler_svc import wire as scheduler_wire
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
@@ -48,7 +48,7 @@ def with_eager_graphs(runner: ModelRunner, batch_sizes=(1, 2, 4, 8), **options) 
 
     graphs = DecodeGraphs(runner.model, runner.cache_engine.kv_caches, runner.info.num_gpu_blocks,
                           batch_sizes, **options)
-    graphs.prepare(runner.token_counts)
+    graphs.prepare(runner.input_batch.token_counts)
     graphs.graphs = {(variant, bs): EagerReplay(graphs, variant, bs)
                      for bs in graphs.batch_sizes for variant in graphs.variants(bs)}
     runner.decode_graphs = graphs
@@ -113,17 +113,21 @@ class PlanDriver:
         self.computed[seq_id] = num_computed + n
         return NewSeq(seq_id, list(tokens), list(self.tables[seq_id]), num_computed, n, sampling)
 
-    def cached_seq(self, seq_id: int, num_scheduled: int | None = None) -> CachedSeq:
+    def cached_seq(self, seq_id: int, num_scheduled: int | None = None) -> CachedRow:
         computed = self.computed[seq_id]
         n = len(self.tokens[seq_id]) - computed if num_scheduled is None else num_scheduled
         new_blocks = self.blocks_needed(seq_id, computed + n)
         self.computed[seq_id] = computed + n
-        return CachedSeq(seq_id, n, computed, new_blocks)
+        return seq_id, n, computed, new_blocks
+
+    def plan(self, cached_seqs=(), **fields) -> StepPlan:
+        """The next step's plan; `cached_seqs` as rows that cached_seq made."""
+        self.step_id += 1
+        return StepPlan(self.step_id, cached_seqs=CachedSeqs.of(cached_seqs), **fields)
 
     def run(self, **fields) -> dict[int, int]:
         """Execute one step; append and return the sampled tokens {seq_id: token_id}."""
-        self.step_id += 1
-        out = execute(self.runner, StepPlan(self.step_id, **fields))
+        out = execute(self.runner, self.plan(**fields))
         sampled = {s.seq_id: s.token_id for s in out.sampled}
         for seq_id, token_id in sampled.items():
             self.tokens[seq_id].append(token_id)
@@ -144,7 +148,7 @@ class RunnerLink:
     def send(self, message) -> None:
         step = executor_wire.plan_from_proto(message)
         self.tokens_sent += sum(len(s.token_ids) for s in message.new_seqs)
-        self.tokens_omitted += sum(s.first_token for s in message.new_seqs)
+        self.tokens_omitted += sum(s.first_position for s in message.new_seqs)
         if self.overlap:
             self.launched_with_pending += self.runner.num_pending_steps > 0
             self._handles.append(self.runner.launch(step))
@@ -234,3 +238,15 @@ def spy_on_graph_sampling(runner: ModelRunner) -> list[bool]:
         return out
     runner.decode_graphs.run = spy
     return sampled
+
+
+def held_tokens(runner: ModelRunner, seq_id: int):
+    """A held seq's tokens known on the host: a view of its InputBatch row (writes change it)."""
+    batch = runner.input_batch
+    return batch.tokens(batch.row(seq_id))
+
+
+def held_num_tokens(runner: ModelRunner, seq_id: int) -> int:
+    """A held seq's tokens, those sampled by unfinished steps included."""
+    batch = runner.input_batch
+    return int(batch.num_tokens[batch.row(seq_id)])

@@ -14,7 +14,7 @@ from executor_svc.server import build_server
 from executor_svc.step import BadSeq, PlanMismatch, SamplingOptions
 from executor_svc.worker import Worker
 from scheduler_svc.executor_client import ExecutorClient, ExecutorLost
-from scheduler_svc.plan import CachedSeqPlan, NewSeqPlan, StepPlan
+from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan
 from scheduler_svc.sampling_params import SamplingParams
 
 
@@ -70,7 +70,7 @@ def test_a_bad_new_seq_is_named_and_its_step_fails(address, bad):
 def test_a_mismatch_that_is_no_seqs_fault_names_none(address):
     address, _ = address
     plans = [StepPlan(1, new_seqs=[new_seq(1)]),
-             StepPlan(2, cached_seqs=[CachedSeqPlan(1, 1, 2, [])])]  # 2 computed, not 3
+             StepPlan(2, cached_seqs=CachedSeqs.of([(1, 1, 2, [])]))]  # 2 computed, not 3
     lost = asyncio.run(first_failure(address, plans))
     assert lost.seq_ids == () and "FAILED_PRECONDITION" in str(lost)
 

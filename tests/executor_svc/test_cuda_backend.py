@@ -23,10 +23,11 @@ from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
 from executor_svc.sampler import Sampler, SamplingTensors
 from executor_svc.small_step_graphs import SmallStepGraphs
-from executor_svc.step import CachedSeq, ExecutorInfo, SamplingOptions, StepPlan
+from executor_svc.step import CachedSeqs, ExecutorInfo, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import (
-    PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, hf_greedy, hf_model,
-    make_runner, make_scheduler, random_prompt, spy_on_graph_sampling, with_eager_graphs,
+    PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, held_tokens, hf_greedy,
+    hf_model, make_runner, make_scheduler, random_prompt, spy_on_graph_sampling,
+    with_eager_graphs,
 )
 from tests.gpu import gpu_ready
 
@@ -89,7 +90,7 @@ def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: i
         small.capture()
     runner = ModelRunner(model, backend, cache, info, decode_graphs, small)
     if decode_graphs is not None:
-        decode_graphs.capture(runner.token_counts)
+        decode_graphs.capture(runner.input_batch.token_counts)
     return runner
 
 
@@ -177,7 +178,7 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
     driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
     for k in range(1, NUM_NEW):
         for s in prompts:
-            runner.token_ids(s)[-1] = hf_tokens[s][k - 1]
+            held_tokens(runner, s)[-1] = hf_tokens[s][k - 1]
         driver.run(cached_seqs=[driver.cached_seq(s) for s in prompts])
     runner._run = run
     assert len(sampled_ids) == len(recorder.logits) == NUM_NEW
@@ -257,7 +258,7 @@ def test_decode_step_has_no_host_sync(variant):
     prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
     options = _VARIANT_OPTIONS[variant]
     driver.run(new_seqs=[driver.new_seq(s, p, sampling=options) for s, p in prompts.items()])
-    step = StepPlan(driver.step_id + 1, cached_seqs=[driver.cached_seq(s) for s in prompts])
+    step = driver.plan(cached_seqs=[driver.cached_seq(s) for s in prompts])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -298,8 +299,7 @@ def test_graph_sampling_matches_the_eager_sampler_on_gpu(max_controlled_batch):
         fields = {"new_seqs": [driver.new_seq(i, p, sampling=options[i])
                                for i, p in prompts.items()]}
         while fields:
-            driver.step_id += 1
-            for t in execute(runner, StepPlan(driver.step_id, **fields)).sampled:
+            for t in execute(runner, driver.plan(**fields)).sampled:
                 driver.tokens[t.seq_id].append(t.token_id)
                 sampled.append(t)
             left = [i for i in prompts if len(driver.tokens[i]) - len(prompts[i]) < num_new[i]]
@@ -326,14 +326,14 @@ def test_overlapped_decode_launch_has_no_host_sync():
     prompts = {1: list(range(5, 40)), 2: list(range(7, 20))}
     prefill = runner.launch(
         StepPlan(1, new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()]))
-    first = runner.launch(StepPlan(2, cached_seqs=[CachedSeq(s, 1, len(p))
-                                                   for s, p in prompts.items()]))
+    first = runner.launch(StepPlan(2, cached_seqs=CachedSeqs.of((s, 1, len(p), [])
+                                                                for s, p in prompts.items())))
     runner.finish(prefill)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        second = runner.launch(StepPlan(3, cached_seqs=[CachedSeq(s, 1, len(p) + 1)
-                                                        for s, p in prompts.items()]))
+        second = runner.launch(StepPlan(3, cached_seqs=CachedSeqs.of(
+            (s, 1, len(p) + 1, []) for s, p in prompts.items())))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert second.kind == "decode"
@@ -507,11 +507,12 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
         driver = PlanDriver(runner)
         steps = [
             lambda: dict(new_seqs=[driver.new_seq(s, p, sampling=top) for s, p in prompts.items()]),
-            lambda: dict(cached_seqs=[driver.cached_seq(s) for s in prompts],
+            lambda: dict(cached_seqs=CachedSeqs.of(driver.cached_seq(s) for s in prompts),
                          new_seqs=[driver.new_seq(4, late, sampling=top)]),
             lambda: dict(new_seqs=[driver.new_seq(5, long, num_scheduled=400, sampling=top)]),
-            lambda: dict(cached_seqs=[driver.cached_seq(s) for s in (1, 2, 3, 4)]
-                         + [driver.cached_seq(5, num_scheduled=12)]),
+            lambda: dict(cached_seqs=CachedSeqs.of(
+                [driver.cached_seq(s) for s in (1, 2, 3, 4)]
+                + [driver.cached_seq(5, num_scheduled=12)])),
         ]
         outputs[small] = []
         for step_id, fields in enumerate(steps, start=1):

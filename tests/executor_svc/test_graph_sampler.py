@@ -18,7 +18,7 @@ from executor_svc.graph_sampler import (
 )
 from executor_svc.memory_profile import graph_reserve_bytes, profile_sampling
 from executor_svc.sampler import Sampler, SamplingTensors
-from executor_svc.step import SamplingOptions, StepPlan
+from executor_svc.step import SamplingOptions
 from executor_svc.token_counts import TokenCounts
 from tests.executor_svc.helpers import (PlanDriver, execute, hf_model, make_runner,
                                         random_prompt, spy_on_graph_sampling,
@@ -308,8 +308,7 @@ def _driven(graphs, options, num_new):
     sampled = []
 
     def step(**fields):
-        driver.step_id += 1
-        out = execute(runner, StepPlan(driver.step_id, **fields))
+        out = execute(runner, driver.plan(**fields))
         for t in out.sampled:
             driver.tokens[t.seq_id].append(t.token_id)
             sampled.append((t.seq_id, t.token_id, t.logprob, t.top_token_ids, t.top_logprobs))

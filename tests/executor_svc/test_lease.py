@@ -108,8 +108,10 @@ def test_waiting_streams_evict_from_the_most_crowded_connection():
     assert waiting.remove(other)
 
 
-def lease_msg(scheduler_id="s", epoch=1, takeover=False):
-    return executor_pb2.Lease(scheduler_id=scheduler_id, epoch=epoch, takeover=takeover)
+def lease_msg(scheduler_id="s", epoch=1, takeover=False,
+              protocol_version=executor_pb2.PROTOCOL_VERSION):
+    return executor_pb2.Lease(scheduler_id=scheduler_id, epoch=epoch, takeover=takeover,
+                              protocol_version=protocol_version)
 
 
 @pytest.mark.parametrize("plan", [
@@ -248,10 +250,22 @@ def test_rogue_streams_never_touch_the_runner_or_the_holder(served):
     assert "leased by another scheduler (id holder, since" in err.details()
     assert "stale hello" in stale.status().details()
     holder.send(plan(2))
-    assert [t.seq_id for t in holder.receive().sampled] == [2]
+    assert list(holder.receive().sampled.seq_ids) == [2]
     assert served.runner.resets == 1  # the holder's own grant, nothing else
     holder.close()
     served.attach("stranger").close()  # free once the holder's stream ended
+
+
+def test_a_hello_of_another_protocol_version_is_refused_naming_both(served):
+    """A scheduler of another release (0: one that names no version) would misread results."""
+    for version in (0, executor_pb2.PROTOCOL_VERSION + 1):
+        err = Call(served.channel,
+                   executor_pb2.StepPlan(lease=lease_msg(protocol_version=version))).status()
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (f"the scheduler speaks executor protocol version {version}, this executor "
+                f"version {executor_pb2.PROTOCOL_VERSION}") in err.details()
+    assert served.runner.resets == 0
+    served.attach().close()  # the lease is free
 
 
 def test_a_later_plan_may_not_carry_a_lease(served):

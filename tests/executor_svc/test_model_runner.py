@@ -44,7 +44,7 @@ def test_swap_out_and_in_to_other_blocks_keeps_output():
     cpu_blocks = [20 + i for i in range(len(old_table))]
     driver.run(swap_out=list(zip(old_table, cpu_blocks)), preempted_seq_ids=[1],
                cached_seqs=[driver.cached_seq(2)])
-    assert 1 not in runner.seqs
+    assert 1 not in runner.input_batch
     runner.cache_engine.gpu_k[:, old_table] = float("nan")  # poison: data must come from swap space
     runner.cache_engine.gpu_v[:, old_table] = float("nan")
     driver.run(cached_seqs=[driver.cached_seq(2)])
@@ -115,7 +115,7 @@ def test_longest_first_batches_keep_every_seqs_output(graphs):
     real_run = runner._run
 
     def spy(step_id, batch, marks):
-        orders.append([(int(n), int(runner.states.num_computed[r]))
+        orders.append([(int(n), int(runner.input_batch.num_computed[r]))
                        for r, n in zip(batch.rows, batch.num_scheduled)])
         return real_run(step_id, batch, marks)
 

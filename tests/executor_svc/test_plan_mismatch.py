@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from executor_svc.step import CachedSeq, NewSeq, PlanMismatch, SamplingOptions, StepPlan
+from executor_svc.step import CachedSeqs, NewSeq, PlanMismatch, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import PlanDriver, hf_model, make_runner, random_prompt
 
 
@@ -17,10 +17,12 @@ def driver():
 
 
 def _snapshot(runner):
-    tables = {seq_id: runner.tables.table(state.row) for seq_id, state in runner.seqs.items()}
-    seqs = {seq_id: (state, runner.token_ids(seq_id).tolist(), runner.num_tokens(seq_id),
-                     int(runner.states.num_computed[state.row]))
-            for seq_id, state in runner.seqs.items()}
+    batch = runner.input_batch
+    rows = {seq_id: batch.row(seq_id) for seq_id in batch.seq_ids}
+    tables = {seq_id: batch.block_table.table(row) for seq_id, row in rows.items()}
+    seqs = {seq_id: (row, batch.sampling[row], batch.count_row[row], batch.tokens(row).tolist(),
+                     int(batch.num_tokens[row]), int(batch.num_computed[row]))
+            for seq_id, row in rows.items()}
     return (seqs, runner.last_step_id, runner.cache_engine.gpu_k.clone(),
             runner.cache_engine.cpu_k.clone(), tables)
 
@@ -36,32 +38,32 @@ def _assert_rejected(driver, step):
     assert torch.equal(after[3].nan_to_num(), before[3].nan_to_num())
 
 
-def _decode_ok(driver):
-    computed = driver.computed[1]
-    return CachedSeq(1, 1, computed, [])
+def _decode_ok(driver) -> CachedSeqs:
+    return CachedSeqs.of([(1, 1, driver.computed[1], [])])
 
 
 def test_unknown_cached_seq(driver):
-    _assert_rejected(driver, StepPlan(2, cached_seqs=[CachedSeq(99, 1, 0, [])]))
+    _assert_rejected(driver, StepPlan(2, cached_seqs=CachedSeqs.of([(99, 1, 0, [])])))
 
 
 def test_counter_mismatch(driver):
     _assert_rejected(driver,
-                     StepPlan(2, cached_seqs=[CachedSeq(1, 1, driver.computed[1] - 1, [])]))
+                     StepPlan(2, cached_seqs=CachedSeqs.of([(1, 1, driver.computed[1] - 1, [])])))
 
 
 @pytest.mark.parametrize("step_id", [1, 3, 10])
 def test_step_gap_or_repeat(driver, step_id):
-    _assert_rejected(driver, StepPlan(step_id, cached_seqs=[_decode_ok(driver)]))
+    _assert_rejected(driver, StepPlan(step_id, cached_seqs=_decode_ok(driver)))
 
 
 def test_out_of_range_blocks(driver):
     new = NewSeq(2, [5, 6, 7], [16], 0, 3, SamplingOptions())
-    _assert_rejected(driver, StepPlan(2, new_seqs=[new], cached_seqs=[_decode_ok(driver)]))
-    _assert_rejected(driver, StepPlan(2, swap_out=[(0, 4)], cached_seqs=[_decode_ok(driver)]))
+    _assert_rejected(driver, StepPlan(2, new_seqs=[new], cached_seqs=_decode_ok(driver)))
+    _assert_rejected(driver, StepPlan(2, swap_out=[(0, 4)], cached_seqs=_decode_ok(driver)))
     _assert_rejected(driver, StepPlan(2, swap_in=[(0, 16)]))
     _assert_rejected(driver, StepPlan(2, copy=[(-1, 3)]))
-    _assert_rejected(driver, StepPlan(2, cached_seqs=[CachedSeq(1, 1, driver.computed[1], [99])]))
+    _assert_rejected(driver,
+                     StepPlan(2, cached_seqs=CachedSeqs.of([(1, 1, driver.computed[1], [99])])))
 
 
 def test_bad_new_seqs(driver):
@@ -72,19 +74,19 @@ def test_bad_new_seqs(driver):
         NewSeq(2, list(range(3, 12)), table[:1], 0, 9, SamplingOptions()),  # table too short
         NewSeq(2, [5, 10**6], table, 0, 2, SamplingOptions()),  # token out of vocabulary
         # tokens omitted past the computed ones (they must come: the executor reads them)
-        NewSeq(2, [7], table, 2, 1, SamplingOptions(), first_token=3),
+        NewSeq(2, [7], table, 2, 1, SamplingOptions(), first_position=3),
         # tokens omitted though a penalty counts every token
-        NewSeq(2, [7], table, 2, 1, SamplingOptions(presence_penalty=0.5), first_token=2),
-        NewSeq(2, [7] * 600, table, 4, 1, SamplingOptions(), first_token=4),  # 604 tokens > 512
-        NewSeq(2, [7], table, 2**32 - 2, 1, SamplingOptions(), first_token=2**32 - 2),  # huge
-        NewSeq(2, [], table, 3, 1, SamplingOptions(), first_token=3),  # nothing left to compute
+        NewSeq(2, [7], table, 2, 1, SamplingOptions(presence_penalty=0.5), first_position=2),
+        NewSeq(2, [7] * 600, table, 4, 1, SamplingOptions(), first_position=4),  # 604 tokens > 512
+        NewSeq(2, [7], table, 2**32 - 2, 1, SamplingOptions(), first_position=2**32 - 2),  # huge
+        NewSeq(2, [], table, 3, 1, SamplingOptions(), first_position=3),  # nothing left to compute
     ]
     for new in cases:
         _assert_rejected(driver, StepPlan(2, new_seqs=[new]))
     # more blocks than max_model_len (512 tokens, 4 per block) can need
     _assert_rejected(driver, StepPlan(2, new_seqs=[NewSeq(2, [5, 6], table * 65, 0, 2)]))
-    _assert_rejected(driver, StepPlan(2, cached_seqs=[
-        CachedSeq(1, 1, driver.computed[1], [driver.free[0]] * 128)]))
+    _assert_rejected(driver, StepPlan(2, cached_seqs=CachedSeqs.of([
+        (1, 1, driver.computed[1], [driver.free[0]] * 128)])))
     dup = NewSeq(2, [5, 6], table, 0, 2, SamplingOptions())
     _assert_rejected(driver, StepPlan(2, new_seqs=[dup, dup]))
 
@@ -93,7 +95,8 @@ def test_state_intact_after_rejection_and_plan_continues(driver):
     # A valid swap in the same plan must not have been applied when a later part is rejected.
     runner = driver.runner
     runner.cache_engine.cpu_k.zero_()
-    bad = StepPlan(2, swap_out=[(driver.tables[1][0], 0)], cached_seqs=[CachedSeq(1, 1, 0, [])])
+    bad = StepPlan(2, swap_out=[(driver.tables[1][0], 0)],
+                   cached_seqs=CachedSeqs.of([(1, 1, 0, [])]))
     _assert_rejected(driver, bad)
     assert runner.cache_engine.cpu_k.abs().sum() == 0
     sampled = driver.run(cached_seqs=[driver.cached_seq(1)])
@@ -102,5 +105,6 @@ def test_state_intact_after_rejection_and_plan_continues(driver):
 
 def test_finished_and_preempted_drop_state(driver):
     driver.run(finished_seq_ids=[1])
-    assert driver.runner.seqs == {}
-    _assert_rejected(driver, StepPlan(driver.step_id + 1, cached_seqs=[CachedSeq(1, 1, 7, [])]))
+    assert not len(driver.runner.input_batch)
+    _assert_rejected(driver, StepPlan(driver.step_id + 1,
+                                      cached_seqs=CachedSeqs.of([(1, 1, 7, [])])))

@@ -48,8 +48,7 @@ def _hf_generate(hf, prompt, options: SamplingOptions, num_new: int = NUM_NEW):
 
 def _step(driver: PlanDriver, **fields) -> StepResult:
     """One step through the runner, its sampled tokens appended to the driver's."""
-    driver.step_id += 1
-    result = driver.runner.finish(driver.runner.launch(StepPlan(driver.step_id, **fields)))
+    result = driver.runner.finish(driver.runner.launch(driver.plan(**fields)))
     for t in result.sampled:
         driver.tokens[t.seq_id].append(t.token_id)
     return result
@@ -152,7 +151,7 @@ def test_logit_bias_id_out_of_vocabulary_is_a_plan_mismatch():
     bad = driver.new_seq(1, [5, 6], sampling=SamplingOptions(logit_bias=((49152, 1.0),)))
     with pytest.raises(PlanMismatch, match="logit_bias"):
         runner.launch(StepPlan(1, new_seqs=[bad]))
-    assert not runner.seqs
+    assert not len(runner.input_batch)
 
 
 @pytest.mark.parametrize("num_cpu_blocks", [16, 0])  # preemption by swap, then by recompute

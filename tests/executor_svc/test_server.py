@@ -13,12 +13,14 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from executor_svc.config import ExecutorConfig
 from executor_svc.server import SERVICE_NAME, build_server
+from executor_svc.step import StepResult
 from executor_svc.worker import Worker
 from protos import executor_pb2, executor_pb2_grpc, reflection
 from tests.executor_svc.helpers import ScheduledRun, add_workload, make_scheduler
@@ -33,8 +35,9 @@ _EPOCHS = itertools.count(1)
 
 def hello(scheduler_id: str = "test-scheduler", epoch: int | None = None, **fields):
     epoch = next(_EPOCHS) if epoch is None else epoch
-    return executor_pb2.StepPlan(lease=executor_pb2.Lease(scheduler_id=scheduler_id, epoch=epoch,
-                                                          **fields))
+    return executor_pb2.StepPlan(lease=executor_pb2.Lease(
+        scheduler_id=scheduler_id, epoch=epoch, protocol_version=executor_pb2.PROTOCOL_VERSION,
+        **fields))
 
 
 class GrpcLink:
@@ -52,8 +55,12 @@ class GrpcLink:
     def send(self, message: executor_pb2.StepPlan) -> None:
         self._plans.put(message)
 
-    def receive(self) -> executor_pb2.StepResult:
-        return next(self._results)
+    def receive(self) -> StepResult:
+        """The next result as the executor built it (logprobs left out)."""
+        msg = next(self._results)
+        return StepResult(msg.step_id, np.array(msg.sampled.seq_ids, dtype=np.uint64),
+                          np.array(msg.sampled.token_ids, dtype=np.int64), msg.forward_ms,
+                          msg.step_ms)
 
     def close(self) -> None:
         self._plans.put(None)
@@ -99,8 +106,9 @@ def plan(step_id: int, new=(), cached=()) -> executor_pb2.StepPlan:
                                       block_table=[3 * s, 3 * s + 1, 3 * s + 2],
                                       num_computed_tokens=0, num_scheduled_tokens=3)
                   for s in new],
-        cached_seqs=[executor_pb2.CachedSeq(seq_id=s, num_scheduled_tokens=1,
-                                            num_computed_tokens=step_id + 1) for s in cached])
+        cached=executor_pb2.CachedSeqs(seq_ids=cached, num_scheduled_tokens=[1] * len(cached),
+                                       num_computed_tokens=[step_id + 1] * len(cached),
+                                       num_new_blocks=[0] * len(cached)))
 
 
 def test_overlap_on_and_off_give_the_same_results():
@@ -144,7 +152,7 @@ def test_rejected_plan_after_the_result_of_the_step_before_it(served):
         link.receive()
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "cached seq 99" in err.value.details()
-    assert served.runner.seqs == {} and served.runner.num_pending_steps == 0
+    assert not len(served.runner.input_batch) and served.runner.num_pending_steps == 0
 
 
 def test_failing_step_answers_internal_and_drops_state(served, monkeypatch):
@@ -166,7 +174,7 @@ def test_failing_step_answers_internal_and_drops_state(served, monkeypatch):
         link.receive()
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "step 2 failed" in err.value.details() and "forward broke" in err.value.details()
-    assert served.runner.seqs == {} and served.runner.num_pending_steps == 0
+    assert not len(served.runner.input_batch) and served.runner.num_pending_steps == 0
 
 
 def test_a_newer_stream_of_the_same_scheduler_aborts_the_older_one(served):

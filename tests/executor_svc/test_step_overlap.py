@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from executor_svc.step import CachedSeq, PlanMismatch, StepPlan
+from executor_svc.step import CachedSeqs, PlanMismatch, StepPlan
 from tests.executor_svc.helpers import (
-    PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, hf_greedy, hf_model,
-    make_runner, make_scheduler, random_prompt, with_eager_graphs,
+    PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, held_num_tokens, held_tokens,
+    hf_greedy, hf_model, make_runner, make_scheduler, random_prompt, with_eager_graphs,
 )
 
 
@@ -50,17 +50,18 @@ def test_validation_counts_the_unfinished_token():
     driver = PlanDriver(runner)
     prompt = random_prompt(random.Random(1), 7)  # 2 blocks of 4: room for one more token
     prefill = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(1, prompt)]))
-    assert runner.num_tokens(1) == 8 and len(runner.token_ids(1)) == 7
+    assert held_num_tokens(runner, 1) == 8 and len(held_tokens(runner, 1)) == 7
     with pytest.raises(PlanMismatch, match="exceeds its 8 tokens"):
-        runner.launch(StepPlan(2, cached_seqs=[CachedSeq(1, 2, 7, [])]))
-    decode = runner.launch(StepPlan(2, cached_seqs=[CachedSeq(1, 1, 7, [])]))
+        runner.launch(StepPlan(2, cached_seqs=CachedSeqs.of([(1, 2, 7, [])])))
+    decode = runner.launch(StepPlan(2, cached_seqs=CachedSeqs.of([(1, 1, 7, [])])))
     with pytest.raises(RuntimeError, match="not the oldest"):
         runner.finish(decode)
     first, second = runner.finish(prefill), runner.finish(decode)
     assert [first.step_id, second.step_id] == [1, 2]
     tokens = [first.sampled[0].token_id, second.sampled[0].token_id]
-    assert tokens == hf_greedy(hf, prompt, 2) == runner.token_ids(1)[7:].tolist()
-    assert runner.num_tokens(1) == len(runner.token_ids(1)) and runner.num_pending_steps == 0
+    assert tokens == hf_greedy(hf, prompt, 2) == held_tokens(runner, 1)[7:].tolist()
+    assert held_num_tokens(runner, 1) == len(held_tokens(runner, 1))
+    assert runner.num_pending_steps == 0
 
 
 def test_a_seq_dropped_while_its_token_is_unfinished_still_gets_it():
@@ -69,11 +70,12 @@ def test_a_seq_dropped_while_its_token_is_unfinished_still_gets_it():
     rng = random.Random(2)
     first = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(s, random_prompt(rng, 5))
                                                for s in (1, 2)]))
-    second = runner.launch(StepPlan(2, finished_seq_ids=[1], cached_seqs=[CachedSeq(2, 1, 5, [])]))
-    assert set(runner.seqs) == {2}
+    second = runner.launch(StepPlan(2, finished_seq_ids=[1],
+                                    cached_seqs=CachedSeqs.of([(2, 1, 5, [])])))
+    assert runner.input_batch.seq_ids == [2]
     assert [t.seq_id for t in runner.finish(first).sampled] == [1, 2]
     assert [t.seq_id for t in runner.finish(second).sampled] == [2]
-    assert len(runner.token_ids(2)) == 7
+    assert len(held_tokens(runner, 2)) == 7
 
 
 def test_reset_forgets_unfinished_steps():
@@ -81,7 +83,7 @@ def test_reset_forgets_unfinished_steps():
     driver = PlanDriver(runner)
     pending = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(1, [5, 6, 7])]))
     runner.reset()
-    assert runner.num_pending_steps == 0 and runner.seqs == {}
+    assert runner.num_pending_steps == 0 and not len(runner.input_batch)
     with pytest.raises(RuntimeError):
         runner.finish(pending)
     out = execute(runner, StepPlan(40, new_seqs=[driver.new_seq(2, [5, 6, 7])]))
@@ -92,11 +94,11 @@ def test_a_dropped_seqs_unfinished_token_never_lands_in_the_row_of_the_seq_after
     runner = make_runner(hf_model("tiny"))
     driver = PlanDriver(runner)
     first = runner.launch(StepPlan(1, new_seqs=[driver.new_seq(1, [5, 6, 7])]))
-    row = runner.seqs[1].row
+    row = runner.input_batch.row(1)
     second = runner.launch(StepPlan(2, finished_seq_ids=[1],
                                     new_seqs=[driver.new_seq(2, [8, 9, 10, 11])]))
-    assert runner.seqs[2].row == row  # the freed row, taken at once
+    assert runner.input_batch.row(2) == row  # the freed row, taken at once
     runner.finish(first)
-    assert runner.token_ids(2).tolist() == [8, 9, 10, 11] and runner.num_tokens(2) == 5
+    assert held_tokens(runner, 2).tolist() == [8, 9, 10, 11] and held_num_tokens(runner, 2) == 5
     [token] = runner.finish(second).sampled
-    assert runner.token_ids(2).tolist() == [8, 9, 10, 11, token.token_id]
+    assert held_tokens(runner, 2).tolist() == [8, 9, 10, 11, token.token_id]

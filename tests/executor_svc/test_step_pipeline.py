@@ -69,8 +69,8 @@ class FakeRunner:
         return pending.step_id
 
 
-def pipeline(runner: FakeRunner, max_in_flight: int = 2) -> StepPipeline:
-    return StepPipeline(runner.launch, runner.finish, max_in_flight)
+def pipeline(runner: FakeRunner, max_launched: int = 2) -> StepPipeline:
+    return StepPipeline(runner.launch, runner.finish, max_launched)
 
 
 class Plans:
@@ -102,9 +102,9 @@ def test_next_step_launched_before_the_previous_finishes_results_in_order():
     assert runner.max_unfinished == 2
 
 
-def test_one_in_flight_is_one_step_at_a_time():
+def test_one_launched_is_one_step_at_a_time():
     runner = FakeRunner(slow=True)
-    assert list(pipeline(runner, max_in_flight=1).run([Plan(i) for i in range(1, 4)])) == [1, 2, 3]
+    assert list(pipeline(runner, max_launched=1).run([Plan(i) for i in range(1, 4)])) == [1, 2, 3]
     assert runner.calls == ["L1", "F1", "L2", "F2", "L3", "F3"]
 
 

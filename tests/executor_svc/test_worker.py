@@ -4,7 +4,7 @@ import torch
 
 from executor_svc.backends import get_backend
 from executor_svc.config import ExecutorConfig
-from executor_svc.step import CachedSeq, NewSeq, SamplingOptions, StepPlan
+from executor_svc.step import CachedSeqs, NewSeq, SamplingOptions, StepPlan
 from executor_svc.worker import Worker
 from tests.executor_svc.helpers import execute
 
@@ -19,10 +19,10 @@ def test_worker_describe_and_execute():
     out = execute(
         runner, StepPlan(1, new_seqs=[NewSeq(3, [1, 2, 3], [7], 0, 3, SamplingOptions())]))
     assert [s.seq_id for s in out.sampled] == [3] and out.step_ms >= out.forward_ms
-    out = execute(runner, StepPlan(2, cached_seqs=[CachedSeq(3, 1, 3, [])]))
+    out = execute(runner, StepPlan(2, cached_seqs=CachedSeqs.of([(3, 1, 3, [])])))
     assert [s.seq_id for s in out.sampled] == [3]
     runner.reset()
-    assert runner.seqs == {}
+    assert not len(runner.input_batch)
 
 
 def test_fingerprint_depends_on_seed_and_preset():

@@ -20,7 +20,7 @@ import pytest
 
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler_svc.executor_client import ExecutorClient
-from scheduler_svc.plan import CachedSeqPlan, NewSeqPlan, StepPlan
+from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan
 from scheduler_svc.sampling_params import SamplingParams
 from tests.integration.harness import (free_port, generate, start_executor, start_services,
                                        wait_serving)
@@ -34,7 +34,8 @@ RESYNCS = "pagedserve_executor_resyncs_total"
 
 
 def stranger_hello() -> executor_pb2.StepPlan:
-    return executor_pb2.StepPlan(lease=executor_pb2.Lease(scheduler_id=uuid.uuid4().hex, epoch=1))
+    return executor_pb2.StepPlan(lease=executor_pb2.Lease(
+        scheduler_id=uuid.uuid4().hex, epoch=1, protocol_version=executor_pb2.PROTOCOL_VERSION))
 
 
 GARBAGE = [executor_pb2.StepPlan(), executor_pb2.StepPlan(step_id=1),
@@ -180,7 +181,7 @@ def test_an_idle_link_outlives_keepalive_pings(executor):
     2 strikes) answers the third or so with GOAWAY too_many_pings and the stream breaks."""
     address, _, _ = executor
     first = StepPlan(1, new_seqs=[NewSeqPlan(1, [5, 6, 7], [0], 0, 3, SamplingParams(), 0)])
-    second = StepPlan(2, cached_seqs=[CachedSeqPlan(1, 1, 3, [])])
+    second = StepPlan(2, cached_seqs=CachedSeqs.of([(1, 1, 3, [])]))
 
     async def run() -> None:
         client = ExecutorClient([address], keepalive_s=1.0)

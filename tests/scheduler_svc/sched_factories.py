@@ -101,15 +101,17 @@ class FakeExecutor:
             self.tables[s.seq_id] = list(s.block_table)
             self.tokens[s.seq_id] = list(s.token_ids)
             self.computed[s.seq_id] = s.num_computed_tokens
-        for s in plan.cached_seqs:
-            assert s.seq_id in self.tables, f"cached seq {s.seq_id} unknown to executor"
-            assert self.computed[s.seq_id] == s.num_computed_tokens, "computed mismatch"
-            self.tables[s.seq_id].extend(s.new_block_ids)
+        for seq_id, _, num_computed, new_block_ids in plan.cached_seqs:
+            assert seq_id in self.tables, f"cached seq {seq_id} unknown to executor"
+            assert self.computed[seq_id] == num_computed, "computed mismatch"
+            self.tables[seq_id].extend(new_block_ids)
         sampled = {}
-        for s in [*plan.new_seqs, *plan.cached_seqs]:
-            token = self._forward(s.seq_id, s.num_scheduled_tokens)
+        scheduled = [(s.seq_id, s.num_scheduled_tokens) for s in plan.new_seqs]
+        scheduled += zip(plan.cached_seqs.seq_ids, plan.cached_seqs.num_scheduled_tokens)
+        for seq_id, num_scheduled in scheduled:
+            token = self._forward(seq_id, num_scheduled)
             if token is not None:
-                sampled[s.seq_id] = token
+                sampled[seq_id] = token
         return sampled
 
     def _apply_copies(self, plan: StepPlan) -> None:
@@ -143,7 +145,7 @@ class FakeExecutor:
 def check_plan(sched: Scheduler, plan: StepPlan) -> None:
     """Plan well-formedness that does not need executor state."""
     new_ids = [s.seq_id for s in plan.new_seqs]
-    cached_ids = [s.seq_id for s in plan.cached_seqs]
+    cached_ids = list(plan.cached_seqs.seq_ids)
     assert len(set(new_ids + cached_ids)) == len(new_ids) + len(cached_ids), "new/cached overlap"
     assert plan.num_scheduled_tokens <= sched.config.max_num_batched_tokens
     assert plan.num_scheduled_seqs <= sched.config.max_num_seqs

@@ -1,8 +1,10 @@
 """ExecutorClient's stream operations over a fake Execute call: a result that does not come
 within step_timeout_s, or a call that fails, marks the executor lost; a cancelled step loop is
 cancelled, not turned into a lost executor. Over an in-process server: a stream that ends while
-idle, and a pass over the addresses refused by every executor, are reported at once."""
+idle, and a pass over the addresses refused by every executor, are reported at once; an
+executor of another protocol version is refused before any stream opens."""
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -50,6 +52,26 @@ def test_a_failed_write_loses_the_executor():
         asyncio.run(client.send(StepPlan(1)))
 
 
+class ReplyingCall(SilentCall):
+    """An Execute call whose reads return `reply`."""
+
+    def __init__(self, reply) -> None:
+        super().__init__()
+        self.reply = reply
+
+    async def read(self):
+        return self.reply
+
+
+def test_a_result_whose_columns_do_not_line_up_loses_the_executor():
+    reply = executor_pb2.StepResult(step_id=3, sampled=executor_pb2.SampledTokens(
+        seq_ids=[1, 2], token_ids=[5]))
+    client = client_with(ReplyingCall(reply))
+    with pytest.raises(ExecutorLost, match="its result for step 3 does not read: sampled: 2 seq"):
+        asyncio.run(client.receive(StepPlan(3)))
+    assert client._call is None
+
+
 def test_cancelling_a_wait_for_a_result_is_a_cancellation_not_a_lost_executor():
     client = client_with(SilentCall())
     client.step_timeout_s = 60
@@ -66,16 +88,20 @@ def test_cancelling_a_wait_for_a_result_is_a_cancellation_not_a_lost_executor():
 
 
 class LeaseServicer(executor_pb2_grpc.ExecutorServicer):
-    """An executor that acknowledges the lease hello, or refuses it as leased when `refusal`."""
+    """An executor that acknowledges the lease hello, or refuses it as leased when `refusal`;
+    Describe names `protocol_version`."""
 
-    def __init__(self, refusal: str | None = None) -> None:
-        self.refusal = refusal
+    def __init__(self, refusal: str | None = None,
+                 protocol_version: int = executor_pb2.PROTOCOL_VERSION) -> None:
+        self.refusal, self.protocol_version, self.streams = refusal, protocol_version, 0
 
     async def Describe(self, request, context):
         return executor_pb2.DescribeResponse(model_name="m", fingerprint="f", block_size=4,
-                                             num_gpu_blocks=8, max_model_len=64, vocab_size=10)
+                                             num_gpu_blocks=8, max_model_len=64, vocab_size=10,
+                                             protocol_version=self.protocol_version)
 
     async def Execute(self, request_iterator, context):
+        self.streams += 1
         async for _ in request_iterator:
             if self.refusal:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refusal)
@@ -141,3 +167,24 @@ def test_a_pass_refused_by_every_executor_is_reported_and_retried():
         await server.stop(0)
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("version", [0, executor_pb2.PROTOCOL_VERSION + 1])
+def test_an_executor_of_another_protocol_version_is_refused_naming_both(version, caplog):
+    async def body() -> str:
+        servicer = LeaseServicer(protocol_version=version)
+        server, address = await serving(servicer)
+        client = ExecutorClient([address])
+        with caplog.at_level(logging.ERROR, logger="scheduler_svc.executor_client"):
+            assert await client.connect_once() is None
+        assert servicer.streams == 0  # refused on Describe's answer: no stream was opened
+        servicer.protocol_version = executor_pb2.PROTOCOL_VERSION
+        assert (await client.connect_once()).model_name == "m"
+        await client.close()
+        await server.stop(0)
+        return address
+
+    address = asyncio.run(body())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        f"refusing executor {address}: it speaks executor protocol version {version}, this "
+        f"scheduler version {executor_pb2.PROTOCOL_VERSION} (run one pagedserve release on both)"]

@@ -8,8 +8,8 @@ from scheduler_svc.errors import ExecutorDisagreement
 from scheduler_svc.plan import SeqUpdate
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, SequenceStatus
-from sched_factories import (EOS, FakeExecutor, Loop, PipelinedLoop, default_token, make_scheduler,
-                             make_seq)
+from sched_factories import (EOS, FakeExecutor, Loop, PipelinedLoop, default_token, make_samples,
+                             make_scheduler, make_seq)
 
 
 def expected_output(seq_id: int, prompt_len: int, max_tokens: int) -> list[int]:
@@ -41,8 +41,7 @@ def test_single_seq_prefill_then_decode():
     assert plan.new_seqs[0].block_table == [0, 1] and plan.new_seqs[0].seed is not None
     assert [u.token_id for u in updates] == expected_output(1, 8, 1)
     plan, _ = loop.step()
-    assert [(s.num_scheduled_tokens, s.num_computed_tokens) for s in plan.cached_seqs] == [(1, 8)]
-    assert plan.cached_seqs[0].new_block_ids == [2]
+    assert list(plan.cached_seqs) == [(1, 1, 8, [2])]
     loop.step()
     assert loop.finished == {1: FinishReason.LENGTH}
     assert loop.outputs[1] == expected_output(1, 8, 3)
@@ -89,7 +88,7 @@ def test_continuous_batching_new_seq_joins_decoding_one():
     loop.step()
     sched.add_seq(make_seq(2, prompt_len=5, max_tokens=3))
     plan, updates = loop.step()
-    assert [s.seq_id for s in plan.cached_seqs] == [1]
+    assert plan.cached_seqs.seq_ids == [1]
     assert [(s.seq_id, s.num_scheduled_tokens) for s in plan.new_seqs] == [(2, 5)]
     assert {u.seq.seq_id for u in updates} == {1, 2}
     loop.run_until_done()
@@ -109,7 +108,7 @@ def test_chunked_prefill_splits_long_prompt_and_samples_once():
         chunks.append(plan.num_scheduled_tokens)
         assert bool(updates) == (len(chunks) == 3)
     assert chunks == [16, 16, 8]
-    assert plan.cached_seqs[0].num_computed_tokens == 32
+    assert plan.cached_seqs.num_computed_tokens[0] == 32
     loop.run_until_done()
     assert loop.outputs[1] == expected_output(1, 40, 2)
 
@@ -134,7 +133,7 @@ def test_budget_running_decodes_first_then_prefill_chunk():
     loop.step()
     sched.add_seq(make_seq(9, prompt_len=30, max_tokens=1))
     plan, _ = loop.step()
-    assert [s.num_scheduled_tokens for s in plan.cached_seqs] == [1, 1]
+    assert plan.cached_seqs.num_scheduled_tokens == [1, 1]
     assert [(s.seq_id, s.num_scheduled_tokens) for s in plan.new_seqs] == [(9, 10)]
 
 
@@ -241,7 +240,7 @@ def test_abort_mid_flight_is_ignored_and_pages_freed():
     assert [u.seq.seq_id for u in updates] == [2]
     assert sched.block_manager.get_block_table(1) == []
     plan, _ = loop.step()
-    assert plan.finished_seq_ids == [1] and [s.seq_id for s in plan.cached_seqs] == [2]
+    assert plan.finished_seq_ids == [1] and plan.cached_seqs.seq_ids == [2]
     loop.run_until_done()
     assert loop.outputs[2] == expected_output(2, 8, 5) and len(loop.outputs[1]) == 1
 
@@ -308,7 +307,7 @@ def test_mixed_swap_then_recompute_with_small_cpu_pool():
     assert_all_block_free(sched)
 
 
-def test_newest_running_seq_is_the_victim():
+def test_of_requests_holding_as_many_pages_the_newest_is_the_victim():
     sched = make_scheduler(block_size=4, num_gpu_blocks=6, num_cpu_blocks=40)
     loop = Loop(sched)
     for seq in pressure_seqs(n=3, prompt_len=7, max_tokens=12):

@@ -1,23 +1,23 @@
-"""The executor protocol's plan encoding: what the scheduler sends is what the executor reads,
-cached seqs in columns included; columns that do not line up are refused as a plan mismatch."""
+"""The executor protocol's plan and result encodings: what the scheduler sends is what the
+executor reads and back, held seqs, sampled tokens and logprobs in columns; columns that do not
+line up are refused (a plan mismatch on the executor, a disagreement on the scheduler)."""
 
 import numpy as np
 import pytest
 
 from executor_svc import wire as executor_wire
-from executor_svc.step import CachedSeq, PlanMismatch
+from executor_svc.step import PlanMismatch
 from protos import executor_pb2, generate_pb2
 from scheduler_svc import wire
-from scheduler_svc.plan import CachedSeqPlan, NewSeqPlan, StepPlan
-from scheduler_svc.errors import InvalidArgument
+from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan
+from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.request import ModelLimits, RequestLimits, prepare
 from scheduler_svc.sampling_params import SamplingParams
 
 
 def sample_plan() -> StepPlan:
     new = NewSeqPlan(7, [5, 6, 7], [3], 0, 3, SamplingParams(temperature=0.5), seed=11)
-    cached = [CachedSeqPlan(1, 1, 40, []), CachedSeqPlan(2, 1, 47, [9]),
-              CachedSeqPlan(3, 16, 0, [4, 5]), CachedSeqPlan(4, 1, 20, [])]
+    cached = CachedSeqs.of([(1, 1, 40, []), (2, 1, 47, [9]), (3, 16, 0, [4, 5]), (4, 1, 20, [])])
     return StepPlan(5, swap_out=[(1, 2)], copy=[(6, 8)], new_seqs=[new], cached_seqs=cached,
                     finished_seq_ids=[12], preempted_seq_ids=[13])
 
@@ -26,18 +26,17 @@ def test_plan_round_trip_through_the_executor_wire():
     plan = sample_plan()
     data = wire.plan_to_proto(plan).SerializeToString()
     step = executor_wire.plan_from_proto(executor_pb2.StepPlan.FromString(data))
-    assert list(step.cached_seqs) == [CachedSeq(s.seq_id, s.num_scheduled_tokens, s.num_computed_tokens,
-                                          s.new_block_ids) for s in plan.cached_seqs]
+    assert list(step.cached_seqs) == list(plan.cached_seqs) == [
+        (1, 1, 40, []), (2, 1, 47, [9]), (3, 16, 0, [4, 5]), (4, 1, 20, [])]
     assert [s.seq_id for s in step.new_seqs] == [7] and step.new_seqs[0].sampling.seed == 11
     assert (step.step_id, step.swap_out, step.copy) == (5, [(1, 2)], [(6, 8)])
     assert (step.finished_seq_ids, step.preempted_seq_ids) == ([12], [13])
 
 
-def test_cached_seqs_columns_and_views_agree():
+def test_cached_seqs_columns():
     plan = sample_plan()
     assert plan.cached_seqs.num_new_blocks == [0, 1, 2, 0]
     assert plan.cached_seqs.new_block_ids == [9, 4, 5]
-    assert plan.cached_seqs[2] == CachedSeqPlan(3, 16, 0, [4, 5])
     assert plan.num_scheduled_tokens == 3 + 19 and plan.num_scheduled_seqs == 5
 
 
@@ -50,8 +49,8 @@ def test_plan_without_cached_seqs_leaves_the_field_unset():
     ("num_new_blocks", [0, 2]),  # more blocks than new_block_ids holds
 ])
 def test_misaligned_columns_are_a_plan_mismatch(field, values):
-    msg = wire.plan_to_proto(StepPlan(2, cached_seqs=[CachedSeqPlan(1, 1, 40, []),
-                                                      CachedSeqPlan(2, 1, 47, [9])]))
+    msg = wire.plan_to_proto(StepPlan(2, cached_seqs=CachedSeqs.of([(1, 1, 40, []),
+                                                                     (2, 1, 47, [9])])))
     getattr(msg.cached, field)[:] = values
     with pytest.raises(PlanMismatch):
         executor_wire.plan_from_proto(msg)
@@ -92,6 +91,39 @@ def test_sampling_controls_cross_both_wires():
         (4, -0.5), (2, -1.5)]
     [msg] = wire.events_to_protos([TokenEvent(4, "x", 0)], "r")
     assert list(msg.token_ids) == [4] and not msg.logprobs
+
+
+def test_a_result_reads_as_the_executor_wrote_it():
+    from executor_svc.step import SampledToken, StepResult as ExecutorResult
+    from scheduler_svc.sampling_params import TokenLogprobs
+    asked = (SampledToken(2**64 - 1, 9, -3.0), SampledToken(8, 1, -0.25, (1, 0), (-0.25, -2.0)))
+    result = ExecutorResult(6, np.array([2**64 - 1, 8, 5], dtype=np.uint64),
+                            np.array([9, 1, 128255]), 1.5, 2.5, asked)
+    data = executor_wire.result_to_proto(result).SerializeToString()
+    back = wire.result_from_proto(executor_pb2.StepResult.FromString(data))
+    assert back.sampled == {2**64 - 1: 9, 8: 1, 5: 128255}
+    assert (back.forward_ms, back.step_ms) == (1.5, 2.5)
+    assert back.logprobs == {2**64 - 1: TokenLogprobs(-3.0, ()),
+                             8: TokenLogprobs(-0.25, ((1, -0.25), (0, -2.0)))}
+    empty = wire.result_from_proto(executor_pb2.StepResult(step_id=1))
+    assert (empty.sampled, empty.logprobs) == ({}, {})
+
+
+@pytest.mark.parametrize("fields", [
+    dict(sampled=executor_pb2.SampledTokens(seq_ids=[1, 2], token_ids=[5])),
+    dict(sampled=executor_pb2.SampledTokens(seq_ids=[1, 1], token_ids=[5, 6])),
+    dict(logprobs=executor_pb2.SampledLogprobs(seq_ids=[1], logprobs=[-1.0, -2.0],
+                                               num_top_logprobs=[0])),
+    dict(logprobs=executor_pb2.SampledLogprobs(seq_ids=[1], logprobs=[-1.0], num_top_logprobs=[2],
+                                               top_token_ids=[3], top_logprobs=[-1.0])),
+    dict(logprobs=executor_pb2.SampledLogprobs(seq_ids=[1], logprobs=[-1.0], num_top_logprobs=[1],
+                                               top_token_ids=[3], top_logprobs=[-1.0, -2.0])),
+    dict(logprobs=executor_pb2.SampledLogprobs(seq_ids=[1], logprobs=[-1.0],
+                                               num_top_logprobs=[2**32 - 1])),
+], ids=["token-short", "seq-twice", "logprob-long", "top-short", "top-logprob-long", "top-huge"])
+def test_result_columns_that_do_not_line_up_are_a_disagreement(fields):
+    with pytest.raises(ExecutorDisagreement):
+        wire.result_from_proto(executor_pb2.StepResult(step_id=1, **fields))
 
 
 def test_bad_logit_bias_lengths_are_a_plan_mismatch():
@@ -146,13 +178,14 @@ def test_a_new_seq_sends_its_tokens_past_a_cached_prefix(params, first):
     tokens = list(range(100, 111))  # 11 tokens, 8 of them cached (two pages of 4)
     plan = StepPlan(3, new_seqs=[NewSeqPlan(7, tokens, [4, 5, 6], 8, 3, params, seed=1)])
     msg = executor_pb2.StepPlan.FromString(wire.plan_to_proto(plan).SerializeToString())
-    assert msg.new_seqs[0].first_token == first and list(msg.new_seqs[0].token_ids) == tokens[first:]
+    assert msg.new_seqs[0].first_position == first
+    assert list(msg.new_seqs[0].token_ids) == tokens[first:]
     step = executor_wire.plan_from_proto(msg)
     new = step.new_seqs[0]
-    assert (new.first_token, new.num_tokens, new.token_ids) == (first, 11, tokens[first:])
+    assert (new.first_position, new.num_tokens, new.token_ids) == (first, 11, tokens[first:])
     fresh = NewSeqPlan(8, tokens, [4, 5, 6], 0, 11, params, seed=1)  # nothing cached: all
     msg = wire.plan_to_proto(StepPlan(4, new_seqs=[fresh]))
-    assert msg.new_seqs[0].first_token == 0 and list(msg.new_seqs[0].token_ids) == tokens
+    assert msg.new_seqs[0].first_position == 0 and list(msg.new_seqs[0].token_ids) == tokens
 
 
 def _grpc_request(**fields) -> generate_pb2.GenerateRequest:

@@ -211,7 +211,7 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan, budget: _Budget) -> None:
         """Oldest first, each to catch up with its tokens, those a step in flight will sample
         included (the executor feeds them itself), but not past the point where the seq is
-        certain to stop. A seq short of pages preempts the newest running seqs (maybe itself).
+        certain to stop. A seq short of pages preempts others (maybe itself: _victim).
         The executor knows every running seq: each goes as a diff (its table only grows).
         Every running seq passes here every step, so the loop binds its calls once."""
         running, allocate, advance = self.running, self.block_manager.allocate_slots, self._advance
@@ -236,9 +236,13 @@ class Scheduler:
             seq_id = seq.seq_id
             new_block_ids = allocate(seq_id, num_computed + num_new)
             if new_block_ids is None:
-                new_block_ids = self._preempt_until_fits(seq, num_new, plan)
+                new_block_ids, tokens_back = self._preempt_until_fits(seq, num_new, plan)
+                tokens += tokens_back
+                # Victims may have stood before seq: find where the loop stands now.
+                i = bisect.bisect_left(running, seq.sort_key, key=_age)
                 if new_block_ids is None:
-                    break  # seq preempted itself: everything after it is gone too
+                    continue  # seq preempted itself; those after it may still fit
+                i += 1
             tokens -= num_new
             add_seq_id(seq_id)  # CachedSeqs.append, bound once
             add_num_scheduled(num_new)
@@ -254,18 +258,66 @@ class Scheduler:
         budget.tokens = tokens
 
     def _preempt_until_fits(self, seq: Sequence, num_new: int,
-                            plan: StepPlan) -> list[int] | None:
-        """New block ids for seq, preempting from the tail of running until they fit; None
-        when seq itself was preempted."""
+                            plan: StepPlan) -> tuple[list[int] | None, int]:
+        """New block ids for seq (None when seq itself was preempted), preempting a _victim at a
+        time until they fit, and the budget tokens that victims scheduled earlier in this plan
+        give back."""
+        tokens_back = 0
         while True:
-            victim = self.running[-1]
+            victim = self._victim()
+            tokens_back += self._unschedule(victim, plan)
             self._preempt(victim, plan)
             if victim is seq:
-                return None
+                return None, tokens_back
             new_block_ids = self.block_manager.allocate_slots(
                 seq.seq_id, seq.num_computed_tokens + num_new)
             if new_block_ids is not None:
-                return new_block_ids
+                return new_block_ids, tokens_back
+
+    def _victim(self) -> Sequence:
+        """The running seq to preempt. Never the oldest unless it runs alone: it always
+        progresses, so every seq finishes in turn (no livelock). Among the others, the newest
+        seq of the request holding the most distinct GPU pages (a request's samples, which share
+        their prompt's pages, counted together), ties to the newest request: whoever holds the
+        pool pays for it, not a small newcomer. The samples of a request share its arrival time
+        (admission gives them one), which groups them here."""
+        running = self.running
+        if len(running) == 1:
+            return running[0]
+        requests: dict[float, list[Sequence]] = {}
+        for seq in running[1:]:
+            requests.setdefault(seq.arrival_time, []).append(seq)
+        table_of = self.block_manager.get_block_table
+
+        def num_pages(seqs: list[Sequence]) -> int:
+            if len(seqs) == 1:  # most requests: no set to build
+                return len(table_of(seqs[0].seq_id))
+            return len(set().union(*(table_of(seq.seq_id) for seq in seqs)))
+
+        arrival = max(requests, key=lambda t: (num_pages(requests[t]), t))
+        return requests[arrival][-1]
+
+    @staticmethod
+    def _unschedule(seq: Sequence, plan: StepPlan) -> int:
+        """Takes seq, about to be preempted, back out of the plan being built if it was
+        scheduled there; returns its scheduled tokens. The pages allocated for them stay in its
+        table, released or moved with it."""
+        cached = plan.cached_seqs
+        try:
+            k = cached.seq_ids.index(seq.seq_id)
+        except ValueError:
+            return 0
+        start = sum(cached.num_new_blocks[:k])
+        del cached.new_block_ids[start:start + cached.num_new_blocks[k]]
+        num_new = cached.num_scheduled_tokens[k]
+        for column in (cached.seq_ids, cached.num_scheduled_tokens, cached.num_computed_tokens,
+                       cached.num_new_blocks):
+            del column[k]
+        seq.num_computed_tokens -= num_new
+        if seq.seq_id in plan.sampling_seq_ids:
+            plan.sampling_seq_ids.remove(seq.seq_id)
+            seq.num_pending_tokens -= 1
+        return num_new
 
     def _schedule_swapped(self, plan: StepPlan, budget: _Budget) -> None:
         """Swap in oldest first while the pages (and the next tokens) fit; pages still on the

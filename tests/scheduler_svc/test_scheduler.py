@@ -317,6 +317,128 @@ def test_of_requests_holding_as_many_pages_the_newest_is_the_victim():
     assert loop.plans[-1].preempted_seq_ids == [2]
 
 
+def preempted_ids(loop) -> list[int]:
+    return [seq_id for plan in loop.plans for seq_id in plan.preempted_seq_ids]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
+def test_the_request_holding_the_most_pages_is_the_victim_not_a_small_newcomer(mode, loop_class):
+    """Seq 1 holds the most pages; seq 2 (small, newest) is never preempted and finishes on
+    time, seq 0 (oldest) never either; every token is right."""
+    sched = make_scheduler(block_size=4, num_gpu_blocks=12, num_cpu_blocks=40,
+                           preemption_mode=mode)
+    loop = loop_class(sched)
+    sched.add_seq(make_seq(0, prompt_len=4, max_tokens=40))
+    sched.add_seq(make_seq(1, prompt_len=16, max_tokens=30))
+    sched.add_seq(make_seq(2, prompt_len=2, max_tokens=12))
+    for _ in range(16):
+        loop.step()
+    assert loop.finished.get(2) is FinishReason.LENGTH
+    assert 1 in preempted_ids(loop) and not {0, 2} & set(preempted_ids(loop))
+    loop.run_until_done()
+    assert loop.outputs == {0: expected_output(0, 4, 40), 1: expected_output(1, 16, 30),
+                            2: expected_output(2, 2, 12)}
+    assert_all_block_free(sched)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
+def test_wide_requests_give_up_their_samples_before_a_small_newcomer(mode, caching, loop_class):
+    """Two requests of n = 4 outgrow the pool; a small request admitted after them is never the
+    victim (its one page against their dozens) and finishes in its own time; a sample preempted
+    by recompute finds its prompt's pages again through the prefix cache."""
+    sched = make_scheduler(block_size=4, num_gpu_blocks=24, num_cpu_blocks=64,
+                           preemption_mode=mode, enable_prefix_caching=caching)
+    loop = loop_class(sched)
+    for seq_id in (0, 10):
+        seq = make_seq(seq_id, prompt_len=6, max_tokens=30)
+        sched.add_seq(seq, make_samples(seq, 4, seq_id + 1))
+    loop.step()
+    sched.add_seq(make_seq(20, prompt_len=3, max_tokens=16))
+    for _ in range(20):
+        loop.step()
+    assert loop.finished.get(20) is FinishReason.LENGTH
+    assert preempted_ids(loop) and 20 not in preempted_ids(loop)
+    loop.run_until_done()
+    assert loop.outputs[20] == expected_output(20, 3, 16)
+    assert all(len(tokens) == 30 for seq_id, tokens in loop.outputs.items() if seq_id != 20)
+    assert_all_block_free(sched)
+
+
+def test_a_requests_samples_count_their_shared_prompt_pages_once():
+    """Request 1 (two samples sharing four prompt pages: seven distinct pages, eleven
+    referenced) holds fewer pages than request 3 (eight): the victim is request 3's seq."""
+    sched = make_scheduler(block_size=4, num_gpu_blocks=64, num_cpu_blocks=0)
+    loop = Loop(sched)
+    sched.add_seq(make_seq(0, prompt_len=2, max_tokens=20))
+    seq = make_seq(1, prompt_len=20, max_tokens=20)
+    sched.add_seq(seq, make_samples(seq, 2, 2))
+    sched.add_seq(make_seq(3, prompt_len=29, max_tokens=20))
+    loop.step()
+    loop.step()
+    bm = sched.block_manager
+    assert [len(bm.get_block_table(i)) for i in (1, 2, 3)] == [6, 5, 8]
+    assert sched._victim().seq_id == 3
+    sched.add_seq(make_seq(4, prompt_len=40, max_tokens=4))
+    loop.step()  # seq 4 (ten pages) starts: now the victim, though it is the newest
+    assert sched._victim().seq_id == 4
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_victim_scheduled_earlier_in_the_step_is_taken_back_out_of_the_plan(mode):
+    """Seq 1, the biggest, was scheduled before seq 2 ran short in the same step: the plan drops
+    it again (its tokens back in the budget) and preempts it; every token stays right."""
+    sched = make_scheduler(block_size=4, num_gpu_blocks=9, num_cpu_blocks=40,
+                           preemption_mode=mode)
+    loop = Loop(sched)
+    sched.add_seq(make_seq(0, prompt_len=1, max_tokens=20))
+    sched.add_seq(make_seq(1, prompt_len=17, max_tokens=20))
+    sched.add_seq(make_seq(2, prompt_len=3, max_tokens=20))
+    while not any(p.preempted_seq_ids for p in loop.plans):
+        loop.step()
+    plan = loop.plans[-1]
+    assert plan.preempted_seq_ids == [1]
+    assert list(plan.cached_seqs.seq_ids) == [0, 2]
+    assert plan.sampling_seq_ids == [0, 2]
+    loop.run_until_done()
+    assert loop.outputs == {0: expected_output(0, 1, 20), 1: expected_output(1, 17, 20),
+                            2: expected_output(2, 3, 20)}
+    assert_all_block_free(sched)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_the_oldest_running_seq_is_never_preempted_unless_alone(seed, mode):
+    """FCFS liveness under random pressure (requests of 1-4 samples, pipelined steps): the seq
+    that is oldest when a step is planned always keeps running, so everything finishes."""
+    rng = random.Random(seed)
+    sched = make_scheduler(block_size=4, num_gpu_blocks=rng.randint(8, 20),
+                           num_cpu_blocks=rng.choice([0, 8, 64]), preemption_mode=mode,
+                           max_num_batched_tokens=rng.choice([8, 64]))
+    loop = PipelinedLoop(sched)
+    schedule = sched.schedule
+
+    def checked_schedule():
+        oldest = sched.running[0] if len(sched.running) > 1 else None
+        plan = schedule()
+        assert oldest is None or oldest.seq_id not in plan.preempted_seq_ids
+        return plan
+
+    sched.schedule = checked_schedule
+    seq_id = 0
+    for _ in range(8):
+        seq = make_seq(seq_id, prompt_len=rng.randint(1, 12), max_tokens=rng.randint(4, 24))
+        samples = make_samples(seq, rng.randint(1, 4), seq_id + 1)
+        sched.add_seq(seq, samples)
+        seq_id += 1 + len(samples)
+        loop.step()
+    loop.run_until_done()
+    assert preempted_ids(loop)
+    assert_all_block_free(sched)
+
+
 # ---- executor loss -------------------------------------------------------------------------
 
 def test_reset_executor_then_everything_finishes_identically():

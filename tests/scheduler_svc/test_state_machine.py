@@ -1,7 +1,8 @@
 """Hypothesis state machine over the scheduler: random adds (some sharing prompt prefixes, with
 prefix caching on or off, some of n parallel samples), steps, aborts (also mid-flight), stop-string finishes and executor
-resets, with invariants after every rule and a drain at the end that must free every GPU and CPU
-block and give every unaborted seq its exact tokens."""
+resets, with invariants after every rule (and after every plan: the oldest running seq is never
+preempted) and a drain at the end that must free every GPU and CPU block and give every unaborted
+seq its exact tokens."""
 
 import functools
 import random
@@ -34,10 +35,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         bm = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks,
                           enable_prefix_caching=caching)
         self.sched = Scheduler(config, bm, rng=random.Random(0))
+        self.sched.schedule = self._schedule_keeping_the_oldest
         self.loop = self.LOOP(self.sched)
         self.next_id = 0
         self.expected: dict[int, tuple[int, int]] = {}  # seq_id -> (prompt_len, num outputs)
         self.cut_short: set[int] = set()  # aborted or stopped by "stop string"
+
+    def _schedule_keeping_the_oldest(self):
+        """FCFS liveness: the oldest running seq is preempted only when it runs alone."""
+        running = self.sched.running
+        oldest = running[0].seq_id if len(running) > 1 else None
+        plan = Scheduler.schedule(self.sched)
+        assert oldest is None or oldest not in plan.preempted_seq_ids, oldest
+        return plan
 
     def _live_id(self, index: int) -> int:
         ids = sorted(self.sched._seqs)

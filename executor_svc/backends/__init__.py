@@ -49,7 +49,10 @@ class Backend(Protocol):
 
     def gelu_tanh_and_mul(self, x, out=None) -> torch.Tensor: ...
 
-    def linear(self, x, weight, bias=None) -> torch.Tensor: ...
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        """x [T, K] -> [T, N]; weight: a dense [N, K] tensor (F.linear's contract) or a quantized
+        linear (executor_svc.quantization: Int4Weight, Fp8Weight)."""
+        ...
 
 
 def get_backend(name: str) -> Backend:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from executor_svc.quantization import Fp8Weight, Int4Weight
 from pagedserve_kernels import reference
 
 
@@ -24,8 +25,20 @@ class CpuBackend:
     rotary_embedding_and_cache = staticmethod(reference.rotary_embedding_and_cache)
     silu_and_mul = staticmethod(reference.silu_and_mul)
     gelu_tanh_and_mul = staticmethod(reference.gelu_tanh_and_mul)
-    linear = staticmethod(F.linear)
+
+    @staticmethod
+    def linear(x, weight, bias=None) -> torch.Tensor:
+        """F.linear for a dense weight; a quantized one through its kernel's twin."""
+        if isinstance(weight, Int4Weight):
+            return reference.int4_linear(x, weight.qweight, weight.scales, weight.zeros,
+                                         weight.group_size, weight.perm, bias)
+        if isinstance(weight, Fp8Weight):
+            return reference.fp8_linear(x, weight.weight, weight.weight_scale,
+                                        weight.input_scale, weight.per_token, bias,
+                                        weight.block_size)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def check_model(config) -> None:
-        """The reference twins compute every feature of every supported family."""
+        """The reference twins compute every feature of every supported family, and every
+        quantization executor_svc.quantization loads."""

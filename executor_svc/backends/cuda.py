@@ -57,6 +57,10 @@ class CudaBackend:
     def check_model(config) -> None:
         """Refuses a model needing what the kernels lack (missing_features), by name: the ops
         below are never called with those arguments set, so they do not look at them."""
+        if config.quantization is not None:
+            kernel = "FP8 W8A8 product" if "fp8" in config.quantization else "int4 kernel"
+            raise ValueError(f"{config.quantization} needs the {kernel}, which the CUDA backend "
+                             "does not have yet (--backend cpu computes it)")
         missing = missing_features(config)
         if missing:
             raise ValueError(f"{config.architecture} needs {' and '.join(missing)}, which the "

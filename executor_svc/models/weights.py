@@ -1,13 +1,17 @@
 """Per-family weight names: a transformers state dict to the decoder's LayerWeights (fused q|k|v
-and gate|up, Gemma's (1 + w) norms). Imports torch only.
+and gate|up, Gemma's (1 + w) norms), and a quantized checkpoint's tensors to such a state dict
+whose linears are quantized weights (executor_svc.quantization). Imports torch only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 
 from executor_svc.model_config import ModelConfig
+from executor_svc.quantization import (QuantConfig, QuantizationError, check_linear, fuse,
+                                       load_linear)
 
 # Families whose checkpoints hold q|k|v (Phi-3) or gate|up (Phi-3, GLM) already fused.
 _FUSED_QKV = ("phi3",)
@@ -24,6 +28,9 @@ _PLAIN_NORMS = (None, "post_attention_layernorm", None)
 
 @dataclass
 class LayerWeights:
+    """The projections are dense [N, K] tensors or, from a quantized checkpoint, Int4Weight /
+    Fp8Weight (executor_svc.quantization); Backend.linear takes each."""
+
     input_norm: torch.Tensor  # [hidden]
     qkv_proj: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden], q|k|v fused
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim] (Qwen2, GLM)
@@ -76,7 +83,54 @@ def layer_weights(weights: dict[str, torch.Tensor], i: int, cfg: ModelConfig) ->
 
 
 def _fused(weights, prefix: str, parts: tuple[str, ...], fused: str, is_fused: bool):
-    """One [sum of outputs, hidden] matrix: the checkpoint's own fused one, or the parts'."""
+    """One [sum of outputs, hidden] linear: the checkpoint's own fused one, or the parts'."""
     if is_fused:
         return weights[prefix + fused + ".weight"]
-    return torch.cat([weights[prefix + name + ".weight"] for name in parts])
+    names = [prefix + name for name in parts]
+    return fuse(names, [weights[name + ".weight"] for name in names])
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Every linear of the decoder layers, by module name, with its dense (N, K)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    if cfg.architecture in _FUSED_QKV:
+        attn = {"qkv_proj": (q + 2 * kv, h)}
+    else:
+        attn = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h)}
+    if cfg.architecture in _FUSED_GATE_UP:
+        mlp = {"gate_up_proj": (2 * inter, h)}
+    else:
+        mlp = {"gate_proj": (inter, h), "up_proj": (inter, h)}
+    per_layer = {**{f"self_attn.{n}": s for n, s in attn.items()}, "self_attn.o_proj": (h, q),
+                 **{f"mlp.{n}": s for n, s in mlp.items()}, "mlp.down_proj": (h, inter)}
+    return {f"model.layers.{i}.{n}": s for i in range(cfg.num_layers) for n, s in per_layer.items()}
+
+
+def quantized_state_dict(get: Callable[[str], torch.Tensor | None], names: Iterable[str],
+                         quant: QuantConfig, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """A state dict (names as transformers') whose quantized linears are Int4Weight / Fp8Weight
+    under "<module>.weight"; every other tensor in `dtype`. A quantized tensor left over (lm_head,
+    embeddings, a KV-cache scale) is refused by name: only the layers' linears are served so."""
+    used: set[str] = set()
+
+    def tracked(name: str) -> torch.Tensor | None:
+        used.add(name)
+        return get(name)
+    schemes = {m: (quant.scheme_for(m), shape) for m, shape in linear_shapes(cfg).items()}
+    schemes = {m: s for m, s in schemes.items() if s[0] is not None}
+    for module, (scheme, shape) in schemes.items():  # every layer's shape before any tensor
+        check_linear(module, scheme, shape)
+    weights: dict = {}
+    for module, (scheme, shape) in schemes.items():
+        weights[module + ".weight"] = load_linear(tracked, module, scheme, shape, dtype)
+    for name in names:
+        if name in used:
+            continue
+        tensor = get(name)
+        if not tensor.is_floating_point() or tensor.element_size() == 1:
+            raise QuantizationError(f"{name} is {tensor.dtype}, but no linear the "
+                                    f"quantization_config ({quant.name}) quantizes reads it: "
+                                    "only the decoder layers' linears are served quantized")
+        weights[name] = tensor.to(dtype)
+    return weights

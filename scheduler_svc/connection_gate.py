@@ -1,6 +1,6 @@
 """The public gRPC port's gate: an asyncio listener that owns the TCP port and pipes each
-connection opening with the HTTP/2 preface to grpc's private unix socket, closing a full port's
-idle connections (connection_table) for newcomers. No grpc, no torch.
+connection opening with the HTTP/2 preface to grpc's private unix socket, closing connections
+for newcomers at the cap as connection_table chooses. No grpc, no torch.
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ class _Upstream(asyncio.Protocol):
 
 class _GatedConnection(asyncio.Protocol):
     """One client connection: held until it proves itself with the preface, then piped to grpc,
-    its streams followed from frame headers so that one being answered is never evicted."""
+    its streams followed from frame headers so that one being answered is evicted only from a
+    peer over its share."""
 
     def __init__(self, gate: ConnectionGate) -> None:
         self.gate = gate
@@ -141,7 +142,7 @@ class _GatedConnection(asyncio.Protocol):
             data = self._prove(data)
             if not data:
                 return
-        if self._answering == 0:
+        if self._answering == 0:  # a busy one's client sends pings and window updates on its own
             self.gate.table.touch(self)
         if frames := self._in.scan(data):
             self._client_frames(frames)
@@ -300,19 +301,26 @@ class ConnectionGate:
     # --- what connections ask of the gate -------------------------------------------------------
 
     def admit(self, conn: _GatedConnection, peer: str) -> bool:
-        """Counts a new connection, closing the most crowded peer's least recently active idle
-        one for it at the cap; when all are busy, closes the newcomer instead (False)."""
+        """Counts a new connection, closing one for it at the cap (connection_table's choice: an
+        idle one, else one of a peer over its share, its calls then ending UNAVAILABLE at the
+        client); when none may go, closes the newcomer instead (False)."""
         if self.table.full():
-            victim = self.table.victim()
+            victim = self.table.victim(peer)
             if victim is None:
                 REFUSALS.warning("grpc-connections", f"gRPC API: closed new connections over "
-                                 f"the cap of {self.limits.max_connections}, all busy "
-                                 "(--grpc-max-connections)")
+                                 f"the cap of {self.limits.max_connections}, all busy and none "
+                                 "of a peer over its share (--grpc-max-connections)")
                 conn.transport.close()
                 return False
-            REFUSALS.warning("grpc-evicted", f"gRPC API: at the cap of "
-                             f"{self.limits.max_connections} connections, closed idle ones of "
-                             "the peers holding the most for newcomers")
+            if self.table.state(victim) is ConnState.BUSY:
+                REFUSALS.warning("grpc-evicted-busy", f"gRPC API: at the cap of "
+                                 f"{self.limits.max_connections} connections, closed ones with "
+                                 "calls in progress of peers holding more than their share for "
+                                 "newcomers of other peers")
+            else:
+                REFUSALS.warning("grpc-evicted", f"gRPC API: at the cap of "
+                                 f"{self.limits.max_connections} connections, closed idle ones "
+                                 "of the peers holding the most for newcomers")
             self.table.remove(victim)
             victim.close()
         self.table.add(conn, peer)

@@ -1,7 +1,7 @@
 """The HTTP API's connection bounds: uvicorn's httptools protocol with header size and count
-limits, header, body and keep-alive deadlines, and a connection cap (idle connections closed for
-newcomers, else 429), plus the throttled log of refusals and accept errors. Knows nothing of the
-API's routes. No gRPC, no torch.
+limits, header, body and keep-alive deadlines, a connection cap (idle connections, or those of a
+peer over its share, closed for newcomers, else 429), and the throttled log of refusals and accept
+errors. Knows nothing of the API's routes. No gRPC, no torch.
 """
 from __future__ import annotations
 
@@ -159,28 +159,35 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        if self._table.full() and not self._evict_for_newcomer():
+        peer = peer_key(self.client[0] if self.client else None)
+        if self._table.full() and not self._evict_for_newcomer(peer):
             self._refuse_connection()
             return
-        self._table.add(self, peer_key(self.client[0] if self.client else None))
+        self._table.add(self, peer)
         self._arm(self.limits.header_timeout_s, self._on_header_timeout)
 
-    def _evict_for_newcomer(self) -> bool:
-        """Closes the most crowded peer's least recently active idle connection; False if every
-        connection is answering or reading a request."""
-        victim = self._table.victim()
+    def _evict_for_newcomer(self, peer: str) -> bool:
+        """Closes connection_table's choice for a newcomer from `peer`: an idle connection of the
+        most crowded peer, else one of a peer over its share, busy or not. False if none may go."""
+        victim = self._table.victim(peer)
         if victim is None:
             return False
-        REFUSALS.warning("evicted", f"HTTP API: at the cap of {self.limits.max_connections} "
-                                    "connections, closed idle ones of the peers holding the "
-                                    "most for newcomers")
+        if self._table.state(victim) is ConnState.BUSY:
+            REFUSALS.warning("evicted-busy", f"HTTP API: at the cap of "
+                             f"{self.limits.max_connections} connections, cut requests of peers "
+                             "holding more than their share for newcomers of other peers")
+        else:
+            REFUSALS.warning("evicted", f"HTTP API: at the cap of {self.limits.max_connections} "
+                                        "connections, closed idle ones of the peers holding the "
+                                        "most for newcomers")
         self._table.remove(victim)
         victim._evict()
         return True
 
     def _evict(self) -> None:
-        """Closes an idle connection, as its keep-alive timeout would (at once if its client
-        does not read what it was sent)."""
+        """Closes the connection, as its keep-alive timeout would (at once if its client does
+        not read what it was sent); a request being answered sees its client gone, as after a
+        disconnect, and is aborted."""
         self._refused = True
         self._disarm()
         if self.transport.get_write_buffer_size():
@@ -189,7 +196,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _restate(self) -> None:
-        """Idle (nothing asked), reading a request, or answering one (never evicted)."""
+        """Idle (nothing asked), reading a request, or answering one (cut only over its share)."""
         cycle = self.cycle
         if self.pipeline or cycle is not None and not cycle.response_complete and (
                 not cycle.more_body or cycle.response_started):

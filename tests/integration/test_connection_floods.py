@@ -1,9 +1,10 @@
 """Connection floods against real processes (the tiny preset), the scheduler under an open-file
-limit of 512 so that its derived caps are small: idle connections from one attacker address,
-replaced without pause, fill the public gRPC port and the HTTP API past their caps while a
-bystander gRPC stream and HTTP stream run. The bystanders end as undisturbed, a fresh client is
-served within 1 s during the flood and after it, the scheduler never runs out of descriptors, and
-a connection that never sends the HTTP/2 preface is closed at its 5 s deadline."""
+limit of 512 so that its derived caps are small: connections from one attacker address, idle or
+each holding a request (a Health.Watch, a stream never read), replaced without pause, fill the
+public gRPC port and the HTTP API past their caps while a bystander gRPC stream and HTTP stream
+run. The bystanders end as undisturbed, a fresh client is served during the flood and within 1 s
+after it, cut requests return their pages, the scheduler never runs out of descriptors, and a
+connection that never sends the HTTP/2 preface is closed at its 5 s deadline."""
 from __future__ import annotations
 
 import collections
@@ -12,13 +13,16 @@ import json
 import re
 import resource
 import socket
+import struct
 import threading
 import time
 from contextlib import contextmanager
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
+from scheduler_svc.connection_gate import PREFACE
 from tests.integration.harness import generate, start_services
 
 pytestmark = pytest.mark.slow
@@ -161,18 +165,18 @@ def bystanders(services):
     assert (results.get("grpc"), results.get("http")) == services.reference
 
 
-def assert_fresh_clients_served(services) -> None:
-    """A new HTTP connection and a new gRPC connection, each answered within 1 s."""
+def assert_fresh_clients_served(services, within_s: float = 1.0) -> None:
+    """A new HTTP connection and a new gRPC connection, each answered within `within_s`."""
     started = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=5)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}),
                  {"content-type": "application/json"})
     assert conn.getresponse().status == 200
     conn.close()
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < within_s
     started = time.monotonic()
     assert len(grpc_tokens(services, max_tokens=2)) == 2
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < within_s
 
 
 def test_a_grpc_connection_flood_locks_no_client_out(services):
@@ -197,3 +201,121 @@ def test_a_connection_without_the_http2_preface_is_closed_at_its_deadline(servic
     took the place of their own connections, never of this one."""
     assert services.silent.closed.wait(10)
     assert 4.5 <= services.silent.lasted <= 7.0, services.silent.lasted
+
+
+def _h2_frame(ftype: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">IBI", len(payload) << 8 | ftype, flags, stream) + payload
+
+
+def _literal(index: int, value: str) -> bytes:  # HPACK: a literal header of an indexed name
+    return bytes([0x40 | index, len(value)]) + value.encode()
+
+
+_WATCH = health_pb2.HealthCheckRequest().SerializeToString()
+# The preface, an empty SETTINGS frame, then stream 1: a whole Health.Watch request (:method POST,
+# :scheme http, :path, :authority, content-type, te), answered until the client goes
+WATCH_CALL = (PREFACE + _h2_frame(4, 0, 0) + _h2_frame(1, 0x4, 1, (
+    b"\x83\x86" + _literal(4, "/grpc.health.v1.Health/Watch") + _literal(1, "x")
+    + _literal(31, "application/grpc") + b"\x40\x02te\x08trailers"))
+    + _h2_frame(0, 0x1, 1, struct.pack(">BI", 0, len(_WATCH)) + _WATCH))
+_STREAM_BODY = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "temperature": 0,
+                           "ignore_eos": True, "stream": True}).encode()
+STREAM_CALL = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n" % len(_STREAM_BODY) + _STREAM_BODY)
+
+
+def _established(sock: socket.socket) -> bool:
+    """Whether the server has not closed the connection (TCP_INFO's state), read without
+    reading what it sent."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] == 1  # TCP_ESTABLISHED
+
+
+class Squatters:
+    """Connections from ATTACKER to `port`, up to `size` at once, each sending `call` (a request
+    answered for long) and never reading the answer; one the server closes is replaced at once,
+    as long as it runs. `size` over the cap: the attacker's newcomers keep coming."""
+
+    def __init__(self, port: int, size: int, call: bytes) -> None:
+        self.port, self.size, self.call = port, size, call
+        self.held = self.lost = 0  # open now; closed by the server
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Squatters:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while self.lost < 10 and time.monotonic() < deadline:  # the cap reached
+            time.sleep(0.01)
+        assert self.lost >= 10, "the attack never filled the cap"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        conns: list[socket.socket] = []
+        while not self._stop.is_set():
+            for sock in [s for s in conns if not _established(s)]:
+                conns.remove(sock)
+                sock.close()
+                self.lost += 1
+            if len(conns) < self.size:
+                try:
+                    sock = socket.create_connection(("127.0.0.1", self.port), timeout=2,
+                                                    source_address=(ATTACKER, 0))
+                    sock.sendall(self.call)
+                    conns.append(sock)
+                except OSError:
+                    pass
+            self.held = len(conns)
+            time.sleep(0.005)
+        for sock in conns:
+            sock.close()
+
+
+def requests_in_engine(services) -> int:
+    status = services.status()
+    return status.running + status.waiting + status.swapped
+
+
+def assert_pages_whole(services) -> None:
+    """No request left in the engine and no KV page in use: every cut request was aborted."""
+    deadline = time.monotonic() + 10
+    while (status := services.status()).gpu_blocks_used or requests_in_engine(services):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+
+
+def test_busy_grpc_connections_from_one_address_lock_no_client_out(services):
+    """Each of the attacker's connections holds a Health.Watch (free to ask, answered until the
+    client goes): a newcomer from another address takes the place of the least recently active
+    one, whose call ends; the attacker's own newcomers are closed."""
+    with bystanders(services):
+        with Squatters(services.grpc_port, services.grpc_cap + 2, WATCH_CALL) as attack:
+            for _ in range(2):
+                assert_fresh_clients_served(services)
+            assert attack.held >= services.grpc_cap - 2  # it kept all but the places it lost
+    assert_fresh_clients_served(services)
+    assert "closed ones with calls in progress of peers holding more" in services.log_of(
+        "scheduler")
+
+
+def test_busy_http_connections_from_one_address_lock_no_client_out(services):
+    """Each of the attacker's connections holds a completion stream whose answer it never reads:
+    a newcomer from another address takes the place of the least recently active one, whose
+    request is aborted as after a disconnect, its pages returned."""
+    with bystanders(services):
+        with Squatters(services.http_port, services.http_cap + 2, STREAM_CALL):
+            # the cap's worth of running streams slows each step on the CPU backend: the fresh
+            # client is let in at once (not 429), and answered at the engine's pace
+            assert_fresh_clients_served(services, within_s=5.0)
+            # no stream cut for it goes on: the engine holds no more requests than the cap's
+            # connections and the gRPC bystander
+            deadline = time.monotonic() + 5
+            while requests_in_engine(services) > services.http_cap + 1:
+                assert time.monotonic() < deadline, services.status()
+                time.sleep(0.05)
+    assert_fresh_clients_served(services)
+    assert "cut requests of peers holding more" in services.log_of("scheduler")
+    assert_pages_whole(services)

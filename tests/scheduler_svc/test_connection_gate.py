@@ -1,6 +1,7 @@
 """The public gRPC port's gate in-process, in front of the real public grpc server: the preface
-deadline, idle connections closed for newcomers at the cap while streams being answered never
-are, the client's address as grpc's peer, and the frame headers followed across any read.
+deadline, idle connections closed for newcomers at the cap, connections with streams being
+answered closed only for a newcomer of another peer while theirs holds more than its share, the
+client's address as grpc's peer, and the frame headers followed across any read.
 Against real processes, with bystanders: tests/integration/test_connection_floods.py."""
 import asyncio
 import dataclasses
@@ -87,7 +88,7 @@ def test_a_connection_without_the_preface_is_closed_at_its_deadline():
     run(test, dataclasses.replace(LIMITS, max_connections=8, preface_timeout_s=0.3))
 
 
-def test_at_the_cap_idle_connections_make_room_and_streams_are_never_cut():
+def test_at_the_cap_idle_connections_make_room_and_a_peers_own_newcomer_cuts_no_stream():
     async def test(port, public, health):
         async with channel_to(port) as watching:
             watch = health_pb2_grpc.HealthStub(watching).Watch(WATCHED)
@@ -99,13 +100,36 @@ def test_at_the_cap_idle_connections_make_room_and_streams_are_never_cut():
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
             async with channel_to(port) as second:
                 watch2 = health_pb2_grpc.HealthStub(second).Watch(WATCHED)
-                await watch2.read()  # both connections answer a stream: nothing to evict
-                refused = await raw(port)
+                await watch2.read()  # both connections answer a stream: nothing idle
+                refused = await raw(port, host="127.0.0.1")  # the peer holding both
                 assert await closed(refused, timeout=0.5)
                 await health.set("x", health_pb2.HealthCheckResponse.NOT_SERVING)
                 for stream in (watch, watch2):
                     assert (await stream.read()).status == (
                         health_pb2.HealthCheckResponse.NOT_SERVING)
+    run(test)
+
+
+def test_a_peer_over_its_share_loses_its_least_recently_active_stream_to_another_peer():
+    """127.0.0.1 holds both places with a stream each: a newcomer from 127.0.0.2 takes the place
+    of the older (its call ends UNAVAILABLE); with one place each, all busy, newcomers are
+    closed."""
+    async def test(port, public, health):
+        async with channel_to(port) as first, channel_to(port) as second:
+            watches = []
+            for channel in (first, second):  # the first the least recently active
+                watches.append(health_pb2_grpc.HealthStub(channel).Watch(WATCHED))
+                await watches[-1].read()
+                await asyncio.sleep(0.05)
+            newcomer = await raw(port, send=PREFACE + SETTINGS + watch_request())
+            with pytest.raises(grpc.aio.AioRpcError) as cut:
+                await watches[0].read()
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+            for host in ("127.0.0.2", "127.0.0.3"):  # one place each: nobody over its share
+                assert await closed(await raw(port, host=host), timeout=0.5)
+            assert not await closed(newcomer, timeout=0.1)
+            await health.set("x", health_pb2.HealthCheckResponse.SERVING)
+            assert (await watches[1].read()).status == health_pb2.HealthCheckResponse.SERVING
     run(test)
 
 
@@ -162,6 +186,13 @@ def request_headers(path: str) -> bytes:
         return bytes([0x40 | index, len(value)]) + value.encode()
     return (b"\x83\x86" + literal(4, path) + literal(1, "x") + literal(31, "application/grpc")
             + b"\x40\x02te\x08trailers")
+
+
+def watch_request() -> bytes:
+    """Stream 1: a whole Health.Watch request (HEADERS, then DATA with END_STREAM)."""
+    message = WATCHED.SerializeToString()
+    return (frame(1, 0x4, 1, request_headers("/grpc.health.v1.Health/Watch"))
+            + frame(0, 0x1, 1, struct.pack(">BI", 0, len(message)) + message))
 
 
 def test_frame_headers_are_followed_across_any_split():

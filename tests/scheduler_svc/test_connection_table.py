@@ -1,5 +1,6 @@
 """The eviction choice of a full listener: the most crowded peer's least recently active idle or
-stalled connection; never one being answered; per IPv4 address and IPv6 /64."""
+stalled connection; else, for a newcomer, the least recently active connection (busy too) of a
+peer over its share, never one of the newcomer's own peer; per IPv4 address and IPv6 /64."""
 import pytest
 
 from scheduler_svc.connection_table import ConnectionTable, ConnState, peer_key
@@ -43,7 +44,7 @@ def test_the_most_crowded_peers_least_recently_active_idle_connection(clock):
     assert table.victim() == "old-a"
 
 
-def test_busy_connections_are_never_chosen_but_count_for_their_peer(clock):
+def test_busy_connections_are_not_chosen_for_idle_room_but_count_for_their_peer(clock):
     table = table_of(clock)
     add(table, clock, "10.0.0.1", "a1", "a2", "a3")
     add(table, clock, "10.0.0.2", "b1", "b2")
@@ -87,8 +88,10 @@ def test_counts_follow_adds_and_removes(clock):
     assert table.victim() is None and len(table) == 0
 
 
-def test_many_peers_the_choice_stays_right_as_counts_change(clock):
-    """Against a plain scan over every connection, through a long run of random changes."""
+@pytest.mark.parametrize("removes,busy_share", [(0.6, 0.0), (0.75, 0.9)])
+def test_many_peers_the_choice_stays_right_as_counts_change(clock, removes, busy_share):
+    """Against a plain scan over every connection, through a long run of random changes; the
+    second run keeps few connections, most of them busy, so that often none is idle."""
     import random
 
     rng = random.Random(0)
@@ -101,7 +104,10 @@ def test_many_peers_the_choice_stays_right_as_counts_change(clock):
             name, peer = f"c{step}", f"10.0.0.{rng.randrange(12)}"
             table.add(name, peer)
             live[name] = (peer, ConnState.IDLE, clock.now)
-        elif op < 0.6:
+            if rng.random() < busy_share:
+                table.set_state(name, ConnState.BUSY)
+                live[name] = (peer, ConnState.BUSY, clock.now)
+        elif op < removes:
             name = rng.choice(sorted(live))
             table.remove(name)
             del live[name]
@@ -114,23 +120,103 @@ def test_many_peers_the_choice_stays_right_as_counts_change(clock):
         else:
             name = rng.choice(sorted(live))
             table.touch(name)
-            if live[name][1] is not ConnState.BUSY:
-                live[name] = (live[name][0], live[name][1], clock.now)
+            live[name] = (live[name][0], live[name][1], clock.now)
         assert table.victim() in expected_victims(live, clock.now, 0.5)
+        newcomer = f"10.0.0.{rng.randrange(14)}"  # two peers that hold none
+        assert table.victim(newcomer) in expected_victims(live, clock.now, 0.5, newcomer)
 
 
-def expected_victims(live, now, stall_s) -> set:
+def expected_victims(live, now, stall_s, newcomer=None) -> set:
     counts: dict[str, int] = {}
     for peer, _, _ in live.values():
         counts[peer] = counts.get(peer, 0) + 1
+    held = counts.get(newcomer, 0)
+    stalled = now - stall_s
     candidates = {name: (peer, at) for name, (peer, state, at) in live.items()
-                  if state is ConnState.IDLE or state is ConnState.READING and at <= now - stall_s}
+                  if counts[peer] >= held and (
+                      state is ConnState.IDLE or state is ConnState.READING and at <= stalled)}
+    if not candidates and newcomer is not None and counts:
+        top = max(counts.values())
+        if top >= held + 2:  # the newcomer's peer would still hold fewer
+            candidates = {name: (peer, at) for name, (peer, _, at) in live.items()
+                          if counts[peer] == top}
     if not candidates:
         return {None}
     top = max(counts[peer] for peer, _ in candidates.values())
     oldest = {peer: min(at for p, at in candidates.values() if p == peer)
               for peer, _ in candidates.values() if counts[peer] == top}
     return {name for name, (peer, at) in candidates.items() if oldest.get(peer) == at}
+
+
+def busy(table, clock, peer, *names):
+    add(table, clock, peer, *names)
+    for name in names:
+        table.set_state(name, ConnState.BUSY)
+
+
+def test_a_peer_over_its_share_loses_its_least_recently_active_busy_connection(clock):
+    table = table_of(clock)
+    busy(table, clock, "10.0.0.1", "a1", "a2", "a3", "a4", "a5", "a6")
+    busy(table, clock, "10.0.0.2", "b1")
+    table.set_state("a1", ConnState.IDLE)
+    table.set_state("a1", ConnState.BUSY)  # a new request: a2 is a's least recently active
+    assert table.victim() is None  # no idle connection
+    assert table.victim("10.0.0.3") == "a2"  # a holds 6, the newcomer's peer none
+    assert table.victim("10.0.0.2") == "a2"  # b would hold 2, still fewer than 6
+    assert table.victim("10.0.0.1") is None  # never for a newcomer of its own
+    table.touch("a2")  # its client sent something (a new call on its connection)
+    assert table.victim("10.0.0.3") == "a3"
+    table.set_state("a4", ConnState.READING)  # a request arriving, not stalled
+    clock.tick(5)
+    assert table.victim("10.0.0.3") == "a4"  # stalled now: chosen for idle room
+    table.touch("a4")
+    assert table.victim("10.0.0.3") == "a3"
+
+
+def test_an_idle_connection_makes_room_before_any_busy_one(clock):
+    table = table_of(clock)
+    busy(table, clock, "10.0.0.1", "a1", "a2", "a3", "a4", "a5")
+    add(table, clock, "10.0.0.2", "b1")  # b's only connection, idle
+    assert table.victim("10.0.0.3") == "b1"
+
+
+def test_a_crowded_peers_newcomer_takes_no_idle_place_of_a_peer_holding_fewer(clock):
+    table = table_of(clock)
+    busy(table, clock, "10.0.0.1", "a1", "a2", "a3", "a4")
+    add(table, clock, "10.0.0.2", "b1", "b2")  # idle, between two requests
+    busy(table, clock, "10.0.0.2", "b3")
+    assert table.victim("10.0.0.1") is None  # a holds 4, b 3
+    assert table.victim("10.0.0.2") == "b1"  # its own idle one
+    assert table.victim("10.0.0.3") == "b1"
+    table.set_state("a4", ConnState.IDLE)
+    assert table.victim("10.0.0.1") == "a4"
+
+
+def test_busy_connections_are_shared_out_without_back_and_forth(clock):
+    """Newcomers of three peers, in turn, at a cap of 9 that one peer filled with busy
+    connections: each takes a place until the shares are even, then every newcomer is refused;
+    no peer ever loses a connection to a newcomer of its own."""
+    table = table_of(clock, max_connections=9)
+    busy(table, clock, "10.0.0.1", *(f"a{i}" for i in range(9)))
+    peers = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    for turn in range(30):
+        peer = peers[turn % 3]
+        victim = table.victim(peer)
+        if victim is not None:
+            assert table._conns[victim][0].key != peer
+            table.remove(victim)
+            busy(table, clock, peer, f"n{turn}")
+    assert sorted(table.held_by(peer) for peer in peers) == [3, 3, 3]
+    assert all(table.victim(peer) is None for peer in peers)
+    assert table.victim("10.0.0.4") == table.victim("10.0.0.5") is not None  # a new peer: 0 < 3
+
+
+def test_two_peers_one_connection_apart_keep_their_places(clock):
+    table = table_of(clock, max_connections=5)
+    busy(table, clock, "10.0.0.1", "a1", "a2", "a3")
+    busy(table, clock, "10.0.0.2", "b1", "b2")
+    assert table.victim("10.0.0.2") is None  # b would hold 3 to a's 2: a would take it back
+    assert table.victim("10.0.0.3") == "a1"
 
 
 @pytest.mark.parametrize("host,key", [

@@ -173,20 +173,37 @@ def finish_code(final: generate_pb2.GenerateResponse | None, max_tokens: int = 0
     return EXIT_OK
 
 
+# What grpc says of a peer that answers the HTTP/2 preface in HTTP/1 (the OpenAI API's port, or
+# any web server).
+_HTTP1_PEER = ("http1.x server", "Failed parsing HTTP/2")
+
+
 def print_rpc_error(err: grpc.RpcError) -> None:
     print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+    if err.code() == grpc.StatusCode.UNAVAILABLE and any(
+            sign in (err.details() or "") for sign in _HTTP1_PEER):
+        print("(that address speaks HTTP/1, not gRPC: is it the OpenAI API's HTTP port? "
+              f"pagedserve-client talks to the scheduler's gRPC address, {DEFAULT_ADDRESS} "
+              "unless it was changed)", file=sys.stderr)
+
+
+def answer_or_report(stub, req, a: argparse.Namespace) -> tuple | None:
+    """stream_answer's (text, final), or None once it has printed why the call failed (an RPC
+    error or a stalled stream)."""
+    try:
+        return stream_answer(stub, req, a)
+    except grpc.RpcError as err:
+        print_rpc_error(err)
+    except Stalled as err:
+        print(f"error: {err}", file=sys.stderr)
+    return None
 
 
 def run_once(stub, a: argparse.Namespace, prompt: str) -> int:
-    req = build_request(a, prompt)
-    try:
-        _, final = stream_answer(stub, req, a)
-    except grpc.RpcError as err:
-        print_rpc_error(err)
+    answer = answer_or_report(stub, build_request(a, prompt), a)
+    if answer is None:
         return EXIT_RPC_ERROR
-    except Stalled as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_RPC_ERROR
+    _, final = answer
     return finish_code(final, _length_cap(a, final))
 
 

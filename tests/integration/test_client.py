@@ -119,6 +119,16 @@ def test_a_prompt_to_the_executor_names_the_mistake(tiny):
                    "changed)\n")
 
 
+def test_a_prompt_to_the_http_port_names_the_mistake(tiny):
+    address = f"127.0.0.1:{tiny.http_port}"
+    code, out, err = run_client(address, "What is the capital of France?")
+    assert code == 1 and out == ""
+    assert err.startswith("error: UNAVAILABLE: ")
+    assert err.endswith("(that address speaks HTTP/1, not gRPC: is it the OpenAI API's HTTP port? "
+                        "pagedserve-client talks to the scheduler's gRPC address, 127.0.0.1:50051 "
+                        "unless it was changed)\n")
+
+
 def test_bad_token_ids_is_one_line_usage_error(tiny):
     code, out, err = run_client(tiny.scheduler_address, "--token-ids", "a,b")
     assert code == 2

@@ -27,9 +27,7 @@ The scheduler's own work (schedule, update_from_output, plan encoding) is not ti
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import random
 import sys
 import time
@@ -43,8 +41,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_scheduler import (BLOCK_SIZE, MAX_MODEL_LEN,  # noqa: E402
-                                        MAX_NUM_BATCHED_TOKENS, NUM_CPU_BLOCKS, NUM_GPU_BLOCKS,
-                                        PROMPT_RANGE, _summary)
+                                        NUM_CPU_BLOCKS, NUM_GPU_BLOCKS, PROMPT_RANGE, _summary,
+                                        bench_scheduler, host_bench_parser, phase_summaries,
+                                        print_phases, run_cases)
 from executor_svc import wire  # noqa: E402
 from executor_svc.cuda_graphs import DecodeGraphs  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
@@ -52,10 +51,7 @@ from executor_svc.small_step_graphs import SmallStepGraphs  # noqa: E402
 from executor_svc.step import ExecutorInfo  # noqa: E402
 from protos import executor_pb2  # noqa: E402
 from scheduler_svc import wire as scheduler_wire  # noqa: E402
-from scheduler_svc.block_manager import BlockManager  # noqa: E402
-from scheduler_svc.config import SchedulerConfig  # noqa: E402
 from scheduler_svc.sampling_params import SamplingParams, StoppingParams  # noqa: E402
-from scheduler_svc.scheduler import Scheduler  # noqa: E402
 from scheduler_svc.sequence import Sequence  # noqa: E402
 
 VOCAB, EOS = 128_256, 128_001  # Llama-3
@@ -137,10 +133,7 @@ class Bench:
         self.rng = random.Random(seed)
         self.sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
         self.finish_per_step = finish_per_step
-        config = SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                                 max_num_seqs=num_seqs)
-        bm = BlockManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS)
-        self.sched = Scheduler(config, bm, rng=random.Random(seed))
+        self.sched = bench_scheduler(num_seqs, seed)
         self.fakes = Fakes(seed)
         self.runner = make_runner(self.fakes)
         self.in_flight: deque = deque()  # (scheduler plan, PendingStep)
@@ -229,9 +222,7 @@ class PrefixBench(Bench):
                  temperature: float = 0.0) -> None:
         self.rng = random.Random(seed)
         self.sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
-        config = SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=16)
-        bm = BlockManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, enable_prefix_caching=True)
-        self.sched = Scheduler(config, bm, rng=random.Random(seed))
+        self.sched = bench_scheduler(16, seed, enable_prefix_caching=True)
         self.fakes = Fakes(seed)
         self.runner = make_runner(self.fakes, small_steps=True)
         self.in_flight = deque()
@@ -276,8 +267,7 @@ def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1,
         samples += run
         run_sums.append(_summary([sum(s[p] for p in PHASES) for s in run])["median_ms"])
         kinds = {k: kinds[k] + v for k, v in bench.kinds.items()}
-    phases = {p: _summary([s[p] for s in samples]) for p in PHASES}
-    phases["sum"] = _summary([sum(s[p] for p in PHASES) for s in samples])
+    phases = phase_summaries(samples, PHASES)
     if case == "prefix":  # part of launch: with nothing else queued, the GPU idles through it
         phases["to_replay"] = _summary([s["to_replay"] for s in samples])
     return {"case": case, "num_seqs": num_seqs, "steps": steps, "repeat": repeat,
@@ -291,33 +281,21 @@ def _print(result: dict) -> None:
           f"{result['repeat']}, {result['running_at_end']} running at the end, step kinds "
           f"{result['step_kinds']}; median sum per run: "
           f"{', '.join(f'{m:.3f}' for m in result['run_median_sums_ms'])} ms)")
-    for phase, s in result["phases"].items():
-        print(f"  {phase:<9} median {s['median_ms']:7.3f} ms   p90 {s['p90_ms']:7.3f} ms")
+    print_phases(result["phases"])
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-seqs", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--steps", type=int, default=200, help="measured steps per run")
-    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    p.add_argument("--repeat", type=int, default=1, help="runs per case, steps pooled")
-    p.add_argument("--seed", type=int, default=0)
+    p = host_bench_parser(__doc__, CASES, [256, 1024])
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every request's (top_p 0.95 when > 0); default greedy, as W2")
-    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     # What the GPU runner queues as device copies runs here as CPU copies; with torch's two
     # intra-op threads on a shared 2-core VM each one waits for the other core (7 ms at 1,024
     # seqs instead of 0.05).
     torch.set_num_threads(1)
-    results = []
-    for case in args.cases:
-        for n in [1] if case == "prefix" else args.num_seqs:  # prefix: one seq at a time
-            results.append(run_case(case, n, args.steps, args.seed, args.repeat,
-                                    args.temperature))
-            _print(results[-1])
-    if args.json:
-        args.json.write_text(json.dumps({"results": results}, indent=1))
+    run_cases(args, lambda case, n: run_case(case, n, args.steps, args.seed, args.repeat,
+                                             args.temperature), _print,
+              sizes=lambda case: [1] if case == "prefix" else args.num_seqs)  # prefix: one seq
 
 
 if __name__ == "__main__":

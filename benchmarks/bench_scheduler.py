@@ -75,15 +75,20 @@ class FakeExecutor:
         return result.SerializeToString()
 
 
+def bench_scheduler(num_seqs: int, seed: int, enable_prefix_caching: bool = False) -> Scheduler:
+    """A scheduler of this module's pools and step budget, for up to `num_seqs` seqs."""
+    config = SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=num_seqs)
+    bm = BlockManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS,
+                      enable_prefix_caching=enable_prefix_caching)
+    return Scheduler(config, bm, rng=random.Random(seed))
+
+
 class Bench:
     """One scheduler with N sequences in decode, driven as the engine drives it."""
 
     def __init__(self, num_seqs: int, finish_per_step: int, seed: int) -> None:
         self.rng = random.Random(seed)
-        config = SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                                 max_num_seqs=num_seqs)
-        bm = BlockManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS)
-        self.sched = Scheduler(config, bm, rng=random.Random(seed))
+        self.sched = bench_scheduler(num_seqs, seed)
         self.executor = FakeExecutor(random.Random(seed + 1), finish_per_step)
         self.in_flight: deque[tuple[StepPlan, bytes]] = deque()
         self.next_seq_id = 0
@@ -147,6 +152,44 @@ def _summary(values_ns: list[int]) -> dict[str, float]:
     return {"median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))]}
 
 
+def phase_summaries(samples: list[dict[str, int]], phases: tuple[str, ...]) -> dict:
+    """Median and p90 of each phase over the steps `samples` (nanoseconds per phase), and of
+    their sum ("sum")."""
+    out = {p: _summary([s[p] for s in samples]) for p in phases}
+    out["sum"] = _summary([sum(s[p] for p in phases) for s in samples])
+    return out
+
+
+def print_phases(phases: dict) -> None:
+    for phase, s in phases.items():
+        print(f"  {phase:<9} median {s['median_ms']:7.3f} ms   p90 {s['p90_ms']:7.3f} ms")
+
+
+def host_bench_parser(doc: str, cases, num_seqs: list[int]) -> argparse.ArgumentParser:
+    """The flags of a benchmark of host time per step: --num-seqs, --steps, --cases, --repeat,
+    --seed and --json."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--num-seqs", type=int, nargs="+", default=num_seqs)
+    p.add_argument("--steps", type=int, default=200, help="measured steps per run")
+    p.add_argument("--cases", nargs="+", choices=list(cases), default=list(cases))
+    p.add_argument("--repeat", type=int, default=1, help="runs per case, steps pooled")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the results here")
+    return p
+
+
+def run_cases(args: argparse.Namespace, run, report, sizes=None) -> None:
+    """run(case, num_seqs) for each of --cases at each of `sizes(case)` (else --num-seqs), each
+    result printed by `report` as it comes, then all of them written to --json."""
+    results = []
+    for case in args.cases:
+        for n in sizes(case) if sizes else args.num_seqs:
+            results.append(run(case, n))
+            report(results[-1])
+    if args.json:
+        args.json.write_text(json.dumps({"results": results}, indent=1))
+
+
 def run_once(case: str, num_seqs: int, steps: int, seed: int,
              profile: bool = False) -> tuple[list[dict[str, int]], Bench, int]:
     """`steps` measured steps of one fresh Bench: per step, nanoseconds per phase; the Bench;
@@ -173,8 +216,7 @@ def run_case(case: str, num_seqs: int, steps: int, seed: int, repeat: int = 1,
         samples += run
         preemptions += preempted
         run_sums.append(_summary([sum(s.values()) for s in run])["median_ms"])
-    phases = {p: _summary([s[p] for s in samples]) for p in PHASES}
-    phases["sum"] = _summary([sum(s.values()) for s in samples])
+    phases = phase_summaries(samples, PHASES)
     return {"case": case, "num_seqs": num_seqs, "steps": steps, "repeat": repeat,
             "phases": phases, "run_median_sums_ms": run_sums,
             "running_at_end": bench.sched.num_running,
@@ -192,29 +234,16 @@ def _print(result: dict) -> None:
           f"{result['prompt_tokens_per_step']:.0f} prompt tokens/step, "
           f"{result['preemptions']} preemptions; median sum per run: "
           f"{', '.join(f'{m:.3f}' for m in result['run_median_sums_ms'])} ms)")
-    for phase, s in result["phases"].items():
-        print(f"  {phase:<9} median {s['median_ms']:7.3f} ms   p90 {s['p90_ms']:7.3f} ms")
+    print_phases(result["phases"])
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-seqs", type=int, nargs="+", default=[256, 512, 1024])
-    p.add_argument("--steps", type=int, default=200, help="measured steps per case")
-    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    p.add_argument("--repeat", type=int, default=1, help="runs per case, steps pooled")
-    p.add_argument("--seed", type=int, default=0)
+    p = host_bench_parser(__doc__, CASES, [256, 512, 1024])
     p.add_argument("--profile", action="store_true",
                    help="print cProfile's top functions for each case (inflates the times)")
-    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    results = []
-    for case in args.cases:
-        for n in args.num_seqs:
-            results.append(run_case(case, n, args.steps, args.seed, args.repeat,
-                                    args.profile))
-            _print(results[-1])
-    if args.json:
-        args.json.write_text(json.dumps({"results": results}, indent=1))
+    run_cases(args, lambda case, n: run_case(case, n, args.steps, args.seed, args.repeat,
+                                             args.profile), _print)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ COPY docker/wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir --find-links /tmp/wheels torch==${TORCH_VERSION}
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY pagedserve_common pagedserve_common
 COPY scheduler_svc scheduler_svc
 COPY executor_svc executor_svc
 COPY pagedserve_kernels pagedserve_kernels

@@ -9,6 +9,7 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY pagedserve_common pagedserve_common
 COPY scheduler_svc scheduler_svc
 COPY executor_svc executor_svc
 COPY pagedserve_kernels pagedserve_kernels

@@ -109,10 +109,7 @@ class DecodeGraphs:
             for variant in self.variants(bs):
                 self.step(variant, bs)
         torch.cuda.synchronize()
-        # here, not at import: only a capture needs its scratch
-        from pagedserve_kernels import attention
-
-        self._keepalive = attention.workspaces()
+        self._keepalive = self.model.backend.graph_workspaces()
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.batch_sizes):
             for variant in self.variants(bs):

@@ -9,6 +9,7 @@ import torch
 
 from executor_svc.block_tables import BlockTables
 from executor_svc.step import SamplingOptions
+from executor_svc.structured_output import GrammarCompiler, GrammarRows
 from executor_svc.token_counts import TokenCounts
 
 _COLUMNS = ("num_known", "num_tokens", "num_computed", "greedy", "occupancy")
@@ -22,7 +23,8 @@ class InputBatch:
     every row is held."""
 
     def __init__(self, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device, rows: int = 64) -> None:
+                 device: torch.device, rows: int = 64,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
         # A seq holds at most max_model_len tokens computed plus the one it samples after them.
         self.max_num_tokens = max_model_len + 1
         self.block_table = BlockTables(-(-max_model_len // block_size), rows)
@@ -40,6 +42,7 @@ class InputBatch:
         self.count_row: list[int | None] = [None] * rows  # by row: of token_counts, if penalised
         self.token_counts = TokenCounts(vocab_size, device)  # rows only for penalised seqs
         self.num_controlled = 0  # held seqs using a penalty, a logit bias or logprobs
+        self.grammars = GrammarRows(grammar_compiler)  # the rows of seqs that follow a grammar
         self._index = RowIndex()
         self._free = list(range(rows - 1, -1, -1))  # popped from the end: low rows first
 
@@ -95,6 +98,9 @@ class InputBatch:
             self.count_row[row] = self.token_counts.add(token_ids[:num_prompt],
                                                         token_ids[num_prompt:])
         self.num_controlled += sampling.has_controls
+        if sampling.grammar:  # its matcher replays the generated tokens
+            start = n if num_prompt_tokens is None else num_prompt_tokens
+            self.grammars.add(row, sampling.grammar, self.token_ids[row, start:n], n)
         return row
 
     def remove(self, seq_id: int) -> int | None:
@@ -108,6 +114,7 @@ class InputBatch:
             self.token_counts.free(self.count_row[row])
             self.count_row[row] = None
         self.num_controlled -= sampling.has_controls
+        self.grammars.remove(row)
         self._free.append(row)
         return row
 
@@ -121,6 +128,7 @@ class InputBatch:
         self.count_row = [None] * self.capacity
         self.token_counts.clear()
         self.num_controlled = 0
+        self.grammars.clear()
 
     def append_blocks(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
         """Appends counts[i] block ids to the table of rows[i] (distinct rows), in turn."""
@@ -151,11 +159,12 @@ class InputBatch:
     def record_sampled(self, rows: np.ndarray, occupancies: np.ndarray, positions: np.ndarray,
                        token_ids: np.ndarray) -> None:
         """A finished step's sampled ids, token_ids[i] at positions[i] of rows[i], for the rows
-        still held by the seq that sampled (same occupancy). Steps finish in launch order."""
+        still held by the seq that sampled (same occupancy), in launch order. Recording a step
+        again (after a grammar waited for its tokens) changes nothing."""
         held = self.occupancy[rows] == occupancies
         rows, positions = rows[held], positions[held]
         self.token_ids[rows, positions] = token_ids[held]
-        self.num_known[rows] = positions + 1
+        self.num_known[rows] = np.maximum(self.num_known[rows], positions + 1)
 
     def all_greedy_plain(self, rows: np.ndarray) -> bool:
         """Whether these rows sample greedily and no held seq uses a control (the common batch,

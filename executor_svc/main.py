@@ -14,7 +14,8 @@ import traceback
 from typing import NoReturn
 
 from executor_svc.config import ExecutorConfig
-from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen, is_loopback
+from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
+from pagedserve_common.listener_flags import is_loopback, read_token
 
 log = logging.getLogger("executor_svc")
 
@@ -121,7 +122,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     a = p.parse_args(argv)
     if not a.hello_timeout > 0:
         p.error(f"--hello-timeout must be > 0 seconds, got {a.hello_timeout}")
-    auth_token = _token(p, a.auth_token, a.auth_token_file)
+    auth_token = read_token(p, a.auth_token, a.auth_token_file, "--auth-token")
     if auth_token is None and not is_loopback(a.host):
         p.error(f"--host {a.host} is not a loopback address: set --auth-token (or "
                 "--auth-token-file) so that only your scheduler can drive this executor")
@@ -150,21 +151,6 @@ def _fingerprint_cache_dir(value: str | None) -> str | None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return os.path.join(base, "pagedserve")
     return None if value.strip().lower() in ("", "none") else value
-
-
-def _token(parser, value: str | None, path: str | None) -> str | None:
-    """The token from --auth-token or from --auth-token-file (stripped); not both, never empty."""
-    if value and path:
-        parser.error("give --auth-token or --auth-token-file, not both")
-    if path:
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-        except OSError as err:
-            parser.error(f"--auth-token-file: {err}")
-        if not value:
-            parser.error(f"--auth-token-file {path} is empty")
-    return value or None
 
 
 def _cuda_available() -> bool:

@@ -19,6 +19,7 @@ from executor_svc.input_batch import InputBatch
 from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, top_from_host
 from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step_timing import StepMarks, StepTimer
+from executor_svc.structured_output import GrammarCompiler
 from executor_svc.step import (
     BadSeq, CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch, SampledToken, StepPlan, StepResult,
 )
@@ -77,8 +78,11 @@ class ModelRunner:
         self.decode_graphs = decode_graphs  # None: every step runs eagerly
         self.small_step_graphs = small_step_graphs  # None: steps with prompt tokens run eagerly
         self.timer = StepTimer(backend.device)
+        # The tokenizer a grammar needs loads on a thread from now: the first constrained seq
+        # then waits for nothing.
+        compiler = GrammarCompiler(info.tokenizer, info.vocab_size) if info.tokenizer else None
         self.input_batch = InputBatch(info.max_model_len, info.block_size, info.vocab_size,
-                                      backend.device)
+                                      backend.device, grammar_compiler=compiler)
         self.last_step_id: int | None = None
         self._pending: deque[PendingStep] = deque()  # launched, not finished, in step order
 
@@ -172,6 +176,8 @@ class ModelRunner:
         if new.first_position and new.sampling.uses_penalties:
             raise PlanMismatch(f"seq {new.seq_id}: a penalty counts every token: first_position "
                                f"must be 0")
+        if new.sampling.grammar:
+            self._check_grammar(new)
         num_prompt = new.num_prompt_tokens
         if num_prompt is not None and not 0 < num_prompt <= num_tokens:
             raise PlanMismatch(f"seq {new.seq_id}: num_prompt_tokens {new.num_prompt_tokens} "
@@ -181,6 +187,14 @@ class ModelRunner:
         self._check_counts(new.seq_id, num_tokens, new.num_computed_tokens,
                            new.num_scheduled_tokens, len(new.block_table), new.block_table)
         return token_ids
+
+    def _check_grammar(self, new: NewSeq) -> None:
+        if not self.input_batch.grammars.available:
+            raise BadSeq(new.seq_id, "this executor's model has no tokenizer (or it did not "
+                         "load): it cannot follow a grammar")
+        if new.first_position > (new.num_prompt_tokens or new.num_tokens):
+            raise PlanMismatch(f"seq {new.seq_id}: a grammar replays the generated tokens: "
+                               f"first_position must be <= num_prompt_tokens")
 
     def _check_cached(self, cached: CachedSeqs, excluded: set[int]) -> np.ndarray:
         """Checks the plan's held seqs with whole-column ops (a seq named by `excluded` is
@@ -289,10 +303,13 @@ class ModelRunner:
         to_sample = np.flatnonzero(ends == input_batch.num_tokens[rows])  # [num_sampled]
         sample_rows = rows[to_sample]
         kind, params, sampled = "other", None, None
+        constrained = input_batch.grammars.constrained(sample_rows)  # [m] of to_sample
         if len(rows):
             tables = input_batch.block_table.gather(rows)  # [num_seqs, longest table]
             graphs = self.decode_graphs
-            if (graphs is not None and bool((batch.num_scheduled == 1).all())
+            # The decode graphs sample inside: a grammar's mask is not applied there yet.
+            if (graphs is not None and not len(constrained)
+                    and bool((batch.num_scheduled == 1).all())
                     and graphs.can_run(len(rows), tables.shape[1])):
                 logits, sampled = self._decode_replay(batch, tables, to_sample)
                 kind = "decode"
@@ -311,6 +328,8 @@ class ModelRunner:
                               input_batch.num_tokens[sample_rows], None, None, kind, marks,
                               0.0, 0.0)
         if len(to_sample):
+            if len(constrained):
+                self._apply_grammars(logits, sample_rows[constrained], constrained)
             if sampled is None:  # not sampled in a graph: by the eager Sampler
                 sampled = self._sample_eagerly(logits,
                                                params or self._sampling_tensors(sample_rows))
@@ -319,6 +338,32 @@ class ModelRunner:
             pending.logprobs_asked = input_batch.logprobs_asked(sample_rows)
         input_batch.advance(rows, ends, sample_rows)
         return pending
+
+    @torch.inference_mode()  # logits are an inference tensor
+    def _apply_grammars(self, logits: torch.Tensor, rows: np.ndarray, index: np.ndarray) -> None:
+        """-inf on the logits (rows `index` of logits [n, vocab]) of the tokens each row's
+        grammar disallows. Called once the step's forward is queued: a token of the rows that an
+        unfinished step sampled is waited for here, so the forward overlaps that step."""
+        input_batch = self.input_batch
+        positions = input_batch.num_tokens[rows]  # where the sampled tokens go
+        if (input_batch.num_known[rows] < positions).any():
+            self._record_unfinished()
+        token_ids = input_batch.token_ids
+        bitmask = input_batch.grammars.bitmask(
+            rows, positions, lambda row, start, end: token_ids[row, start:end])
+        device = self.backend.device
+        self.backend.apply_token_bitmask(logits, to_device(torch.from_numpy(bitmask), device),
+                                         to_device(torch.from_numpy(index), device))
+
+    def _record_unfinished(self) -> None:
+        """Waits for the unfinished steps and records their sampled ids in the rows now (finish
+        records them again, changing nothing)."""
+        for pending in self._pending:
+            if pending.results is not None:
+                pending.wait()
+                self.input_batch.record_sampled(
+                    pending.rows, pending.occupancies, pending.positions,
+                    pending.results[0].numpy().astype(np.int64))
 
     def _sample_eagerly(self, logits: torch.Tensor, params: SamplingTensors) -> tuple:
         """(token ids, logprobs, top ids and logprobs or None) of logits [m, vocab], and the

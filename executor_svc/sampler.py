@@ -227,6 +227,9 @@ class Sampler:
         if not params.all_greedy:
             probs = filtered_probs(logits, params)
             race = probs / -torch.log(uniform_noise(params.row_seeds, logits.shape[1]))
+            # E is 0 where the noise rounds to 1.0 in float32 (1 token in 2^24): a token the
+            # filters or a grammar dropped (p = 0) would race 0 / 0 = NaN, which argmax takes.
+            race.masked_fill_(probs == 0, 0.0)
             drawn = race.argmax(dim=-1)  # exponential race: argmax p / E, E ~ Exp(1)
             token_ids = drawn if token_ids is None else torch.where(params.greedy, token_ids, drawn)
         logprobs = torch.log_softmax(raw, dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)

@@ -83,10 +83,7 @@ class SmallStepGraphs:
         for size in self.token_sizes:
             self._forward(size)
         torch.cuda.synchronize(self.device)
-        # here, not at import: only a capture needs its scratch
-        from pagedserve_kernels import attention
-
-        self._keepalive = attention.workspaces()
+        self._keepalive = self.model.backend.graph_workspaces()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.token_sizes):
             graph = torch.cuda.CUDAGraph()

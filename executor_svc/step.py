@@ -26,6 +26,8 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     # None: no logprobs back; k >= 0: the sampled token's logprob and the k most likely tokens'
     logprobs: int | None = None
+    # llguidance grammar text the seq's tokens follow (executor_svc.structured_output); "": none
+    grammar: str = ""
 
     @cached_property  # computed once per seq: the sampler asks every step
     def uses_penalties(self) -> bool:
@@ -185,6 +187,20 @@ class BadSeq(PlanMismatch):
 
 
 @dataclass(frozen=True)
+class ModelGenerationConfig:
+    """What serving takes from a model's generation config (Describe carries it): every EOS id,
+    and the sampling defaults vLLM's --generation-config auto applies; None: the file sets none."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class ExecutorInfo:
     model_name: str
     fingerprint: str
@@ -196,3 +212,4 @@ class ExecutorInfo:
     vocab_size: int
     tokenizer: str
     backend: str
+    generation_config: ModelGenerationConfig = ModelGenerationConfig()

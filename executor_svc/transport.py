@@ -4,7 +4,6 @@ the deadline to each call.)
 """
 from __future__ import annotations
 
-import ipaddress
 import socket
 from dataclasses import dataclass
 
@@ -50,13 +49,3 @@ def check_can_listen(host: str, port: int) -> None:
             except OSError as err:
                 raise AddressInUse(f"cannot listen on {host}:{port}: {err.strerror} (is another "
                                    "executor running there?)") from err
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` only accepts connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from protos import executor_pb2
-from executor_svc.step import (CachedSeqs, ExecutorInfo, NewSeq, PlanMismatch, SampledToken,
-                               SamplingOptions, StepPlan, StepResult)
+from executor_svc.step import (CachedSeqs, ExecutorInfo, ModelGenerationConfig, NewSeq,
+                               PlanMismatch, SampledToken, SamplingOptions, StepPlan, StepResult)
 
 
 def _pairs(pairs) -> list[tuple[int, int]]:
@@ -22,7 +22,7 @@ def _sampling(s: executor_pb2.SamplingOptions) -> SamplingOptions:
         seed=s.seed, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty or 1.0,
         logit_bias=tuple(zip(s.logit_bias_token_ids, s.logit_bias_values)),
-        logprobs=s.logprobs if s.HasField("logprobs") else None)
+        logprobs=s.logprobs if s.HasField("logprobs") else None, grammar=s.grammar)
 
 
 def plan_from_proto(plan: executor_pb2.StepPlan) -> StepPlan:
@@ -117,4 +117,20 @@ def info_to_proto(info: ExecutorInfo, instance_id: int) -> executor_pb2.Describe
         backend=info.backend,
         instance_id=instance_id,
         protocol_version=executor_pb2.PROTOCOL_VERSION,
+        generation_config=_generation_config(info.generation_config),
     )
+
+
+def _generation_config(g: ModelGenerationConfig) -> executor_pb2.GenerationConfig | None:
+    """Only what the model sets: an unset default stays unset on the wire, as does the message
+    of a model without a generation config."""
+    if g == ModelGenerationConfig():
+        return None
+    values = {name: getattr(g, name) for name in _GENERATION_DEFAULTS}
+    return executor_pb2.GenerationConfig(
+        eos_token_ids=g.eos_token_ids,
+        **{name: value for name, value in values.items() if value is not None})
+
+
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                        "max_new_tokens")

@@ -159,9 +159,8 @@ def paged_prefill_attention(
     new tokens sits at position seq_len - q_len + i). returns out: [total_q_tokens, num_heads,
     head_dim]. Launches a tile-list kernel then the attention kernel on torch's current stream.
     """
-    out = _check_q(q, out)
-    num_heads, num_kv_heads, num_seqs = _check_packed(q, k_cache, v_cache, block_tables,
-                                                      cu_seqlens_q, seq_lens)
+    out, num_heads, num_kv_heads, num_seqs = _check_packed(q, out, k_cache, v_cache, block_tables,
+                                                           cu_seqlens_q, seq_lens)
     total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
@@ -219,23 +218,15 @@ def paged_few_query_attention(
     backend's prefill attention takes it for packed steps of few tokens (backends/cuda.py,
     FEW_QUERY_MAX).
     """
-    out = _check_q(q, out)
-    num_heads, num_kv_heads, num_seqs = _check_packed(q, k_cache, v_cache, block_tables,
-                                                      cu_seqlens_q, seq_lens)
+    out, num_heads, num_kv_heads, num_seqs = _check_packed(q, out, k_cache, v_cache, block_tables,
+                                                           cu_seqlens_q, seq_lens)
     group = _check_group(num_heads, num_kv_heads)
     total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
     head_dim, block_size = q.shape[2], k_cache.shape[2]
     tpc = _THREADS // 32 * 16 // group  # query tokens per CTA: 16 rows per warp
-    # Every entry has a token: at most `total` of them, whatever the padding of seqs (a small-
-    # step graph's 32 seqs would otherwise give 16 tokens 36 entries).
-    num_entries = min(total, _num_tiles(total, num_seqs, tpc))
-    tiles = _workspace("few_query_tiles", device, 2 * num_entries, torch.int32)
-    _compile.launch("attention", "query_tiles", device, (1, 1, 1),
-                    (min(1024, 32 * math.ceil(num_seqs / 32)), 1, 1),  # a thread per seq
-                    (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(),
-                     _i32(num_entries), _i32(tpc)))
+    tiles, num_entries = _few_query_tiles(cu_seqlens_q, num_seqs, total, tpc)
     # Splits as for one seq's tokens (a cached prefix's new tokens, the common case): short ones
     # (FEW_QUERY_SPLIT_KEYS or 256 keys) over the whole width. Sized by the bound on entries
     # instead, a short step padded to many seqs would get a few long splits, one CTA walking
@@ -244,14 +235,9 @@ def paged_few_query_attention(
     splits, chunk_pages = decode_splits(usual, num_kv_heads, block_tables.shape[1], block_size,
                                         _sm_count(device),
                                         min_keys=FEW_QUERY_SPLIT_KEYS if usual == 1 else 256)
-    part_o = part_lse = 0
-    if splits > 1:
-        rows = total * num_heads * splits
-        part = _workspace("decode_partials", device, rows * (head_dim + 1), torch.float32)
-        part_o, part_lse = part.data_ptr(), part.data_ptr() + rows * head_dim * 4
+    part_o, part_lse = _split_partials(device, total * num_heads, head_dim, splits)
     kernels = DECODE_MQKS_KERNELS if FEW_QUERY_KEY_SPLIT else DECODE_MQ_KERNELS
     kernel, stages = kernels[(q.dtype, head_dim)]
-    smem = stages * 2 * _DECODE_BN * head_dim * q.element_size() + _DECODE_MAX_PAGES * 4
     args = (
         q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
@@ -261,18 +247,59 @@ def paged_few_query_attention(
         _f32(scale * math.log2(math.e)),
     )
     _compile.launch("attention", kernel, device, (splits, num_kv_heads, num_entries),
-                    (_THREADS, 1, 1), args, shared_mem=smem)
-    if splits > 1:
-        _compile.launch("attention", f"decode_combine_{_DTYPES[q.dtype]}", device,
-                        (total, num_heads, 1), (head_dim, 1, 1),
-                        (part_o, part_lse, out.data_ptr(), _i64(out.stride(0)),
-                         _i32(out.stride(1)), _i32(num_heads), _i32(splits), _i32(head_dim)))
+                    (_THREADS, 1, 1), args, shared_mem=_decode_smem(stages, head_dim, q))
+    _combine_splits(out, part_o, part_lse, total, num_heads, splits)
     return out
 
 
-def _check_packed(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens
-                  ) -> tuple[int, int, int]:
-    """Checks packed-query attention's arguments; returns (num_heads, num_kv_heads, num_seqs)."""
+def _few_query_tiles(cu_seqlens_q: torch.Tensor, num_seqs: int, total: int, tpc: int
+                     ) -> tuple[torch.Tensor, int]:
+    """(tile list, its entries): each entry up to `tpc` query tokens of one seq."""
+    device = cu_seqlens_q.device
+    # Every entry has a token: at most `total` of them, whatever the padding of seqs (a small-
+    # step graph's 32 seqs would otherwise give 16 tokens 36 entries).
+    num_entries = min(total, _num_tiles(total, num_seqs, tpc))
+    tiles = _workspace("few_query_tiles", device, 2 * num_entries, torch.int32)
+    _compile.launch("attention", "query_tiles", device, (1, 1, 1),
+                    (min(1024, 32 * math.ceil(num_seqs / 32)), 1, 1),  # a thread per seq
+                    (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(),
+                     _i32(num_entries), _i32(tpc)))
+    return tiles, num_entries
+
+
+def _decode_smem(stages: int, head_dim: int, q: torch.Tensor) -> int:
+    """Dynamic shared memory of a decode-family kernel: its K/V stages and its page list."""
+    return stages * 2 * _DECODE_BN * head_dim * q.element_size() + _DECODE_MAX_PAGES * 4
+
+
+def _split_partials(device: torch.device, rows: int, head_dim: int, splits: int
+                    ) -> tuple[int, int]:
+    """(part_o, part_lse) pointers into the partials workspace for `rows` (token, head) rows
+    split `splits` ways; (0, 0) when the context is not split (the kernel writes out itself)."""
+    if splits <= 1:
+        return 0, 0
+    rows *= splits
+    part = _workspace("decode_partials", device, rows * (head_dim + 1), torch.float32)
+    return part.data_ptr(), part.data_ptr() + rows * head_dim * 4
+
+
+def _combine_splits(out: torch.Tensor, part_o: int, part_lse: int, num_rows: int,
+                    num_heads: int, splits: int) -> None:
+    """Merges the splits' partials of `num_rows` rows into `out` (a second launch), if split."""
+    if splits <= 1:
+        return
+    head_dim = out.shape[2]
+    _compile.launch("attention", f"decode_combine_{_DTYPES[out.dtype]}", out.device,
+                    (num_rows, num_heads, 1), (head_dim, 1, 1),
+                    (part_o, part_lse, out.data_ptr(), _i64(out.stride(0)),
+                     _i32(out.stride(1)), _i32(num_heads), _i32(splits), _i32(head_dim)))
+
+
+def _check_packed(q, out, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens
+                  ) -> tuple[torch.Tensor, int, int, int]:
+    """Checks packed-query attention's arguments; returns (out, num_heads, num_kv_heads,
+    num_seqs), `out` allocated when None."""
+    out = _check_q(q, out)
     _check_cache(k_cache, v_cache, q)
     num_heads, num_kv_heads = _check_heads(q, k_cache)
     device, num_seqs = q.device, seq_lens.shape[0]
@@ -282,7 +309,7 @@ def _check_packed(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens
     if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
                          f"{tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} disagree")
-    return num_heads, num_kv_heads, num_seqs
+    return out, num_heads, num_kv_heads, num_seqs
 
 
 def _num_tiles(total: int, num_seqs: int, tile: int) -> int:
@@ -348,14 +375,8 @@ def paged_decode_attention(
     head_dim, block_size = q.shape[2], k_cache.shape[2]
     splits, chunk_pages = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size,
                                         _sm_count(device))
-    dtype = _DTYPES[q.dtype]
-    part_o = part_lse = 0
-    if splits > 1:
-        rows = num_seqs * num_heads * splits
-        part = _workspace("decode_partials", device, rows * (head_dim + 1), torch.float32)
-        part_o, part_lse = part.data_ptr(), part.data_ptr() + rows * head_dim * 4
+    part_o, part_lse = _split_partials(device, num_seqs * num_heads, head_dim, splits)
     kernel, stages = DECODE_KERNELS[(q.dtype, head_dim)]
-    smem = stages * 2 * _DECODE_BN * head_dim * q.element_size() + _DECODE_MAX_PAGES * 4
     args = (
         q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(),
@@ -364,11 +385,7 @@ def paged_decode_attention(
         _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
         _f32(scale * math.log2(math.e)),
     )
-    _compile.launch("attention", kernel, device,
-                    (splits, num_kv_heads, num_seqs), (_THREADS, 1, 1), args, shared_mem=smem)
-    if splits > 1:
-        _compile.launch("attention", f"decode_combine_{dtype}", device, (num_seqs, num_heads, 1),
-                        (head_dim, 1, 1),
-                        (part_o, part_lse, out.data_ptr(), _i64(out.stride(0)),
-                         _i32(out.stride(1)), _i32(num_heads), _i32(splits), _i32(head_dim)))
+    _compile.launch("attention", kernel, device, (splits, num_kv_heads, num_seqs),
+                    (_THREADS, 1, 1), args, shared_mem=_decode_smem(stages, head_dim, q))
+    _combine_splits(out, part_o, part_lse, num_seqs, num_heads, splits)
     return out

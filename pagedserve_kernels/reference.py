@@ -132,6 +132,39 @@ def paged_decode_attention(
                                    out, sliding_window, soft_cap)
 
 
+def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+    """Decode attention with torch ops only and no host sync (capturable in a CUDA graph).
+
+    q: [num_seqs, num_heads, head_dim]; caches [num_blocks, kv_heads, block_size, head_dim];
+    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. Reads every listed
+    page (max_blocks of them per row), so it suits small models only.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    tables = block_tables.long()
+
+    def gather(cache):  # -> [num_seqs, kv_heads, max_blocks * block_size, head_dim]
+        pages = cache[tables]  # [num_seqs, max_blocks, kv_heads, block_size, head_dim]
+        return pages.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
+
+    k, v = gather(k_cache).float(), gather(v_cache).float()
+    ctx = torch.arange(k.shape[2], device=q.device)
+    # Rows past a sequence's length come from pages it does not own (stale table columns, the
+    # unwritten end of its last page): they may hold anything, NaN included, and 0 * NaN is NaN,
+    # so they are zeroed, not only given zero weight.
+    v = v.masked_fill((ctx.view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)), 0.0)
+    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,sktd->skgt", qf, k) * scale  # [seqs, kv_heads, group, ctx]
+    valid = ctx.view(1, 1, 1, -1) < seq_lens.view(-1, 1, 1, 1)
+    probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
+    result = torch.einsum("skgt,sktd->skgd", probs, v).reshape(num_seqs, num_heads, head_dim)
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
+
+
 def _check_mapping(block_mapping: torch.Tensor) -> torch.Tensor:
     if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
         raise ValueError(f"block_mapping must be [n, 2], got {tuple(block_mapping.shape)}")
@@ -342,3 +375,22 @@ def _fp8_block_linear(x, weight, weight_scale, block_size, bias):
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        indices: torch.Tensor | None = None) -> None:
+    """In place: logits[indices[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] is 0 (a
+    grammar's disallowed tokens). logits: [n, vocab] float; bitmask: [m, ceil(vocab / 32)] int32,
+    bit j of a word the token 32 * word + j (llguidance's and xgrammar's layout); indices: [m]
+    int64 rows of logits, distinct (None: m == n, row i). No host sync."""
+    vocab = logits.shape[1]
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"bitmask of {bitmask.shape[1]} words cannot cover {vocab} tokens")
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [m, words, 32]
+    disallowed = (bits == 0).reshape(bitmask.shape[0], -1)[:, :vocab]  # [m, vocab]
+    if indices is None:
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        rows = logits[indices].masked_fill_(disallowed, float("-inf"))  # [m, vocab]
+        logits.index_copy_(0, indices, rows)

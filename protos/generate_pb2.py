@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\rpagedserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x82\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x02\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\x94\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x31\n\x08stopping\x18\x05 \x01(\x0b\x32\x1f.pagedserve.v1.StoppingCriteria\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0e\n\x01n\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"J\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\xc7\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x0c \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12.\n\x08logprobs\x18\r \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x14\n\x0csample_index\x18\x0b \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bR\x08token_idR\x07logprobR\x0ctop_logprobs\"\x12\n\x10ModelInfoRequest\"\xd0\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x08 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\t \x01(\r*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x32\xaa\x01\n\tGenerator\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\rpagedserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb5\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xd0\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x31\n\x08stopping\x18\x05 \x01(\x0b\x32\x1f.pagedserve.v1.StoppingCriteria\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0e\n\x01n\x18\x07 \x01(\rH\x01\x88\x01\x01\x12:\n\x11structured_output\x18\x08 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutputB\x08\n\x06promptB\x04\n\x02_n\"\x9b\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.pagedserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"J\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\xc7\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x0c \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12.\n\x08logprobs\x18\r \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x14\n\x0csample_index\x18\x0b \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bR\x08token_idR\x07logprobR\x0ctop_logprobs\"\x12\n\x10ModelInfoRequest\"\xd0\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x08 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\t \x01(\r*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x32\xaa\x01\n\tGenerator\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1669
-  _globals['_FINISHREASON']._serialized_end=1851
+  _globals['_FINISHREASON']._serialized_start=1969
+  _globals['_FINISHREASON']._serialized_end=2151
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_SAMPLINGPARAMS']._serialized_start=87
-  _globals['_SAMPLINGPARAMS']._serialized_end=473
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=370
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=418
-  _globals['_STOPPINGCRITERIA']._serialized_start=476
-  _globals['_STOPPINGCRITERIA']._serialized_end=612
-  _globals['_GENERATEREQUEST']._serialized_start=615
-  _globals['_GENERATEREQUEST']._serialized_end=891
-  _globals['_TOKENIDS']._serialized_start=893
-  _globals['_TOKENIDS']._serialized_end=916
-  _globals['_CHATMESSAGES']._serialized_start=918
-  _globals['_CHATMESSAGES']._serialized_end=978
-  _globals['_TOKENLOGPROB']._serialized_start=980
-  _globals['_TOKENLOGPROB']._serialized_end=1029
-  _globals['_TOKENLOGPROBS']._serialized_start=1031
-  _globals['_TOKENLOGPROBS']._serialized_end=1105
-  _globals['_GENERATERESPONSE']._serialized_start=1108
-  _globals['_GENERATERESPONSE']._serialized_end=1435
-  _globals['_MODELINFOREQUEST']._serialized_start=1437
-  _globals['_MODELINFOREQUEST']._serialized_end=1455
-  _globals['_MODELINFORESPONSE']._serialized_start=1458
-  _globals['_MODELINFORESPONSE']._serialized_end=1666
-  _globals['_GENERATOR']._serialized_start=1854
-  _globals['_GENERATOR']._serialized_end=2024
+  _globals['_SAMPLINGPARAMS']._serialized_end=524
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=385
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=433
+  _globals['_STOPPINGCRITERIA']._serialized_start=527
+  _globals['_STOPPINGCRITERIA']._serialized_end=663
+  _globals['_GENERATEREQUEST']._serialized_start=666
+  _globals['_GENERATEREQUEST']._serialized_end=1002
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1005
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1160
+  _globals['_CHOICELIST']._serialized_start=1162
+  _globals['_CHOICELIST']._serialized_end=1191
+  _globals['_TOKENIDS']._serialized_start=1193
+  _globals['_TOKENIDS']._serialized_end=1216
+  _globals['_CHATMESSAGES']._serialized_start=1218
+  _globals['_CHATMESSAGES']._serialized_end=1278
+  _globals['_TOKENLOGPROB']._serialized_start=1280
+  _globals['_TOKENLOGPROB']._serialized_end=1329
+  _globals['_TOKENLOGPROBS']._serialized_start=1331
+  _globals['_TOKENLOGPROBS']._serialized_end=1405
+  _globals['_GENERATERESPONSE']._serialized_start=1408
+  _globals['_GENERATERESPONSE']._serialized_end=1735
+  _globals['_MODELINFOREQUEST']._serialized_start=1737
+  _globals['_MODELINFOREQUEST']._serialized_end=1755
+  _globals['_MODELINFORESPONSE']._serialized_start=1758
+  _globals['_MODELINFORESPONSE']._serialized_end=1966
+  _globals['_GENERATOR']._serialized_start=2154
+  _globals['_GENERATOR']._serialized_end=2324
 # @@protoc_insertion_point(module_scope)

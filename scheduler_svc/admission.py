@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -13,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from scheduler_svc.engine_types import EngineConfig
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import GenerateSpec, ModelLimits, PreparedRequest, prepare
+from scheduler_svc.sampling_params import GenerationDefaults
 from scheduler_svc.sequence import Sequence
+from scheduler_svc.structured_output import GrammarChecker, StructuredOutput
 from scheduler_svc.tokenizer import load_tokenizer
 
 # Retry hints stay within what clients honour (the OpenAI SDKs follow Retry-After up to 60 s).
@@ -22,6 +25,8 @@ MIN_RETRY_S, MAX_RETRY_S = 1, 60
 # its checks cost less there than the hand-over to a prepare thread and back. Text, chat and
 # stop strings, whose cost grows much faster with the request, go to a prepare thread.
 INLINE_PREPARE_MAX_IDS = 8192
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -83,6 +88,11 @@ class Admission:
         self.tokenizer = None  # the attached model's (None: it has none), and its limits
         self.limits: ModelLimits | None = None
         self._tokenizer_source: str | None = None
+        self.grammar_timeout_s = config.limits.grammar_timeout_s
+        self.grammars: GrammarChecker | None = None  # of the tokenizer and vocabulary in use
+        self._grammars_for: tuple | None = None
+        self.use_generation_config = config.generation_config == "auto"
+        self._logged_generation_config = None  # what the log last said of the model's config
         self._prepare_pool = ThreadPoolExecutor(config.num_prepare_threads,
                                                 thread_name_prefix="prepare")
         self._seq_ids = itertools.count(1)
@@ -96,8 +106,41 @@ class Admission:
                 raise RuntimeError(f"the tokenizer at {description.tokenizer!r} did not load: "
                                    f"{type(err).__name__}: {err}") from err
             self._tokenizer_source = description.tokenizer
+        self._load_grammars(description.vocab_size)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self.limits = ModelLimits(description.vocab_size, description.max_model_len, eos)
+        defaults = description.generation_defaults
+        if not self.use_generation_config:
+            defaults = GenerationDefaults()
+        try:
+            defaults.validate(description.vocab_size)
+        except InvalidArgument as err:
+            raise RuntimeError(f"the model's generation config has a default no request may "
+                               f"have ({err}); fix it or run --generation-config vllm") from None
+        others = tuple(i for i in description.eos_token_ids if i != eos)
+        self.limits = ModelLimits(description.vocab_size, description.max_model_len, eos,
+                                  others, defaults)
+        self._log_generation_config(description.generation_defaults, others)
+
+    def _log_generation_config(self, defaults: GenerationDefaults, others: tuple[int, ...]
+                               ) -> None:
+        """Once per model: the defaults that apply (in vLLM's words) and the EOS ids that stop
+        requests beside the tokenizer's."""
+        said = (defaults, others, self.use_generation_config)
+        if said == self._logged_generation_config:
+            return
+        self._logged_generation_config = said
+        if defaults.items() and self.use_generation_config:
+            log.warning("Default sampling parameters have been overridden by the model's Hugging "
+                        "Face generation config recommended from the model creator. If this is "
+                        "not intended, please relaunch with `--generation-config vllm`.")
+            log.info("Using default sampling params from model (gRPC and OpenAI APIs): %s",
+                     defaults.items())
+        elif defaults.items():
+            log.info("the model's generation config defaults are not applied "
+                     "(--generation-config vllm): %s", defaults.items())
+        if others:
+            log.info("the model's generation config adds EOS ids %s: they stop requests as stop "
+                     "tokens unless ignore_eos", list(others))
 
     def on_attached(self) -> None:
         self.detached_since, self.refusal = None, None
@@ -113,8 +156,22 @@ class Admission:
         self.refusal = reason
         self.refused.set()
 
+    def _load_grammars(self, vocab_size: int) -> None:
+        """The grammar checker of this tokenizer and vocabulary (its tokenizer builds on a
+        thread)."""
+        key = (self._tokenizer_source, vocab_size)
+        if key == self._grammars_for:
+            return
+        if self.grammars is not None:
+            self.grammars.close()
+        self.grammars = (None if self.tokenizer is None else GrammarChecker(
+            self.tokenizer.hf_tokenizer, vocab_size, self.grammar_timeout_s))
+        self._grammars_for = key
+
     def close(self) -> None:
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        if self.grammars is not None:
+            self.grammars.close()
 
     def check_open(self, lost_since: float | None, why: Callable[[], str]) -> None:
         """Raises ShuttingDown or NoExecutor; `lost_since`: when the attached link was lost."""
@@ -182,9 +239,20 @@ class Admission:
     async def prepare(self, spec: GenerateSpec) -> PreparedRequest:
         """Tokenizes and validates `spec`: on the event loop when cheap, else on a thread."""
         if can_prepare_inline(spec):
-            return prepare(spec, self.tokenizer, self.limits)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._prepare_pool, prepare, spec, self.tokenizer, self.limits)
+            prepared = prepare(spec, self.tokenizer, self.limits)
+        else:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._prepare_pool, prepare, spec, self.tokenizer, self.limits)
+        if prepared.sampling.structured is not None:
+            await self._check_grammar(prepared.sampling.structured)
+        return prepared
+
+    async def _check_grammar(self, structured: StructuredOutput) -> None:
+        """InvalidArgument naming the field unless the grammar compiles within the limit."""
+        if self.grammars is None:
+            raise InvalidArgument(structured.field, "this model has no tokenizer: structured "
+                                  "output needs one")
+        await self.grammars.check(structured)
 
     def new_seqs(self, spec: GenerateSpec, prepared: PreparedRequest) -> list[Sequence]:
         """A seq per sample; with a seed, sample i uses seed + i (as the OpenAI API's n did with
@@ -192,9 +260,9 @@ class Admission:
         seqs: list[Sequence] = []
         limits = self.limits
         for _ in range(spec.n):  # one arrival time: the samples are one request, in age order
-            seqs.append(Sequence(next(self._seq_ids), prepared.prompt_token_ids, spec.sampling,
-                                 spec.stopping, limits.eos_token_id, limits.max_model_len,
-                                 seqs[0].arrival_time if seqs else None))
+            seqs.append(Sequence(next(self._seq_ids), prepared.prompt_token_ids,
+                                 prepared.sampling, prepared.stopping, limits.eos_token_id,
+                                 limits.max_model_len, seqs[0].arrival_time if seqs else None))
         if spec.sampling.seed is not None:
             for i, seq in enumerate(seqs):
                 seq.seed = (spec.sampling.seed + i) % 2**64

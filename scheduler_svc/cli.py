@@ -221,16 +221,13 @@ def chat_turn(stub, a: argparse.Namespace, history: list, line: str) -> list:
     cancelled (Ctrl-C), aborted or failed."""
     turn = [*history, ("user", line)]
     try:
-        text, final = stream_answer(stub, chat_request(a, turn), a)
+        answer = answer_or_report(stub, chat_request(a, turn), a)
     except KeyboardInterrupt:
         print("\n[answer cancelled]", file=sys.stderr)
         return history
-    except grpc.RpcError as err:
-        print_rpc_error(err)
+    if answer is None:
         return history
-    except Stalled as err:
-        print(f"error: {err}", file=sys.stderr)
-        return history
+    text, final = answer
     done = finish_code(final, _length_cap(a, final)) == EXIT_OK
     return [*turn, ("assistant", text)] if done else history
 

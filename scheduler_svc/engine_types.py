@@ -28,6 +28,9 @@ class EngineConfig:
     # once); 0: adaptive (output.stream_interval), so that many streams do not cost the step
     # loop a write each per step (vLLM's --stream-interval, made adaptive).
     stream_interval: int = 0
+    # "auto": the model's generation_config.json gives requests their defaults (vLLM's
+    # --generation-config); "vllm": the APIs' own defaults only.
+    generation_config: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import ipaddress
 import logging
 import os
 import resource
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
+from pagedserve_common.listener_flags import is_loopback, read_token
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.connection_gate import GateLimits
 from scheduler_svc.engine_types import EngineConfig
@@ -60,6 +60,7 @@ class ServiceConfig:
 _PROG = "pagedserve-scheduler"
 _ENV_PREFIX = "PAGEDSERVE_SCHEDULER_"
 _STEPS_IN_FLIGHT = (1, 2, 3)  # plans out at once: lockstep, async scheduling, two steps ahead
+_GENERATION_CONFIGS = ("auto", "vllm")
 # Descriptors kept out of the connection caps: the Admin listener's connections, the executor
 # links, the tokenizer, log and metrics files, gRPC's and asyncio's own.
 _RESERVED_FILES = 128
@@ -97,6 +98,9 @@ _FLAGS = (
     _Flag("--max-prompt-bytes", 1 << 20, "UTF-8 bytes of a text prompt, or of all chat "
           "messages, before tokenizing", int),
     _Flag("--max-chat-messages", 1024, "messages of a chat prompt", int),
+    _Flag("--grammar-timeout", 5.0, "seconds a structured output's grammar (JSON schema, regex, "
+          "choice, grammar) may take to compile at admission before the request is refused",
+          float),
     _Flag("--executor", "127.0.0.1:50052", "executor address(es), comma separated, tried in "
           "order; or @FILE to read them from FILE, which SIGHUP re-reads to move serving to new "
           "executors"),
@@ -122,13 +126,14 @@ _FLAGS = (
     _Flag("--http-port", 8000, "port of the OpenAI-compatible HTTP API, on --host (0: off)", int),
     _Flag("--http-max-connections", 0, "HTTP connections open at once; at the cap a newcomer "
           "takes the place of the least recently active idle connection of the peer holding the "
-          "most, or, all busy, is answered 429 with Retry-After (0: derived from the open-file "
-          "limit, ulimit -n, raised to its hard limit: half of what the reserved descriptors "
-          f"leave, at most {_MAX_DERIVED_HTTP_CONNECTIONS})", int),
+          "most, else of the least recently active connection, busy too, of a peer holding 2 "
+          "more than the newcomer's, else is answered 429 with Retry-After (0: derived from the "
+          "open-file limit, ulimit -n, raised to its hard limit: half of what the reserved "
+          f"descriptors leave, at most {_MAX_DERIVED_HTTP_CONNECTIONS})", int),
     _Flag("--grpc-max-connections", 0, "connections to the public gRPC port open at once; at "
-          "the cap a newcomer takes the place of an idle one as over HTTP, or, all busy, is "
-          "closed (0: derived from the open-file limit: a quarter of what the reserved "
-          "descriptors leave, three a connection)", int),
+          "the cap a newcomer takes the place of a connection as over HTTP (a busy one's calls "
+          "end UNAVAILABLE), else is closed (0: derived from the open-file limit: a quarter of "
+          "what the reserved descriptors leave, three a connection)", int),
     _Flag("--http-header-timeout", 10.0, "seconds a client has to send a request's line and "
           "headers, from its first byte (or from the connection's opening): 408 after", float),
     _Flag("--http-body-timeout", 30.0, "seconds a client has to send a request's body, from the "
@@ -166,6 +171,10 @@ _FLAGS = (
           "and its end at once); 0: adaptive, every step while a step samples up to 256 "
           "sequences, then every ceil(sampled / 256) steps (vLLM's --stream-interval, made "
           "adaptive)", int),
+    _Flag("--generation-config", "auto", "auto: a request's unset temperature, top_p, top_k, "
+          "min_p, repetition_penalty and max_tokens take the model's generation_config.json "
+          "values (as vLLM's --generation-config); vllm: the APIs' own defaults", str,
+          choices=_GENERATION_CONFIGS),
 )
 
 
@@ -241,12 +250,12 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     p = build_parser()
     a = p.parse_args(argv)
     _check_values(p, a)
-    admin_token = _token(p, a.admin_token, a.admin_token_file, "--admin-token")
-    if admin_token is None and not _is_loopback(a.admin_host):
+    admin_token = read_token(p, a.admin_token, a.admin_token_file, "--admin-token")
+    if admin_token is None and not is_loopback(a.admin_host):
         p.error(f"--admin-host {a.admin_host} is not a loopback address: set --admin-token "
                 "(or --admin-token-file) so that only operators can call Admin")
-    executor_token = _token(p, a.executor_token, a.executor_token_file, "--executor-token")
-    api_key = _token(p, a.api_key, a.api_key_file, "--api-key")
+    executor_token = read_token(p, a.executor_token, a.executor_token_file, "--executor-token")
+    api_key = read_token(p, a.api_key, a.api_key_file, "--api-key")
     scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode,
                                 enable_prefix_caching=not a.no_prefix_caching)
@@ -261,8 +270,10 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                             unavailable_grace_s=a.unavailable_grace,
                             log_stats_interval_s=a.log_stats_interval,
                             stream_interval=a.stream_interval,
+                            generation_config=a.generation_config,
                             limits=RequestLimits(max_prompt_bytes=a.max_prompt_bytes,
-                                                 max_chat_messages=a.max_chat_messages)),
+                                                 max_chat_messages=a.max_chat_messages,
+                                                 grammar_timeout_s=a.grammar_timeout)),
         step_timeout_s=a.step_timeout, shutdown_timeout_s=a.shutdown_timeout,
         metrics_port=a.metrics_port, http_port=a.http_port, api_key=api_key,
         served_model_names=tuple(n.strip() for n in a.served_model_name if n.strip()),
@@ -280,6 +291,9 @@ def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 f"{_ENV_PREFIX}MAX_STEPS_IN_FLIGHT), got {a.max_steps_in_flight}")
     if a.stream_interval < 0:
         p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
+    if a.generation_config not in _GENERATION_CONFIGS:  # argparse checks no environment default
+        p.error(f"--generation-config must be one of {', '.join(_GENERATION_CONFIGS)} (from "
+                f"{_ENV_PREFIX}GENERATION_CONFIG), got {a.generation_config!r}")
     if not a.executor_keepalive >= 1:
         p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
     for flag in ("--executor-connect-timeout", "--executor-retry-interval",
@@ -309,30 +323,6 @@ def _connection_limits(p: argparse.ArgumentParser, a: argparse.Namespace
                 f"{grpc.max_connections} need an open-file limit of at least {needed} (ulimit "
                 f"-n is {open_files}): raise it, or lower them")
     return limits, grpc
-
-
-def _token(parser, value: str | None, path: str | None, flag: str) -> str | None:
-    """A token given on the command line or in a file (stripped); both or an empty one is an error."""
-    if value and path:
-        parser.error(f"give {flag} or {flag}-file, not both")
-    if path:
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-        except OSError as err:
-            parser.error(f"{flag}-file: {err}")
-        if not value:
-            parser.error(f"{flag}-file {path} is empty")
-    return value or None
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _executor_addresses(spec: str) -> tuple[str, ...]:
@@ -395,9 +385,10 @@ async def serve(config: ServiceConfig) -> None:
              f"; OpenAI API on http://{config.host}:{http_port}/v1"
              f"{', API key required' if config.api_key else ''}" if http_port else "",
              ", ".join(config.executor_addresses))
-    log.info("connections open at once: HTTP %d, gRPC %d (open-file limit %d); then idle ones "
-             "make room, else 429 / closed", config.http_limits.max_connections,
-             config.grpc_limits.max_connections, _open_file_limit())
+    log.info("connections open at once: HTTP %d, gRPC %d (open-file limit %d); then idle ones, "
+             "else those of a peer over its share, make room, else 429 / closed",
+             config.http_limits.max_connections, config.grpc_limits.max_connections,
+             _open_file_limit())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

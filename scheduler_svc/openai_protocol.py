@@ -19,6 +19,7 @@ from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
 from scheduler_svc.sampling_params import (MAX_LOGPROBS, SamplingParams, StoppingParams,
                                            TokenLogprobs)
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.structured_output import StructuredOutput, structured_output
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
 
-_STRUCTURED = "structured output (guided decoding) is not supported yet"
+_STRUCTURED = "not supported (structured output takes response_format or structured_outputs)"
 _NOT_SUPPORTED = "not supported"
 _OFF = (None, False, "", [], {})  # what leaves a feature off
 _ON = (None, True)  # what leaves on what the engine always does
@@ -135,8 +136,7 @@ _ON = (None, True)  # what leaves on what the engine always does
 # nothing, why any other is refused). Any other value is a 400 naming the field.
 _UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     **{name: (_OFF, _STRUCTURED) for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")},
+        "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern")},
     **{name: (_OFF, _NOT_SUPPORTED) for name in (
         "use_beam_search", "include_stop_str_in_output", "truncate_prompt_tokens",
         "prompt_logprobs", "allowed_token_ids", "bad_words", "return_tokens_as_token_ids",
@@ -163,7 +163,6 @@ _UNSUPPORTED_CHAT = {
 _UNSUPPORTED_COMPLETION = {
     **_UNSUPPORTED,
     "add_special_tokens": (_ON, "only true is supported"),
-    "response_format": ((None, {"type": "text"}), "only {\"type\": \"text\"} is supported"),
 }
 # Fields beyond the API's own (vLLM's that the engine lacks, and unknown ones) a body may carry:
 # generous for a client that sends every vLLM field at its default, and a bound on the work
@@ -208,7 +207,8 @@ def _refuse_unsupported(req: _SamplingRequest) -> None:
 def ignored_fields(req: _SamplingRequest) -> list[str]:
     """The fields of `req` this server does not know, which it ignores as vLLM does."""
     unsupported = _unsupported(req)
-    return [name for name in req.model_extra or {} if name not in unsupported]
+    return [name for name in req.model_extra or {}
+            if name not in unsupported and name not in _STRUCTURED_FIELDS]
 
 
 def warn_ignored(names: Sequence[str]) -> None:
@@ -227,8 +227,6 @@ def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
                               "tool calling is not supported")
     if req.tool_choice not in (None, "none", "auto"):
         raise InvalidArgument("tool_choice", "tool calling is not supported")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
     _refuse_unsupported(req)
 
 
@@ -242,7 +240,8 @@ def _refuse_completion_extras(req: CompletionRequest) -> None:
     _refuse_unsupported(req)
 
 
-def _sampling(req: _SamplingRequest, sample: int) -> SamplingParams:
+def _sampling(req: _SamplingRequest, sample: int,
+              structured: StructuredOutput | None = None) -> SamplingParams:
     """Sample `sample` of `n`: seed + sample, so that a seeded request is reproducible and its
     samples differ (as vLLM derives its parallel samples' seeds). The engine validates ranges
     and names the field (penalties, logit_bias ids against the vocabulary)."""
@@ -257,6 +256,7 @@ def _sampling(req: _SamplingRequest, sample: int) -> SamplingParams:
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req.logit_bias),
         logprobs=req.num_logprobs(),
+        structured=structured,
     )
 
 
@@ -289,10 +289,99 @@ def _fan_out(req: _SamplingRequest, request_id: str, prompts: list[dict],
     is larger, the k-th sample's seed seed + k as the engine gives it). Choice index = prompt
     index * n + sample: the specs' n added up before it, plus the event's sample_index."""
     stopping = _stopping(req, max_tokens)
-    return [GenerateSpec(**prompt, sampling=_sampling(req, first), stopping=stopping,
+    unset = _unset_fields(req, max_tokens)
+    structured = structured_output_of(req)
+    return [GenerateSpec(**prompt, sampling=_sampling(req, first, structured), stopping=stopping,
                          request_id=f"{request_id}-{i * req.n + first}",
-                         n=min(MAX_ENGINE_N, req.n - first))
+                         n=min(MAX_ENGINE_N, req.n - first), unset=unset)
             for i, prompt in enumerate(prompts) for first in range(0, req.n, MAX_ENGINE_N)]
+
+
+# vLLM's structured_outputs keys: the format (one of them) and options. Options that change
+# nothing here are accepted (the JSON grammar never adds whitespace; there is no fallback engine).
+_SO_FORMATS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+               "json_object": "json_object"}
+_SO_NEUTRAL = {"disable_fallback": (None, True, False), "disable_any_whitespace": (None, True, False),
+               "disable_additional_properties": (None, False), "whitespace_pattern": (None,),
+               "structural_tag": (None,), "_backend": (None,), "backend": (None,)}
+# vLLM's names before structured_outputs (removed from vLLM in 0.12, which ignores them since)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_STRUCTURED_FIELDS = frozenset(("structured_outputs", "response_format", *_GUIDED))
+
+
+def structured_output_of(req: _SamplingRequest) -> StructuredOutput | None:
+    """The request's output format, from response_format, vLLM's structured_outputs or its older
+    guided_* fields: at most one of them may set one. Raises InvalidArgument naming the field."""
+    extra = req.model_extra or {}
+    found = [so for so in (_response_format(getattr(req, "response_format", None)
+                                            if isinstance(req, ChatCompletionRequest)
+                                            else extra.get("response_format")),
+                           _structured_outputs(extra.get("structured_outputs")))
+             if so is not None]
+    found += [structured_output(kind, extra[name], name) for name, kind in _GUIDED.items()
+              if extra.get(name) not in _OFF]
+    if len(found) > 1:
+        raise InvalidArgument(found[1].field, f"sets an output format and {found[0].field} "
+                              "another: set one")
+    return found[0] if found else None
+
+
+def _response_format(value) -> StructuredOutput | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgument("response_format", "must be an object")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return structured_output("json_object", None, "response_format")
+    if kind != "json_schema":
+        raise InvalidArgument("response_format.type", "must be \"text\", \"json_object\" or "
+                              f"\"json_schema\", got {str(kind)[:32]!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidArgument("response_format.json_schema", "must be an object")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise InvalidArgument("response_format.json_schema.strict", "must be a boolean")
+    if "schema" not in spec:
+        raise InvalidArgument("response_format.json_schema.schema", "is required")
+    # strict or not, the schema is enforced (as vLLM does)
+    return structured_output("json", spec["schema"], "response_format.json_schema.schema")
+
+
+def _structured_outputs(value) -> StructuredOutput | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgument("structured_outputs", "must be an object")
+    found = []
+    for key, item in value.items():
+        name = f"structured_outputs.{str(key)[:32]}"
+        if key in _SO_FORMATS:
+            if item is not None and item is not False:  # an empty value is refused, not off
+                found.append(structured_output(_SO_FORMATS[key], item, name))
+        elif key not in _SO_NEUTRAL:
+            raise InvalidArgument(name, "unknown; structured_outputs takes json, regex, choice, "
+                                  "grammar or json_object")
+        elif not any(_same(item, v) for v in _SO_NEUTRAL[key]):
+            raise InvalidArgument(name, _NOT_SUPPORTED)
+    if len(found) > 1:
+        raise InvalidArgument(found[1].field, f"and {found[0].field} both set a format: set one")
+    if found and found[0].kind == "json_object" and value.get("json_object") is not True:
+        raise InvalidArgument(found[0].field, "must be true when set")
+    return found[0] if found else None
+
+
+def _unset_fields(req: _SamplingRequest, max_tokens: int | None) -> frozenset[str]:
+    """The defaultable fields the body leaves out (or null): the model's defaults apply there,
+    as vLLM's to_sampling_params takes them for a None."""
+    unset = {name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+             if getattr(req, name) is None}
+    if max_tokens is None:
+        unset.add("max_tokens")
+    return frozenset(unset)
 
 
 def chat_specs(req: ChatCompletionRequest, request_id: str) -> list[GenerateSpec]:

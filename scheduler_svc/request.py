@@ -3,11 +3,11 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler_svc.errors import InvalidArgument
-from scheduler_svc.sampling_params import (SamplingParams, StoppingParams, TokenLogprobs,
-                                           shown_ids)
+from scheduler_svc.sampling_params import (GenerationDefaults, SamplingParams, StoppingParams,
+                                           TokenLogprobs, shown_ids)
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stop_strings import StopStringMatcher
 
@@ -21,10 +21,15 @@ class RequestLimits:
 
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of text, or of all chat roles and contents
     max_chat_messages: int = 1024
+    # A structured output's grammar must compile with the model's tokenizer within this (at
+    # admission, on a grammar thread); llguidance compiles a typical JSON schema in ~1 ms.
+    grammar_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_prompt_bytes < 1 or self.max_chat_messages < 1:
             raise ValueError(f"request limits must be >= 1: {self}")
+        if not self.grammar_timeout_s > 0:
+            raise ValueError(f"grammar_timeout_s must be > 0: {self}")
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,11 @@ class ModelLimits:
 
     vocab_size: int
     max_model_len: int
-    eos_token_id: int | None
+    eos_token_id: int | None  # the tokenizer's
+    # The generation config's other EOS ids: stop tokens of every request that does not ignore
+    # EOS (vLLM adds them to stop_token_ids).
+    eos_stop_token_ids: tuple[int, ...] = ()
+    defaults: GenerationDefaults = GenerationDefaults()  # for a request's unset fields
 
 
 @dataclass(frozen=True)
@@ -49,14 +58,20 @@ class GenerateSpec:
     n: int = 1  # samples of the prompt (parallel sampling)
     # time.monotonic() past which the client gives up (gRPC deadline, OpenAI SDK read timeout)
     deadline: float | None = None
+    # Which of sampling_params.DEFAULTABLE_FIELDS the client left unset: the model's generation
+    # defaults replace the API's own there (ModelLimits.defaults).
+    unset: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A request ready to queue: its prompt ids and a stop-string matcher per sample (None: no
-    stop strings); matchers hold state, so each sample has its own."""
+    """A request ready to queue: its prompt ids, its parameters with the model's defaults and
+    EOS ids applied, and a stop-string matcher per sample (None: no stop strings); matchers hold
+    state, so each sample has its own."""
 
     prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
     stoppers: tuple[StopStringMatcher | None, ...] = (None,)
 
 
@@ -123,13 +138,27 @@ def _utf8_len(text: str, limits: RequestLimits, field_name: str) -> int:
 
 def prepare(spec: GenerateSpec, tokenizer, limits: ModelLimits) -> PreparedRequest:
     """Everything about a request whose cost grows with its size; raises InvalidArgument."""
+    sampling, stopping = limits.defaults.apply(spec.sampling, spec.stopping, spec.unset)
+    if sampling is not spec.sampling or stopping is not spec.stopping:
+        spec = replace(spec, sampling=sampling, stopping=stopping)
     validate_params(spec, limits)
     if spec.stopping.stop and tokenizer is None:
         raise InvalidArgument("stop", "this model has no tokenizer; use stop_token_ids")
     prompt_ids = resolve_prompt(spec, tokenizer, limits)
     stoppers = tuple(StopStringMatcher(spec.stopping.stop) if spec.stopping.stop else None
                      for _ in range(spec.n))
-    return PreparedRequest(prompt_ids, stoppers)
+    return PreparedRequest(prompt_ids, spec.sampling, with_model_eos(spec.stopping, limits),
+                           stoppers)
+
+
+def with_model_eos(stopping: StoppingParams, limits: ModelLimits) -> StoppingParams:
+    """`stopping` with the model's other EOS ids among its stop ids, unless it ignores EOS
+    (vLLM's SamplingParams.update_from_generation_config); after validation, so that they do not
+    count against the request's own limit."""
+    extra = [i for i in limits.eos_stop_token_ids if i not in stopping.stop_token_ids]
+    if stopping.ignore_eos or not extra:
+        return stopping
+    return replace(stopping, stop_token_ids=(*stopping.stop_token_ids, *extra))
 
 
 def resolve_prompt(spec: GenerateSpec, tokenizer, limits: ModelLimits) -> list[int]:
@@ -157,7 +186,14 @@ def _tokenize(spec: GenerateSpec, tokenizer, field_name: str) -> list[int]:
                 raise InvalidArgument(f"prompt.chat.messages[{i}].role", "must not be empty")
         if not tokenizer.has_chat_template:
             raise InvalidArgument(field_name, "this model's tokenizer has no chat template")
-        return tokenizer.apply_chat_template(spec.chat)
+        # here, not at the top: what imports this module without a tokenizer skips transformers
+        from scheduler_svc.tokenizer import ChatTemplateError
+
+        try:
+            return tokenizer.apply_chat_template(spec.chat)
+        except ChatTemplateError as err:
+            raise InvalidArgument(field_name, f"the model's chat template refused the "
+                                  f"messages: {err}") from None
     if not spec.prompt_text:
         raise InvalidArgument(field_name, "must not be empty")
     return tokenizer.encode(spec.prompt_text)

@@ -4,9 +4,13 @@ O(size limit) at most and quotes a few items, never a whole list. No torch, no p
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 from scheduler_svc.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from scheduler_svc.structured_output import StructuredOutput
 
 # Stop strings are delimiters ("\n\n", "</tool_call>", a chat template's end marker). OpenAI allows
 # 4 and TGI 4 by default; 64 leaves room for any template. Matching costs the same per character
@@ -71,6 +75,10 @@ class SamplingParams:
     # None: no logprobs; k: each token's logprob and the k most likely tokens' (raw model
     # distribution, vLLM's default "raw_logprobs")
     logprobs: int | None = None
+    # The output's format (a JSON schema, regex, choice or grammar), enforced by a token mask on
+    # the executor; None: free text. Validated when built (structured_output.structured_output)
+    # and compiled at admission (GrammarChecker).
+    structured: "StructuredOutput | None" = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -185,3 +193,48 @@ class StoppingParams:
             raise InvalidArgument(
                 "stop_token_ids", f"{len(unknown)} unknown stop ids (vocab_size {vocab_size}), "
                 f"first {shown_ids(unknown)}")
+
+
+# The request fields a model's generation config may default (vLLM's --generation-config auto:
+# ModelConfig.get_diff_sampling_param, its max_new_tokens as max_tokens).
+DEFAULTABLE_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                "max_tokens"))
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The attached model's defaults for the DEFAULTABLE_FIELDS a request leaves unset; None: the
+    API's own default. top_k <= 0 is off, as in transformers."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+    def items(self) -> dict[str, float | int]:
+        """The defaults set, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    def apply(self, sampling: SamplingParams, stopping: StoppingParams,
+              unset: frozenset[str]) -> tuple[SamplingParams, StoppingParams]:
+        """`sampling` and `stopping` with the defaults of the fields in `unset`."""
+        chosen = {name: value for name, value in self.items().items() if name in unset}
+        if not chosen:
+            return sampling, stopping
+        max_tokens = chosen.pop("max_tokens", None)
+        if chosen.get("top_k", 1) <= 0:
+            chosen["top_k"] = -1
+        if chosen:
+            sampling = replace(sampling, **chosen)
+        if max_tokens is not None:
+            stopping = replace(stopping, max_tokens=max_tokens)
+        return sampling, stopping
+
+    def validate(self, vocab_size: int) -> None:
+        """InvalidArgument naming the first default a request could not carry."""
+        sampling, stopping = self.apply(SamplingParams(), StoppingParams(), DEFAULTABLE_FIELDS)
+        sampling.validate(vocab_size)
+        stopping.validate(vocab_size)

@@ -8,6 +8,7 @@ import struct
 from typing import Any
 
 import transformers
+from jinja2 import TemplateError
 from packaging.version import Version
 from transformers import PreTrainedTokenizerFast
 
@@ -44,6 +45,15 @@ _GGUF_SPECIAL_TOKEN_KEYS = {
 }
 
 
+# How much of a chat template's own error message a refusal quotes.
+_MAX_TEMPLATE_ERROR_CHARS = 256
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the messages (its raise_exception, e.g. a role it does
+    not take) or failed to render them."""
+
+
 class Tokenizer:
     """A thin wrapper over a transformers fast tokenizer: plain lists of ints in and out."""
 
@@ -59,8 +69,13 @@ class Tokenizer:
         return list(self.hf_tokenizer(text).input_ids)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template, generation prompt added."""
-        encoding = self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        """Token ids of `messages` rendered with the model's chat template, generation prompt added
+        (transformers' own rendering); ChatTemplateError if the template refuses them."""
+        try:
+            encoding = self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                             tokenize=True)
+        except TemplateError as err:
+            raise ChatTemplateError(str(err)[:_MAX_TEMPLATE_ERROR_CHARS]) from None
         # transformers 5 returns a BatchEncoding here, 4.x a plain list
         ids = encoding["input_ids"] if hasattr(encoding, "keys") else encoding
         return list(ids)

@@ -11,8 +11,10 @@ from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan, StepResult
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, TokenEvent,
                                    check_request_id)
-from scheduler_svc.sampling_params import SamplingParams, StoppingParams, TokenLogprobs
+from scheduler_svc.sampling_params import (GenerationDefaults, SamplingParams, StoppingParams,
+                                           TokenLogprobs)
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.structured_output import StructuredOutput, structured_output
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
@@ -43,6 +45,8 @@ class ExecutorDescription:
     backend: str
     instance_id: int
     protocol_version: int = PROTOCOL_VERSION  # what Describe named; 0: none
+    eos_token_ids: tuple[int, ...] = ()  # every EOS id of the model's generation config
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -68,6 +72,7 @@ def spec_from_proto(req: generate_pb2.GenerateRequest, request_id: str,
         repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        structured=_structured_from_proto(req),
     )
     stopping = StoppingParams(
         max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
@@ -85,7 +90,39 @@ def spec_from_proto(req: generate_pb2.GenerateRequest, request_id: str,
         stopping=stopping,
         request_id=request_id,
         n=req.n if req.HasField("n") and req.n else 1,
+        unset=_unset_fields(s, st),
     )
+
+
+def _structured_from_proto(req: generate_pb2.GenerateRequest) -> StructuredOutput | None:
+    """The request's output format (its size and syntax checked here, its compile at
+    admission); None when unset."""
+    if not req.HasField("structured_output"):
+        return None
+    so = req.structured_output
+    kind = so.WhichOneof("format")
+    if kind is None:
+        raise InvalidArgument("structured_output", "set exactly one format, or leave it unset")
+    field = f"structured_output.{kind}"
+    if kind == "json_object":
+        if not so.json_object:
+            raise InvalidArgument(field, "must be true when set")
+        return structured_output("json_object", None, field)
+    if kind == "choice":
+        return structured_output("choice", list(so.choice.choices), field)
+    return structured_output("json" if kind == "json_schema" else kind, getattr(so, kind), field)
+
+
+def _unset_fields(s: generate_pb2.SamplingParams, st: generate_pb2.StoppingCriteria
+                  ) -> frozenset[str]:
+    """The defaultable fields the request does not set (field presence; 0 set is set)."""
+    unset = {name for name in _DEFAULTABLE_SAMPLING if not s.HasField(name)}
+    if not st.HasField("max_tokens"):
+        unset.add("max_tokens")
+    return frozenset(unset)
+
+
+_DEFAULTABLE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def events_to_protos(events: list[TokenEvent | FinishEvent], request_id: str
@@ -182,9 +219,13 @@ def _new_seq(s: NewSeqPlan) -> executor_pb2.NewSeq:
 def first_position(s: NewSeqPlan) -> int:
     """Where a new seq's tokens on the wire start: past its computed ones (a cached prefix's:
     the KV cache holds them and the executor never reads them), unless a penalty counts every
-    token. A chat turn over a 2,000-token conversation then sends its new tokens, not 2,000 ids
+    token, or a grammar replays the generated ones (then at the prompt's end at the latest). A chat turn over a 2,000-token conversation then sends its new tokens, not 2,000 ids
     encoded, sent and parsed again."""
-    return 0 if s.sampling.uses_penalties else s.num_computed_tokens
+    if s.sampling.uses_penalties:
+        return 0
+    if s.sampling.structured is not None:  # the executor replays the generated tokens
+        return min(s.num_computed_tokens, s.num_prompt_tokens or 0)
+    return s.num_computed_tokens
 
 
 def _sampling_options(p: SamplingParams, seed: int) -> executor_pb2.SamplingOptions:
@@ -196,6 +237,8 @@ def _sampling_options(p: SamplingParams, seed: int) -> executor_pb2.SamplingOpti
         logit_bias_values=[b for _, b in p.logit_bias])
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured is not None:
+        msg.grammar = p.structured.grammar
     return msg
 
 
@@ -270,4 +313,14 @@ def description_from_proto(d: executor_pb2.DescribeResponse) -> ExecutorDescript
         backend=d.backend,
         instance_id=d.instance_id,
         protocol_version=d.protocol_version,
+        eos_token_ids=tuple(d.generation_config.eos_token_ids),
+        generation_defaults=_generation_defaults(d.generation_config),
     )
+
+
+def _generation_defaults(g: executor_pb2.GenerationConfig) -> GenerationDefaults:
+    """The defaults the executor's model sets (range checks are the attach's)."""
+    values = {name: getattr(g, name) for name in _DEFAULTABLE_SAMPLING if g.HasField(name)}
+    if g.HasField("max_new_tokens"):
+        values["max_tokens"] = g.max_new_tokens
+    return GenerationDefaults(**values)

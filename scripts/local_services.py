@@ -133,6 +133,12 @@ class Services:
         with open(self.logs[name], errors="replace") as f:
             return f.read()
 
+    def __enter__(self) -> Services:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:

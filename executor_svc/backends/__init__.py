@@ -1,11 +1,17 @@
 """The backend seam: the model and cache engine call these ops (the signatures of
-`pagedserve_kernels.reference`, plus `linear` with F.linear's contract), never kernels directly.
+`pagedserve_kernels.reference`, plus `linear` with F.linear's contract), the worker what the
+device needs before serving; nothing above calls a kernel or asks which backend it has.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from executor_svc.cuda_graphs import DecodeGraphs
+    from executor_svc.memory_profile import MemoryProfile
+    from executor_svc.small_step_graphs import SmallStepGraphs
 
 
 class Backend(Protocol):
@@ -52,6 +58,42 @@ class Backend(Protocol):
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         """x [T, K] -> [T, N]; weight: a dense [N, K] tensor (F.linear's contract) or a quantized
         linear (executor_svc.quantization: Int4Weight, Fp8Weight)."""
+        ...
+
+    def apply_token_bitmask(self, logits, bitmask, indices=None) -> None:
+        """In place: -inf on the tokens a grammar's bitmask disallows (reference's contract)."""
+        ...
+
+    # -- what the worker asks of the device before it serves ---------------------------------------
+
+    def attention_impl(self, dtype: torch.dtype, head_dim: int) -> str:
+        """Which attention computes this dtype and head size ("cupy" or "torch"), for the log."""
+        ...
+
+    def prepare_model(self, model, cache_dir: str | None, max_num_batched_tokens: int) -> None:
+        """Device choices for `model`'s products (CUDA: GEMM algorithms, kept in `cache_dir`),
+        made before the memory profile and any graph capture."""
+        ...
+
+    def profile_num_blocks(self, model, block_size: int, block_bytes: int, utilization: float,
+                           max_num_batched_tokens: int) -> MemoryProfile | None:
+        """How many KV pages fit on the device beside `model`; None: no profile, the worker's
+        default stands."""
+        ...
+
+    def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype
+                     ) -> tuple[DecodeGraphs | None, SmallStepGraphs | None]:
+        """The graph runners the model runner replays, (None, None) when every step runs
+        eagerly. The decode graphs come uncaptured: capture(counts) needs the runner's rows."""
+        ...
+
+    def graph_workspaces(self) -> list[torch.Tensor]:
+        """Scratch tensors the kernels launched in a graph use; the graph keeps them alive."""
+        ...
+
+    def warm_up(self, runner) -> None:
+        """Runs every path `runner` will take once, so nothing compiles or allocates on the first
+        request; leaves the runner empty."""
         ...
 
 

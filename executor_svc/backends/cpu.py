@@ -25,6 +25,7 @@ class CpuBackend:
     rotary_embedding_and_cache = staticmethod(reference.rotary_embedding_and_cache)
     silu_and_mul = staticmethod(reference.silu_and_mul)
     gelu_tanh_and_mul = staticmethod(reference.gelu_tanh_and_mul)
+    apply_token_bitmask = staticmethod(reference.apply_token_bitmask)
 
     @staticmethod
     def linear(x, weight, bias=None) -> torch.Tensor:
@@ -42,3 +43,31 @@ class CpuBackend:
     def check_model(config) -> None:
         """The reference twins compute every feature of every supported family, and every
         quantization executor_svc.quantization loads."""
+
+    # What the worker asks of the device before it serves: the CPU has nothing to tune, profile,
+    # capture or warm, so the worker's defaults stand and every step runs eagerly.
+
+    @staticmethod
+    def attention_impl(dtype: torch.dtype, head_dim: int) -> str:
+        return "torch"
+
+    @staticmethod
+    def prepare_model(model, cache_dir: str | None, max_num_batched_tokens: int) -> None:
+        pass
+
+    @staticmethod
+    def profile_num_blocks(model, block_size: int, block_bytes: int, utilization: float,
+                           max_num_batched_tokens: int) -> None:
+        return None
+
+    @staticmethod
+    def build_graphs(model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype):
+        return None, None
+
+    @staticmethod
+    def graph_workspaces() -> list[torch.Tensor]:
+        return []
+
+    @staticmethod
+    def warm_up(runner) -> None:
+        pass

@@ -20,6 +20,9 @@ _KERNEL_HEAD_DIMS = (64, 128)
 # The choice follows from the tensors' shapes only, so it is fixed inside a captured graph.
 # 64 is the largest size measured to pay (benchmarks/RESULTS.md).
 FEW_QUERY_MAX = 64
+# Step sizes tuned between the decode graphs' largest batch and the step budget: rungs for the
+# products of eager steps with more rows than a graph
+_STEP_RUNGS = (2048, 4096)
 
 
 class CudaBackend:
@@ -107,7 +110,8 @@ class CudaBackend:
         if self.kernels_cover(q.dtype, q.shape[-1]):
             return self._attention.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, out)
-        return torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return reference.torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                scale, out)
 
     def swap_blocks(self, src_k, src_v, dst_k, dst_v, block_mapping) -> None:
         self._cache_ops.swap_blocks(src_k, src_v, dst_k, dst_v, block_mapping)
@@ -144,6 +148,11 @@ class CudaBackend:
         """GeGLU: the torch twin on the GPU (no fused kernel yet; correct, capturable)."""
         return reference.gelu_tanh_and_mul(x, out)
 
+    @staticmethod
+    def apply_token_bitmask(logits, bitmask, indices=None) -> None:
+        """The torch twin on the GPU, eager (outside the decode graphs: no kernel yet)."""
+        reference.apply_token_bitmask(logits, bitmask, indices)
+
     # -- matrix products --------------------------------------------------------------------------
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
@@ -164,6 +173,73 @@ class CudaBackend:
                  len(self.gemm.algos))
         return report
 
+    # -- what the worker asks of the device before it serves ---------------------------------------
+
+    def prepare_model(self, model, cache_dir: str | None, max_num_batched_tokens: int) -> None:
+        """GEMM algorithms for the rows a step has: every decode-graph batch size (all products),
+        and steps of 2,048, 4,096 and max_num_batched_tokens tokens, those up to the budget (all
+        but lm_head, which sees only the rows that sample); chosen once per GPU and library
+        version, then read from `cache_dir`. Other row counts (eager steps, also every
+        step under enforce_eager) run the algorithm of the next tuned count up (its rung), whose
+        kernel has run: a kernel's first run waits for the GPU (pagedserve_kernels/gemm.py)."""
+        from executor_svc.cuda_graphs import BATCH_SIZES
+
+        groups = model.linear_groups()
+        self.gemm.cache_dir = cache_dir
+        self.tune_linears(groups, list(BATCH_SIZES))
+        body = {name: weights for name, weights in groups.items() if name != "lm_head"}
+        budget = max_num_batched_tokens
+        steps = sorted({t for t in _STEP_RUNGS if BATCH_SIZES[-1] < t < budget} | {budget})
+        self.tune_linears(body, steps)
+
+    def profile_num_blocks(self, model, block_size: int, block_bytes: int, utilization: float,
+                           max_num_batched_tokens: int):
+        """The KV pages that fit in `utilization` of the GPU beside the weights, a step's peak
+        and the decode graphs (a memory_profile.MemoryProfile)."""
+        from executor_svc.cuda_graphs import BATCH_SIZES
+        from executor_svc.memory_profile import profile_num_gpu_blocks
+
+        return profile_num_gpu_blocks(model, block_size, block_bytes, utilization,
+                                      max_num_batched_tokens, BATCH_SIZES[-1], self.device)
+
+    def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype):
+        """(DecodeGraphs, SmallStepGraphs or None). The decode graphs are not captured yet: their
+        capture(counts) needs the runner's penalty counts. The small-step graphs are captured
+        here, and only where the kernels cover the model: the torch twin is not capturable."""
+        from executor_svc.cuda_graphs import DecodeGraphs
+        from executor_svc.small_step_graphs import SmallStepGraphs
+
+        graphs = DecodeGraphs(model, kv_caches, max_blocks_per_seq)
+        small_graphs = None
+        if self.kernels_cover(dtype, model.config.head_dim):
+            small_graphs = SmallStepGraphs(model, kv_caches, max_blocks_per_seq)
+            small_graphs.capture()
+        return graphs, small_graphs
+
+    def graph_workspaces(self) -> list[torch.Tensor]:
+        """The attention launchers' scratch tensors, which a captured graph must keep alive."""
+        return self._attention.workspaces()
+
+    def warm_up(self, runner) -> None:
+        """A prefill, then a batched decode (graph replay) launched before the prefill finished
+        (its input ids gathered on the device), with a seeded sampled seq, through the runner,
+        so that nothing compiles or allocates on the first request; then forgets them."""
+        from executor_svc.step import CachedSeqs, NewSeq, SamplingOptions, StepPlan
+
+        bs = runner.info.block_size
+        prompt = list(range(1, 2 * bs + 2))
+        blocks = min(runner.info.num_gpu_blocks, -(-(len(prompt) + 2) // bs))
+        greedy, seeded = SamplingOptions(), SamplingOptions(temperature=0.8, top_p=0.9, seed=1)
+        new = [NewSeq(i, prompt, list(range(blocks)), 0, len(prompt), opt)
+               for i, opt in enumerate((greedy, seeded))]
+        prefill = runner.launch(StepPlan(1, new_seqs=new))
+        decode = runner.launch(
+            StepPlan(2, cached_seqs=CachedSeqs.of((i, 1, len(prompt), []) for i in range(2))))
+        runner.finish(prefill)
+        runner.finish(decode)
+        runner.reset()
+        torch.cuda.synchronize(self.device)
+
 
 # ModelConfig feature -> its name in the load-time refusal; each is GPU work still to do.
 _MISSING_FEATURES = (
@@ -178,36 +254,3 @@ def missing_features(config) -> list[str]:
     """What `config` (a ModelConfig) needs that neither the kernels nor their torch fallbacks
     (float32, other head sizes) compute."""
     return [name for needs, name in _MISSING_FEATURES if needs(config)]
-
-
-def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
-    """Decode attention with torch ops only and no host sync (capturable in a CUDA graph).
-
-    q: [num_seqs, num_heads, head_dim]; caches [num_blocks, kv_heads, block_size, head_dim];
-    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. Reads every listed
-    page (max_blocks of them per row), so it suits small models only.
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    tables = block_tables.long()
-
-    def gather(cache):  # -> [num_seqs, kv_heads, max_blocks * block_size, head_dim]
-        pages = cache[tables]  # [num_seqs, max_blocks, kv_heads, block_size, head_dim]
-        return pages.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
-
-    k, v = gather(k_cache).float(), gather(v_cache).float()
-    ctx = torch.arange(k.shape[2], device=q.device)
-    # Rows past a sequence's length come from pages it does not own (stale table columns, the
-    # unwritten end of its last page): they may hold anything, NaN included, and 0 * NaN is NaN,
-    # so they are zeroed, not only given zero weight.
-    v = v.masked_fill((ctx.view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)), 0.0)
-    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,sktd->skgt", qf, k) * scale  # [seqs, kv_heads, group, ctx]
-    valid = ctx.view(1, 1, 1, -1) < seq_lens.view(-1, 1, 1, 1)
-    probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
-    result = torch.einsum("skgt,sktd->skgd", probs, v).reshape(num_seqs, num_heads, head_dim)
-    if out is None:
-        return result.to(q.dtype)
-    out.copy_(result)
-    return out

@@ -862,18 +862,20 @@ extern "C" __global__ void __launch_bounds__(1024)
   ps::prefill_tiles_impl(cu_seqlens_q, num_seqs, tiles, num_entries, tile);
 }
 
-#define PS_PREFILL(NAME, T, HD, MIN_CTAS)                                                         \
-  extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                            \
+// Both prefill kernel families take the same arguments; IMPL and THREADS name the family.
+#define PS_PREFILL_ENTRY(NAME, IMPL, THREADS, T, HD, MIN_CTAS)                                    \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)                                 \
       NAME(const T* q, T* out, const T* k_cache, const T* v_cache, const int* block_tables,       \
            const int* cu_seqlens_q, const int* seq_lens, const int2* tiles,                       \
            long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head,  \
            int num_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,          \
            float scale_log2) {                                                                    \
-    ps::prefill_impl<T, HD>(q, out, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,       \
-                            tiles, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head,      \
-                            num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq,         \
-                            scale_log2);                                                          \
+    ps::IMPL<T, HD>(q, out, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, tiles,        \
+                    q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, num_heads,          \
+                    num_kv_heads, block_size_log2, max_blocks_per_seq, scale_log2);               \
   }
+#define PS_PREFILL(NAME, T, HD, MIN_CTAS) \
+  PS_PREFILL_ENTRY(NAME, prefill_impl, ps::kThreads, T, HD, MIN_CTAS)
 // hd64 runs 3 CTAs per SM (168 registers, a few spills: more resident warps hide the barriers
 // better than the spills cost); hd128 needs 2 (its O accumulator alone is 128 registers). NOTES.md.
 PS_PREFILL(prefill_bf16_hd64, __nv_bfloat16, 64, 3)
@@ -881,18 +883,8 @@ PS_PREFILL(prefill_bf16_hd128, __nv_bfloat16, 128, 2)
 PS_PREFILL(prefill_fp16_hd64, __half, 64, 3)
 PS_PREFILL(prefill_fp16_hd128, __half, 128, 2)
 
-#define PS_PREFILL_WG(NAME, T, HD, MIN_CTAS)                                                      \
-  extern "C" __global__ void __launch_bounds__(ps::kWgThreads, MIN_CTAS)                          \
-      NAME(const T* q, T* out, const T* k_cache, const T* v_cache, const int* block_tables,       \
-           const int* cu_seqlens_q, const int* seq_lens, const int2* tiles,                       \
-           long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head,  \
-           int num_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,          \
-           float scale_log2) {                                                                    \
-    ps::prefill_wg_impl<T, HD>(q, out, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,    \
-                               tiles, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head,   \
-                               num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq,      \
-                               scale_log2);                                                       \
-  }
+#define PS_PREFILL_WG(NAME, T, HD, MIN_CTAS) \
+  PS_PREFILL_ENTRY(NAME, prefill_wg_impl, ps::kWgThreads, T, HD, MIN_CTAS)
 // hd64: 2 CTAs per SM (128 registers, 28 B of spills, 82 KB smem each): a second CTA keeps the
 // tensor cores busy through softmax; hd128 fits 1 (209 registers, 163 KB smem). NOTES.md.
 PS_PREFILL_WG(prefill_wg_bf16_hd64, __nv_bfloat16, 64, 2)

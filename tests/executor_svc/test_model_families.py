@@ -105,16 +105,22 @@ def folders(tmp_path_factory):
 
     def folder(name):
         if name not in made:
-            torch.manual_seed(0)
-            hf = AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
-            with torch.no_grad():  # norms and biases start constant: a swapped pair would pass
-                for param_name, param in hf.named_parameters():
-                    if "norm" in param_name or param_name.endswith(".bias"):
-                        param.add_(torch.randn_like(param) * 0.2)
             made[name] = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(made[name])
+            write_family_folder(name, made[name])
         return str(made[name])
     return folder
+
+
+def write_family_folder(name, path) -> None:
+    """FAMILIES[name]'s random-weight folder at `path`, written by save_pretrained (the
+    integration tests serve the same folders)."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
+    with torch.no_grad():  # norms and biases start constant: a swapped pair would pass
+        for param_name, param in hf.named_parameters():
+            if "norm" in param_name or param_name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.2)
+    hf.save_pretrained(path)
 
 
 def _hf_greedy(folder, prompt):

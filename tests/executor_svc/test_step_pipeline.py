@@ -102,9 +102,15 @@ def test_next_step_launched_before_the_previous_finishes_results_in_order():
     assert runner.max_unfinished == 2
 
 
-def test_one_launched_is_one_step_at_a_time():
-    runner = FakeRunner(slow=True)
-    assert list(pipeline(runner, max_launched=1).run([Plan(i) for i in range(1, 4)])) == [1, 2, 3]
+# One launched step at most; or steps done as soon as launched, where a done step is finished
+# before a queued plan is launched: the CPU backend's launch runs the whole forward, so launching
+# step 2 first would hold step 1's result (a request's first token) back by step 2's forward.
+@pytest.mark.parametrize("slow,max_launched", [(True, 1), (False, 2)],
+                         ids=["one-launched", "done-steps"])
+def test_steps_run_one_at_a_time(slow, max_launched):
+    runner = FakeRunner(slow=slow)
+    plans = [Plan(i) for i in range(1, 4)]
+    assert list(pipeline(runner, max_launched).run(plans)) == [1, 2, 3]
     assert runner.calls == ["L1", "F1", "L2", "F2", "L3", "F3"]
 
 
@@ -119,14 +125,6 @@ def test_a_done_step_is_returned_without_waiting_for_the_next_plan():
         plans.close()
         with pytest.raises(StopIteration):
             next_within_timeout(results, pool)
-
-
-def test_a_done_step_is_finished_before_a_queued_plan_is_launched():
-    # The CPU backend's launch runs the whole forward: launching step 2 before finishing the
-    # done step 1 would hold step 1's result (a request's first token) back by step 2's forward.
-    runner = FakeRunner(slow=False)
-    assert list(pipeline(runner).run([Plan(i) for i in range(1, 4)])) == [1, 2, 3]
-    assert runner.calls == ["L1", "F1", "L2", "F2", "L3", "F3"]
 
 
 def test_a_step_that_completes_later_is_returned_without_waiting_for_the_next_plan():

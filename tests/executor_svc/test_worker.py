@@ -1,8 +1,13 @@
-"""Worker from an ExecutorConfig: its info and a step round trip through its runner, on a preset."""
+"""Worker from an ExecutorConfig: its info and a step round trip through its runner, on a preset;
+what it asks of the backend (the CPU's defaults, the CUDA backend's tuning rows and warm-up)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from executor_svc.backends import get_backend
+from executor_svc.backends.cuda import CudaBackend
+from executor_svc.cuda_graphs import BATCH_SIZES
 from executor_svc.config import ExecutorConfig
 from executor_svc.step import CachedSeqs, NewSeq, SamplingOptions, StepPlan
 from executor_svc.worker import Worker
@@ -36,3 +41,35 @@ def test_fingerprint_depends_on_seed_and_preset():
 def test_cuda_backend_fails_loudly_without_cuda():
     with pytest.raises(RuntimeError, match="CUDA device"):
         get_backend("cuda")
+
+
+def test_the_cpu_backend_leaves_the_worker_its_defaults():
+    worker = Worker(ExecutorConfig(model="preset:tiny", swap_space_gib=0.001))
+    assert worker.memory_profile is None and worker.info.num_gpu_blocks == 1024
+    assert worker.runner.decode_graphs is None and worker.runner.small_step_graphs is None
+
+
+def test_cuda_prepare_model_tunes_graph_batches_then_step_rungs():
+    """The rows CudaBackend tunes (no GPU needed: its tuner is replaced by a recorder)."""
+    backend = object.__new__(CudaBackend)  # no kernels compiled
+    calls = []
+    backend.gemm = SimpleNamespace(cache_dir=None)
+    backend.tune_linears = lambda groups, rows: calls.append((sorted(groups), rows))
+    model = SimpleNamespace(linear_groups=lambda: {"qkv": [], "lm_head": []})
+    backend.prepare_model(model, "/cache", 8192)
+    assert backend.gemm.cache_dir == "/cache"
+    assert calls == [(["lm_head", "qkv"], list(BATCH_SIZES)), (["qkv"], [2048, 4096, 8192])]
+
+
+def test_cuda_warm_up_runs_a_prefill_and_a_decode_and_leaves_the_runner_empty(monkeypatch):
+    """CudaBackend.warm_up's plans, run here by a CPU worker's runner (only the final device
+    sync is CUDA's)."""
+    worker = Worker(ExecutorConfig(model="preset:tiny", num_gpu_blocks=8, swap_space_gib=0.001))
+    steps = []
+    launch = worker.runner.launch
+    monkeypatch.setattr(worker.runner, "launch", lambda plan: steps.append(plan) or launch(plan))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    CudaBackend.warm_up(SimpleNamespace(device=None), worker.runner)
+    assert [len(p.new_seqs) for p in steps] == [2, 0]
+    assert list(steps[1].cached_seqs.seq_ids) == [0, 1]
+    assert not len(worker.runner.input_batch)

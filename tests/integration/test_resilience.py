@@ -73,44 +73,40 @@ class Load:
             assert final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
 
 
+def kill_and_replace_executor(services) -> None:
+    """SIGKILLs the executor, then starts another on its address (as a supervisor would)."""
+    services.procs["executor"].send_signal(signal.SIGKILL)
+    services.procs["executor"].wait()
+    port = int(services.executor_address.rsplit(":", 1)[1])
+    services.add_executor("executor2", ["--model", TINY], port=port)
+
+
 def test_executor_sigkill_midway_then_replaced(tmp_path):
-    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
-    try:
+    with start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"]) as services:
         load = Load(services.scheduler_address, random_prompts(32, seed=11), max_tokens=48,
                     reference=TINY)
         load.wait_tokens(200)
-        services.procs["executor"].send_signal(signal.SIGKILL)
-        services.procs["executor"].wait()
-        port = int(services.executor_address.rsplit(":", 1)[1])
-        services.add_executor("executor2", ["--model", TINY], port=port)
+        kill_and_replace_executor(services)
         load.check_against_reference()
         assert services.status().resyncs >= 1
         assert f"executor {services.executor_address} restarted" in services.log_of("scheduler")
         assert_pools_whole(services)
-    finally:
-        services.stop()
 
 
 def test_executor_sigkill_with_shared_prefixes_cached(tmp_path):
     """Prefix caching (on by default) across an executor lost: 32 streams share a system
     prompt, so their tables share cached pages when the executor dies; the new executor's cache
     is empty, every hash is dropped, and every stream still gets transformers' tokens."""
-    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
-    try:
+    with start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"]) as services:
         system = random_prompts(1, seed=13, low=40, high=40)[0]
         prompts = [system + p for p in random_prompts(32, seed=14, low=1, high=8)]
         load = Load(services.scheduler_address, prompts, max_tokens=48, reference=TINY)
         load.wait_tokens(200)
         assert services.metrics()["pagedserve_prefix_cache_hits_total"] > 0
-        services.procs["executor"].send_signal(signal.SIGKILL)
-        services.procs["executor"].wait()
-        port = int(services.executor_address.rsplit(":", 1)[1])
-        services.add_executor("executor2", ["--model", TINY], port=port)
+        kill_and_replace_executor(services)
         load.check_against_reference()
         assert services.status().resyncs >= 1
         assert_pools_whole(services)
-    finally:
-        services.stop()
 
 
 def test_planned_replacement_fails_no_request(tmp_path):
@@ -149,9 +145,8 @@ def test_switch_to_a_different_model_is_refused(tmp_path):
 
 def test_hung_executor_is_detected_and_next_address_takes_over(tmp_path):
     backup_port = free_port()
-    services = start_services(tmp_path, ["--model", TINY], ["--step-timeout", "2"],
-                              extra_executor_addresses=(f"127.0.0.1:{backup_port}",))
-    try:
+    with start_services(tmp_path, ["--model", TINY], ["--step-timeout", "2"],
+                        extra_executor_addresses=(f"127.0.0.1:{backup_port}",)) as services:
         services.add_executor("backup", ["--model", TINY], port=backup_port)
         load = Load(services.scheduler_address, random_prompts(16, seed=13), max_tokens=48,
                     reference=TINY)
@@ -164,13 +159,10 @@ def test_hung_executor_is_detected_and_next_address_takes_over(tmp_path):
         status = services.status()
         assert status.executor_address == f"127.0.0.1:{backup_port}" and status.resyncs >= 1
         assert_pools_whole(services)
-    finally:
-        services.stop()
 
 
 def test_cancelling_half_the_streams_frees_their_pages(tmp_path):
-    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "128"])
-    try:
+    with start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "128"]) as services:
         prompts = random_prompts(100, seed=14)
         cancel_after = 4
         with grpc.insecure_channel(services.scheduler_address) as channel:
@@ -198,14 +190,11 @@ def test_cancelling_half_the_streams_frees_their_pages(tmp_path):
             kept = [[t for m in call for t in m.token_ids] for call in calls[50:]]
         assert kept == expected.result(timeout=300)
         assert_pools_whole(services)
-    finally:
-        services.stop()
 
 
 def test_full_waiting_queue_answers_resource_exhausted(tmp_path):
-    services = start_services(tmp_path, ["--model", TINY],
-                              ["--max-num-seqs", "2", "--max-waiting", "3"])
-    try:
+    with start_services(tmp_path, ["--model", TINY],
+                        ["--max-num-seqs", "2", "--max-waiting", "3"]) as services:
         prompts = random_prompts(24, seed=15)
         with grpc.insecure_channel(services.scheduler_address) as channel, ThreadPoolExecutor(24) as pool:
             stub = services.stub(channel)
@@ -222,14 +211,11 @@ def test_full_waiting_queue_answers_resource_exhausted(tmp_path):
         for prompt, ids in served:
             assert ids == hf_greedy(TINY, prompt, 32)
         assert_pools_whole(services)
-    finally:
-        services.stop()
 
 
 def test_sigterm_drains_then_ends_the_rest(tmp_path):
-    services = start_services(tmp_path, ["--model", TINY],
-                              ["--shutdown-timeout", "1", "--max-num-seqs", "1"])
-    try:
+    with start_services(tmp_path, ["--model", TINY],
+                        ["--shutdown-timeout", "1", "--max-num-seqs", "1"]) as services:
         long_prompts = random_prompts(3, seed=16)
         load = Load(services.scheduler_address, long_prompts, max_tokens=1500)
         load.wait_tokens(5)
@@ -239,13 +225,10 @@ def test_sigterm_drains_then_ends_the_rest(tmp_path):
         assert any(final.finish_reason == generate_pb2.FINISH_REASON_ABORTED for _, final in results)
         assert services.procs["scheduler"].wait(timeout=60) == 0
         assert "shutting down" in services.log_of("scheduler")
-    finally:
-        services.stop()
 
 
 def test_health_follows_the_executor(tmp_path):
-    services = start_services(tmp_path, ["--model", TINY])
-    try:
+    with start_services(tmp_path, ["--model", TINY]) as services:
         with grpc.insecure_channel(services.scheduler_address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
@@ -258,8 +241,6 @@ def test_health_follows_the_executor(tmp_path):
             services.add_executor("executor2", ["--model", TINY], port=port)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             watch.cancel()
-    finally:
-        services.stop()
 
 
 def _try_generate(services):
@@ -280,12 +261,11 @@ def _self_signed_cert(tmp_path):
 
 def test_tls_and_token_on_the_executor_link(tmp_path):
     key, cert = _self_signed_cert(tmp_path)
-    services = start_services(
+    with start_services(
         tmp_path,
         ["--model", TINY, "--tls-cert", cert, "--tls-key", key, "--auth-token", "s3cret"],
         ["--executor-tls-ca", cert, "--executor-tls-server-name", "localhost",
-         "--executor-token", "s3cret"])
-    try:
+         "--executor-token", "s3cret"]) as services:
         with grpc.insecure_channel(services.scheduler_address) as channel:
             ids, _, _ = generate(services.stub(channel), [7, 8, 9], max_tokens=6)
         assert ids == hf_greedy(TINY, [7, 8, 9], 6)
@@ -298,8 +278,6 @@ def test_tls_and_token_on_the_executor_link(tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 executor_pb2_grpc.ExecutorStub(ch).Describe(executor_pb2.DescribeRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        services.stop()
 
 
 def test_sighup_rereads_the_executor_file(tmp_path):

@@ -118,29 +118,6 @@ def check_fused_add_rms_norm(ops, dtype, num_tokens, hidden, offset=0):
                 "fused_add_rms_norm")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [576, 4096])
-@pytest.mark.parametrize("num_tokens", TOKENS)
-def test_rms_norm(ops, dtype, hidden, num_tokens):
-    check_rms_norm(ops, dtype, num_tokens, hidden)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [576, 4096])
-@pytest.mark.parametrize("num_tokens", TOKENS)
-def test_fused_add_rms_norm(ops, dtype, hidden, num_tokens):
-    check_fused_add_rms_norm(ops, dtype, num_tokens, hidden)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden,offset", [(576, 1), (4096, 1), (100, 0), (8195, 0)])
-def test_rms_norms_scalar_path(ops, dtype, hidden, offset):
-    """Rows 2 bytes off a 16-byte boundary, or widths that are not whole 16-byte vectors (8195 >
-    1024 threads: several elements per thread)."""
-    check_rms_norm(ops, dtype, 37, hidden, offset)
-    check_fused_add_rms_norm(ops, dtype, 37, hidden, offset)
-
-
 # -- RoPE -----------------------------------------------------------------------------------------
 
 def check_rotary(ops, dtype, num_tokens, heads, kv_heads, head_dim, offset=0):
@@ -294,17 +271,31 @@ def check_silu_and_mul(ops, dtype, num_tokens, d, offset=0):
     assert torch.equal(ops.silu_and_mul(x), out)
 
 
+# -- the row-wise ops: each at two model widths (hidden, or SiLU-and-mul's d), every token count;
+# then rows 2 bytes off a 16-byte boundary, or widths that are not whole 16-byte vectors (8195 >
+# 1024 threads: several elements per thread)
+
+ROW_OPS = {"rms_norm": check_rms_norm, "fused_add_rms_norm": check_fused_add_rms_norm,
+           "silu_and_mul": check_silu_and_mul}
+_NORM_WIDTHS, _NORM_SCALAR = [576, 4096], [(576, 1), (4096, 1), (100, 0), (8195, 0)]
+ROW_WIDTHS = {"rms_norm": _NORM_WIDTHS, "fused_add_rms_norm": _NORM_WIDTHS,
+              "silu_and_mul": [1536, 14336]}
+ROW_SCALAR_CASES = {"rms_norm": _NORM_SCALAR, "fused_add_rms_norm": _NORM_SCALAR,
+                    "silu_and_mul": [(1536, 1), (1003, 0)]}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [1536, 14336])
 @pytest.mark.parametrize("num_tokens", TOKENS)
-def test_silu_and_mul(ops, dtype, d, num_tokens):
-    check_silu_and_mul(ops, dtype, num_tokens, d)
+@pytest.mark.parametrize("op,width", [(op, w) for op, ws in ROW_WIDTHS.items() for w in ws])
+def test_row_op(ops, op, width, dtype, num_tokens):
+    ROW_OPS[op](ops, dtype, num_tokens, width)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d,offset", [(1536, 1), (1003, 0)])
-def test_silu_and_mul_scalar_path(ops, dtype, d, offset):
-    check_silu_and_mul(ops, dtype, 29, d, offset)
+@pytest.mark.parametrize("op,width,offset",
+                         [(op, *case) for op, cases in ROW_SCALAR_CASES.items() for case in cases])
+def test_row_op_scalar_path(ops, op, width, offset, dtype):
+    ROW_OPS[op](ops, dtype, 37, width, offset)
 
 
 # -- CUDA graphs ----------------------------------------------------------------------------------

@@ -209,7 +209,11 @@ class Loop:
         plan = self.sched.schedule()
         check_plan(self.sched, plan)
         self.plans.append(plan)
-        sampled = self.executor.execute(plan)
+        return self.apply(plan, self.executor.execute(plan), between)
+
+    def apply(self, plan: StepPlan, sampled: dict[int, int], between=None):
+        """`between(plan)` while the step is in flight, then its result to the scheduler;
+        returns (plan, updates)."""
         if between is not None:
             between(plan)
         updates = self.sched.update_from_output(plan, sampled)
@@ -267,12 +271,7 @@ class PipelinedLoop(Loop):
         if not self.in_flight:
             return None, []
         plan, sampled = self.in_flight.pop(0)
-        if between is not None:
-            between(plan)
-        updates = self.sched.update_from_output(plan, sampled)
-        self.record(updates)
-        self.check()
-        return plan, updates
+        return self.apply(plan, sampled, between)
 
     def check(self) -> None:
         self.sched.block_manager.check_invariants()

@@ -50,11 +50,17 @@ def test_no_decode_is_planned_past_max_tokens():
     assert scheduled == 5 + 2  # the prompt, then one decode per token but the last
 
 
-def test_abort_while_two_steps_are_in_flight():
+def four_seqs(loop_class, max_tokens: int):
+    """(scheduler, loop): seqs 1 to 4, 6-token prompts, added under a 64-token step budget."""
     sched = make_scheduler(max_num_batched_tokens=64)
-    loop = PipelinedLoop(sched)
+    loop = loop_class(sched)
     for i in range(1, 5):
-        sched.add_seq(make_seq(i, prompt_len=6, max_tokens=12))
+        sched.add_seq(make_seq(i, prompt_len=6, max_tokens=max_tokens))
+    return sched, loop
+
+
+def test_abort_while_two_steps_are_in_flight():
+    sched, loop = four_seqs(PipelinedLoop, max_tokens=12)
     loop.step()
     loop.step(between=lambda plan: sched.abort_seq(2))
     loop.run_until_done()
@@ -63,10 +69,7 @@ def test_abort_while_two_steps_are_in_flight():
 
 
 def test_reset_with_steps_in_flight_recomputes_everything():
-    sched = make_scheduler(max_num_batched_tokens=64)
-    loop = PipelinedLoop(sched)
-    for i in range(1, 5):
-        sched.add_seq(make_seq(i, prompt_len=6, max_tokens=10))
+    sched, loop = four_seqs(PipelinedLoop, max_tokens=10)
     for _ in range(4):
         loop.step()
     loop.reset_executor()
@@ -77,9 +80,6 @@ def test_reset_with_steps_in_flight_recomputes_everything():
 
 
 def run_single_lockstep():
-    sched = make_scheduler(max_num_batched_tokens=64)
-    loop = Loop(sched)
-    for i in range(1, 5):
-        sched.add_seq(make_seq(i, prompt_len=6, max_tokens=10))
+    sched, loop = four_seqs(Loop, max_tokens=10)
     loop.run_until_done()
     return loop, sched

@@ -2,6 +2,7 @@
 lost and recomputed on, a failing step loop ends its streams loudly and serving resumes, and
 requests sent before an executor attaches wait for it within the grace period."""
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -489,13 +490,19 @@ async def until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+@contextlib.asynccontextmanager
 async def started(client: FakeClient, config: EngineConfig):
+    """(engine, health) while attached to `client`, stopped on exit; `health` lists each
+    on_attached_change."""
     engine = Engine(config, client)
     health: list[bool] = []
     engine.on_attached_change = health.append
     await engine.start()
-    await engine.wait_ready()
-    return engine, health
+    try:
+        await engine.wait_ready()
+        yield engine, health
+    finally:
+        await engine.stop()
 
 
 def wide(i: int, n: int, **kw) -> GenerateSpec:
@@ -505,9 +512,8 @@ def wide(i: int, n: int, **kw) -> GenerateSpec:
 def test_admission_counts_every_sample_against_max_waiting():
     async def body():
         client = FakeClient()
-        engine, _ = await started(client, EngineConfig(SchedulerConfig(max_num_seqs=1),
-                                                       max_waiting=16))
-        try:
+        async with started(client, EngineConfig(SchedulerConfig(max_num_seqs=1),
+                                                max_waiting=16)) as (engine, _):
             client.results_flow.clear()  # nothing finishes: what is admitted stays
             tasks = [asyncio.create_task(collect(engine, spec(0)))]
             await until(lambda: engine.scheduler.num_running == 1)
@@ -523,20 +529,15 @@ def test_admission_counts_every_sample_against_max_waiting():
             client.results_flow.set()
             outputs = await asyncio.gather(*tasks)
             assert all(isinstance(o, list) for o in outputs)
-        finally:
-            await engine.stop()
 
     run(body())
 
 
 def test_a_request_wider_than_the_bound_is_admitted_when_none_wait():
     async def body():
-        engine, _ = await started(FakeClient(), EngineConfig(max_waiting=4))
-        try:
+        async with started(FakeClient(), EngineConfig(max_waiting=4)) as (engine, _):
             tokens = [e async for e in engine.generate(wide(1, 8)) if isinstance(e, FinishEvent)]
             assert len(tokens) == 8
-        finally:
-            await engine.stop()
 
     run(body())
 
@@ -544,8 +545,7 @@ def test_a_request_wider_than_the_bound_is_admitted_when_none_wait():
 def test_a_request_the_queue_would_starve_past_its_deadline_is_refused_at_once():
     async def body():
         client = FakeClient()
-        engine, _ = await started(client, EngineConfig(SchedulerConfig(max_num_seqs=1)))
-        try:
+        async with started(client, EngineConfig(SchedulerConfig(max_num_seqs=1))) as (engine, _):
             client.results_flow.clear()
             tasks = [asyncio.create_task(collect(engine, spec(i))) for i in range(5)]
             await until(lambda: engine.num_requests == 5)
@@ -565,8 +565,6 @@ def test_a_request_the_queue_would_starve_past_its_deadline_is_refused_at_once()
             await until(lambda: engine.num_requests == 8)
             client.results_flow.set()
             assert all(isinstance(o, list) for o in await asyncio.gather(*tasks))
-        finally:
-            await engine.stop()
 
     run(body())
 
@@ -574,8 +572,7 @@ def test_a_request_the_queue_would_starve_past_its_deadline_is_refused_at_once()
 def test_an_executor_lost_while_idle_is_noticed_at_once_and_requests_fail_after_the_grace():
     async def body():
         client = FakeClient()
-        engine, health = await started(client, EngineConfig(unavailable_grace_s=0.5))
-        try:
+        async with started(client, EngineConfig(unavailable_grace_s=0.5)) as (engine, health):
             assert isinstance(await collect(engine, spec(1)), list)
             assert engine.status().scheduler.gpu_blocks_cached > 0
             client.attachable.clear()  # the executor does not come back
@@ -593,8 +590,6 @@ def test_an_executor_lost_while_idle_is_noticed_at_once_and_requests_fail_after_
             await until(lambda: engine.attached)
             assert health == [True, False, True]
             assert isinstance(await collect(engine, spec(4)), list)
-        finally:
-            await engine.stop()
 
     run(body())
 
@@ -626,8 +621,7 @@ class TakenOverClient(FakeClient):
 def test_a_lease_taken_over_ends_the_streams_at_once_and_retries():
     async def body():
         client = TakenOverClient()
-        engine, health = await started(client, EngineConfig(unavailable_grace_s=30))
-        try:
+        async with started(client, EngineConfig(unavailable_grace_s=30)) as (engine, health):
             client.results_flow.clear()
             tasks = [asyncio.create_task(collect(engine, spec(i))) for i in range(4)]
             await until(lambda: engine.num_requests == 4)
@@ -646,7 +640,5 @@ def test_a_lease_taken_over_ends_the_streams_at_once_and_retries():
             client.leased = False  # the other scheduler went away: retried, attached again
             await until(lambda: engine.attached)
             assert isinstance(await collect(engine, spec(6)), list)
-        finally:
-            await engine.stop()
 
     run(body())

@@ -126,11 +126,20 @@ def test_samples_get_distinct_seeds_and_keep_given_ones():
     assert len({s.seed for s in (seq, *samples)}) == 4
 
 
+def started_request(loop_class, n: int, max_tokens: int, steps: int):
+    """(scheduler, loop, seq ids): request 1 with `n` samples of a 10-token prompt on 4-token
+    pages, after `steps` steps."""
+    sched = make_scheduler(block_size=4)
+    ids = add_request(sched, 1, n, prompt_len=10, max_tokens=max_tokens)
+    loop = loop_class(sched, same_for_all)
+    for _ in range(steps):
+        loop.step()
+    return sched, loop, ids
+
+
 @pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
 def test_a_first_sample_done_before_the_fork_leaves_the_others_to_prefill(loop_class):
-    sched = make_scheduler(block_size=4)
-    ids = add_request(sched, 1, 3, prompt_len=10, max_tokens=1)
-    loop = loop_class(sched, same_for_all)
+    sched, loop, ids = started_request(loop_class, 3, max_tokens=1, steps=0)
     loop.run_until_done()
     assert [loop.outputs[i] for i in ids] == [loop.outputs[1]] * 3
     assert all(loop.finished[i] is FinishReason.LENGTH for i in ids)
@@ -139,11 +148,7 @@ def test_a_first_sample_done_before_the_fork_leaves_the_others_to_prefill(loop_c
 
 @pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
 def test_aborting_every_sample_frees_every_page(loop_class):
-    sched = make_scheduler(block_size=4)
-    ids = add_request(sched, 1, 4, prompt_len=10, max_tokens=50)
-    loop = loop_class(sched, same_for_all)
-    for _ in range(4):
-        loop.step()
+    sched, loop, ids = started_request(loop_class, 4, max_tokens=50, steps=4)
     for seq_id in ids:
         assert sched.abort_seq(seq_id)
     loop.run_until_done()
@@ -184,11 +189,7 @@ def test_preempting_samples_leaves_the_others_intact(loop_class, num_cpu_blocks,
 
 @pytest.mark.parametrize("loop_class", [Loop, PipelinedLoop])
 def test_executor_reset_with_samples_waiting_and_forked(loop_class):
-    sched = make_scheduler(block_size=4)
-    first = add_request(sched, 1, 3, prompt_len=10, max_tokens=8)
-    loop = loop_class(sched, same_for_all)
-    for _ in range(3):
-        loop.step()
+    sched, loop, first = started_request(loop_class, 3, max_tokens=8, steps=3)
     second = add_request(sched, 2, 3, prompt_len=7, max_tokens=8)
     loop.step()
     loop.reset_executor()

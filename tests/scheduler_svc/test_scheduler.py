@@ -258,6 +258,25 @@ def pressure_seqs(n=4, prompt_len=8, max_tokens=12):
     return [make_seq(i, prompt_len=prompt_len, max_tokens=max_tokens) for i in range(n)]
 
 
+def seqs_on_few_pages(loop_class, num_gpu_blocks: int, shapes, **config):
+    """(scheduler, loop): 4-token pages, 40 CPU pages unless `config` says otherwise, and seq i
+    added for each (prompt_len, max_tokens) of `shapes`."""
+    sched = make_scheduler(**{"block_size": 4, "num_gpu_blocks": num_gpu_blocks,
+                              "num_cpu_blocks": 40, **config})
+    loop = loop_class(sched)
+    for seq_id, (prompt_len, max_tokens) in enumerate(shapes):
+        sched.add_seq(make_seq(seq_id, prompt_len=prompt_len, max_tokens=max_tokens))
+    return sched, loop
+
+
+def assert_all_finish_right(sched, loop, shapes) -> None:
+    """Runs to the end: seq i of `shapes` got its expected tokens, and every page is free."""
+    loop.run_until_done()
+    assert loop.outputs == {i: expected_output(i, prompt_len, max_tokens)
+                            for i, (prompt_len, max_tokens) in enumerate(shapes)}
+    assert_all_block_free(sched)
+
+
 def test_swap_preemption_round_trip_finishes_with_right_tokens():
     sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=40)
     loop = run_all(sched, pressure_seqs())
@@ -308,10 +327,7 @@ def test_mixed_swap_then_recompute_with_small_cpu_pool():
 
 
 def test_of_requests_holding_as_many_pages_the_newest_is_the_victim():
-    sched = make_scheduler(block_size=4, num_gpu_blocks=6, num_cpu_blocks=40)
-    loop = Loop(sched)
-    for seq in pressure_seqs(n=3, prompt_len=7, max_tokens=12):
-        sched.add_seq(seq)
+    sched, loop = seqs_on_few_pages(Loop, 6, [(7, 12)] * 3)
     while not any(p.preempted_seq_ids for p in loop.plans):
         loop.step()
     assert loop.plans[-1].preempted_seq_ids == [2]
@@ -326,20 +342,13 @@ def preempted_ids(loop) -> list[int]:
 def test_the_request_holding_the_most_pages_is_the_victim_not_a_small_newcomer(mode, loop_class):
     """Seq 1 holds the most pages; seq 2 (small, newest) is never preempted and finishes on
     time, seq 0 (oldest) never either; every token is right."""
-    sched = make_scheduler(block_size=4, num_gpu_blocks=12, num_cpu_blocks=40,
-                           preemption_mode=mode)
-    loop = loop_class(sched)
-    sched.add_seq(make_seq(0, prompt_len=4, max_tokens=40))
-    sched.add_seq(make_seq(1, prompt_len=16, max_tokens=30))
-    sched.add_seq(make_seq(2, prompt_len=2, max_tokens=12))
+    shapes = [(4, 40), (16, 30), (2, 12)]
+    sched, loop = seqs_on_few_pages(loop_class, 12, shapes, preemption_mode=mode)
     for _ in range(16):
         loop.step()
     assert loop.finished.get(2) is FinishReason.LENGTH
     assert 1 in preempted_ids(loop) and not {0, 2} & set(preempted_ids(loop))
-    loop.run_until_done()
-    assert loop.outputs == {0: expected_output(0, 4, 40), 1: expected_output(1, 16, 30),
-                            2: expected_output(2, 2, 12)}
-    assert_all_block_free(sched)
+    assert_all_finish_right(sched, loop, shapes)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -390,22 +399,15 @@ def test_a_requests_samples_count_their_shared_prompt_pages_once():
 def test_a_victim_scheduled_earlier_in_the_step_is_taken_back_out_of_the_plan(mode):
     """Seq 1, the biggest, was scheduled before seq 2 ran short in the same step: the plan drops
     it again (its tokens back in the budget) and preempts it; every token stays right."""
-    sched = make_scheduler(block_size=4, num_gpu_blocks=9, num_cpu_blocks=40,
-                           preemption_mode=mode)
-    loop = Loop(sched)
-    sched.add_seq(make_seq(0, prompt_len=1, max_tokens=20))
-    sched.add_seq(make_seq(1, prompt_len=17, max_tokens=20))
-    sched.add_seq(make_seq(2, prompt_len=3, max_tokens=20))
+    shapes = [(1, 20), (17, 20), (3, 20)]
+    sched, loop = seqs_on_few_pages(Loop, 9, shapes, preemption_mode=mode)
     while not any(p.preempted_seq_ids for p in loop.plans):
         loop.step()
     plan = loop.plans[-1]
     assert plan.preempted_seq_ids == [1]
     assert list(plan.cached_seqs.seq_ids) == [0, 2]
     assert plan.sampling_seq_ids == [0, 2]
-    loop.run_until_done()
-    assert loop.outputs == {0: expected_output(0, 1, 20), 1: expected_output(1, 17, 20),
-                            2: expected_output(2, 3, 20)}
-    assert_all_block_free(sched)
+    assert_all_finish_right(sched, loop, shapes)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -441,13 +443,19 @@ def test_the_oldest_running_seq_is_never_preempted_unless_alone(seed, mode):
 
 # ---- executor loss -------------------------------------------------------------------------
 
-def test_reset_executor_then_everything_finishes_identically():
-    sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=40)
-    loop = Loop(sched)
-    for seq in pressure_seqs(n=5):
-        sched.add_seq(seq)
+PRESSURE = [(8, 12)] * 5  # five seqs that outgrow 10 GPU pages
+
+
+def swapping_scheduler():
+    """(scheduler, loop): the PRESSURE seqs on 10 GPU pages, stepped until one is swapped out."""
+    sched, loop = seqs_on_few_pages(Loop, 10, PRESSURE)
     while not sched.swapped:
         loop.step()
+    return sched, loop
+
+
+def test_reset_executor_then_everything_finishes_identically():
+    sched, loop = swapping_scheduler()
     stale = sched.schedule()
     loop.reset_executor()
     assert sched.update_from_output(stale, {}) == []
@@ -456,18 +464,11 @@ def test_reset_executor_then_everything_finishes_identically():
     plan, _ = loop.step()
     assert not plan.cached_seqs and not plan.finished_seq_ids and not plan.preempted_seq_ids
     assert all(s.num_computed_tokens == 0 for s in plan.new_seqs)
-    loop.run_until_done()
-    assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(5)}
-    assert_all_block_free(sched)
+    assert_all_finish_right(sched, loop, PRESSURE)
 
 
 def test_reset_for_executor_moves_every_seq_onto_new_pools_and_stats_say_so():
-    sched = make_scheduler(block_size=4, num_gpu_blocks=10, num_cpu_blocks=40)
-    loop = Loop(sched)
-    for seq in pressure_seqs(n=5):
-        sched.add_seq(seq)
-    while not sched.swapped:
-        loop.step()
+    sched, loop = swapping_scheduler()
     before = sched.stats()
     assert before.running + before.swapped + before.waiting == 5 and before.swapped > 0
     assert before.gpu_blocks_used == 10 - sched.block_manager.num_free_gpu_blocks > 0
@@ -479,9 +480,7 @@ def test_reset_for_executor_moves_every_seq_onto_new_pools_and_stats_say_so():
     assert (after.gpu_blocks_used, after.gpu_blocks_total) == (0, 20)
     assert (after.cpu_blocks_used, after.cpu_blocks_total) == (0, 8)
     assert after.num_preemptions_swap == before.num_preemptions_swap  # counts run on
-    loop.run_until_done()
-    assert loop.outputs == {i: expected_output(i, 8, 12) for i in range(5)}
-    assert_all_block_free(sched)
+    assert_all_finish_right(sched, loop, PRESSURE)
 
 
 def test_update_twice_is_ignored():

@@ -1,11 +1,10 @@
-"""The CUDA backend's torch decode attention (float32 models, head sizes without a kernel) reads
-every page of a table row; whatever lies past a sequence's length must not reach its output.
-Pure torch: runs on CPU."""
+"""reference.torch_decode_attention (the CUDA backend's decode attention for float32 models and
+head sizes without a kernel) reads every page of a table row; whatever lies past a sequence's
+length must not reach its output. Pure torch: runs on CPU."""
 from __future__ import annotations
 
 import torch
 
-from executor_svc.backends.cuda import torch_decode_attention
 from pagedserve_kernels import reference
 
 
@@ -24,7 +23,7 @@ def test_garbage_past_the_context_never_reaches_the_output():
                 k_cache[block, :, slot] = float("nan")
                 v_cache[block, :, slot] = float("nan")
     q = torch.randn(3, heads, head_dim, generator=gen)
-    out = torch_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    out = reference.torch_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
     expected = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(),
                                                 tables, seq_lens, 0.25)
     assert torch.isfinite(out).all()

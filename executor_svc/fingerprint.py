@@ -153,10 +153,17 @@ def start_source_identity(source: str, cache_dir: str | None) -> Future:
 
 def model_fingerprint(config: ModelConfig, identity: dict[str, Any], seed: int = 0,
                       init_device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32) -> str:
-    """sha256 of the model config and `identity` (from source_identity). Random preset weights
-    also depend on the seed and on the device type and dtype they are drawn on."""
+                      dtype: torch.dtype = torch.float32,
+                      kv_cache_dtype: str | None = None) -> str:
+    """sha256 of the model config (its quantization included) and `identity` (from
+    source_identity). Random preset weights also depend on the seed and on the device type and
+    dtype they are drawn on. A quantized KV cache (kv_cache_dtype "fp8_e4m3"; None: the model's
+    dtype, which adds nothing) holds other values than the model computes, so it is hashed too:
+    the scheduler's prefix cache, salted with the fingerprint, never takes pages of one KV dtype
+    for another's, nor does a failover or switch move seqs between them."""
     fields = {"config": asdict(config), **identity}
+    if kv_cache_dtype is not None:
+        fields["kv_cache_dtype"] = kv_cache_dtype
     if "weights" not in identity:
         fields["seed"] = seed
         fields["drawn_on"] = [torch.device(init_device).type, str(dtype)]

@@ -13,7 +13,7 @@ import sys
 import traceback
 from typing import NoReturn
 
-from executor_svc.config import ExecutorConfig
+from executor_svc.config import KV_CACHE_DTYPES, ExecutorConfig
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
 from pagedserve_common.listener_flags import is_loopback, read_token
 
@@ -21,6 +21,7 @@ log = logging.getLogger("executor_svc")
 
 
 _PROG = "pagedserve-executor"
+_MAX_STEP_LIMIT = 2**32 - 1  # Describe carries the step limits as uint32
 _ENV_PREFIX = "PAGEDSERVE_EXECUTOR_"
 
 
@@ -82,14 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--dtype", "auto: float32 on the cpu backend, bfloat16 on cuda", "auto",
             choices=["auto", "float32", "bfloat16", "float16"])
     _option(p, "--block-size", "tokens per KV cache page", 16, int)
+    _option(p, "--kv-cache-dtype", "KV cache element type: auto (the model's dtype), or fp8 / "
+            "fp8_e4m3 (FP8 e4m3 pages with per-layer scales from the checkpoint, else 1.0: twice "
+            "the pages of a 16-bit cache in the same memory; cpu backend only for now)", "auto",
+            choices=list(KV_CACHE_DTYPES))
     _option(p, "--num-gpu-blocks", "KV cache pages", None, int,
             shown="1024 on cpu; cuda: sized from free memory")
     _option(p, "--swap-space", "GiB of CPU swap space for preempted sequences' pages", 1.0, float)
     _option(p, "--gpu-memory-utilization",
             "cuda: share of GPU memory for weights, activations and the KV cache", 0.9, float)
     _option(p, "--max-num-batched-tokens",
-            "cuda: largest step the memory profile leaves room for; match the scheduler's", 2048,
-            int)
+            "tokens in a step, recommended to the scheduler (which takes it unless its own flag is "
+            "given); cuda: the largest step the memory profile leaves room for, and the scheduler "
+            "sends none larger", None, int, shown="vLLM's rule: 8192 on a GPU of 70 GiB or more "
+            "other than an A100, else 2048; 2048 on cpu")
+    _option(p, "--max-num-seqs",
+            "sequences in a step, recommended to the scheduler as --max-num-batched-tokens is; "
+            "cuda: the most the memory profile samples and the decode graphs hold", None, int,
+            shown="vLLM's rule: 1024 on a GPU of 70 GiB or more other than an A100, else 256; "
+            "128 on cpu")
     _switch(p, "--enforce-eager", "cuda: launch every step eagerly instead of replaying CUDA "
             "graphs")
     _switch(p, "--no-overlap-steps", "finish each step before launching the next (by default "
@@ -120,8 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, TransportConfig, str]:
     p = build_parser()
     a = p.parse_args(argv)
+    for action in p._actions:  # argparse checks choices on the command line, not on defaults
+        value = getattr(a, action.dest, None)
+        if action.choices and value not in action.choices:
+            name = _ENV_PREFIX + action.option_strings[0][2:].upper().replace("-", "_")
+            p.error(f"{name}={value!r} is not one of {', '.join(action.choices)} (it sets "
+                    f"{action.option_strings[0]})")
     if not a.hello_timeout > 0:
         p.error(f"--hello-timeout must be > 0 seconds, got {a.hello_timeout}")
+    for flag in ("--max-num-batched-tokens", "--max-num-seqs"):
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value is not None and not 1 <= value <= _MAX_STEP_LIMIT:
+            p.error(f"{flag} must be between 1 and {_MAX_STEP_LIMIT}, got {value}")
     auth_token = read_token(p, a.auth_token, a.auth_token_file, "--auth-token")
     if auth_token is None and not is_loopback(a.host):
         p.error(f"--host {a.host} is not a loopback address: set --auth-token (or "
@@ -131,10 +153,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
         backend = "cuda" if _cuda_available() else "cpu"
     config = ExecutorConfig(
         model=a.model, dtype=None if a.dtype == "auto" else a.dtype, backend=backend,
-        block_size=a.block_size,
+        block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
         num_gpu_blocks=int(a.num_gpu_blocks) if a.num_gpu_blocks is not None else None,
         swap_space_gib=a.swap_space, gpu_memory_utilization=a.gpu_memory_utilization,
-        max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+        enforce_eager=a.enforce_eager,
         overlap_steps=a.overlap_steps,
         max_model_len=int(a.max_model_len) if a.max_model_len is not None else None,
         seed=a.seed, fingerprint_cache_dir=_fingerprint_cache_dir(a.fingerprint_cache_dir),
@@ -182,10 +205,14 @@ def _serve(argv: list[str] | None) -> None:
     except Exception as err:  # noqa: BLE001 - any start failure: one line, traceback on debug
         _start_failed(err, config, log_level)
     stop = _stop_on_signals()  # before the ready line: a Ctrl-C after it stops cleanly
-    log.info("executor ready on %s:%d: %s (%s, %s), %d KV pages (%s), %d CPU swap pages, "
-             "steps %s", config.host, port, info.model_name, info.backend, info.dtype,
-             info.num_gpu_blocks, info.backend, info.num_cpu_blocks,
-             "overlapped" if config.overlap_steps else "one at a time")
+    from executor_svc.step_limits import describe as describe_step_limits
+
+    weights = f"{info.dtype}, {info.quantization}" if info.quantization else info.dtype
+    log.info("executor ready on %s:%d: %s (%s, %s), %d KV pages (%s, %s), %d CPU swap pages, "
+             "steps %s, recommends %s", config.host, port, info.model_name, info.backend,
+             weights, info.num_gpu_blocks, info.backend, info.kv_cache_dtype, info.num_cpu_blocks,
+             "overlapped" if config.overlap_steps else "one at a time",
+             describe_step_limits(info.step_limits))
     # What is alive now (torch, transformers, the model's Python objects) leaves the garbage
     # collector's scans: a full collection mid-launch would otherwise pause the step for as long
     # as scanning all of it takes (vLLM freezes its heap once ready too).

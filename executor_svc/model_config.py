@@ -133,6 +133,134 @@ class ModelConfig:
         return cls(**common, **_FAMILY_FIELDS.get(arch, _llama_fields)(cfg))
 
 
+def from_gguf(metadata: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+              rope_factors: dict[str, list[float]]) -> ModelConfig:
+    """The config of a GGUF file from its metadata (llama.cpp's keys), its tensors' shapes
+    (llama.cpp's names, numpy order) and its RoPE factor tensors (rope_freqs, rope_factors_long,
+    rope_factors_short), as llama.cpp's loader reads them. Raises ValueError naming the key."""
+    arch = metadata["general.architecture"]
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; pagedserve loads "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    key = _GgufKeys(metadata, arch)
+    hidden, heads = key.count("embedding_length"), key.count("attention.head_count")
+    head_dim = key.count("attention.key_length", hidden // heads)
+    rotary_dim = key.count("rope.dimension_count", head_dim)
+    common = dict(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=shapes["token_embd.weight"][0],
+        hidden_size=hidden,
+        intermediate_size=key.count("feed_forward_length"),
+        num_layers=key.count("block_count"),
+        num_heads=heads,
+        num_kv_heads=key.count("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=key.number("attention.layer_norm_rms_epsilon"),
+        rope_theta=key.number("rope.freq_base", 10000.0),
+        rope_scaling=_gguf_rope_scaling(key, rope_factors),
+        max_position_embeddings=key.count("context_length"),
+        # llama.cpp writes no output tensor when the head is the embedding matrix
+        tie_word_embeddings="output.weight" not in shapes,
+        attention_bias="blk.0.attn_q.bias" in shapes or "blk.0.attn_qkv.bias" in shapes,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_token_ids(metadata.get("tokenizer.ggml.eos_token_id")),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+    )
+    return ModelConfig(**common, **_GGUF_FAMILY_FIELDS.get(arch, lambda k, c: {})(key, common))
+
+
+# general.architecture -> model_type; "chatglm" (GlmForCausalLM) is left out: llama.cpp's
+# converter writes the hidden size as its context length and a fixed 1e-5 as its norm epsilon.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                      "glm4": "glm4", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+
+
+class _GgufKeys:
+    """One architecture's metadata keys ("{arch}.{name}"), each read as its type."""
+
+    def __init__(self, metadata: dict[str, Any], arch: str) -> None:
+        self.metadata, self.arch = metadata, arch
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.arch}.{name}", default)
+
+    def count(self, name: str, default: int | None = None) -> int:
+        value = self.get(name, default)
+        if isinstance(value, list):  # per-layer counts: the decoder takes one for all layers
+            if len(set(value)) != 1:
+                raise ValueError(f"{self.arch}.{name} differs between layers ({value[:8]}...); "
+                                 "pagedserve serves one value for every layer")
+            value = value[0]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"GGUF metadata {self.arch}.{name} must be a positive integer, "
+                             f"got {value!r}")
+        return value
+
+    def number(self, name: str, default: float | None = None) -> float:
+        value = self.get(name, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"GGUF metadata {self.arch}.{name} must be a positive number, "
+                             f"got {value!r}")
+        return float(value)
+
+
+def _gguf_rope_scaling(key: _GgufKeys, factors: dict[str, list[float]]):
+    """rope.scaling.type as llama.cpp reads it; llama3-type scaling travels as per-frequency
+    divisors (the rope_freqs tensor), which LongRope's form computes exactly."""
+    kind = key.get("rope.scaling.type", "none")
+    if "rope_freqs" in factors:
+        freqs = tuple(factors["rope_freqs"])
+        return LongRope(short_factor=freqs, long_factor=freqs,
+                        original_max_position_embeddings=key.count("context_length"),
+                        attention_factor=1.0)
+    # Phi-3's converter writes no scaling type: the factor tensors are the LongRoPE
+    if {"rope_factors_long", "rope_factors_short"} <= set(factors):
+        return LongRope(short_factor=tuple(factors["rope_factors_short"]),
+                        long_factor=tuple(factors["rope_factors_long"]),
+                        original_max_position_embeddings=key.count(
+                            "rope.scaling.original_context_length"),
+                        attention_factor=key.number("rope.scaling.attn_factor", 1.0))
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return LinearRope(factor=key.number("rope.scaling.factor"))
+    raise ValueError(f"unsupported GGUF rope scaling {kind!r} (none, linear, llama3 factors and "
+                     "longrope with its factor tensors only)")
+
+
+def _gguf_gemma_fields(key: _GgufKeys, common: dict) -> dict:
+    """llama.cpp fixes what the file does not say: every 2nd (Gemma 2) or 6th (Gemma 3) layer is
+    global, Gemma 3's local layers rotate at base 10000 unscaled, and the attention scale is
+    1/sqrt(hidden / heads) for the 27B models (by layer count), else 1/sqrt(head_dim)."""
+    gemma2 = key.arch == "gemma2"
+    layers, window = common["num_layers"], key.get("attention.sliding_window") or None
+    period = 2 if gemma2 else 6
+    windows = tuple(None if (i + 1) % period == 0 else int(window) for i in range(layers))
+    is_27b = layers == (46 if gemma2 else 62)
+    fields = dict(
+        hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=common["hidden_size"] ** 0.5,
+        # llama.cpp's converter stored 1 + w: the norms scale by the stored weight
+        norm_plus_one=False,
+        query_pre_attn_scalar=float(common["hidden_size"] // common["num_heads"] if is_27b
+                                    else common["head_dim"]),
+        attn_logit_softcapping=_optional_float(key.get("attn_logit_softcapping")),
+        final_logit_softcapping=_optional_float(key.get("final_logit_softcapping")),
+        layer_windows=windows if window else (),
+    )
+    if not gemma2:
+        fields.update(qk_norm=True, attn_logit_softcapping=None,
+                      local_rope_theta=key.number("rope.freq_base_swa", 10000.0))
+    return fields
+
+
+_GGUF_FAMILY_FIELDS: dict[str, Callable[[_GgufKeys, dict], dict]] = {
+    "qwen3": lambda key, common: dict(qk_norm=True),
+    "phi3": lambda key, common: dict(sliding_window=key.get("attention.sliding_window") or None),
+    "glm4": lambda key, common: dict(rope_interleaved=True, sandwich_norms=True),
+    "gemma2": _gguf_gemma_fields, "gemma3": _gguf_gemma_fields,
+}
+
+
 def _token_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()

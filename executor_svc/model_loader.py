@@ -1,6 +1,6 @@
 """Weight loading: a named preset (random weights from transformers under a fixed seed), a local
 Hugging Face folder (safetensors; quantized ones keep their quantized linears) or a GGUF file
-(dequantized by transformers). Never downloads.
+(dequantized by gguf_loader). Never downloads.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from executor_svc.gguf_loader import GgufError, load_gguf, read_architecture
 from executor_svc.model_config import PRESETS, ModelConfig, check_model_type, preset_hf_config
 from executor_svc.models.llama import LlamaModel
 from executor_svc.models.weights import quantized_state_dict
@@ -56,6 +57,10 @@ def check_model_source(source: str) -> None:
         if f.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
             raise ModelSourceError("not a GGUF file (it does not start with the GGUF magic); "
                                    "give a .gguf model file")
+    try:
+        read_architecture(path)
+    except GgufError as err:  # an architecture, tokenizer or header it cannot serve
+        raise ModelSourceError(str(err)) from None
 
 
 def _check_folder_model_type(config_path: Path) -> None:
@@ -173,6 +178,13 @@ def load_model(source: str, dtype: torch.dtype | str, device: str | torch.device
     quant = _quantization_config(source)
     if quant is not None:
         model, config = load_quantized_folder(Path(source), quant, dtype, device, backend)
+        return model, config, tokenizer_source(source), model_name(source)
+    if Path(source).suffix == ".gguf":
+        try:
+            config, weights = load_gguf(source, dtype, device)
+        except GgufError as err:
+            raise ModelSourceError(str(err)) from None
+        model = LlamaModel(config, weights, backend)
         return model, config, tokenizer_source(source), model_name(source)
     hf_model = load_hf_model(source, seed, dtype, device)
     config = ModelConfig.from_hf_config(hf_model.config)

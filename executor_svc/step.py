@@ -201,6 +201,20 @@ class ModelGenerationConfig:
 
 
 @dataclass(frozen=True)
+class StepLimits:
+    """The steps the executor recommends and was sized for (Describe carries them; the rule is
+    executor_svc/step_limits.py): tokens and sequences in a step, whether they bound what the
+    scheduler may send (`bounded`), how they were chosen, and the captured graphs' sizes."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    bounded: bool
+    source: str
+    decode_graph_sizes: tuple[int, ...] = ()  # sequences, ascending
+    small_step_graph_sizes: tuple[int, ...] = ()  # tokens, ascending
+
+
+@dataclass(frozen=True)
 class ExecutorInfo:
     model_name: str
     fingerprint: str
@@ -213,3 +227,6 @@ class ExecutorInfo:
     tokenizer: str
     backend: str
     generation_config: ModelGenerationConfig = ModelGenerationConfig()
+    step_limits: StepLimits | None = None  # None: unset on the wire (tests' hand-made infos)
+    quantization: str = ""  # the checkpoint's scheme (ModelConfig.quantization); "": dense
+    kv_cache_dtype: str = ""  # the KV cache's element type ("fp8_e4m3"); "": the model's dtype

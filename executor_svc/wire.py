@@ -7,7 +7,8 @@ import numpy as np
 
 from protos import executor_pb2
 from executor_svc.step import (CachedSeqs, ExecutorInfo, ModelGenerationConfig, NewSeq,
-                               PlanMismatch, SampledToken, SamplingOptions, StepPlan, StepResult)
+                               PlanMismatch, SampledToken, SamplingOptions, StepLimits, StepPlan,
+                               StepResult)
 
 
 def _pairs(pairs) -> list[tuple[int, int]]:
@@ -118,7 +119,20 @@ def info_to_proto(info: ExecutorInfo, instance_id: int) -> executor_pb2.Describe
         instance_id=instance_id,
         protocol_version=executor_pb2.PROTOCOL_VERSION,
         generation_config=_generation_config(info.generation_config),
+        step_limits=_step_limits(info.step_limits),
+        quantization=info.quantization,
+        kv_cache_dtype=info.kv_cache_dtype or info.dtype,
     )
+
+
+def _step_limits(limits: StepLimits | None) -> executor_pb2.StepLimits | None:
+    if limits is None:
+        return None
+    return executor_pb2.StepLimits(
+        max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
+        bounded=limits.bounded, source=limits.source,
+        decode_graph_sizes=limits.decode_graph_sizes,
+        small_step_graph_sizes=limits.small_step_graph_sizes)
 
 
 def _generation_config(g: ModelGenerationConfig) -> executor_pb2.GenerationConfig | None:

@@ -5,17 +5,22 @@ backend. The gRPC servicer drives `worker.runner`. No gRPC or protobuf here.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from executor_svc.backends import get_backend
-from executor_svc.cache_engine import CacheEngine, bytes_per_block, num_blocks_for
+from executor_svc.cache_engine import CacheEngine, bytes_per_block, kv_cache_dtype, num_blocks_for
 from executor_svc.config import ExecutorConfig
+from executor_svc.cuda_graphs import BATCH_SIZES
 from executor_svc.fingerprint import model_fingerprint, start_source_identity
 from executor_svc.generation_config import read_generation_config
 from executor_svc.model_loader import DTYPES, default_model_source, load_model
 from executor_svc.model_runner import ModelRunner
+from executor_svc.small_step_graphs import TOKEN_SIZES
 from executor_svc.step import ExecutorInfo
+from executor_svc.step_limits import (choose_step_limits, decode_graph_sizes, device_of,
+                                      small_step_graph_sizes)
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +30,8 @@ _MAX_MODEL_LEN_CAP = 4096
 
 class Worker:
     """Builds and owns one ModelRunner (`runner`) and what went into it: `info` (what Describe
-    answers), `cache_engine`, and `memory_profile` (None where the backend profiles none)."""
+    answers), `step_limits` (the steps it recommends and is sized for; also in `info`),
+    `cache_engine`, and `memory_profile` (None where the backend profiles none)."""
 
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
@@ -33,21 +39,28 @@ class Worker:
         source = config.model or default_model_source()
         dtype_name = config.resolved_dtype()
         self.dtype = DTYPES[dtype_name]
+        kv_name = config.resolved_kv_cache_dtype()
+        self.kv_cache_dtype = kv_cache_dtype(kv_name, self.dtype)
+        self.backend.check_kv_cache_dtype(self.kv_cache_dtype)  # before minutes of loading
         self.model, self.model_config, tokenizer, name, fingerprint = self._load(source, self.dtype)
         mc = self.model_config
         self.block_bytes = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                           config.block_size, self.dtype)
+                                           config.block_size, self.kv_cache_dtype)
         max_model_len = config.max_model_len or min(mc.max_context, _MAX_MODEL_LEN_CAP)
         if max_model_len > mc.max_context:
             raise ValueError(f"max_model_len {max_model_len} > the model's {mc.max_context} "
                              "(max positions, or its sliding window: attention here is full)")
         self.model.set_max_model_len(max_model_len)  # LongRoPE's factor set follows it
+        # What it recommends, and on a GPU the largest step everything below is sized for
+        self.step_limits = choose_step_limits(device_of(self.backend.device), max_model_len,
+                                              config.max_num_batched_tokens, config.max_num_seqs)
         self.backend.prepare_model(self.model, config.fingerprint_cache_dir,
-                                   config.max_num_batched_tokens)
+                                   self.step_limits.max_num_batched_tokens)
         num_gpu_blocks = self._num_gpu_blocks()
         self.cache_engine = CacheEngine(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, num_gpu_blocks,
-            num_blocks_for(config.swap_space_gib, self.block_bytes), self.dtype, self.backend,
+            num_blocks_for(config.swap_space_gib, self.block_bytes), self.kv_cache_dtype,
+            self.backend,
         )
         self.info = ExecutorInfo(
             model_name=name,
@@ -61,6 +74,9 @@ class Worker:
             tokenizer=tokenizer,
             generation_config=read_generation_config(source, mc.eos_token_ids),
             backend=self.backend.name,
+            step_limits=self.step_limits,
+            quantization=mc.quantization or "",
+            kv_cache_dtype=kv_name,
         )
         self.runner = self._build_runner()
         self.backend.warm_up(self.runner)
@@ -76,8 +92,11 @@ class Worker:
         if not tokenizer:
             log.warning("model %s has no tokenizer: only token-id prompts will work (text and "
                         "chat requests are refused)", name)
+        quantized_kv = self.kv_cache_dtype != dtype
         fingerprint = model_fingerprint(model_config, identity.result(), self.config.seed,
-                                        self.backend.device, dtype)
+                                        self.backend.device, dtype,
+                                        self.config.resolved_kv_cache_dtype() if quantized_kv
+                                        else None)
         return model, model_config, tokenizer, name, fingerprint
 
     def _num_gpu_blocks(self) -> int:
@@ -85,21 +104,32 @@ class Worker:
         self.memory_profile = None
         if self.config.num_gpu_blocks is not None:
             return self.config.num_gpu_blocks or _DEFAULT_GPU_BLOCKS
+        limits = self.step_limits
+        # a step samples at most one row per seq, and has at most a seq per token
         self.memory_profile = self.backend.profile_num_blocks(
             self.model, self.config.block_size, self.block_bytes,
-            self.config.gpu_memory_utilization, self.config.max_num_batched_tokens)
+            self.config.gpu_memory_utilization, limits.max_num_batched_tokens,
+            min(limits.max_num_seqs, limits.max_num_batched_tokens))
         if self.memory_profile is None:
             return _DEFAULT_GPU_BLOCKS
         return self.memory_profile.num_gpu_blocks
 
     def _build_runner(self) -> ModelRunner:
-        """The runner, with the backend's graph runners unless enforce_eager; the decode graphs
-        are captured once the runner exists, since they count penalties in its rows."""
+        """The runner, with the backend's graph runners unless enforce_eager (the sizes the step
+        limits call for; `info` names those built); the decode graphs are captured once the runner
+        exists, since they count penalties in its rows."""
         graphs = small_graphs = None
         if not self.config.enforce_eager:
             max_blocks_per_seq = -(-self.info.max_model_len // self.config.block_size)
             graphs, small_graphs = self.backend.build_graphs(
-                self.model, self.cache_engine.kv_caches, max_blocks_per_seq, self.dtype)
+                self.model, self.cache_engine.kv_caches, max_blocks_per_seq, self.dtype,
+                decode_graph_sizes(self.step_limits, BATCH_SIZES),
+                small_step_graph_sizes(self.step_limits, TOKEN_SIZES))
+        self.step_limits = replace(
+            self.step_limits,
+            decode_graph_sizes=graphs.batch_sizes if graphs is not None else (),
+            small_step_graph_sizes=small_graphs.token_sizes if small_graphs is not None else ())
+        self.info = replace(self.info, step_limits=self.step_limits)
         runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs,
                              small_graphs)
         if graphs is not None:
@@ -109,11 +139,24 @@ class Worker:
     def _log_ready(self) -> None:
         info, cache, block_gib = self.info, self.cache_engine, self.block_bytes / 2**30
         graphs, small_graphs = self.runner.decode_graphs, self.runner.small_step_graphs
-        log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %.1f GiB), %d CPU swap "
+        self._warn_unscaled_kv_cache()
+        log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %s, %.1f GiB), %d CPU swap "
                  "pages (%.1f GiB%s), decode graphs %s, small-step graphs %s", info.model_name,
                  info.dtype, self.backend.attention_impl(self.dtype, self.model_config.head_dim),
-                 info.num_gpu_blocks, info.backend, info.num_gpu_blocks * block_gib,
+                 info.num_gpu_blocks, info.backend, info.kv_cache_dtype,
+                 info.num_gpu_blocks * block_gib,
                  cache.num_cpu_blocks, cache.num_cpu_blocks * block_gib,
                  " pinned" if self.backend.pin_swap_memory else "",
                  "off" if graphs is None else graphs.batch_sizes,
                  "off" if small_graphs is None else f"{small_graphs.token_sizes} tokens")
+
+    def _warn_unscaled_kv_cache(self) -> None:
+        """vLLM's warning: an FP8 cache whose layers' scales are 1.0 (the checkpoint has none)
+        saturates past 448 and loses small values."""
+        unscaled = [i for i, (k, v) in enumerate(self.model.kv_scales)
+                    if float(k) == 1.0 and float(v) == 1.0]
+        if self.kv_cache_dtype != self.dtype and unscaled:
+            log.warning("FP8 KV cache with scales 1.0 in %d of %d layers: the checkpoint has no "
+                        "k_scale / v_scale for them, which may cost accuracy (a compressed-tensors "
+                        "kv_cache_scheme or an fp8 checkpoint's scales set them)", len(unscaled),
+                        len(self.model.kv_scales))

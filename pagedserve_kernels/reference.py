@@ -8,19 +8,49 @@ import torch
 import torch.nn.functional as F
 
 
+KV_FP8 = torch.float8_e4m3fn  # the FP8 KV cache's element type (--kv-cache-dtype fp8)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """K or V rows to the FP8 cache, as vLLM's cache kernels: x / scale in float32, saturated
+    at +-448, rounded to nearest e4m3. scale: [] float32, the layer's k_scale or v_scale (None:
+    1.0)."""
+    xf = x.float() if scale is None else x.float() / scale
+    return xf.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """FP8 cache rows back to float32: x * scale (None: 1.0)."""
+    return x.float() if scale is None else x.float() * scale
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return quantize_kv(x, scale) if cache.dtype == KV_FP8 else x.to(cache.dtype)
+
+
+def _from_cache(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows as attention reads them: FP8 dequantized to float32, any other dtype as is."""
+    return dequantize_kv(rows, scale) if rows.dtype == KV_FP8 else rows
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new K and V rows into their cache slots.
 
     key, value: [num_tokens, num_kv_heads, head_dim]
-    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer)
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer), the model's
+        dtype or float8_e4m3fn (then each row is quantize_kv'd with k_scale / v_scale)
     slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; a negative slot
         (a padding token of a graph's batch) writes nothing, as in the kernel
+    k_scale, v_scale: [] float32 per-layer scales of an FP8 cache (None: 1.0); other caches
+        ignore them
     """
     block_size = k_cache.shape[2]
     slots = slot_mapping.long()
@@ -30,8 +60,8 @@ def reshape_and_cache(
     block_ids = slots // block_size
     offsets = slots % block_size
     # Advanced indexing on dims 0 and 2 puts the token dim first: [num_tokens, num_kv_heads, head_dim].
-    k_cache[block_ids, :, offsets] = key.to(k_cache.dtype)
-    v_cache[block_ids, :, offsets] = value.to(v_cache.dtype)
+    k_cache[block_ids, :, offsets] = _to_cache(key, k_cache, k_scale)
+    v_cache[block_ids, :, offsets] = _to_cache(value, v_cache, v_scale)
 
 
 def gather_kv(
@@ -84,6 +114,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over everything cached for their sequence.
 
@@ -96,6 +128,8 @@ def paged_prefill_attention(
         a sequence with q_len new tokens sits at position seq_len - q_len + i
     sliding_window: None (full attention) or W: a query sees only the W most recent positions
     soft_cap: None or c: scores (after `scale`) pass through c * tanh(score / c)
+    k_scale, v_scale: an FP8 cache's per-layer scales (reshape_and_cache's): its rows are read
+        dequantized to float32
     returns out: [total_q_tokens, num_heads, head_dim] in q's dtype
     """
     if out is None:
@@ -105,8 +139,8 @@ def paged_prefill_attention(
         qs = q[starts[i] : starts[i + 1]]
         if qs.shape[0] == 0:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len)
-        v = gather_kv(v_cache, block_tables[i], seq_len)
+        k = _from_cache(gather_kv(k_cache, block_tables[i], seq_len), k_scale)
+        v = _from_cache(gather_kv(v_cache, block_tables[i], seq_len), v_scale)
         out[starts[i] : starts[i + 1]] = _attend(qs, k, v, scale, sliding_window, soft_cap).to(out.dtype)
     return out
 
@@ -121,6 +155,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last position) over its pages.
 
@@ -129,15 +165,17 @@ def paged_decode_attention(
     """
     cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                   out, sliding_window, soft_cap)
+                                   out, sliding_window, soft_cap, k_scale, v_scale)
 
 
-def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
+                           k_scale=None, v_scale=None):
     """Decode attention with torch ops only and no host sync (capturable in a CUDA graph).
 
     q: [num_seqs, num_heads, head_dim]; caches [num_blocks, kv_heads, block_size, head_dim];
-    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. Reads every listed
-    page (max_blocks of them per row), so it suits small models only.
+    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32; k_scale, v_scale:
+    an FP8 cache's (paged_prefill_attention's). Reads every listed page (max_blocks of them per
+    row), so it suits small models only.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -148,7 +186,8 @@ def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
         pages = cache[tables]  # [num_seqs, max_blocks, kv_heads, block_size, head_dim]
         return pages.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
 
-    k, v = gather(k_cache).float(), gather(v_cache).float()
+    k = _from_cache(gather(k_cache), k_scale).float()
+    v = _from_cache(gather(v_cache), v_scale).float()
     ctx = torch.arange(k.shape[2], device=q.device)
     # Rows past a sequence's length come from pages it does not own (stale table columns, the
     # unwritten end of its last page): they may hold anything, NaN included, and 0 * NaN is NaN,
@@ -178,7 +217,8 @@ def swap_blocks(
     dst_v: torch.Tensor,
     block_mapping: torch.Tensor,
 ) -> None:
-    """Copy whole pages between two caches (GPU <-> CPU swap space), all layers, K and V.
+    """Copy whole pages between two caches (GPU <-> CPU swap space), all layers, K and V, as
+    they are (an FP8 page moves its bytes, never requantized).
 
     src_*, dst_*: [num_layers, num_blocks, num_kv_heads, block_size, head_dim] (block counts may differ)
     block_mapping: [n, 2] int64 pairs (src_block, dst_block)
@@ -263,11 +303,13 @@ def rotary_embedding_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     interleaved: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """rotary_embedding(positions, q, k, ...), then reshape_and_cache(k, value, ...): the rotated
     k and value written to their cache slots (the CUDA kernel does both in one launch)."""
     rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
-    reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
+    reshape_and_cache(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "fingerprint", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "tokenizer", "backend", "instance_id", "protocol_version", "generation_config")
+    __slots__ = ("model_name", "fingerprint", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len", "vocab_size", "tokenizer", "backend", "instance_id", "protocol_version", "generation_config", "step_limits", "quantization", "kv_cache_dtype")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,9 @@ class DescribeResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    STEP_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     fingerprint: str
     dtype: str
@@ -46,7 +49,26 @@ class DescribeResponse(_message.Message):
     instance_id: int
     protocol_version: int
     generation_config: GenerationConfig
-    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., backend: _Optional[str] = ..., instance_id: _Optional[int] = ..., protocol_version: _Optional[int] = ..., generation_config: _Optional[_Union[GenerationConfig, _Mapping]] = ...) -> None: ...
+    step_limits: StepLimits
+    quantization: str
+    kv_cache_dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., backend: _Optional[str] = ..., instance_id: _Optional[int] = ..., protocol_version: _Optional[int] = ..., generation_config: _Optional[_Union[GenerationConfig, _Mapping]] = ..., step_limits: _Optional[_Union[StepLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+
+class StepLimits(_message.Message):
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "bounded", "source", "decode_graph_sizes", "small_step_graph_sizes")
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_GRAPH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    SMALL_STEP_GRAPH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    bounded: bool
+    source: str
+    decode_graph_sizes: _containers.RepeatedScalarFieldContainer[int]
+    small_step_graph_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., bounded: _Optional[bool] = ..., source: _Optional[str] = ..., decode_graph_sizes: _Optional[_Iterable[int]] = ..., small_step_graph_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationConfig(_message.Message):
     __slots__ = ("eos_token_ids", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")

@@ -172,7 +172,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "fingerprint", "max_model_len", "vocab_size", "eos_token_id", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks")
+    __slots__ = ("model_name", "fingerprint", "max_model_len", "vocab_size", "eos_token_id", "dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks", "quantization", "kv_cache_dtype")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,8 @@ class ModelInfoResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     fingerprint: str
     max_model_len: int
@@ -191,4 +193,6 @@ class ModelInfoResponse(_message.Message):
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
-    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+    quantization: str
+    kv_cache_dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...

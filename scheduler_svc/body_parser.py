@@ -34,7 +34,7 @@ _KINDS = {"chat": (protocol.ChatCompletionRequest, protocol.chat_specs),
 # What the specs carry, or what nothing reads once they are made: left out of the parsed body,
 # whose size then does not grow with the request's.
 _CARRIED_BY_SPECS = frozenset({"messages", "prompt", "stop", "stop_token_ids", "logit_bias",
-                               "tools", "functions", "tool_choice", "response_format"})
+                               "tools", "functions", "response_format"})
 _DROPPED = {model: dict.fromkeys(_CARRIED_BY_SPECS & model.model_fields.keys())
             for model, _ in _KINDS.values()}
 _CHILD_CODE = "from scheduler_svc.body_parser import child_main; child_main()"

@@ -21,6 +21,7 @@ from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent, check_s
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.scheduler_stats import SchedulerStats
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.step_limits import StepLimitPolicy
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Engine:
         self.output = OutputProcessor(self.metrics, config.stream_interval)
         self.scheduler: Scheduler | None = None  # None while no executor is attached
         self.admission = Admission(config)
+        self.step_limits = StepLimitPolicy(config.scheduler, config.step_limits_given)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._watched: ExecutorClient | None = None  # the client whose news the hooks bring
@@ -146,15 +148,19 @@ class Engine:
                 backoff = min(backoff * 2, 10.0)
 
     async def _attach(self, description) -> None:
-        """Sizes the block pools from Describe's answer (never a guess), loads the tokenizer."""
+        """Sizes the block pools from Describe's answer (never a guess) and the steps from its
+        step limits and the flags, loads the tokenizer."""
         await self.admission.load_model(description)
+        config = self.step_limits.for_executor(description.step_limits,
+                                               self.client.connected_address or "")
         pools = description.block_size, description.num_gpu_blocks, description.num_cpu_blocks
         if self.scheduler is None:
-            self.scheduler = Scheduler.for_executor(self.config.scheduler, *pools,
+            self.scheduler = Scheduler.for_executor(config, *pools,
                                                     cache_salt=description.fingerprint)
             self.metrics.on_new_scheduler()
         else:
-            self.scheduler.reset_for_executor(*pools, cache_salt=description.fingerprint)
+            self.scheduler.reset_for_executor(*pools, cache_salt=description.fingerprint,
+                                              config=config)
         self.attach_error = ""
         self._watch(self.client)  # a planned switch attaches a client of its own
         self.admission.on_attached()
@@ -248,7 +254,7 @@ class Engine:
             raise NoExecutor(f"no executor attached yet{self._why()}")
         return ModelInfo(d.model_name, d.fingerprint, d.max_model_len, d.vocab_size,
                          limits.eos_token_id, d.dtype, d.block_size, d.num_gpu_blocks,
-                         d.num_cpu_blocks)
+                         d.num_cpu_blocks, d.quantization, d.kv_cache_dtype)
 
     def status(self) -> EngineStatus:
         d = self.client.description

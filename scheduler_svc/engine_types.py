@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import RequestLimits
 from scheduler_svc.scheduler_stats import SchedulerStats
+from scheduler_svc.step_limits import StepLimitsGiven
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class EngineConfig:
     # "auto": the model's generation_config.json gives requests their defaults (vLLM's
     # --generation-config); "vllm": the APIs' own defaults only.
     generation_config: str = "auto"
+    # Which of `scheduler`'s step limits the operator set; the others come from the executor's
+    # Describe (step_limits.StepLimitPolicy).
+    step_limits_given: StepLimitsGiven = StepLimitsGiven()
 
 
 @dataclass(frozen=True)
@@ -61,3 +65,5 @@ class ModelInfo:
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    quantization: str = ""  # "": dense weights
+    kv_cache_dtype: str = ""

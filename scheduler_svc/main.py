@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from pagedserve_common.listener_flags import is_loopback, read_token
@@ -25,6 +25,8 @@ from scheduler_svc.engine_types import EngineConfig
 from scheduler_svc.executor_client import LinkSecurity
 from scheduler_svc.http_protocol import HttpLimits
 from scheduler_svc.request import RequestLimits
+from scheduler_svc.step_limits import StepLimitsGiven
+from scheduler_svc.tool_parsers import TOOL_CALL_PARSERS
 
 log = logging.getLogger("scheduler_svc")
 
@@ -55,6 +57,8 @@ class ServiceConfig:
     log_level: str
     http_limits: HttpLimits
     grpc_limits: GateLimits  # of the public gRPC port
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 _PROG = "pagedserve-scheduler"
@@ -104,9 +108,11 @@ _FLAGS = (
     _Flag("--executor", "127.0.0.1:50052", "executor address(es), comma separated, tried in "
           "order; or @FILE to read them from FILE, which SIGHUP re-reads to move serving to new "
           "executors"),
-    _Flag("--max-num-batched-tokens", 2048, "token budget of a step (prefill chunks + decodes)",
-          int),
-    _Flag("--max-num-seqs", 256, "sequences in a step", int),
+    _Flag("--max-num-batched-tokens", None, "token budget of a step (prefill chunks + decodes); "
+          "never more than an executor on a GPU was sized for", int,
+          shown="from the executor (vLLM's rule for its device), else 2048"),
+    _Flag("--max-num-seqs", None, "sequences in a step; never more than an executor on a GPU "
+          "was sized for", int, shown="from the executor (vLLM's rule for its device), else 256"),
     _Flag("--preemption-mode", "swap", "swap (while CPU swap pages are free, else recompute) or "
           "recompute", choices=("swap", "recompute")),
     _Flag("--no-prefix-caching", False, "turn off automatic prefix caching (on by default: a "
@@ -144,6 +150,13 @@ _FLAGS = (
           shown="none"),
     _Flag("--api-key-file", None, "file holding the API key (instead of --api-key)",
           shown="none"),
+    _Flag("--enable-auto-tool-choice", False, "serve tool_choice \"auto\" (a chat request's "
+          "default when it gives tools): the model chooses whether to call, --tool-call-parser "
+          "finds its calls (vLLM's flag; without it such requests are refused, \"required\" "
+          "and named choices are served either way)", bool, shown="off"),
+    _Flag("--tool-call-parser", None, "the model family's tool call format, for tool_choice "
+          "\"auto\": hermes (Hermes, Qwen 2.5 and 3, SmolLM2) or llama3_json (Llama 3.x)",
+          choices=TOOL_CALL_PARSERS, shown="none"),
     _Flag("--served-model-name", [], "model name(s) the HTTP API answers to, the first reported",
           list, shown="the executor's model name, from its model path"),
     _Flag("--executor-tls-ca", None, "PEM CA bundle: talk TLS to the executor and verify it",
@@ -256,9 +269,9 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                 "(or --admin-token-file) so that only operators can call Admin")
     executor_token = read_token(p, a.executor_token, a.executor_token_file, "--executor-token")
     api_key = read_token(p, a.api_key, a.api_key_file, "--api-key")
-    scheduler = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                max_num_seqs=a.max_num_seqs, preemption_mode=a.preemption_mode,
-                                enable_prefix_caching=not a.no_prefix_caching)
+    scheduler, given = _step_limits(a)
+    scheduler = replace(scheduler, preemption_mode=a.preemption_mode,
+                        enable_prefix_caching=not a.no_prefix_caching)
     http_limits, grpc_limits = _connection_limits(p, a)
     return ServiceConfig(
         host=a.host, port=a.port, admin_host=a.admin_host, admin_port=a.admin_port,
@@ -270,7 +283,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
                             unavailable_grace_s=a.unavailable_grace,
                             log_stats_interval_s=a.log_stats_interval,
                             stream_interval=a.stream_interval,
-                            generation_config=a.generation_config,
+                            generation_config=a.generation_config, step_limits_given=given,
                             limits=RequestLimits(max_prompt_bytes=a.max_prompt_bytes,
                                                  max_chat_messages=a.max_chat_messages,
                                                  grammar_timeout_s=a.grammar_timeout)),
@@ -282,18 +295,29 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
         executor_keepalive_s=a.executor_keepalive,
         executor_connect_timeout_s=a.executor_connect_timeout,
         executor_retry_interval_s=a.executor_retry_interval,
-        log_level=a.log_level, http_limits=http_limits, grpc_limits=grpc_limits)
+        log_level=a.log_level, http_limits=http_limits, grpc_limits=grpc_limits,
+        tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice)
 
 
 def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.max_steps_in_flight not in _STEPS_IN_FLIGHT:  # argparse checks no environment default
         p.error(f"--max-steps-in-flight must be one of {_STEPS_IN_FLIGHT} (from "
                 f"{_ENV_PREFIX}MAX_STEPS_IN_FLIGHT), got {a.max_steps_in_flight}")
+    for flag in ("--max-num-batched-tokens", "--max-num-seqs"):
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     if a.stream_interval < 0:
         p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
     if a.generation_config not in _GENERATION_CONFIGS:  # argparse checks no environment default
         p.error(f"--generation-config must be one of {', '.join(_GENERATION_CONFIGS)} (from "
                 f"{_ENV_PREFIX}GENERATION_CONFIG), got {a.generation_config!r}")
+    if a.tool_call_parser not in (None, *TOOL_CALL_PARSERS):  # argparse checks no env default
+        p.error(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)} (from "
+                f"{_ENV_PREFIX}TOOL_CALL_PARSER), got {a.tool_call_parser!r}")
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool call "
+                f"format: {', '.join(TOOL_CALL_PARSERS)})")
     if not a.executor_keepalive >= 1:
         p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
     for flag in ("--executor-connect-timeout", "--executor-retry-interval",
@@ -304,6 +328,16 @@ def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for flag in ("--http-max-connections", "--grpc-max-connections"):
         if getattr(a, flag[2:].replace("-", "_")) < 0:
             p.error(f"{flag} must be >= 0 (0: derived from the open-file limit)")
+
+
+def _step_limits(a: argparse.Namespace) -> tuple[SchedulerConfig, StepLimitsGiven]:
+    """The step-limit flags given (the others: the built-in defaults, used until an executor
+    recommends its own), and which were given."""
+    given = StepLimitsGiven(max_num_batched_tokens=a.max_num_batched_tokens is not None,
+                            max_num_seqs=a.max_num_seqs is not None)
+    values = {name: getattr(a, name) for name in ("max_num_batched_tokens", "max_num_seqs")
+              if getattr(a, name) is not None}
+    return SchedulerConfig(**values), given
 
 
 def _connection_limits(p: argparse.ArgumentParser, a: argparse.Namespace
@@ -371,7 +405,9 @@ async def serve(config: ServiceConfig) -> None:
     engine = Engine(config.engine, client, metrics)
     max_message_bytes = config.engine.limits.max_prompt_bytes + 2 * 1024 * 1024
     http = OpenAIServer(engine, OpenAIConfig(config.api_key, config.served_model_names,
-                                             max_message_bytes, config.http_limits),
+                                             max_message_bytes, config.http_limits,
+                                             config.tool_call_parser,
+                                             config.enable_auto_tool_choice),
                         metrics.registry)
     metrics.registry.register(VllmCollector(metrics, http.model_name))
     public, admin, health, (port, admin_port, http_port) = await _listen(

@@ -4,6 +4,7 @@ engine events. No HTTP, no gRPC, no torch.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import MAX_N as MAX_ENGINE_N
@@ -19,7 +20,10 @@ from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
 from scheduler_svc.sampling_params import (MAX_LOGPROBS, SamplingParams, StoppingParams,
                                            TokenLogprobs)
 from scheduler_svc.sequence import FinishReason
-from scheduler_svc.structured_output import StructuredOutput, structured_output
+from scheduler_svc.structured_output import (MAX_SPEC_BYTES, StructuredOutput, structured_output,
+                                             tool_call_output)
+from scheduler_svc.tool_parsers import (PARSER_CLASSES, NamedToolCall, RequiredToolCalls,
+                                        ToolCallDelta, ToolCallStream)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,9 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's: checked by _tool_calls_of
+    tool_call_id: str | None = None  # a tool's answer: which call it answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -107,13 +114,33 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Any] | None = None  # checked by _tools_of
+    tool_choice: Any = None  # "auto" when tools are given, else "none" (vLLM's defaults)
+    parallel_tool_calls: Bool | None = None  # None: true
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tool_choice(cls, data):
+        """tool_choice's default, and only what is read of it (the parsed body keeps it)."""
+        if not isinstance(data, dict):
+            return data
+        choice = data.get("tool_choice")
+        if choice is None:
+            choice = "auto" if data.get("tools") else "none"
+        elif isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            kind = choice.get("type", "function")
+            choice = {"type": kind if isinstance(kind, str) else None,
+                      "function": {"name": name if isinstance(name, str) else None}}
+        elif not isinstance(choice, str):
+            choice = False  # refused by chat_specs
+        return {**data, "tool_choice": choice}
 
 
 class CompletionRequest(_SamplingRequest):
@@ -156,9 +183,8 @@ _UNSUPPORTED_CHAT = {
     "add_special_tokens": ((None, False), "only false (the chat template places them)"),
     "add_generation_prompt": (_ON, "only true is supported"),
     "modalities": ((None, ["text"]), "only [\"text\"] is supported"),
-    "function_call": ((None, "none", "auto"), "function calling is not supported"),
-    # tools are refused, so whether they may run in parallel changes nothing
-    "parallel_tool_calls": ((None, True, False), _NOT_SUPPORTED),
+    "function_call": ((None, "none", "auto"), "the legacy function_call is not supported: "
+                      "use tool_choice"),
 }
 _UNSUPPORTED_COMPLETION = {
     **_UNSUPPORTED,
@@ -222,11 +248,8 @@ def warn_ignored(names: Sequence[str]) -> None:
 
 
 def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
-    if req.tools or req.functions:
-        raise InvalidArgument("tools" if req.tools else "functions",
-                              "tool calling is not supported")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise InvalidArgument("tool_choice", "tool calling is not supported")
+    if req.functions:
+        raise InvalidArgument("functions", "the legacy functions are not supported: use tools")
     _refuse_unsupported(req)
 
 
@@ -284,13 +307,12 @@ def _stopping(req: _SamplingRequest, max_tokens: int | None) -> StoppingParams:
 
 
 def _fan_out(req: _SamplingRequest, request_id: str, prompts: list[dict],
-             max_tokens: int | None) -> list[GenerateSpec]:
+             max_tokens: int | None, structured: StructuredOutput | None) -> list[GenerateSpec]:
     """An engine request of n samples per prompt (several of at most the engine's MAX_N when n
     is larger, the k-th sample's seed seed + k as the engine gives it). Choice index = prompt
     index * n + sample: the specs' n added up before it, plus the event's sample_index."""
     stopping = _stopping(req, max_tokens)
     unset = _unset_fields(req, max_tokens)
-    structured = structured_output_of(req)
     return [GenerateSpec(**prompt, sampling=_sampling(req, first, structured), stopping=stopping,
                          request_id=f"{request_id}-{i * req.n + first}",
                          n=min(MAX_ENGINE_N, req.n - first), unset=unset)
@@ -374,6 +396,225 @@ def _structured_outputs(value) -> StructuredOutput | None:
     return found[0] if found else None
 
 
+# --- tools --------------------------------------------------------------------------------------
+
+# OpenAI's limit on a request's tools; each one's parameters schema is bounded as other schemas
+# are (MAX_SPEC_BYTES), names as request ids are.
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 256
+# Tool calls of one assistant message in a conversation
+MAX_MESSAGE_TOOL_CALLS = 128
+_TOOL_CHOICE_FORM = ('must be "none", "auto", "required" or {"type": "function", "function": '
+                     '{"name": ...}}')
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def _tools_of(tools: list | None) -> list[dict] | None:
+    """The request's tools, checked, as the chat template takes them (as sent: each
+    {"type": "function", "function": {"name", "description", "parameters"}})."""
+    if tools is None:
+        return None
+    if not tools:
+        raise InvalidArgument("tools", "must not be empty: give at least one tool, or leave "
+                              "tools out")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        _check_tool(tool, f"tools[{i}]", names)
+    return tools
+
+
+def _check_tool(tool, field: str, names: set[str]) -> None:
+    if not isinstance(tool, dict):
+        raise InvalidArgument(field, 'must be an object: {"type": "function", "function": {...}}')
+    if tool.get("type", "function") != "function":
+        raise InvalidArgument(f"{field}.type", 'must be "function"')
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise InvalidArgument(f"{field}.function", "must be an object with the function's name")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"{field}.function.name", "is required: a non-empty string")
+    if len(name) > MAX_TOOL_NAME_CHARS or not name.isprintable():
+        raise InvalidArgument(f"{field}.function.name", f"at most {MAX_TOOL_NAME_CHARS} "
+                              "printable characters")
+    if name in names:
+        raise InvalidArgument(f"{field}.function.name", f"{name!r} names another tool too: "
+                              "names must differ")
+    names.add(name)
+    if not isinstance(function.get("description", ""), (str, type(None))):
+        raise InvalidArgument(f"{field}.function.description", "must be a string")
+    if function.get("parameters") is not None:
+        _check_parameters(function["parameters"], f"{field}.function.parameters")
+
+
+def _check_parameters(schema, field: str) -> None:
+    """A JSON schema of the arguments object, within the size bound. Deeper checks are the
+    grammar engine's, where tool_choice enforces it."""
+    if not isinstance(schema, dict):
+        raise InvalidArgument(field, "must be a JSON schema object")
+    if schema.get("type", "object") != "object":
+        raise InvalidArgument(field, 'must be a JSON schema of "type": "object" (the arguments '
+                              "are an object)")
+    if not isinstance(schema.get("properties", {}), dict):
+        raise InvalidArgument(f"{field}.properties", "must be an object")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise InvalidArgument(f"{field}.required", "must be a list of property names")
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (ValueError, RecursionError):
+        raise InvalidArgument(field, "is nested too deeply or holds a non-finite number") from None
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise InvalidArgument(field, f"at most {MAX_SPEC_BYTES} bytes")
+
+
+def _tool_calls_of(calls: list, field: str) -> list[dict]:
+    """An assistant message's tool calls as templates take them (vLLM's): each call as sent,
+    its arguments parsed from their JSON text ({} when empty)."""
+    if len(calls) > MAX_MESSAGE_TOOL_CALLS:
+        raise InvalidArgument(field, f"at most {MAX_MESSAGE_TOOL_CALLS} calls, got {len(calls)}")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{field}[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise InvalidArgument(where, 'must be an object: {"id": ..., "type": "function", '
+                                  '"function": {"name": ..., "arguments": ...}}')
+        if call.get("type", "function") != "function":
+            raise InvalidArgument(f"{where}.type", 'must be "function"')
+        if not isinstance(call.get("id", ""), str):
+            raise InvalidArgument(f"{where}.id", "must be a string")
+        function = call["function"]
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise InvalidArgument(f"{where}.function.name", "is required: a non-empty string")
+        arguments = _arguments_of(function.get("arguments"), f"{where}.function.arguments")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _arguments_of(arguments, field: str):
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, (dict, list)):
+        return arguments
+    if not isinstance(arguments, str):
+        raise InvalidArgument(field, "must be a string of JSON")
+    try:
+        return json.loads(arguments)
+    except (ValueError, RecursionError):
+        raise InvalidArgument(field, "is not valid JSON") from None
+
+
+def _output_format(req: ChatCompletionRequest, tools: list[dict] | None
+                   ) -> StructuredOutput | None:
+    """The output's format: the one tool_choice "required" or a named function enforces (a
+    JSON schema of the calls, as vLLM builds it), else response_format's or structured_outputs'
+    (tools being free with "auto" and "none"); both is a 400."""
+    choice = req.tool_choice
+    if choice not in ("none", "auto", "required") and not isinstance(choice, dict):
+        raise InvalidArgument("tool_choice", _TOOL_CHOICE_FORM)
+    if choice != "none" and tools is None:
+        raise InvalidArgument("tool_choice", "needs tools: give tools, or leave tool_choice out")
+    other = structured_output_of(req)
+    if choice in ("none", "auto"):
+        return other
+    if choice == "required":
+        schema = _required_schema(tools, req.parallel_tool_calls is not False)
+        output = tool_call_output(schema, "tools")
+    else:
+        index = _named_tool(choice, tools)
+        schema = tools[index]["function"].get("parameters") or _EMPTY_PARAMETERS
+        output = tool_call_output(schema, f"tools[{index}].function.parameters")
+    if other is not None:
+        raise InvalidArgument(other.field, "sets an output format and tool_choice another (its "
+                              "tool calls): set one")
+    return output
+
+
+def _named_tool(choice: dict, tools: list[dict]) -> int:
+    """The index of the tool a named tool_choice names."""
+    if choice.get("type", "function") != "function":
+        raise InvalidArgument("tool_choice.type", 'must be "function"')
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("tool_choice.function.name", "is required: the name of one of "
+                              "the tools")
+    for i, tool in enumerate(tools):
+        if tool["function"]["name"] == name:
+            return i
+    raise InvalidArgument("tool_choice.function.name", f"{name[:64]!r} names none of the tools")
+
+
+def _required_schema(tools: list[dict], parallel: bool) -> dict:
+    """vLLM's schema for tool_choice "required": a list of one or more {"name", "parameters"}
+    objects, each of one tool, the tools' $defs moved to the top where their $refs point. Two
+    bounds vLLM leaves out: no keys beside those two (the parser reads no others), and without
+    parallel calls a list of one (vLLM keeps only the first; this spares the tokens)."""
+    defs: dict = {}
+    items = []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        parameters = function.get("parameters") or _EMPTY_PARAMETERS
+        local = parameters.get("$defs")
+        if isinstance(local, dict):
+            for name, definition in local.items():
+                if defs.setdefault(name, definition) != definition:
+                    raise InvalidArgument(f"tools[{i}].function.parameters.$defs.{name[:64]}",
+                                          "another tool defines it differently; with "
+                                          "tool_choice \"required\" the tools' $defs are one set")
+            parameters = {k: v for k, v in parameters.items() if k != "$defs"}
+        items.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """How a chat request's output is read for tool calls: `mode` "auto" (the --tool-call-parser
+    `parser` finds them in what the model chose to write), "required" or "named" (the grammar
+    enforced them; `function` is the one named)."""
+
+    mode: str
+    function: str | None = None
+    parser: str | None = None
+    parallel: bool = True
+
+    def stream(self) -> ToolCallStream:
+        if self.mode == "named":
+            return NamedToolCall(self.function)
+        if self.mode == "required":
+            return RequiredToolCalls(self.parallel)
+        return PARSER_CLASSES[self.parser](self.parallel)
+
+
+def tool_calling(body: _SamplingRequest, auto_parser: str | None) -> ToolCalling | None:
+    """How `body`'s output is read for tool calls (None: it is not), once chat_specs accepted it;
+    `auto_parser` is --tool-call-parser with --enable-auto-tool-choice, else None: then "auto"
+    is refused, as vLLM refuses it."""
+    choice = getattr(body, "tool_choice", "none")
+    parallel = getattr(body, "parallel_tool_calls", None) is not False
+    if choice == "none":
+        return None
+    if choice == "auto":
+        if auto_parser is None:
+            raise InvalidArgument("tool_choice", '"auto" (the default with tools) needs the '
+                                  "scheduler started with --enable-auto-tool-choice and "
+                                  '--tool-call-parser; or send "none", "required" or a named '
+                                  "function")
+        return ToolCalling("auto", parser=auto_parser, parallel=parallel)
+    if choice == "required":
+        return ToolCalling("required", parallel=parallel)
+    return ToolCalling("named", function=choice["function"]["name"])
+
+
 def _unset_fields(req: _SamplingRequest, max_tokens: int | None) -> frozenset[str]:
     """The defaultable fields the body leaves out (or null): the model's defaults apply there,
     as vLLM's to_sampling_params takes them for a None."""
@@ -391,10 +632,25 @@ def chat_specs(req: ChatCompletionRequest, request_id: str) -> list[GenerateSpec
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
     if not req.messages:
         raise InvalidArgument("messages", "must not be empty")
-    chat = [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(req.messages)]
+    tools = _tools_of(req.tools)
+    structured = _output_format(req, tools)
+    chat = [_message_of(m, i) for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    return _fan_out(req, request_id, [{"chat": chat}], max_tokens)
+    return _fan_out(req, request_id, [{"chat": chat, "tools": tools}], max_tokens, structured)
+
+
+def _message_of(message: ChatMessage, index: int) -> dict:
+    """A message as the chat template takes it (vLLM's): its text, and its name, tool call id
+    and tool calls (their arguments parsed) where it has them."""
+    out = {"role": message.role, "content": _text_of(message, index)}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls is not None:
+        out["tool_calls"] = _tool_calls_of(message.tool_calls, f"messages[{index}].tool_calls")
+    return out
 
 
 def _text_of(message: ChatMessage, index: int) -> str:
@@ -416,7 +672,7 @@ def completion_specs(req: CompletionRequest, request_id: str) -> list[GenerateSp
         raise InvalidArgument("prompt" if len(prompts) > 1 else "n",
                               f"at most {MAX_CHOICES} choices (prompts times n), got "
                               f"{len(prompts)} x {req.n}")
-    return _fan_out(req, request_id, prompts, req.max_tokens)
+    return _fan_out(req, request_id, prompts, req.max_tokens, structured_output_of(req))
 
 
 def _prompts(prompt) -> list[dict]:
@@ -467,14 +723,20 @@ class Choice:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     logprobs: list[LogprobsEntry] = field(default_factory=list)
+    # a chat choice read for tool calls: the reader, the text that is no call, each call whole
+    tools: ToolCallStream | None = None
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Delta:
-    """What one event adds to a choice: text, and its token's logprobs when they were asked."""
+    """What one event adds to a choice: text (with tools, the text that is no call), its
+    token's logprobs when they were asked, and what it adds to tool calls."""
 
     text: str
     logprobs: tuple[LogprobsEntry, ...] = ()
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 def usage(choices: list[Choice], n: int) -> dict:
@@ -496,7 +758,25 @@ def apply(choice: Choice, event: TokenEvent | FinishEvent) -> Delta:
         entries = (LogprobsEntry(event.token_id, event.logprobs, len(choice.text)),)
         choice.logprobs.append(entries[0])
     choice.text += event.text
-    return Delta(event.text, entries)
+    if choice.tools is None:
+        return Delta(event.text, entries)
+    return _apply_tools(choice, event, entries)
+
+
+def _apply_tools(choice: Choice, event: TokenEvent | FinishEvent,
+                 entries: tuple[LogprobsEntry, ...]) -> Delta:
+    """The event's text through the choice's tool call reader; a choice that ends ("stop")
+    having called a tool finishes with "tool_calls" (vLLM's: "stop" after a named call)."""
+    final = isinstance(event, FinishEvent)
+    parsed = choice.tools.finish(event.text) if final else choice.tools.feed(event.text)
+    choice.content += parsed.content
+    for delta in parsed.tool_calls:
+        if delta.index == len(choice.tool_calls):
+            choice.tool_calls.append(ToolCallDelta(delta.index))
+        choice.tool_calls[delta.index].merge(delta)
+    if final and choice.tool_calls and choice.finish_reason == "stop":
+        choice.finish_reason = choice.tools.calls_finish_reason
+    return Delta(parsed.content, entries, tuple(parsed.tool_calls))
 
 
 class TokenTexts:
@@ -531,11 +811,15 @@ class Reply:
     model: str
     created: int
     token_texts: TokenTexts | None = None
+    tools: ToolCalling | None = None
 
     @classmethod
     def new(cls, prefix: str, request_id: str, model: str,
-            token_texts: TokenTexts | None = None) -> Reply:
-        return cls(f"{prefix}-{request_id}", model, int(time.time()), token_texts)
+            token_texts: TokenTexts | None = None, tools: ToolCalling | None = None) -> Reply:
+        return cls(f"{prefix}-{request_id}", model, int(time.time()), token_texts, tools)
+
+    def new_choice(self) -> Choice:
+        return Choice(tools=None if self.tools is None else self.tools.stream())
 
     def body(self, kind: str, **fields) -> dict:
         """A response or chunk of `kind` ("object") with this reply's id, time and model."""
@@ -551,7 +835,7 @@ class ChatFormat:
     @staticmethod
     def response(reply: Reply, choices: list[Choice], n: int) -> dict:
         return reply.body("chat.completion",
-                          choices=[{"index": i, "message": {"role": "assistant", "content": c.text},
+                          choices=[{"index": i, "message": ChatFormat.message(c),
                                     "logprobs": ChatFormat.logprobs(reply, c.logprobs),
                                     "finish_reason": c.finish_reason}
                                    for i, c in enumerate(choices)],
@@ -563,8 +847,28 @@ class ChatFormat:
         return ChatFormat._chunk(reply, index, {"role": "assistant", "content": ""}, None, None)
 
     @staticmethod
+    def message(choice: Choice) -> dict:
+        """The assistant's message; with tool calls, their content is the text before them,
+        null when there is none ("" for required and named calls, as vLLM's)."""
+        if choice.tools is None:
+            return {"role": "assistant", "content": choice.text}
+        if not choice.tool_calls:
+            return {"role": "assistant", "content": choice.content}
+        return {"role": "assistant", "content": choice.content or choice.tools.empty_content,
+                "tool_calls": [{"id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": call.arguments}}
+                               for call in choice.tool_calls]}
+
+    @staticmethod
     def chunk(reply: Reply, index: int, delta: Delta, finish_reason: str | None) -> dict:
-        content = {} if finish_reason is not None and not delta.text else {"content": delta.text}
+        if delta.tool_calls:
+            content = {"tool_calls": [_tool_call_chunk(d) for d in delta.tool_calls]}
+            if delta.text:
+                content = {"content": delta.text, **content}
+        elif finish_reason is not None and not delta.text:
+            content = {}
+        else:
+            content = {"content": delta.text}
         logprobs = ChatFormat.logprobs(reply, delta.logprobs) if delta.logprobs else None
         return ChatFormat._chunk(reply, index, content, finish_reason, logprobs)
 
@@ -591,6 +895,15 @@ class ChatFormat:
                              "top_logprobs": [_chat_logprob(texts, token_id, logprob)
                                               for token_id, logprob in e.logprobs.top]}
                             for e in entries]}
+
+
+def _tool_call_chunk(delta: ToolCallDelta) -> dict:
+    """A call's delta as OpenAI streams it: index, id, type and name first (arguments ""), then
+    index and a fragment of the arguments."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, "id": delta.id, "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments}}
 
 
 def _chat_logprob(texts: TokenTexts, token_id: int, logprob: float) -> dict:

@@ -63,6 +63,10 @@ class OpenAIConfig:
     served_model_names: tuple[str, ...] = ()
     max_body_bytes: int = 3 * 1024 * 1024
     limits: HttpLimits = HttpLimits()
+    # --tool-call-parser: how tool_choice "auto" finds the calls the model wrote, taken only with
+    # --enable-auto-tool-choice (vLLM's flags; "required" and named choices need neither)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 class ApiError(Exception):
@@ -211,10 +215,10 @@ class OpenAIServer:
         names = self._model_names()
         if names is None:
             raise NoExecutor("no executor attached yet: the model is not known")
-        max_model_len = self._max_model_len()
+        model = self._model_keys()
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": self.created, "owned_by": "pagedserve",
-             "root": name, "max_model_len": max_model_len} for name in names]})
+             "root": name, **model} for name in names]})
 
     async def _health(self, request: Request) -> Response:
         """200 while an executor is attached and the server is not draining, else 503."""
@@ -234,32 +238,36 @@ class OpenAIServer:
         parsed = await self._parse(request, endpoint.kind, request_id)
         body = parsed.body
         try:
-            fanout, model = await self._start(request, parsed)
+            fanout, model, tools = await self._start(request, parsed)
         except InvalidArgument as err:
             raise _bad_parameter(err, body) from None
         if body.user:
             log.debug("request %s from user %r", request_id, body.user[:64])
         texts = self._token_texts() if body.num_logprobs() is not None else None
-        reply = protocol.Reply.new(endpoint.format.id_prefix, request_id, model, texts)
+        reply = protocol.Reply.new(endpoint.format.id_prefix, request_id, model, texts, tools)
         if body.stream:
             return StreamingResponse(_events(fanout, endpoint.format, reply, body),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(fanout.close))
         try:
-            choices = await _unless_disconnected(request, _collect(fanout))
+            choices = await _unless_disconnected(request, _collect(fanout, reply))
         finally:
             await fanout.close()
         return JSONResponse(endpoint.format.response(reply, choices, body.n))
 
-    async def _start(self, request: Request, parsed: ParsedBody) -> tuple[Fanout, str]:
+    async def _start(self, request: Request, parsed: ParsedBody
+                     ) -> tuple[Fanout, str, protocol.ToolCalling | None]:
         """Admits the engine requests of the body and waits for their first tokens, so that a
-        refusal is still a status code; returns them and the model name to report."""
+        refusal is still a status code; returns them, the model name to report and how the
+        output is read for tool calls."""
         body = parsed.body
         names = self._model_names()
         if names is not None:
             _check_model(body.model, names)
         if parsed.refusal is not None:
             raise InvalidArgument(*parsed.refusal)
+        auto_parser = self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
+        tools = protocol.tool_calling(body, auto_parser)
         fanout = Fanout(self.engine, _with_deadline(parsed.specs, request))
         try:
             await _unless_disconnected(request, fanout.started())
@@ -269,7 +277,7 @@ class OpenAIServer:
         except BaseException:
             await fanout.close()
             raise
-        return fanout, body.model or (names[0] if names else "")
+        return fanout, body.model or (names[0] if names else ""), tools
 
     def _token_texts(self) -> protocol.TokenTexts:
         """The texts of the attached model's tokens, kept while its tokenizer is the same."""
@@ -304,11 +312,15 @@ class OpenAIServer:
         names = self._model_names()
         return names[0] if names else ""
 
-    def _max_model_len(self) -> int | None:
+    def _model_keys(self) -> dict:
+        """/v1/models' keys beyond OpenAI's, as vLLM adds max_model_len: the attached model's
+        length, quantization ("" for dense weights) and KV cache dtype (None: none attached)."""
         try:
-            return self.engine.model_info().max_model_len
+            m = self.engine.model_info()
         except NoExecutor:
-            return None
+            return {"max_model_len": None, "quantization": None, "kv_cache_dtype": None}
+        return {"max_model_len": m.max_model_len, "quantization": m.quantization,
+                "kv_cache_dtype": m.kv_cache_dtype}
 
     def _error_response(self, err: Exception, request: Request) -> Response:
         """The one place domain errors become OpenAI error bodies (the parameter renamed as the
@@ -427,8 +439,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(fanout: Fanout) -> list[protocol.Choice]:
-    choices = [protocol.Choice() for _ in range(fanout.num_choices)]
+async def _collect(fanout: Fanout, reply: protocol.Reply) -> list[protocol.Choice]:
+    choices = [reply.new_choice() for _ in range(fanout.num_choices)]
     async for index, event in fanout.events():
         protocol.apply(choices[index], event)
     return choices
@@ -449,7 +461,7 @@ async def _events(fanout: Fanout, fmt, reply: protocol.Reply, body):
     this generator, which aborts the requests; the response's background task waits until they
     are gone."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    choices = [protocol.Choice() for _ in range(fanout.num_choices)]
+    choices = [reply.new_choice() for _ in range(fanout.num_choices)]
     usage_field = {"usage": None} if include_usage else {}
     try:
         for index in range(len(choices)):

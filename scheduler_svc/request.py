@@ -52,6 +52,7 @@ class GenerateSpec:
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
     chat: list[dict[str, str]] | None = None
+    tools: list[dict] | None = None  # OpenAI's tools, which the chat template is given
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingParams = field(default_factory=StoppingParams)
     request_id: str = ""
@@ -190,7 +191,7 @@ def _tokenize(spec: GenerateSpec, tokenizer, field_name: str) -> list[int]:
         from scheduler_svc.tokenizer import ChatTemplateError
 
         try:
-            return tokenizer.apply_chat_template(spec.chat)
+            return tokenizer.apply_chat_template(spec.chat, spec.tools)
         except ChatTemplateError as err:
             raise InvalidArgument(field_name, f"the model's chat template refused the "
                                   f"messages: {err}") from None

@@ -603,11 +603,14 @@ class Scheduler:
                                         cache_salt=cache_salt))
 
     def reset_for_executor(self, block_size: int, num_gpu_blocks: int,
-                           num_cpu_blocks: int, cache_salt: str = "") -> None:
+                           num_cpu_blocks: int, cache_salt: str = "",
+                           config: SchedulerConfig | None = None) -> None:
         """Another executor (or a restarted one) is attached: as reset_executor(), on new block
         pools of the sizes its Describe answered (an empty prefix cache, salted with its model
-        fingerprint)."""
+        fingerprint), and with `config` (its step limits) from the next schedule() if given."""
         self.reset_executor()
+        if config is not None:
+            self.config = config
         self.block_manager = BlockManager(
             block_size, num_gpu_blocks, num_cpu_blocks,
             enable_prefix_caching=self.config.enable_prefix_caching, cache_salt=cache_salt)

@@ -109,7 +109,8 @@ class GeneratorServicer(generate_pb2_grpc.GeneratorServicer):
             model_name=m.model_name, fingerprint=m.fingerprint, max_model_len=m.max_model_len,
             vocab_size=m.vocab_size, eos_token_id=m.eos_token_id or 0, dtype=m.dtype,
             block_size=m.block_size, num_gpu_blocks=m.num_gpu_blocks,
-            num_cpu_blocks=m.num_cpu_blocks)
+            num_cpu_blocks=m.num_cpu_blocks, quantization=m.quantization,
+            kv_cache_dtype=m.kv_cache_dtype)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

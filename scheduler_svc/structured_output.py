@@ -22,6 +22,8 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # bound the work it causes), and a choice of up to 1,024 strings totalling as much.
 MAX_SPEC_BYTES = 64 * 1024
 MAX_CHOICES = 1024
+# The schema tool_choice "required" builds from every tool's parameters
+MAX_TOOLS_SPEC_BYTES = 1 << 20
 _MAX_ERROR_CHARS = 400  # of llguidance's message, which can quote the whole grammar
 _MAX_REMEMBERED = 4096  # digests of grammars that compiled
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -60,6 +62,19 @@ def structured_output(kind: str, value, field: str) -> StructuredOutput:
     except (ValueError, RecursionError) as err:
         raise InvalidArgument(field, _short(str(err))) from None
     return StructuredOutput(kind, grammar, field)
+
+
+def tool_call_output(schema: dict, field: str) -> StructuredOutput:
+    """The JSON schema a tool_choice builds from the tools (openai_protocol): each tool's
+    parameters were bounded on their own, so the whole is bounded by MAX_TOOLS_SPEC_BYTES."""
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (ValueError, RecursionError):
+        raise InvalidArgument(field, "is nested too deeply or holds a non-finite number") from None
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_TOOLS_SPEC_BYTES:
+        raise InvalidArgument(field, f"the tools' schemas come to over {MAX_TOOLS_SPEC_BYTES} "
+                              "bytes")
+    return StructuredOutput("json", _json_grammar(text, field), field)
 
 
 def _json_grammar(schema: str, field: str) -> str:

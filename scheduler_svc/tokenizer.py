@@ -2,15 +2,15 @@
 folder or a GGUF file. Must not import torch, cupy, grpc or generated protobuf code.
 """
 
-import mmap
 import os
-import struct
 from typing import Any
 
 import transformers
 from jinja2 import TemplateError
 from packaging.version import Version
 from transformers import PreTrainedTokenizerFast
+
+from pagedserve_common.gguf_metadata import read_gguf_metadata
 
 
 def _gguf_tokenizer_api():
@@ -34,6 +34,11 @@ _GGML_MODEL_TYPES = {
     "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "qwen35": "qwen3_5_text", "gemma3": "gemma3_text",
     "gemma4": "gemma4_text", "minimax-m2": "minimax_m2",
 }
+
+
+# `tokenizer.ggml.pre` values llama.cpp splits as another it knows (GLM-4's is Llama 3's regex,
+# llama.cpp's CHATGLM4), which transformers would leave to GPT-2's split
+_GGUF_PRE_ALIASES = {"glm4": "llama3", "chatglm-bpe": "llama3"}
 
 
 # special token name -> the GGUF key (under `tokenizer.ggml.`) holding its id; as in transformers
@@ -68,11 +73,14 @@ class Tokenizer:
         """Token ids of `text` as `tokenizer(text).input_ids` gives them (HF `generate` users' way)."""
         return list(self.hf_tokenizer(text).input_ids)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template, generation prompt added
-        (transformers' own rendering); ChatTemplateError if the template refuses them."""
+        and `tools` (OpenAI's function definitions) given to it (transformers' own rendering);
+        ChatTemplateError if the template refuses them."""
         try:
-            encoding = self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+            encoding = self.hf_tokenizer.apply_chat_template(messages, tools=tools,
+                                                             add_generation_prompt=True,
                                                              tokenize=True)
         except TemplateError as err:
             raise ChatTemplateError(str(err)[:_MAX_TEMPLATE_ERROR_CHARS]) from None
@@ -129,6 +137,9 @@ def _gguf_tokenizer_fields(metadata: dict[str, Any]) -> tuple[str, dict, dict]:
         for group, renames in mapping.items()
     }
     tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    pre = tokenizer_dict.get("pre_tokenizer_type")
+    if pre in _GGUF_PRE_ALIASES:
+        tokenizer_dict["pre_tokenizer_type"] = _GGUF_PRE_ALIASES[pre]
     tokenizer_type = tokenizer_dict.get("tokenizer_type")
     if tokenizer_type == "llama":
         # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise
@@ -140,60 +151,3 @@ def _gguf_tokenizer_fields(metadata: dict[str, Any]) -> tuple[str, dict, dict]:
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
     return metadata["general.architecture"], tokenizer_dict, tokenizer_config
-
-
-# GGUF metadata value types: the fixed-size ones, then string (8) and array (9)
-_GGUF_SCALAR_FORMATS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
-}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str, prefixes: tuple[str, ...] = ("",)) -> dict[str, Any]:
-    """The key-value metadata of a GGUF (v2/v3) file whose keys start with one of `prefixes`.
-
-    Reads only the header, never the tensors; values of other keys are parsed and dropped.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        reader = _GgufMetadataReader(buf)
-        magic, version, _num_tensors, num_kv = reader.unpack("<4sIQQ")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
-        metadata = {}
-        for _ in range(num_kv):
-            key = reader.string()
-            value = reader.value(reader.unpack("<I")[0])
-            if key.startswith(prefixes):
-                metadata[key] = value
-        return metadata
-
-
-class _GgufMetadataReader:
-    """A cursor over the header of a GGUF file (little-endian)."""
-
-    def __init__(self, buf):
-        self.buf = buf
-        self.pos = 0
-
-    def unpack(self, fmt: str) -> tuple:
-        values = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return values
-
-    def string(self) -> str:
-        (length,) = struct.unpack_from("<Q", self.buf, self.pos)
-        start = self.pos + 8
-        self.pos = start + length
-        return self.buf[start : self.pos].decode("utf-8", errors="replace")
-
-    def value(self, value_type: int) -> Any:
-        if value_type == _GGUF_STRING:
-            return self.string()
-        if value_type == _GGUF_ARRAY:
-            item_type, count = self.unpack("<IQ")
-            if item_type in _GGUF_SCALAR_FORMATS:  # one unpack for the whole array
-                return list(self.unpack(f"<{count}{_GGUF_SCALAR_FORMATS[item_type][1]}"))
-            return [self.value(item_type) for _ in range(count)]
-        if value_type not in _GGUF_SCALAR_FORMATS:
-            raise ValueError(f"unknown GGUF metadata value type {value_type}")
-        return self.unpack(_GGUF_SCALAR_FORMATS[value_type])[0]

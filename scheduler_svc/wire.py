@@ -14,6 +14,7 @@ from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, Tok
 from scheduler_svc.sampling_params import (GenerationDefaults, SamplingParams, StoppingParams,
                                            TokenLogprobs)
 from scheduler_svc.sequence import FinishReason
+from scheduler_svc.step_limits import StepLimits
 from scheduler_svc.structured_output import StructuredOutput, structured_output
 
 _FINISH_REASONS = {
@@ -47,6 +48,9 @@ class ExecutorDescription:
     protocol_version: int = PROTOCOL_VERSION  # what Describe named; 0: none
     eos_token_ids: tuple[int, ...] = ()  # every EOS id of the model's generation config
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    step_limits: StepLimits | None = None  # None: the executor recommends none
+    quantization: str = ""  # the checkpoint's, e.g. "awq int4 g128"; "": dense weights
+    kv_cache_dtype: str = ""  # the KV cache's element type, e.g. "fp8_e4m3"
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -315,7 +319,17 @@ def description_from_proto(d: executor_pb2.DescribeResponse) -> ExecutorDescript
         protocol_version=d.protocol_version,
         eos_token_ids=tuple(d.generation_config.eos_token_ids),
         generation_defaults=_generation_defaults(d.generation_config),
+        step_limits=_step_limits(d.step_limits) if d.HasField("step_limits") else None,
+        quantization=d.quantization,
+        # an executor built before the field sends none: its cache holds the model's dtype
+        kv_cache_dtype=d.kv_cache_dtype or d.dtype,
     )
+
+
+def _step_limits(s: executor_pb2.StepLimits) -> StepLimits:
+    """As sent (range checks are the attach's)."""
+    return StepLimits(s.max_num_batched_tokens, s.max_num_seqs, s.bounded, s.source,
+                      tuple(s.decode_graph_sizes), tuple(s.small_step_graph_sizes))
 
 
 def _generation_defaults(g: executor_pb2.GenerationConfig) -> GenerationDefaults:

@@ -19,21 +19,30 @@ class Backend(Protocol):
     device: torch.device
     pin_swap_memory: bool  # allocate the CPU swap space pinned
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None: ...
+    # The cache ops take a cache of the model's dtype or float8_e4m3fn (--kv-cache-dtype fp8):
+    # then k_scale / v_scale ([] float32, the layer's) quantize what is written and dequantize
+    # what attention reads; other caches ignore them.
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None,
+                          v_scale=None) -> None: ...
 
     def check_model(self, config) -> None:
         """Raises ValueError naming the first feature of `config` (a ModelConfig) this backend
         cannot compute, so that an unsupported model stops at load, never runs wrong."""
         ...
 
+    def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype) -> None:
+        """Raises ValueError (one line naming the feature) for a KV cache dtype this backend's
+        attention cannot read; called before the model loads."""
+        ...
+
     def paged_prefill_attention(
         self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=None,
-        sliding_window=None, soft_cap=None,
+        sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
     ) -> torch.Tensor: ...
 
     def paged_decode_attention(
         self, q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
-        soft_cap=None,
+        soft_cap=None, k_scale=None, v_scale=None,
     ) -> torch.Tensor: ...
 
     def swap_blocks(self, src_k, src_v, dst_k, dst_v, block_mapping) -> None: ...
@@ -49,7 +58,8 @@ class Backend(Protocol):
         ...
 
     def rotary_embedding_and_cache(self, positions, q, k, value, cos_table, sin_table, k_cache,
-                                   v_cache, slot_mapping, interleaved=False) -> None: ...
+                                   v_cache, slot_mapping, interleaved=False, k_scale=None,
+                                   v_scale=None) -> None: ...
 
     def silu_and_mul(self, x, out=None) -> torch.Tensor: ...
 
@@ -76,15 +86,19 @@ class Backend(Protocol):
         ...
 
     def profile_num_blocks(self, model, block_size: int, block_bytes: int, utilization: float,
-                           max_num_batched_tokens: int) -> MemoryProfile | None:
-        """How many KV pages fit on the device beside `model`; None: no profile, the worker's
-        default stands."""
+                           max_num_batched_tokens: int, max_num_seqs: int
+                           ) -> MemoryProfile | None:
+        """How many KV pages fit on the device beside `model` and the activations of a step of
+        up to max_num_batched_tokens tokens sampling max_num_seqs rows; None: no profile, the
+        worker's default stands."""
         ...
 
-    def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype
+    def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
+                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]
                      ) -> tuple[DecodeGraphs | None, SmallStepGraphs | None]:
-        """The graph runners the model runner replays, (None, None) when every step runs
-        eagerly. The decode graphs come uncaptured: capture(counts) needs the runner's rows."""
+        """The graph runners the model runner replays (decode graphs of `decode_sizes` seqs,
+        small-step graphs of `token_sizes` tokens), (None, None) when every step runs eagerly.
+        The decode graphs come uncaptured: capture(counts) needs the runner's rows."""
         ...
 
     def graph_workspaces(self) -> list[torch.Tensor]:

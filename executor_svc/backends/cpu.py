@@ -44,6 +44,10 @@ class CpuBackend:
         """The reference twins compute every feature of every supported family, and every
         quantization executor_svc.quantization loads."""
 
+    @staticmethod
+    def check_kv_cache_dtype(kv_cache_dtype: torch.dtype) -> None:
+        """The twins read a cache of the model's dtype or FP8 (e4m3, per-layer scales)."""
+
     # What the worker asks of the device before it serves: the CPU has nothing to tune, profile,
     # capture or warm, so the worker's defaults stand and every step runs eagerly.
 
@@ -57,11 +61,12 @@ class CpuBackend:
 
     @staticmethod
     def profile_num_blocks(model, block_size: int, block_bytes: int, utilization: float,
-                           max_num_batched_tokens: int) -> None:
+                           max_num_batched_tokens: int, max_num_seqs: int) -> None:
         return None
 
     @staticmethod
-    def build_graphs(model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype):
+    def build_graphs(model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
+                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]):
         return None, None
 
     @staticmethod

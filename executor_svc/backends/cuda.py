@@ -70,6 +70,12 @@ class CudaBackend:
                              "CUDA kernels do not have yet (--backend cpu computes it)")
 
     @staticmethod
+    def check_kv_cache_dtype(kv_cache_dtype: torch.dtype) -> None:
+        if kv_cache_dtype == reference.KV_FP8:
+            raise ValueError("--kv-cache-dtype fp8 needs FP8 KV attention kernels, which the CUDA "
+                             "backend does not have yet (--backend cpu computes it)")
+
+    @staticmethod
     def kernels_cover(dtype: torch.dtype, head_dim: int) -> bool:
         return dtype in _KERNEL_DTYPES and head_dim in _KERNEL_HEAD_DIMS
 
@@ -90,11 +96,14 @@ class CudaBackend:
 
     # -- attention and the KV cache ---------------------------------------------------------------
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    # k_scale / v_scale: an FP8 cache's, which check_kv_cache_dtype refuses; never looked at.
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None,
+                          v_scale=None) -> None:
         self._cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                scale, out=None, sliding_window=None, soft_cap=None) -> torch.Tensor:
+                                scale, out=None, sliding_window=None, soft_cap=None, k_scale=None,
+                                v_scale=None) -> torch.Tensor:
         if self.kernels_cover(q.dtype, q.shape[-1]):
             if (q.shape[0] <= self.few_query_max
                     and q.shape[1] // k_cache.shape[1] <= self._attention.MAX_GROUP):
@@ -106,7 +115,8 @@ class CudaBackend:
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale,
-                               out=None, sliding_window=None, soft_cap=None) -> torch.Tensor:
+                               out=None, sliding_window=None, soft_cap=None, k_scale=None,
+                               v_scale=None) -> torch.Tensor:
         if self.kernels_cover(q.dtype, q.shape[-1]):
             return self._attention.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, out)
@@ -131,7 +141,8 @@ class CudaBackend:
         self._elementwise(q.dtype).rotary_embedding(positions, q, k, cos_table, sin_table)
 
     def rotary_embedding_and_cache(self, positions, q, k, value, cos_table, sin_table, k_cache,
-                                   v_cache, slot_mapping, interleaved=False) -> None:
+                                   v_cache, slot_mapping, interleaved=False, k_scale=None,
+                                   v_scale=None) -> None:
         """RoPE on q and k, then k and value to their cache slots: one kernel for bf16/fp16
         (pagedserve_kernels.ops), else the twin's RoPE and the cache kernel."""
         if self.elementwise_impl(q.dtype) == "cupy":
@@ -193,26 +204,26 @@ class CudaBackend:
         self.tune_linears(body, steps)
 
     def profile_num_blocks(self, model, block_size: int, block_bytes: int, utilization: float,
-                           max_num_batched_tokens: int):
+                           max_num_batched_tokens: int, max_num_seqs: int):
         """The KV pages that fit in `utilization` of the GPU beside the weights, a step's peak
         and the decode graphs (a memory_profile.MemoryProfile)."""
-        from executor_svc.cuda_graphs import BATCH_SIZES
         from executor_svc.memory_profile import profile_num_gpu_blocks
 
         return profile_num_gpu_blocks(model, block_size, block_bytes, utilization,
-                                      max_num_batched_tokens, BATCH_SIZES[-1], self.device)
+                                      max_num_batched_tokens, max_num_seqs, self.device)
 
-    def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype):
+    def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
+                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]):
         """(DecodeGraphs, SmallStepGraphs or None). The decode graphs are not captured yet: their
         capture(counts) needs the runner's penalty counts. The small-step graphs are captured
         here, and only where the kernels cover the model: the torch twin is not capturable."""
         from executor_svc.cuda_graphs import DecodeGraphs
         from executor_svc.small_step_graphs import SmallStepGraphs
 
-        graphs = DecodeGraphs(model, kv_caches, max_blocks_per_seq)
+        graphs = DecodeGraphs(model, kv_caches, max_blocks_per_seq, decode_sizes)
         small_graphs = None
         if self.kernels_cover(dtype, model.config.head_dim):
-            small_graphs = SmallStepGraphs(model, kv_caches, max_blocks_per_seq)
+            small_graphs = SmallStepGraphs(model, kv_caches, max_blocks_per_seq, token_sizes)
             small_graphs.capture()
         return graphs, small_graphs
 

@@ -29,6 +29,7 @@ class LlamaModel:
         else:
             self.lm_head = weights["lm_head.weight"]  # [vocab, hidden]
         self.layers = [layer_weights(weights, i, config) for i in range(config.num_layers)]
+        self.kv_scales = [_kv_scales(weights, i, backend.device) for i in range(config.num_layers)]
         self.scale = config.attn_scale
         self.embed_scale = None
         if config.embed_scale is not None:  # rounded to the dtype, as transformers' normalizer
@@ -84,7 +85,8 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, eps)
-            x = self._attention(x, layer, positions, attn_metadata, k_cache[i], v_cache[i])
+            x = self._attention(x, layer, positions, attn_metadata, k_cache[i], v_cache[i],
+                                self.kv_scales[i])
             if layer.attn_out_norm is not None:  # GLM-4, Gemma: normed before the residual add
                 x = ops.rms_norm(x, layer.attn_out_norm, eps)
             x, residual = ops.fused_add_rms_norm(x, residual, layer.post_attention_norm, eps)
@@ -104,8 +106,9 @@ class LlamaModel:
             logits = torch.tanh(logits / cap) * cap
         return logits.float() if out is None else out.copy_(logits)
 
-    def _attention(self, x, layer, positions, md, k_cache, v_cache) -> torch.Tensor:
+    def _attention(self, x, layer, positions, md, k_cache, v_cache, kv_scales) -> torch.Tensor:
         cfg, ops = self.config, self.backend
+        k_scale, v_scale = kv_scales
         num_tokens = x.shape[0]
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
@@ -123,8 +126,10 @@ class LlamaModel:
         cos = self.local_rope_cos if local else self.rope_cos
         sin = self.local_rope_sin if local else self.rope_sin
         ops.rotary_embedding_and_cache(positions, q, k, v, cos, sin, k_cache, v_cache,
-                                       md.slot_mapping, interleaved=cfg.rope_interleaved)
-        features = dict(sliding_window=layer.window, soft_cap=cfg.attn_logit_softcapping)
+                                       md.slot_mapping, interleaved=cfg.rope_interleaved,
+                                       k_scale=k_scale, v_scale=v_scale)
+        features = dict(sliding_window=layer.window, soft_cap=cfg.attn_logit_softcapping,
+                        k_scale=k_scale, v_scale=v_scale)
         if md.is_decode_only:
             out = ops.paged_decode_attention(
                 q, k_cache, v_cache, md.block_tables, md.seq_lens, self.scale, **features
@@ -165,3 +170,12 @@ class LlamaModel:
                 "down": [layer.down_proj for layer in self.layers],
                 "lm_head": [self.lm_head]}
 
+
+def _kv_scales(weights: dict, i: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i's (k_scale, v_scale), [] float32 on `device`: the checkpoint's where its
+    quantization carries them (executor_svc.quantization.kv_cache), else 1.0 (vLLM's default).
+    Only an FP8 KV cache reads them."""
+    prefix = f"model.layers.{i}.self_attn.attn."
+    one = torch.ones((), dtype=torch.float32)
+    return tuple(weights.get(prefix + name, one).to(device=device, dtype=torch.float32)
+                 for name in ("k_scale", "v_scale"))

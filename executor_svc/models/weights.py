@@ -12,6 +12,7 @@ import torch
 from executor_svc.model_config import ModelConfig
 from executor_svc.quantization import (QuantConfig, QuantizationError, check_linear, fuse,
                                        load_linear)
+from executor_svc.quantization.kv_cache import kv_cache_scales
 
 # Families whose checkpoints hold q|k|v (Phi-3) or gate|up (Phi-3, GLM) already fused.
 _FUSED_QKV = ("phi3",)
@@ -124,6 +125,8 @@ def quantized_state_dict(get: Callable[[str], torch.Tensor | None], names: Itera
     weights: dict = {}
     for module, (scheme, shape) in schemes.items():
         weights[module + ".weight"] = load_linear(tracked, module, scheme, shape, dtype)
+    if quant.kv_cache_scales:  # float32, as vLLM's: never rounded to the model's dtype
+        weights.update(kv_cache_scales(tracked, cfg.num_layers))
     for name in names:
         if name in used:
             continue

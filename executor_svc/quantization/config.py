@@ -38,6 +38,9 @@ class QuantConfig:
 
     name: str  # for ModelInfo and the fingerprint, e.g. "gptq int4 g128 act-order"
     scheme_for: Callable[[str], Int4Scheme | Fp8Scheme | None]  # module name -> its scheme
+    # The checkpoint's k_scale / v_scale serve an FP8 KV cache (vLLM's fp8 and compressed-tensors
+    # attach a KV cache method to attention; awq and gptq do not)
+    kv_cache_scales: bool = False
 
 
 def parse_quantization_config(qc: Any) -> QuantConfig:
@@ -116,7 +119,8 @@ def _parse_fp8(qc: dict) -> QuantConfig:
     scheme = Fp8Scheme("fp8", per_channel=False, static=act == "static", per_token=False,
                        block_size=block)
     name = f"fp8 w8a8 {act}" + (f" block {block[0]}x{block[1]}" if block else "")
-    return QuantConfig(name, lambda module: None if _skipped(module, skip) else scheme)
+    return QuantConfig(name, lambda module: None if _skipped(module, skip) else scheme,
+                       kv_cache_scales=True)
 
 
 def _block(what: str, value: Any) -> tuple[int, int] | None:
@@ -136,9 +140,10 @@ def _parse_compressed_tensors(qc: dict) -> QuantConfig:
     status = qc.get("quantization_status", "compressed")
     _require(status == "compressed", f"compressed-tensors quantization_status {status!r} is not "
                                      "supported; supported: 'compressed'")
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    for key in ("sparsity_config", "transform_config"):
         _require(not qc.get(key), f"compressed-tensors {key} is not supported; supported: "
                                   "W4A16 pack-quantized and FP8 W8A8 float-quantized")
+    _ct_kv_cache_scheme(qc.get("kv_cache_scheme"))
     groups = qc.get("config_groups") or {}
     _require(isinstance(groups, dict) and groups, "compressed-tensors without config_groups")
     default_format = qc.get("format")
@@ -154,7 +159,23 @@ def _parse_compressed_tensors(qc: dict) -> QuantConfig:
             if any(t == "Linear" or _ct_matches(name, t) for t in targets):
                 return scheme
         return None
-    return QuantConfig("compressed-tensors " + ", ".join(names), scheme_for)
+    return QuantConfig("compressed-tensors " + ", ".join(names), scheme_for,
+                       kv_cache_scales=True)
+
+
+def _ct_kv_cache_scheme(scheme: Any) -> None:
+    """vLLM's check of a kv_cache_scheme (its scales serve --kv-cache-dtype fp8): 8-bit float,
+    one symmetric scale per layer."""
+    if not scheme:
+        return
+    _require(isinstance(scheme, dict) and scheme.get("type") == "float"
+             and scheme.get("num_bits") == 8,
+             f"compressed-tensors kv_cache_scheme {scheme!r} is not supported; supported: "
+             "num_bits 8, type float")
+    _require(scheme.get("strategy") == "tensor" and scheme.get("symmetric") is True,
+             f"compressed-tensors kv_cache_scheme strategy {scheme.get('strategy')!r} "
+             f"(symmetric {scheme.get('symmetric')!r}) is not supported; supported: one "
+             "symmetric scale per layer (strategy tensor)")
 
 
 def _ct_matches(name: str, pattern: str) -> bool:

@@ -101,7 +101,8 @@ def test_no_waiting_line_while_an_executor_is_being_attached(caplog):
     assert len(lines) == num_lines
     waited = [float(re.match(r"still no executor attached after ([0-9.]+)s: waiting for an "
                              r"executor at x$", line).group(1)) for line in lines]
-    assert waited[0] >= 0.05 and waited[1] >= waited[0] + 0.05
+    # the line prints 3 significant digits: allow that rounding
+    assert waited[0] >= 0.0495 and waited[1] >= waited[0] + 0.049
 
 
 def test_the_waiting_line_counts_from_the_loss_not_the_last_tick(caplog):

@@ -134,7 +134,7 @@ def test_neutral_values_of_missing_controls_are_accepted():
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content")])

@@ -22,10 +22,19 @@ from protos import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 START_TIMEOUT_S = 240
 
 
+# Ports this process handed out: the kernel may give a port just freed to the next bind(0), and
+# two listeners of one start must never be handed the same port.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class ProcessExited(RuntimeError):

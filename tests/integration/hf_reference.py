@@ -23,7 +23,8 @@ def hf_model(source: str, seed: int = 0, device: str = "cpu"):
         return _load(source, seed, device)
 
 
-@functools.lru_cache(maxsize=4)
+# Enough for the default model to outlive the tiny presets loaded between its two users.
+@functools.lru_cache(maxsize=16)
 def _load(source: str, seed: int, device: str):
     return load_hf_model(source, seed=seed, dtype=torch.float32, device=device)
 

@@ -16,14 +16,14 @@ import socket
 import struct
 import threading
 import time
-from contextlib import contextmanager
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
 from scheduler_svc.connection_gate import PREFACE
-from tests.integration.harness import generate, start_services
+from tests.integration import bystanders as shared
+from tests.integration.harness import start_services
 
 pytestmark = pytest.mark.slow
 
@@ -121,48 +121,15 @@ class Flood:
 
 
 def grpc_tokens(services, max_tokens: int = BYSTANDER_TOKENS, started=None) -> list[int]:
-    with grpc.insecure_channel(services.scheduler_address, options=OWN_CONNECTION) as channel:
-        if started is not None:
-            grpc.channel_ready_future(channel).result(timeout=10)
-            started.set()
-        return generate(services.stub(channel), PROMPT, max_tokens=max_tokens, timeout=60)[0]
+    return shared.grpc_tokens(services, PROMPT, max_tokens, started, OWN_CONNECTION)
 
 
 def http_text(services, max_tokens: int = BYSTANDER_TOKENS, started=None) -> str:
-    """A streamed greedy completion's text, read chunk by chunk."""
-    conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=60)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps({
-            "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}), {"content-type": "application/json"})
-        reply = conn.getresponse()
-        assert reply.status == 200, reply.read()
-        pieces = []
-        for line in reply:
-            if started is not None:
-                started.set()
-            if line.startswith(b"data: {"):
-                pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
-        return "".join(pieces)
-    finally:
-        conn.close()
+    return shared.http_text(services, PROMPT, max_tokens, started)
 
 
-@contextmanager
 def bystanders(services):
-    """A gRPC and an HTTP stream, connected before the attack runs, ending as undisturbed."""
-    results, threads = {}, []
-    for name, run in (("grpc", grpc_tokens), ("http", http_text)):
-        started = threading.Event()
-        thread = threading.Thread(target=lambda n=name, r=run, e=started: results.__setitem__(
-            n, r(services, started=e)), daemon=True)
-        thread.start()
-        assert started.wait(30), f"the {name} bystander never started"
-        threads.append(thread)
-    yield
-    for thread in threads:
-        thread.join(60)
-    assert (results.get("grpc"), results.get("http")) == services.reference
+    return shared.bystanders(services, PROMPT, BYSTANDER_TOKENS, grpc_options=OWN_CONNECTION)
 
 
 def assert_fresh_clients_served(services, within_s: float = 1.0) -> None:

@@ -320,7 +320,7 @@ def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 f"format: {', '.join(TOOL_CALL_PARSERS)})")
     if not a.executor_keepalive >= 1:
         p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
-    for flag in ("--executor-connect-timeout", "--executor-retry-interval",
+    for flag in ("--executor-connect-timeout", "--executor-retry-interval", "--grammar-timeout",
                  "--http-header-timeout", "--http-body-timeout", "--http-keep-alive-timeout"):
         value = getattr(a, flag[2:].replace("-", "_"))
         if not value > 0:

@@ -123,3 +123,11 @@ def test_the_waiting_line_counts_from_the_loss_not_the_last_tick(caplog):
         asyncio.run(scenario())
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("still no executor attached after 0.2")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_grammar_timeout_that_is_not_positive_is_one_usage_line(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main.parse_config(["--grammar-timeout", value])
+    assert exited.value.code == 2
+    assert f"--grammar-timeout must be > 0 seconds, got {float(value)}" in capsys.readouterr().err

@@ -49,3 +49,13 @@ def test_the_help_command_lists_every_variable():
     out = subprocess.run([str(command), "--help"], capture_output=True, text=True, timeout=60,
                          check=True).stdout
     assert [variable(action) for action in options() if variable(action) not in out] == []
+
+
+@pytest.mark.parametrize("flag", ["--max-num-batched-tokens", "--max-num-seqs"])
+@pytest.mark.parametrize("value", ["0", "-3", str(executor_main._MAX_STEP_LIMIT + 1)])
+def test_a_step_limit_out_of_range_is_one_usage_line(flag, value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        executor_main.parse_config([flag, value])
+    assert exited.value.code == 2
+    assert (f"{flag} must be between 1 and {executor_main._MAX_STEP_LIMIT}, got {value}"
+            in capsys.readouterr().err)

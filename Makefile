@@ -33,7 +33,7 @@ serve: setup
 		--scheduler-args "$(SCHEDULER_ARGS)"
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # Everything but the tests that start real processes (marked slow) and the GPU tests: ~1 minute.
 test-fast: setup

@@ -72,28 +72,33 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
+    interleaved: bool = False,
 ) -> None:
-    """Rotate-half (HF/neox) RoPE, in place, on q and k in one launch; fp32 math, table values
-    used unrounded.
+    """RoPE in place on q and k in one launch, on the first rotary_dim = cos_table.shape[1]
+    elements of each head (the rest pass through); rotate-half (HF/neox) pairs (i, i +
+    rotary_dim / 2), or with `interleaved` the pairs (2i, 2i + 1) at frequency i (GLM). fp32
+    math, table values used unrounded.
 
     positions: [num_tokens] int64, contiguous; a position outside [0, max_pos) leaves its token's
         rows unchanged (checking would need a host sync)
     q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], bf16/fp16,
-        last dim contiguous, any token/head strides (views of a fused qkv output), even head_dim
-    cos_table, sin_table: [max_pos, head_dim] float32, contiguous
+        last dim contiguous, any token/head strides (views of a fused qkv output)
+    cos_table, sin_table: [max_pos, rotary_dim] float32, contiguous, rows cat(f, f) over the
+        rotary_dim / 2 frequencies f; rotary_dim even, at most head_dim
     One CTA per token.
     """
     _check_rope(positions, q, k, cos_table, sin_table)
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, num_heads, _ = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
         return
+    rotary_dim = cos_table.shape[1]
     vec = _rope_vec(q, k, cos_table, sin_table)
-    units = (num_heads + num_kv_heads) * (head_dim // 2 // (_VEC if vec else 1))
+    units = (num_heads + num_kv_heads) * (rotary_dim // 2 // (_VEC if vec else 1))
     args = (positions.data_ptr(), q.data_ptr(), _i64(q.stride(0)), _i64(q.stride(1)),
             k.data_ptr(), _i64(k.stride(0)), _i64(k.stride(1)), cos_table.data_ptr(),
-            sin_table.data_ptr(), _i32(num_heads), _i32(num_kv_heads), _i32(head_dim),
-            _i64(cos_table.shape[0]), _i32(vec))
+            sin_table.data_ptr(), _i32(num_heads), _i32(num_kv_heads), _i32(rotary_dim),
+            _i32(bool(interleaved)), _i64(cos_table.shape[0]), _i32(vec))
     _launch(f"rotary_embedding_{_DTYPES[q.dtype]}", q, (num_tokens, 1, 1),
             _threads(units, _ROPE_MAX_THREADS), args)
 
@@ -108,11 +113,13 @@ def rotary_embedding_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    interleaved: bool = False,
 ) -> None:
-    """rotary_embedding(positions, q, k, cos_table, sin_table), then
+    """rotary_embedding(positions, q, k, cos_table, sin_table, interleaved), then
     cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping), with the same results
     bit for bit; one launch (one CTA per token) where every row is whole 16-byte vectors
-    (head_dim a multiple of 16, q/k rows and the tables 16-byte aligned), else those two launches.
+    (rotary_dim a multiple of 16, q/k rows and the tables 16-byte aligned), else those two
+    launches.
     Arguments as theirs: value [num_tokens, num_kv_heads, head_dim] with k's dtype; caches
     [num_blocks, num_kv_heads, block_size, head_dim] contiguous (one layer); slot_mapping int64 or
     int32, a negative slot caches nothing for its token (q and k are still rotated)."""
@@ -124,20 +131,21 @@ def rotary_embedding_and_cache(
     num_kv_heads = k.shape[1]
     if not (_rope_vec(q, k, cos_table, sin_table)
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0):
-        rotary_embedding(positions, q, k, cos_table, sin_table)
+        rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
         cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
         return
     if num_tokens == 0:
         return
-    units = max((num_heads + num_kv_heads) * (head_dim // 2 // _VEC),
-                num_kv_heads * head_dim // _VEC)  # the latter: more kv than q heads
+    rotary_dim = cos_table.shape[1]
+    units = max((num_heads + num_kv_heads) * (rotary_dim // 2 // _VEC),
+                num_kv_heads * head_dim // _VEC)  # the latter: more kv than q heads, or partial
     index = "i64" if slot_mapping.dtype == torch.int64 else "i32"
     args = (positions.data_ptr(), q.data_ptr(), _i64(q.stride(0)), _i64(q.stride(1)),
             k.data_ptr(), _i64(k.stride(0)), _i64(k.stride(1)), value.data_ptr(),
             _i64(value.stride(0)), _i64(value.stride(1)), cos_table.data_ptr(),
             sin_table.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-            _i32(num_heads), _i32(num_kv_heads), _i32(head_dim), _i64(cos_table.shape[0]),
-            _i64(k_cache.shape[2]))
+            _i32(num_heads), _i32(num_kv_heads), _i32(head_dim), _i32(rotary_dim),
+            _i32(bool(interleaved)), _i64(cos_table.shape[0]), _i64(k_cache.shape[2]))
     _launch(f"rotary_embedding_cache_{_DTYPES[q.dtype]}_{index}", q, (num_tokens, 1, 1),
             _threads(units, _ROPE_MAX_THREADS), args)
 
@@ -213,9 +221,9 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
         if t.dim() != 3 or t.stride(2) != 1:
             raise ValueError(f"{name} must be [num_tokens, heads, head_dim] with a contiguous last "
                              f"dim, got shape {tuple(t.shape)} strides {t.stride()}")
-    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[2] % 2:
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} need the same number of "
-                         f"tokens and the same, even, head_dim")
+                         f"tokens and the same head_dim")
 
 
 def _check_rope(positions, q, k, cos_table, sin_table) -> None:
@@ -223,18 +231,22 @@ def _check_rope(positions, q, k, cos_table, sin_table) -> None:
     head_dim = q.shape[2]
     _check_positions(positions, q.shape[0], q.device)
     for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
-        if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != head_dim
-                or not t.is_contiguous() or t.device != q.device or t.shape != cos_table.shape):
-            raise ValueError(f"{name} must be a contiguous [max_pos, {head_dim}] float32 tensor on "
-                             f"{q.device} (both tables alike), got {t.dtype} {tuple(t.shape)} "
-                             f"on {t.device}")
+        if (t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous()
+                or t.device != q.device or t.shape != cos_table.shape):
+            raise ValueError(f"{name} must be a contiguous [max_pos, rotary_dim] float32 tensor "
+                             f"on {q.device} (both tables alike), got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    rotary_dim = cos_table.shape[1]
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"the tables' width (rotary_dim) must be even and in [2, head_dim = "
+                         f"{head_dim}], got {rotary_dim}")
 
 
 def _rope_vec(q, k, cos_table, sin_table) -> bool:
-    """Whether RoPE can take the 16-byte vector path: halves of whole vectors, q/k rows and the
-    tables 16-byte aligned."""
+    """Whether RoPE can take the 16-byte vector path: halves of the rotated span whole vectors,
+    q/k rows and the tables 16-byte aligned."""
     es = q.element_size()
-    return (q.shape[2] % (2 * _VEC) == 0
+    return (cos_table.shape[1] % (2 * _VEC) == 0
             and all(t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
                     and (t.stride(1) * es) % 16 == 0 for t in (q, k))
             and cos_table.data_ptr() % 16 == 0 and sin_table.data_ptr() % 16 == 0)

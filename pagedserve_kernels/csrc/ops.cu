@@ -1,11 +1,12 @@
 // The elementwise ops of the Llama forward, one launch each: RMSNorm (alone, or fused with the
-// residual add, in place), rotate-half RoPE applied in place to the strided q/k views of the
-// fused qkv output, and SiLU-and-mul. bf16/fp16 storage, fp32 math, one rounding per stored value
+// residual add, in place), RoPE (rotate-half or interleaved pairs, over the leading rotary_dim
+// of each head) applied in place to the strided q/k views of the fused qkv output, and
+// SiLU-and-mul. bf16/fp16 storage, fp32 math, one rounding per stored value
 // (the residual sum and the normalised value before the weight are rounded where torch rounds).
 //
 // Every kernel has a 16-byte vector path (8 elements per load) and a scalar path; the launcher
 // picks the vector one (`vec` = 1) only when every row start it touches is 16-byte aligned and
-// the widths it splits into vectors (rows; half a head for RoPE) are multiples of 8 elements, so
+// the widths it splits into vectors (rows; half of rotary_dim for RoPE) are multiples of 8, so
 // the kernels never check alignment themselves.
 #include "common.cuh"
 
@@ -124,30 +125,51 @@ __device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const
   }
 }
 
-// Rotate-half RoPE on one vector unit held in registers: elements j..j+7 of a row's first half
-// (r1) and the same of its second half (r2); fp32 math, one rounding each.
+// Where a RoPE unit's two members lie in a head row (`width` 8 for vectors, 1 for scalars), from
+// its first frequency j: rotate-half pairs (j, j + half); interleaved ones the neighbours
+// (2j, 2j + 1), so a vector unit is the two adjacent vectors at 2j and 2j + 8.
+__device__ __forceinline__ int2 rope_members(int j, int half, int width, int interleaved) {
+  return interleaved ? make_int2(2 * j, 2 * j + width) : make_int2(j, half + j);
+}
+
+// RoPE on one vector unit held in registers, fp32 math, one rounding each. Rotate-half: r1 holds
+// elements j..j+7 of the rotated span's first half and r2 the same of its second half, pairs
+// (r1[e], r2[e]). Interleaved: r1, r2 hold elements 2j..2j+15, pairs of neighbours, frequency
+// j + e for r1's pair e and j + 4 + e for r2's (the table's first half, as the reference).
 template <typename T>
 __device__ __forceinline__ void rope8(uint4& r1, uint4& r2, const float* cos_row,
-                                      const float* sin_row, int j, int half) {
-  float x1[kVec], x2[kVec], c1[kVec], s1[kVec], c2[kVec], s2[kVec];
+                                      const float* sin_row, int j, int half, int interleaved) {
+  float x1[kVec], x2[kVec], c1[kVec], s1[kVec], o1[kVec], o2[kVec];
   unpack8<T>(r1, x1);
   unpack8<T>(r2, x2);
   load8(cos_row + j, c1);
   load8(sin_row + j, s1);
-  load8(cos_row + half + j, c2);
-  load8(sin_row + half + j, s2);
-  float o1[kVec], o2[kVec];
+  if (interleaved) {
+    constexpr int kPairs = kVec / 2;
 #pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    o1[e] = x1[e] * c1[e] - x2[e] * s1[e];
-    o2[e] = x2[e] * c2[e] + x1[e] * s2[e];
+    for (int e = 0; e < kPairs; ++e) {
+      o1[2 * e] = x1[2 * e] * c1[e] - x1[2 * e + 1] * s1[e];
+      o1[2 * e + 1] = x1[2 * e + 1] * c1[e] + x1[2 * e] * s1[e];
+      o2[2 * e] = x2[2 * e] * c1[kPairs + e] - x2[2 * e + 1] * s1[kPairs + e];
+      o2[2 * e + 1] = x2[2 * e + 1] * c1[kPairs + e] + x2[2 * e] * s1[kPairs + e];
+    }
+  } else {
+    float c2[kVec], s2[kVec];
+    load8(cos_row + half + j, c2);
+    load8(sin_row + half + j, s2);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      o1[e] = x1[e] * c1[e] - x2[e] * s1[e];
+      o2[e] = x2[e] * c2[e] + x1[e] * s2[e];
+    }
   }
   r1 = pack8<T>(o1);
   r2 = pack8<T>(o2);
 }
 
-// One CTA per token; a work unit is 8 (vec) or 1 element pair (j, j + head_dim / 2) of one head,
-// q heads first, then k heads. Tables: float32 [max_pos, head_dim], contiguous. Tokens whose
+// One CTA per token; a work unit is 8 (vec) or 1 element pair of one head (rope_members), q
+// heads first, then k heads. Only each head's first rotary_dim elements are touched (partial
+// rotary); tables: float32 [max_pos, rotary_dim], contiguous, rows cat(f, f). Tokens whose
 // position is outside [0, max_pos) are left as they are (the launcher cannot check without a
 // host sync; the reference twin raises).
 template <typename T>
@@ -156,43 +178,46 @@ __device__ __forceinline__ void rotary_row(const long long* __restrict__ positio
                                            long long k_stride_tok, long long k_stride_head,
                                            const float* __restrict__ cos_table,
                                            const float* __restrict__ sin_table, int num_heads,
-                                           int num_kv_heads, int head_dim, long long max_pos,
-                                           int vec) {
+                                           int num_kv_heads, int rotary_dim, int interleaved,
+                                           long long max_pos, int vec) {
   const long long tok = blockIdx.x;
   const long long pos = positions[tok];
   if (pos < 0 || pos >= max_pos) return;
-  const int half = head_dim / 2;
-  const float* cos_row = cos_table + pos * head_dim;
-  const float* sin_row = sin_table + pos * head_dim;
+  const int half = rotary_dim / 2;
+  const float* cos_row = cos_table + pos * rotary_dim;
+  const float* sin_row = sin_table + pos * rotary_dim;
   const int width = vec ? kVec : 1;
   const int per_head = half / width;
   const int units = (num_heads + num_kv_heads) * per_head;
   for (int u = threadIdx.x; u < units; u += blockDim.x) {
     const int head = u / per_head;
-    const int j = (u - head * per_head) * width;  // first element of the unit, first half
+    const int j = (u - head * per_head) * width;  // the unit's first frequency
+    const int2 m = rope_members(j, half, width, interleaved);
     T* row = head < num_heads ? q + tok * q_stride_tok + head * q_stride_head
                               : k + tok * k_stride_tok + (long long)(head - num_heads) * k_stride_head;
     if (vec) {
-      uint4* p1 = reinterpret_cast<uint4*>(row + j);
-      uint4* p2 = reinterpret_cast<uint4*>(row + half + j);
+      uint4* p1 = reinterpret_cast<uint4*>(row + m.x);
+      uint4* p2 = reinterpret_cast<uint4*>(row + m.y);
       uint4 r1 = *p1, r2 = *p2;
-      rope8<T>(r1, r2, cos_row, sin_row, j, half);
+      rope8<T>(r1, r2, cos_row, sin_row, j, half, interleaved);
       *p1 = r1;
       *p2 = r2;
     } else {
-      const float x1 = to_float<T>(row[j]), x2 = to_float<T>(row[half + j]);
-      row[j] = from_float<T>(x1 * cos_row[j] - x2 * sin_row[j]);
-      row[half + j] = from_float<T>(x2 * cos_row[half + j] + x1 * sin_row[half + j]);
+      const int f2 = interleaved ? j : half + j;  // the second member's table column
+      const float x1 = to_float<T>(row[m.x]), x2 = to_float<T>(row[m.y]);
+      row[m.x] = from_float<T>(x1 * cos_row[j] - x2 * sin_row[j]);
+      row[m.y] = from_float<T>(x2 * cos_row[f2] + x1 * sin_row[f2]);
     }
   }
 }
 
 // RoPE and the KV cache write in one launch: one CTA per token, the 16-byte vector path only
 // (the launcher falls back to rotary_embedding + reshape_and_cache otherwise). Units: (q and k
-// heads) x head_dim / 16 element pairs (j, j + head_dim / 2), rotated in place as rotary_row
-// does (same math, same single rounding); a k unit also stores its pair to the token's cache
-// slot, and unit u < kv_heads x head_dim / 8 copies v's u-th vector to the slot (the q units,
-// which would otherwise finish first). As many threads as rotary_embedding's. A position
+// heads) x rotary_dim / 16 vector pairs (rope_members), rotated in place as rotary_row does
+// (same math, same single rounding); a k unit also stores its pair to the token's cache slot,
+// unit u < kv_heads x head_dim / 8 copies v's u-th vector to the slot (the q units, which
+// would otherwise finish first), and unit u < kv_heads x (head_dim - rotary_dim) / 8 copies
+// the u-th vector of k's unrotated tails. As many threads as rotary_embedding's. A position
 // outside [0, max_pos) leaves q and k unrotated (k still cached, as the two kernels would); a
 // negative slot writes no cache row (a graph batch's padding token). Caches [num_blocks,
 // kv_heads, block_size, head_dim], contiguous.
@@ -203,7 +228,7 @@ __device__ __forceinline__ void rotary_cache_row(
     long long v_stride_tok, long long v_stride_head, const float* __restrict__ cos_table,
     const float* __restrict__ sin_table, T* __restrict__ k_cache, T* __restrict__ v_cache,
     const Index* __restrict__ slot_mapping, int num_heads, int num_kv_heads, int head_dim,
-    long long max_pos, long long block_size) {
+    int rotary_dim, int interleaved, long long max_pos, long long block_size) {
   const long long tok = blockIdx.x;
   const long long pos = positions[tok];
   const bool rotate = pos >= 0 && pos < max_pos;
@@ -213,37 +238,45 @@ __device__ __forceinline__ void rotary_cache_row(
   auto cache_row = [&](int h) {
     return ((block * num_kv_heads + h) * block_size + off) * head_dim;
   };
-  const int half = head_dim / 2;
-  const float* cos_row = cos_table + (rotate ? pos : 0) * head_dim;
-  const float* sin_row = sin_table + (rotate ? pos : 0) * head_dim;
+  const int half = rotary_dim / 2;
+  const float* cos_row = cos_table + (rotate ? pos : 0) * rotary_dim;
+  const float* sin_row = sin_table + (rotate ? pos : 0) * rotary_dim;
   const int per_head = half / kVec;
   const int units = (num_heads + num_kv_heads) * per_head;
   const int v_per_head = head_dim / kVec;
-  const int v_units = slot >= 0 ? num_kv_heads * v_per_head : 0;  // <= units if kv <= q heads
+  const int v_units = slot >= 0 ? num_kv_heads * v_per_head : 0;  // may exceed units
+  const int tail_per_head = (head_dim - rotary_dim) / kVec;
+  const int tail_units = slot >= 0 ? num_kv_heads * tail_per_head : 0;  // < v_units
   for (int u = threadIdx.x; u < max(units, v_units); u += blockDim.x) {
     if (u < v_units) {
       const int vh = u / v_per_head, c = (u - vh * v_per_head) * kVec;
       *reinterpret_cast<uint4*>(v_cache + cache_row(vh) + c) =
           *reinterpret_cast<const uint4*>(v + tok * v_stride_tok + vh * v_stride_head + c);
     }
+    if (u < tail_units) {  // partial rotary: k's elements past rotary_dim, cached as they are
+      const int kh = u / tail_per_head, c = rotary_dim + (u - kh * tail_per_head) * kVec;
+      *reinterpret_cast<uint4*>(k_cache + cache_row(kh) + c) =
+          *reinterpret_cast<const uint4*>(k + tok * k_stride_tok + kh * k_stride_head + c);
+    }
     if (u >= units) continue;
     const int head = u / per_head;
-    const int j = (u - head * per_head) * kVec;  // first element of the unit, first half
+    const int j = (u - head * per_head) * kVec;  // the unit's first frequency
+    const int2 m = rope_members(j, half, kVec, interleaved);
     const bool is_k = head >= num_heads;
     T* row = is_k ? k + tok * k_stride_tok + (long long)(head - num_heads) * k_stride_head
                   : q + tok * q_stride_tok + head * q_stride_head;
-    uint4* p1 = reinterpret_cast<uint4*>(row + j);
-    uint4* p2 = reinterpret_cast<uint4*>(row + half + j);
+    uint4* p1 = reinterpret_cast<uint4*>(row + m.x);
+    uint4* p2 = reinterpret_cast<uint4*>(row + m.y);
     uint4 r1 = *p1, r2 = *p2;
     if (rotate) {
-      rope8<T>(r1, r2, cos_row, sin_row, j, half);
+      rope8<T>(r1, r2, cos_row, sin_row, j, half, interleaved);
       *p1 = r1;
       *p2 = r2;
     }
     if (is_k && slot >= 0) {
       T* dst = k_cache + cache_row(head - num_heads);
-      *reinterpret_cast<uint4*>(dst + j) = r1;
-      *reinterpret_cast<uint4*>(dst + half + j) = r2;
+      *reinterpret_cast<uint4*>(dst + m.x) = r1;
+      *reinterpret_cast<uint4*>(dst + m.y) = r2;
     }
   }
 }
@@ -295,10 +328,10 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
                               long long q_stride_head, T* k, long long k_stride_tok,             \
                               long long k_stride_head, const float* cos_table,                   \
                               const float* sin_table, int num_heads, int num_kv_heads,           \
-                              int head_dim, long long max_pos, int vec) {                        \
+                              int rotary_dim, int interleaved, long long max_pos, int vec) {     \
     ps_ops::rotary_row<T>(positions, q, q_stride_tok, q_stride_head, k, k_stride_tok,            \
                           k_stride_head, cos_table, sin_table, num_heads, num_kv_heads,          \
-                          head_dim, max_pos, vec);                                               \
+                          rotary_dim, interleaved, max_pos, vec);                                \
   }                                                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                              \
       silu_and_mul_##NAME(T* out, long long out_stride, const T* x, long long x_stride, int d,   \
@@ -315,13 +348,13 @@ PS_OPS(fp16, __half)
           T* k, long long k_stride_tok, long long k_stride_head, const T* v,                     \
           long long v_stride_tok, long long v_stride_head, const float* cos_table,               \
           const float* sin_table, T* k_cache, T* v_cache, const INDEX* slot_mapping,             \
-          int num_heads, int num_kv_heads, int head_dim, long long max_pos,                      \
-          long long block_size) {                                                                \
+          int num_heads, int num_kv_heads, int head_dim, int rotary_dim, int interleaved,        \
+          long long max_pos, long long block_size) {                                             \
     ps_ops::rotary_cache_row<T, INDEX>(positions, q, q_stride_tok, q_stride_head, k,             \
                                        k_stride_tok, k_stride_head, v, v_stride_tok,             \
                                        v_stride_head, cos_table, sin_table, k_cache, v_cache,    \
-                                       slot_mapping, num_heads, num_kv_heads, head_dim, max_pos, \
-                                       block_size);                                              \
+                                       slot_mapping, num_heads, num_kv_heads, head_dim,          \
+                                       rotary_dim, interleaved, max_pos, block_size);            \
   }
 PS_ROPE_CACHE(bf16_i64, __nv_bfloat16, long long)
 PS_ROPE_CACHE(bf16_i32, __nv_bfloat16, int)

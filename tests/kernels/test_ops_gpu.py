@@ -3,8 +3,9 @@ SiLU-and-mul) against float64 references on the GPU.
 
 Row by row, ||kernel - ref64|| / ||ref64|| must stay within 2x the same error of torch doing the
 computation in the kernel's dtype (the reference twins, i.e. transformers' numerics), plus a 1e-3
-floor. Out-of-place outputs are poisoned with NaN first; in-place ones are checked row by row
-(an unwritten row keeps its input, far from the reference) and their neighbours in the fused qkv
+floor (for RoPE over each head's rotated span; the unrotated tail must come out bit for bit).
+Out-of-place outputs are poisoned with NaN first; in-place ones are checked row by row (an
+unwritten row keeps its input, far from the reference) and their neighbours in the fused qkv
 buffer must be untouched. Fresh random inputs per case; the 16-byte vector path and the scalar
 fallback (misaligned rows, widths not a multiple of 8) are both swept.
 """
@@ -59,20 +60,36 @@ def rms_norm64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
 
 
-def rope_tables(head_dim: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [MAX_POS, head_dim] float32, built as LlamaModel builds them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_tables(rotary_dim: int, theta: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [MAX_POS, rotary_dim] float32, rows cat(f, f), built as LlamaModel builds them."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (theta ** exponents)
     freqs = torch.outer(torch.arange(MAX_POS, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
 
 
-def rope64(x, positions, cos_table, sin_table):
+def rope64(x, positions, cos_table, sin_table, interleaved=False):
+    """The rotated span [..., :rotary_dim] of x in float64 (the reference twin's formula)."""
+    rotary_dim = cos_table.shape[1]
     cos = cos_table[positions].double().unsqueeze(1)
     sin = sin_table[positions].double().unsqueeze(1)
-    x = x.double()
+    x = x[..., :rotary_dim].double()
+    if interleaved:
+        cos = cos[..., :rotary_dim // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., :rotary_dim // 2].repeat_interleave(2, dim=-1)
+        return x * cos + torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2) * sin
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotated_within(out, x_in, base, positions, cos_table, sin_table, interleaved, what):
+    """out (the kernel's) against float64 on each head's rotated span, rows_within's bound with
+    base (the twin's); the span past rotary_dim still x_in, bit for bit."""
+    rotary_dim = cos_table.shape[1]
+    assert torch.equal(out[..., rotary_dim:], x_in[..., rotary_dim:]), f"{what}: tail changed"
+    rows_within(out[..., :rotary_dim], rope64(x_in, positions, cos_table, sin_table, interleaved),
+                base[..., :rotary_dim], what)
 
 
 def silu_and_mul64(x):
@@ -120,28 +137,31 @@ def check_fused_add_rms_norm(ops, dtype, num_tokens, hidden, offset=0):
 
 # -- RoPE -----------------------------------------------------------------------------------------
 
-def check_rotary(ops, dtype, num_tokens, heads, kv_heads, head_dim, offset=0):
+def check_rotary(ops, dtype, num_tokens, heads, kv_heads, head_dim, offset=0, rotary_dim=None,
+                 interleaved=False):
     """q/k as the model makes them: views of one fused qkv output (here with `offset` extra
-    leading columns); v and the extra columns must come out untouched."""
+    leading columns); v and the extra columns must come out untouched. rotary_dim: the tables'
+    width (partial rotary), head_dim when None."""
+    rotary_dim = rotary_dim or head_dim
     gen = torch.Generator(device=DEVICE).manual_seed(
-        seed_of("rope", dtype, num_tokens, heads, head_dim, offset))
+        seed_of("rope", dtype, num_tokens, heads, head_dim, offset, rotary_dim, interleaved))
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     buf = randn(num_tokens, offset + q_size + 2 * kv_size, gen=gen, dtype=dtype)
     q, k, v = buf[:, offset:].split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(num_tokens, heads, head_dim)
     k = k.view(num_tokens, kv_heads, head_dim)
     positions = torch.randint(0, MAX_POS, (num_tokens,), generator=gen, device=DEVICE)
-    cos_table, sin_table = rope_tables(head_dim)
+    cos_table, sin_table = rope_tables(rotary_dim)
     before = buf.clone()
     q_in, k_in = q.clone(), k.clone()
     base_q, base_k = q_in.clone(), k_in.clone()
-    ref.rotary_embedding(positions, base_q, base_k, cos_table, sin_table)
-    ops.rotary_embedding(positions, q, k, cos_table, sin_table)
+    ref.rotary_embedding(positions, base_q, base_k, cos_table, sin_table, interleaved)
+    ops.rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
     untouched = torch.ones_like(buf, dtype=torch.bool)
     untouched[:, offset:offset + q_size + kv_size] = False
     assert torch.equal(buf[untouched], before[untouched]), "wrote outside q and k"
-    rows_within(q, rope64(q_in, positions, cos_table, sin_table), base_q, "rotary q")
-    rows_within(k, rope64(k_in, positions, cos_table, sin_table), base_k, "rotary k")
+    rotated_within(q, q_in, base_q, positions, cos_table, sin_table, interleaved, "rotary q")
+    rotated_within(k, k_in, base_k, positions, cos_table, sin_table, interleaved, "rotary k")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,6 +180,45 @@ def test_rotary_embedding_other_layouts(ops, dtype, head_dim, offset):
     check_rotary(ops, dtype, 33, 9, 3, head_dim, offset)
 
 
+# (head_dim, rotary_dim, interleaved): partial rotary (GLM: half of 128), interleaved pairs, both
+ROPE_VARIANTS = [(128, 64, False), (128, 32, False), (64, 32, False), (128, 128, True),
+                 (64, 64, True), (128, 64, True), (128, 32, True), (64, 32, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,interleaved", ROPE_VARIANTS)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 2)])
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_rotary_embedding_partial_and_interleaved(ops, dtype, head_dim, rotary_dim, interleaved,
+                                                  heads, kv_heads, num_tokens):
+    check_rotary(ops, dtype, num_tokens, heads, kv_heads, head_dim, rotary_dim=rotary_dim,
+                 interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,interleaved,offset",
+                         [(128, 64, True, 1), (128, 32, False, 1), (64, 32, True, 1),
+                          (64, 24, True, 0), (64, 24, False, 0), (72, 40, True, 0),
+                          (72, 32, True, 0), (16, 16, True, 0), (16, 2, True, 0)])
+def test_rotary_embedding_partial_and_interleaved_other_layouts(ops, dtype, head_dim, rotary_dim,
+                                                                interleaved, offset):
+    """The scalar path for both variants: misaligned rows, or half a rotated span that is not
+    whole vectors (24 / 2 = 12, 40 / 2 = 20, 2 / 2 = 1); and vectors whose head_dim is not
+    (72 with 32 rotated; 16, one vector pair)."""
+    check_rotary(ops, dtype, 33, 9, 3, head_dim, offset, rotary_dim, interleaved)
+
+
+def test_rotary_embedding_refuses_tables_wider_than_a_head_or_odd(ops):
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q = randn(4, 8, 64, gen=gen, dtype=torch.bfloat16)
+    k = randn(4, 2, 64, gen=gen, dtype=torch.bfloat16)
+    positions = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for width in (128, 33, 0):
+        table = torch.zeros(16, width, device=DEVICE)
+        with pytest.raises(ValueError, match="rotary_dim"):
+            ops.rotary_embedding(positions, q, k, table, table)
+
+
 def test_rotary_embedding_leaves_out_of_range_positions(ops):
     gen = torch.Generator(device=DEVICE).manual_seed(9)
     q = randn(4, 8, 64, gen=gen, dtype=torch.bfloat16)
@@ -173,15 +232,16 @@ def test_rotary_embedding_leaves_out_of_range_positions(ops):
 
 
 def check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, slot_dtype,
-                           block_size=16):
+                           block_size=16, rotary_dim=None, interleaved=False):
     """The fused launch against rotary_embedding then reshape_and_cache on copies of the same
     inputs: q, k (in place), the whole qkv buffer and both whole caches bit for bit. Slots are
     distinct random ones of a cache prefilled with noise; every fifth token's slot is -1 (writes
     nothing) and one position is out of range (q and k left unrotated, k still cached)."""
     from pagedserve_kernels import cache_ops
 
-    gen = torch.Generator(device=DEVICE).manual_seed(
-        seed_of("rope_cache", dtype, num_tokens, heads, head_dim, slot_dtype))
+    rotary_dim = rotary_dim or head_dim
+    gen = torch.Generator(device=DEVICE).manual_seed(seed_of(
+        "rope_cache", dtype, num_tokens, heads, head_dim, slot_dtype, rotary_dim, interleaved))
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     num_blocks = num_tokens // block_size + 3
     qkv = randn(num_tokens, q_size + 2 * kv_size, gen=gen, dtype=dtype)
@@ -191,7 +251,7 @@ def check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, sl
     slots[::5] = -1
     positions = torch.randint(0, MAX_POS, (num_tokens,), generator=gen, device=DEVICE)
     positions[num_tokens // 2] = MAX_POS
-    cos_table, sin_table = rope_tables(head_dim)
+    cos_table, sin_table = rope_tables(rotary_dim)
 
     def views(buf):
         q, k, v = buf.split([q_size, kv_size, kv_size], dim=-1)
@@ -200,11 +260,11 @@ def check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, sl
 
     expect = qkv.clone(), k_cache.clone(), v_cache.clone()
     q, k, v = views(expect[0])
-    ops.rotary_embedding(positions, q, k, cos_table, sin_table)
+    ops.rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
     cache_ops.reshape_and_cache(k, v, expect[1], expect[2], slots.to(slot_dtype))
     q, k, v = views(qkv)
     ops.rotary_embedding_and_cache(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
-                                   slots.to(slot_dtype))
+                                   slots.to(slot_dtype), interleaved)
     for name, got, want in zip(("qkv", "k_cache", "v_cache"), (qkv, k_cache, v_cache), expect):
         assert torch.equal(got, want), f"{name} differs from the two launches"
 
@@ -225,32 +285,61 @@ def test_rotary_embedding_and_cache_two_launch_fallback(ops, dtype):
     check_rotary_and_cache(ops, dtype, 33, 9, 3, 72, torch.int64)
 
 
-def test_rotary_embedding_and_cache_writes_what_the_reference_does(ops):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,interleaved", ROPE_VARIANTS)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 2), (2, 4)])
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+def test_rotary_embedding_and_cache_partial_and_interleaved(ops, dtype, head_dim, rotary_dim,
+                                                            interleaved, heads, kv_heads,
+                                                            num_tokens):
+    """The fused launch's own paths for the variants: pairs of neighbours, and k's unrotated
+    tail copied to the cache by units of their own ((2, 4): more cache vectors than RoPE units)."""
+    check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, torch.int64,
+                           rotary_dim=rotary_dim, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,interleaved",
+                         [(72, 32, True), (72, 32, False), (72, 40, True), (64, 24, False)])
+def test_rotary_embedding_and_cache_partial_other_layouts(ops, dtype, head_dim, rotary_dim,
+                                                          interleaved):
+    """head_dim 72 with 32 rotated: the fused launch, a tail of five vectors; 40 or 24 rotated:
+    half the span is not whole vectors, so the two launches."""
+    check_rotary_and_cache(ops, dtype, 33, 9, 3, head_dim, torch.int32, rotary_dim=rotary_dim,
+                           interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,interleaved", [(128, 128, False)] + ROPE_VARIANTS)
+def test_rotary_embedding_and_cache_writes_what_the_reference_does(ops, dtype, head_dim,
+                                                                   rotary_dim, interleaved):
     """Against the torch twins (RoPE in the dtype, as transformers): q and the cached k within
-    the rows_within bound of float64, v cached exactly; slots -1 leave their cache rows alone."""
-    gen = torch.Generator(device=DEVICE).manual_seed(23)
-    num_tokens, heads, kv_heads, head_dim, block_size = 40, 32, 8, 128, 16
+    the rows_within bound of float64 on the rotated span, their tails as they came, v cached
+    exactly; slots -1 leave their cache rows alone."""
+    gen = torch.Generator(device=DEVICE).manual_seed(
+        seed_of("rope_cache_ref", dtype, head_dim, rotary_dim, interleaved))
+    num_tokens, heads, kv_heads, block_size = 40, 32, 8, 16
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qkv = randn(num_tokens, q_size + 2 * kv_size, gen=gen, dtype=torch.bfloat16)
+    qkv = randn(num_tokens, q_size + 2 * kv_size, gen=gen, dtype=dtype)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
     q_in, k_in = q.clone(), k.clone()
-    k_cache = torch.zeros(8, kv_heads, block_size, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    k_cache = torch.zeros(8, kv_heads, block_size, head_dim, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(8 * block_size, generator=gen, device=DEVICE)[:num_tokens]
     slots[3] = -1
     positions = torch.randint(0, MAX_POS, (num_tokens,), generator=gen, device=DEVICE)
-    cos_table, sin_table = rope_tables(head_dim)
+    cos_table, sin_table = rope_tables(rotary_dim)
     base_q, base_k = q_in.clone(), k_in.clone()
-    ref.rotary_embedding(positions, base_q, base_k, cos_table, sin_table)
+    ref.rotary_embedding(positions, base_q, base_k, cos_table, sin_table, interleaved)
     ops.rotary_embedding_and_cache(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
-                                   slots)
+                                   slots, interleaved)
     keep = slots >= 0
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
     cached_k, cached_v = k_cache[blocks, :, offsets], v_cache[blocks, :, offsets]
-    rows_within(q, rope64(q_in, positions, cos_table, sin_table), base_q, "fused rotary q")
-    rows_within(cached_k, rope64(k_in, positions, cos_table, sin_table)[keep], base_k[keep],
-                "cached k")
+    rotated_within(q, q_in, base_q, positions, cos_table, sin_table, interleaved, "fused rotary q")
+    rotated_within(cached_k, k_in[keep], base_k[keep], positions[keep], cos_table, sin_table,
+                   interleaved, "cached k")
     assert torch.equal(cached_v, v[keep]) and torch.equal(k[keep], cached_k)
     written = torch.zeros(8 * block_size, dtype=torch.bool, device=DEVICE)
     written[slots[keep]] = True
@@ -301,14 +390,16 @@ def test_row_op_scalar_path(ops, op, width, offset, dtype):
 # -- CUDA graphs ----------------------------------------------------------------------------------
 
 def test_cuda_graph_capture_and_replay(ops):
-    """The four ops captured once (Llama-3-8B shapes, 64 tokens), replayed on new inputs written
-    in place: bit-identical to the same launches run eagerly."""
+    """The four ops captured once (Llama-3-8B shapes, 64 tokens; RoPE twice, the second partial
+    and interleaved as GLM's), replayed on new inputs written in place: bit-identical to the same
+    launches run eagerly."""
     gen = torch.Generator(device=DEVICE).manual_seed(17)
     num_tokens, hidden, inter, heads, kv_heads, head_dim = 64, 4096, 14336, 32, 8, 128
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     dtype = torch.bfloat16
     w1, w2 = randn(hidden, gen=gen, dtype=dtype), randn(hidden, gen=gen, dtype=dtype)
     cos_table, sin_table = rope_tables(head_dim)
+    glm_cos, glm_sin = rope_tables(head_dim // 2)
 
     def buffers():
         return {
@@ -332,8 +423,9 @@ def test_cuda_graph_capture_and_replay(ops):
         q, k, _ = b["qkv"].split([q_size, kv_size, kv_size], dim=-1)
         ops.rms_norm(b["x"], w1, EPS, out=b["normed"])
         ops.fused_add_rms_norm(b["x"], b["residual"], w2, EPS)
-        ops.rotary_embedding(b["positions"], q.view(num_tokens, heads, head_dim),
-                             k.view(num_tokens, kv_heads, head_dim), cos_table, sin_table)
+        q, k = q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim)
+        ops.rotary_embedding(b["positions"], q, k, cos_table, sin_table)
+        ops.rotary_embedding(b["positions"], q, k, glm_cos, glm_sin, interleaved=True)
         ops.silu_and_mul(b["gate_up"], out=b["act"])
 
     static = buffers()

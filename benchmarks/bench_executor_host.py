@@ -12,14 +12,14 @@ blocks, 8192-token steps, max_num_seqs = N, prompts 64-1,024 tokens, greedy as i
 with scheduler_svc's wire.plan_to_proto, two steps in flight as the servicer runs them: step k+1
 is launched before step k is finished. The runner has a fake model (forward and logits return
 tiny tensors), a fake sampler (random ids) and a fake cache engine; decode steps go through
-DecodeGraphs with a replay that does nothing, as the GPU runner replays graphs. Time spent in the
-fakes is subtracted from launch. Cases:
+CudaGraphs' decode ladder with a replay that does nothing, as the GPU runner replays graphs.
+Time spent in the fakes is subtracted from launch. Cases:
   decode  N sequences in steady decode.
   mixed   as decode, but 2 sequences finish (EOS) and 2 new ones are admitted each step, their
           whole prompts prefilled in that step (an eager step, as in W2).
   prefix  issue 12's cached-prefix request, one at a time (N is ignored): each step admits one
           seq of a 2,000-token cached prefix + 16 new tokens (2,000 computed, 16 scheduled, a
-          126-page table), max_tokens 1, run through SmallStepGraphs with a replay that does
+          126-page table), max_tokens 1, run through the small-step ladder with a replay that does
           nothing; the seq finishes with its one token and is dropped by the next plan. One
           step in flight, as bench_ttft's sequential requests. Also reported: to_replay, the
           part of launch before the graph's replay is queued (on the GPU, the idle part).
@@ -45,9 +45,8 @@ from benchmarks.bench_scheduler import (BLOCK_SIZE, MAX_MODEL_LEN,  # noqa: E402
                                         bench_scheduler, host_bench_parser, phase_summaries,
                                         print_phases, run_cases)
 from executor_svc import wire  # noqa: E402
-from executor_svc.cuda_graphs import DecodeGraphs  # noqa: E402
+from executor_svc.cuda_graphs import TOKEN_SIZES, CudaGraphs  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
-from executor_svc.small_step_graphs import SmallStepGraphs  # noqa: E402
 from executor_svc.step import ExecutorInfo  # noqa: E402
 from protos import executor_pb2  # noqa: E402
 from scheduler_svc import wire as scheduler_wire  # noqa: E402
@@ -112,15 +111,11 @@ def make_runner(fakes: Fakes, small_steps: bool = False) -> ModelRunner:
     backend = dataclasses.make_dataclass("Backend", [("device", torch.device)])(
         torch.device("cpu"))
     max_blocks_per_seq = -(-MAX_MODEL_LEN // BLOCK_SIZE)
-    graphs = DecodeGraphs(fakes, fakes.kv_caches, max_blocks_per_seq)
-    small = None
-    if small_steps:
-        small = SmallStepGraphs(fakes, fakes.kv_caches, max_blocks_per_seq)
-        small.graphs = {size: _NoReplay(fakes) for size in small.token_sizes}
-    runner = ModelRunner(fakes, backend, fakes, info, graphs, small)
+    graphs = CudaGraphs(fakes, fakes.kv_caches, max_blocks_per_seq,
+                        token_sizes=TOKEN_SIZES if small_steps else ())
+    runner = ModelRunner(fakes, backend, fakes, info, graphs)
     graphs.prepare(runner.input_batch.token_counts)
-    graphs.graphs = {(variant, bs): _NoReplay(fakes)
-                     for bs in graphs.batch_sizes for variant in graphs.variants(bs)}
+    graphs.graphs = {key: _NoReplay(fakes) for key in graphs.keys()}
     runner.sampler = fakes
     return runner
 

@@ -1,16 +1,17 @@
-"""DecodeGraphs: decode steps replayed from CUDA graphs (forward plus one GraphSampler variant)
-captured at start for a ladder of batch sizes, inputs staged in one pinned copy. Imports torch
-only; attention is reached through the model's backend.
+"""CudaGraphs: steps replayed from CUDA graphs captured at start, on one set of static buffers
+filled from one staged copy: decode steps (sampled in the graph) by batch size, short steps with
+prompt tokens by token count. Imports torch only; attention is reached through the model's backend.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from executor_svc.attention_metadata import AttentionMetadata
+from executor_svc.attention_metadata import AttentionMetadata, to_device
 from executor_svc.device_tokens import DeviceTokens
 from executor_svc.graph_sampler import (
     GREEDY, MAX_CONTROLLED_BATCH, MAX_LOGIT_BIAS, GraphSampler, StepSampling,
@@ -25,163 +26,275 @@ log = logging.getLogger(__name__)
 # the ladder's length costs capture time, not memory.
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
                448, 512, 576, 640, 704, 768, 832, 896, 960, 1024)
-_ROWS = 6  # rows of max_batch_size after the sampling parameters: see run()
+# vLLM captures its piecewise graphs up to 512 tokens by default; above that a step's matrix
+# products take longer than launching it eagerly, so the launch hides behind its GPU time.
+TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
+MAX_SEQS = 32  # seqs of a small step
+
+DECODE = "decode"  # the ladder of decode steps: every seq computes one token
+# The ladder of small steps, and its graphs' variant: the forward to the sampled rows' logits,
+# which the eager Sampler samples.
+SMALL_STEP = "small_step"
 
 
-class DecodeGraphs:
-    """Captured decode steps (embedding to float32 logits, then sampling) of `model` over
-    `kv_caches`. sample_in_graphs=False captures the greedy variant only and leaves every
-    step's sampling to the eager Sampler (its logits are still the graph's)."""
+@dataclass(frozen=True)
+class GraphInputs:
+    """A step's inputs on the host (int64) as a graph reads them."""
+
+    input_ids: np.ndarray  # [num_tokens]; rows named by device_tokens take their id from it
+    positions: np.ndarray  # [num_tokens]
+    slots: np.ndarray  # [num_tokens]
+    seq_lens: np.ndarray  # [num_seqs]
+    block_tables: np.ndarray  # [num_seqs, width], row i starting with seq i's table
+    # A small step's query offsets [num_seqs + 1] and the packed rows whose logits are wanted
+    # [num_sampled]; None for a decode step (a token per seq, every seq's logits).
+    cu_seqlens_q: np.ndarray | None = None
+    last_rows: np.ndarray | None = None
+    device_tokens: DeviceTokens | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return self.cu_seqlens_q is None
+
+
+class CudaGraphs:
+    """Captured forwards of `model` over `kv_caches`, keyed (variant, size): a decode step of
+    `size` seqs (embedding to float32 logits, then one GraphSampler variant; with
+    sample_in_graphs=False the greedy variant only, every step sampled eagerly from its logits),
+    or (SMALL_STEP, size) a step of `size` tokens and `max_seqs` seqs with prompt tokens
+    (embedding to the float32 logits of each sampled seq's last token).
+
+    A step is padded to the nearest size of its ladder. Pad tokens write no slot (-1); a decode
+    step's pad seqs each own one pad token (seq_len 1, reading one key of whatever block their
+    stale table row names: only block ids are ever written), a small step's own none (seq_len 0,
+    no attention work). A small step sends every seq, one-token ones included, through the
+    backend's prefill attention: a graph's launch grid is fixed by its size. Small steps need
+    the attention kernels (the torch prefill twin reads its metadata on the host). Tests on the
+    CPU replace `graphs` with eager calls of step()."""
 
     def __init__(self, model, kv_caches, max_blocks_per_seq: int,
-                 batch_sizes: tuple[int, ...] = BATCH_SIZES, sample_in_graphs: bool = True,
+                 batch_sizes: tuple[int, ...] = BATCH_SIZES,
+                 token_sizes: tuple[int, ...] = TOKEN_SIZES, max_seqs: int = MAX_SEQS,
+                 sample_in_graphs: bool = True,
                  max_controlled_batch: int = MAX_CONTROLLED_BATCH,
                  max_logit_bias: int = MAX_LOGIT_BIAS) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
-        self.batch_sizes = tuple(sorted(batch_sizes))
-        self.max_batch_size = self.batch_sizes[-1]
+        self.model, self.kv_caches, self.device = model, kv_caches, kv_caches[0].device
+        self.batch_sizes, self.token_sizes = tuple(sorted(batch_sizes)), tuple(sorted(token_sizes))
+        self.max_batch_size = self.batch_sizes[-1] if self.batch_sizes else 0
+        self.max_tokens = self.token_sizes[-1] if self.token_sizes else 0
+        self.max_seqs = max_seqs if self.token_sizes else 0
         self.width = max_blocks_per_seq  # block-table columns every graph was captured with
-        device = kv_caches[0].device
-        n = self.max_batch_size
-        # Static inputs; padded rows write no slot (-1) and attend to one token of whatever block
-        # their stale table row names (always a valid id: only block ids are ever written).
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n]
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # [n]
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n + 1]
-        self.block_tables = torch.zeros(n, self.width, dtype=torch.int32,
-                                        device=device)  # [n, width]
-        self.sampler = GraphSampler(n, model.config.vocab_size, device,
-                                    max_controlled_batch, max_logit_bias)
         self.sample_in_graphs = sample_in_graphs
-        # Staged inputs: the sampler's parameter region, _ROWS rows of n, then the block tables.
-        # The graphs read the sampling parameters straight from the device twin.
-        self._base = self.sampler.num_slots  # where the input rows start
-        self.staging = HostStaging(self._base + _ROWS * n + n * self.width, device)
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # (variant, bs) ->
-        # The graphs' logits, outside their pool and shared by all sizes: replays are ordered on
-        # one stream, and a step's eager sampling reads its logits before the next replay writes.
-        self._logits_out = torch.empty(n, model.config.vocab_size, dtype=torch.float32,
-                                       device=device)  # [n, vocab]
+        n = self.max_batch_size
+        t, s = max(n, self.max_tokens), max(n, self.max_seqs)  # rows both ladders share
+        self.sampler = GraphSampler(n, model.config.vocab_size, self.device,
+                                    max_controlled_batch, max_logit_bias)
+        self._make_static_inputs(t, s)
+        # Staged: the sampler's parameter region, which the decode graphs read straight from the
+        # device twin, then the input rows laid out as _offsets says.
+        self._base = self.sampler.num_slots
+        self._offsets = _layout(t, s)
+        self.staging = HostStaging(self._base + self._offsets["tables"] + s * self.width,
+                                   self.device)
+        # The graphs' logits, outside their pool and shared by all graphs: replays are ordered
+        # on one stream, and a step's eager sampling reads its logits before the next replay.
+        self._logits_out = torch.empty(s, model.config.vocab_size, dtype=torch.float32,
+                                       device=self.device)  # [s, vocab]
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._keepalive: list[torch.Tensor] = []
 
+    def _make_static_inputs(self, t: int, s: int) -> None:
+        """The buffers every graph reads, for t tokens and s seqs. Each row starts as a decode
+        pad (token 0 at position 0, no slot, seq_len 1), valid input for both ladders."""
+        device = self.device
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)  # [t]
+        self.positions = torch.zeros(t, dtype=torch.int64, device=device)  # [t]
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)  # [t]
+        self.seq_lens = torch.ones(s, dtype=torch.int32, device=device)  # [s]
+        self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=device)  # [s + 1]
+        # A decode step's query offsets: one token a seq, never staged.
+        self._one_token_cu = torch.arange(s + 1, dtype=torch.int32, device=device)  # [s + 1]
+        self.last_rows = torch.zeros(s, dtype=torch.int64, device=device)  # [s]
+        self.block_tables = torch.zeros(s, self.width, dtype=torch.int32,
+                                        device=device)  # [s, width]
+
+    # -- what is captured ---------------------------------------------------------------------
+
     def variants(self, bs: int) -> tuple[str, ...]:
-        """The variants captured for batch size bs."""
+        """The variants captured for decode batch size bs."""
         return self.sampler.variants(bs) if self.sample_in_graphs else (GREEDY,)
 
-    def prepare(self, counts: TokenCounts) -> None:
+    def keys(self) -> list[tuple[str, int]]:
+        """Every graph's key, largest first: the sampled decode variants at the largest batch
+        hold the pool's peak, and each later capture reuses the blocks earlier ones freed."""
+        decode = [(v, bs) for bs in reversed(self.batch_sizes) for v in self.variants(bs)]
+        return decode + [(SMALL_STEP, size) for size in reversed(self.token_sizes)]
+
+    def prepare(self, counts: TokenCounts | None) -> None:
         """Binds the sampler to the static buffers and to `counts` (reserving its rows), with
-        neutral parameters in every row. capture() calls it; on CPU, tests call it and run
-        step() eagerly in place of replays."""
+        neutral parameters in every row; nothing without a decode ladder (then counts may be
+        None). capture() calls it; on CPU, tests call it and run step() in place of replays."""
+        if not self.batch_sizes:
+            return
         self.sampler.bind(self.staging.twin[:self._base], counts)
         self.sampler.pack_neutral(self.staging.take()[:self._base])
         self.staging.send(0, self._base)
 
-    def step(self, variant: str, bs: int) -> None:
-        """What graph (variant, bs) captures: the forward of the first bs static rows into the
-        logits buffer, then the variant's sampling into the sampler's outputs."""
-        self.sampler.sample_into(self._forward(bs), variant)
+    @torch.inference_mode()
+    def step(self, key: tuple[str, int]) -> None:
+        """What graph `key` captures: the forward of the static inputs' first rows into the
+        logits buffer, then for a decode variant its sampling into the sampler's outputs."""
+        variant, size = key
+        if variant == SMALL_STEP:
+            self._forward(size, self.max_seqs, decode=False)
+        else:
+            self.sampler.sample_into(self._forward(size, size, decode=True), variant)
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, num_tokens: int, num_seqs: int, decode: bool) -> torch.Tensor:
+        """Logits [num_seqs, vocab] float32: of every token (decode) or of last_rows."""
+        cu_seqlens_q = self._one_token_cu if decode else self.cu_seqlens_q
         metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-            cu_seqlens_q=self.cu_seqlens_q[:bs + 1], seq_lens=self.seq_lens[:bs],
-            max_seqlen_q=1, max_seqlen_k=self.width * self.kv_caches[0].shape[3],
-            is_decode_only=True,
+            slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables[:num_seqs],
+            cu_seqlens_q=cu_seqlens_q[:num_seqs + 1], seq_lens=self.seq_lens[:num_seqs],
+            max_seqlen_q=1 if decode else num_tokens,
+            max_seqlen_k=self.width * self.kv_caches[0].shape[3], is_decode_only=decode,
         )
-        hidden = self.model.forward(self.input_ids[:bs], self.positions[:bs], metadata,
-                                    self.kv_caches)
-        return self.model.compute_logits(hidden, out=self._logits_out[:bs])  # [bs, vocab]
+        hidden = self.model.forward(self.input_ids[:num_tokens], self.positions[:num_tokens],
+                                    metadata, self.kv_caches)  # [num_tokens, hidden]
+        if not decode:
+            hidden = hidden[self.last_rows[:num_seqs]]  # [num_seqs, hidden]
+        return self.model.compute_logits(hidden, out=self._logits_out[:num_seqs])
 
     @torch.inference_mode()
-    def capture(self, counts: TokenCounts) -> float:
-        """prepare(counts), then run every (variant, size) eagerly (kernels compiled, scratch
-        workspaces at their final size), then capture largest first into one shared memory
-        pool, so the pool holds the peak of one graph (the sampled variant at the largest size,
-        which memory_profile.graph_reserve_bytes reserves). Everything a graph reads is a static
-        tensor of this object, of the sampler, of `counts` or of the model and cache. Returns
-        seconds taken."""
+    def capture(self, counts: TokenCounts | None) -> float:
+        """prepare(counts), then run every graph's step eagerly (kernels compiled, scratch
+        workspaces at their final size), then capture them in keys() order into one memory
+        pool, which then holds the peak of one graph (memory_profile.graph_reserve_bytes
+        reserves the decode sampling's). Everything a graph reads is a static tensor of this
+        object, of the sampler, of `counts` or of the model and cache. Returns seconds taken."""
         start = time.perf_counter()
         self.prepare(counts)
-        for bs in self.batch_sizes:
-            for variant in self.variants(bs):
-                self.step(variant, bs)
-        torch.cuda.synchronize()
+        keys = self.keys()
+        for key in keys:
+            self.step(key)
+        torch.cuda.synchronize(self.device)
         self._keepalive = self.model.backend.graph_workspaces()
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.batch_sizes):
-            for variant in self.variants(bs):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.step(variant, bs)
-                self.graphs[(variant, bs)] = graph
-        torch.cuda.synchronize()
+        for key in keys:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.step(key)
+            self.graphs[key] = graph
+        torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        log.info("captured %d decode graphs for batch sizes %s in %.2fs", len(self.graphs),
-                 self.batch_sizes, seconds)
+        log.info("captured %d graphs (decode batch sizes %s; small steps of %s tokens, up to %d "
+                 "seqs) in %.2fs", len(self.graphs), self.batch_sizes, self.token_sizes,
+                 self.max_seqs, seconds)
         return seconds
 
-    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
-        return bool(self.graphs) and num_seqs <= self.max_batch_size and max_blocks <= self.width
+    # -- replay ---------------------------------------------------------------------------------
 
-    def padded_size(self, num_seqs: int) -> int:
-        return next(bs for bs in self.batch_sizes if bs >= num_seqs)
+    def choose(self, num_tokens: int, num_seqs: int, max_blocks: int, decode: bool) -> str | None:
+        """The ladder that replays a step: DECODE when `decode` (every seq computes one token
+        and may sample in the graph) and a decode graph holds its seqs, else SMALL_STEP where a
+        small-step graph holds its tokens and seqs; None: the step runs eagerly."""
+        if not self.graphs or max_blocks > self.width:
+            return None
+        if decode and num_seqs <= self.max_batch_size:
+            return DECODE
+        if num_tokens <= self.max_tokens and num_seqs <= self.max_seqs:
+            return SMALL_STEP
+        return None
 
-    def run(self, input_ids: list[int], positions: np.ndarray, slots: np.ndarray,
-            block_tables: np.ndarray, device_tokens: DeviceTokens | None = None,
-            sampling: StepSampling | None = None) -> tuple[torch.Tensor, bool]:
-        """One decode step of len(input_ids) sequences (seq_len = position + 1); block_tables
-        [num_seqs, width] int, row i starting with seq i's table; rows named by `device_tokens`
-        take their input id from the device instead; `sampling`: what the rows sample (None:
-        sample nothing in the graph). Returns the logits view [num_seqs, vocab], valid until the
-        next replay (later work on the stream may read it), and whether the graph sampled the
-        step (then into self.sampler's outputs; else the caller samples the logits)."""
-        num_seqs = len(input_ids)
-        bs = self.padded_size(num_seqs)
+    def padded_size(self, size: int, decode: bool) -> int:
+        """The ladder's size a step of `size` seqs (decode) or tokens (small) replays."""
+        return next(s for s in (self.batch_sizes if decode else self.token_sizes) if s >= size)
+
+    def run(self, inputs: GraphInputs, sampling: StepSampling | None = None
+            ) -> tuple[torch.Tensor | None, tuple | None]:
+        """One step replayed; `sampling`: what its rows sample (None: nothing in the graph).
+        Returns (the sampling rows' logits [m, vocab], None), a view valid until the next replay
+        (later work on the stream may read it), or, when a decode graph sampled them,
+        (None, GraphSampler.results: token ids, logprobs, top ones or None)."""
+        decode = inputs.is_decode
+        num_seqs = len(inputs.seq_lens)
+        size = self.padded_size(num_seqs if decode else len(inputs.input_ids), decode)
         variant = None
-        if sampling is not None and self.sample_in_graphs:
-            variant = self.sampler.variant(sampling, bs)
-        replayed = variant or GREEDY
-        n, p, h = self.max_batch_size, self._base, self.staging.take()
+        if decode and sampling is not None and self.sample_in_graphs:
+            variant = self.sampler.variant(sampling, size)
+        host, p = self.staging.take(), self._base
         if variant is not None:
-            self.sampler.pack(h[:p], bs, sampling, variant)
-        self._pack_inputs(h[p:], bs, input_ids, positions, slots, block_tables, device_tokens)
-        start, used = self.sampler.starts[replayed], p + _ROWS * n + num_seqs * block_tables.shape[1]
-        staged = self.staging.send(start, used)
-        self._spread_inputs(staged[p:], bs, num_seqs, block_tables.shape[1], device_tokens)
-        self.graphs[(replayed, bs)].replay()
-        return self._logits_out[:num_seqs], variant is not None
+            self.sampler.pack(host[:p], size, sampling, variant)
+        seqs = size if decode else self.max_seqs
+        end = p + self._pack(host[p:], inputs, size, seqs)
+        staged = self.staging.send(self.sampler.starts[variant] if variant else p, end)
+        self._spread(staged[p:], inputs, size, seqs)
+        self.graphs[(variant or GREEDY, size) if decode else (SMALL_STEP, size)].replay()
+        if not decode:  # last_rows picked the sampling rows
+            return self._logits_out[:len(inputs.last_rows)], None
+        index = None  # the sampling rows among the seqs (None: all of them)
+        if sampling is not None and len(sampling.rows) != num_seqs:
+            index = to_device(torch.from_numpy(sampling.rows), self.device)
+        if variant is not None:
+            return None, self.sampler.results(num_seqs, index, sampling.num_top_logprobs)
+        logits = self._logits_out[:num_seqs]  # [num_seqs, vocab]
+        return (logits if index is None else logits[index]), None
 
-    def _pack_inputs(self, h: np.ndarray, bs: int, input_ids: list[int], positions: np.ndarray,
-                     slots: np.ndarray, block_tables: np.ndarray,
-                     device_tokens: DeviceTokens | None) -> None:
-        """The input rows and block tables into the host buffer past the sampling region."""
-        num_seqs, n = len(input_ids), self.max_batch_size
-        h[0:num_seqs], h[num_seqs:bs] = input_ids, 0
-        h[n:n + num_seqs], h[n + num_seqs:n + bs] = positions, 0
-        h[2 * n:2 * n + num_seqs], h[2 * n + num_seqs:2 * n + bs] = slots, -1
-        h[3 * n:3 * n + num_seqs] = positions
-        h[3 * n:3 * n + num_seqs] += 1
-        h[3 * n + num_seqs:3 * n + bs] = 1
-        m = len(device_tokens.src_rows) if device_tokens is not None else 0
-        if m:
-            h[4 * n:4 * n + m], h[5 * n:5 * n + m] = device_tokens.src_rows, device_tokens.dst_rows
-        # columns past a table's end are never read
-        h[_ROWS * n:_ROWS * n + block_tables.size] = block_tables.reshape(-1)
+    def _pack(self, h: np.ndarray, inputs: GraphInputs, num_tokens: int, num_seqs: int) -> int:
+        """Writes the inputs, padded to num_tokens tokens and num_seqs seqs, into host rows h;
+        returns where the rows used end."""
+        o, decode = self._offsets, inputs.is_decode
+        _put(h, o["ids"], inputs.input_ids, num_tokens, 0)
+        _put(h, o["positions"], inputs.positions, num_tokens, 0)
+        _put(h, o["slots"], inputs.slots, num_tokens, -1)
+        _put(h, o["seq_lens"], inputs.seq_lens, num_seqs, 1 if decode else 0)
+        if not decode:
+            cu = inputs.cu_seqlens_q
+            _put(h, o["cu"], cu, num_seqs + 1, cu[-1])
+            _put(h, o["last"], inputs.last_rows, num_seqs, 0)
+        if inputs.device_tokens is not None:
+            d = inputs.device_tokens
+            h[o["src"]:o["src"] + len(d.src_rows)] = d.src_rows
+            h[o["dst"]:o["dst"] + len(d.dst_rows)] = d.dst_rows
+        end = o["tables"] + inputs.block_tables.size
+        h[o["tables"]:end] = inputs.block_tables.reshape(-1)  # columns past a table's end: unread
+        return end
 
-    def _spread_inputs(self, staged: torch.Tensor, bs: int, num_seqs: int, width: int,
-                       device_tokens: DeviceTokens | None) -> None:
-        """The staged input rows into the graphs' static buffers, on the device."""
-        n = self.max_batch_size
-        m = len(device_tokens.src_rows) if device_tokens is not None else 0
-        self.input_ids[:bs].copy_(staged[0:bs])
-        if m:
-            device_tokens.scatter_into(self.input_ids, (staged[4 * n:4 * n + m],
-                                                        staged[5 * n:5 * n + m]))
-        self.positions[:bs].copy_(staged[n:n + bs])
-        self.slot_mapping[:bs].copy_(staged[2 * n:2 * n + bs])
-        self.seq_lens[:bs].copy_(staged[3 * n:3 * n + bs])
-        self.block_tables[:num_seqs, :width].copy_(
-            staged[_ROWS * n:_ROWS * n + num_seqs * width].view(num_seqs, width))
+    def _spread(self, staged: torch.Tensor, inputs: GraphInputs, num_tokens: int,
+                num_seqs: int) -> None:
+        """The staged rows into the static buffers, on the device (a decode step's graphs read
+        no query offsets or last rows)."""
+        o = self._offsets
+        self.input_ids[:num_tokens].copy_(staged[o["ids"]:o["ids"] + num_tokens])
+        if inputs.device_tokens is not None:
+            m = len(inputs.device_tokens.src_rows)
+            inputs.device_tokens.scatter_into(self.input_ids, (staged[o["src"]:o["src"] + m],
+                                                               staged[o["dst"]:o["dst"] + m]))
+        self.positions[:num_tokens].copy_(staged[o["positions"]:o["positions"] + num_tokens])
+        self.slot_mapping[:num_tokens].copy_(staged[o["slots"]:o["slots"] + num_tokens])
+        self.seq_lens[:num_seqs].copy_(staged[o["seq_lens"]:o["seq_lens"] + num_seqs])
+        if not inputs.is_decode:
+            self.cu_seqlens_q[:num_seqs + 1].copy_(staged[o["cu"]:o["cu"] + num_seqs + 1])
+            self.last_rows[:num_seqs].copy_(staged[o["last"]:o["last"] + num_seqs])
+        rows, width = inputs.block_tables.shape
+        self.block_tables[:rows, :width].copy_(
+            staged[o["tables"]:o["tables"] + rows * width].view(rows, width))
+
+
+def _put(h: np.ndarray, at: int, values, padded: int, pad) -> None:
+    """values into h[at:], then `pad` up to `padded` entries."""
+    n = len(values)
+    h[at:at + n], h[at + n:at + padded] = values, pad
+
+
+def _layout(max_tokens: int, max_seqs: int) -> dict[str, int]:
+    """Offsets of the staged input rows: five of max_tokens (ids, positions, slots, device
+    tokens' source and destination rows), cu_seqlens_q, seq_lens, last rows, block tables."""
+    t, s = max_tokens, max_seqs
+    names = (("ids", t), ("positions", t), ("slots", t), ("src", t), ("dst", t),
+             ("cu", s + 1), ("seq_lens", s), ("last", s))
+    offsets, at = {}, 0
+    for name, length in names:
+        offsets[name], at = at, at + length
+    offsets["tables"] = at
+    return offsets

@@ -12,12 +12,11 @@ import numpy as np
 import torch
 
 from executor_svc.attention_metadata import build_attention_metadata, host_metadata, to_device
-from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.cuda_graphs import DECODE, CudaGraphs, GraphInputs
 from executor_svc.device_tokens import DeviceTokens
 from executor_svc.graph_sampler import StepSampling
 from executor_svc.input_batch import InputBatch
 from executor_svc.sampler import Sampler, SamplingTensors, copy_to_host, top_from_host
-from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step_timing import StepMarks, StepTimer
 from executor_svc.structured_output import GrammarCompiler
 from executor_svc.step import (
@@ -68,15 +67,13 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model, backend, cache_engine, info: ExecutorInfo,
-                 decode_graphs: DecodeGraphs | None = None,
-                 small_step_graphs: SmallStepGraphs | None = None) -> None:
+                 graphs: CudaGraphs | None = None) -> None:
         self.model = model
         self.backend = backend
         self.cache_engine = cache_engine
         self.info = info
         self.sampler = Sampler()
-        self.decode_graphs = decode_graphs  # None: every step runs eagerly
-        self.small_step_graphs = small_step_graphs  # None: steps with prompt tokens run eagerly
+        self.graphs = graphs  # None: every step runs eagerly
         self.timer = StepTimer(backend.device)
         # The tokenizer a grammar needs loads on a thread from now: the first constrained seq
         # then waits for nothing.
@@ -302,27 +299,13 @@ class ModelRunner:
         # Those that catch up with their tokens sample one more.
         to_sample = np.flatnonzero(ends == input_batch.num_tokens[rows])  # [num_sampled]
         sample_rows = rows[to_sample]
-        kind, params, sampled = "other", None, None
+        kind, logits, params, sampled = "other", None, None, None
         constrained = input_batch.grammars.constrained(sample_rows)  # [m] of to_sample
         if len(rows):
-            tables = input_batch.block_table.gather(rows)  # [num_seqs, longest table]
-            graphs = self.decode_graphs
+            sampling = self._step_sampling(to_sample, sample_rows)
             # The decode graphs sample inside: a grammar's mask is not applied there yet.
-            if (graphs is not None and not len(constrained)
-                    and bool((batch.num_scheduled == 1).all())
-                    and graphs.can_run(len(rows), tables.shape[1])):
-                logits, sampled = self._decode_replay(batch, tables, to_sample)
-                kind = "decode"
-            elif (self.small_step_graphs is not None and self.small_step_graphs.can_run(
-                    int(batch.num_scheduled.sum()), len(rows), tables.shape[1])):
-                logits = self._small_step_replay(batch, tables, to_sample)
-                # After the replay is queued: the GPU needs them only after the graph, and a
-                # short step's GPU would idle while they are built.
-                params = self._sampling_tensors(sample_rows)
-            else:
-                # Built before the forward: their host-to-device copies never wait for it.
-                params = self._sampling_tensors(sample_rows)
-                logits = self._forward_eager(batch, tables, to_sample)
+            kind, logits, params, sampled = self._forward(batch, to_sample, sampling,
+                                                          may_sample_in_graph=not len(constrained))
         pending = PendingStep(step_id, batch.seq_ids[to_sample], sample_rows,
                               input_batch.occupancy[sample_rows],
                               input_batch.num_tokens[sample_rows], None, None, kind, marks,
@@ -331,8 +314,7 @@ class ModelRunner:
             if len(constrained):
                 self._apply_grammars(logits, sample_rows[constrained], constrained)
             if sampled is None:  # not sampled in a graph: by the eager Sampler
-                sampled = self._sample_eagerly(logits,
-                                               params or self._sampling_tensors(sample_rows))
+                sampled = self._sample_eagerly(logits, params)
             token_ids, logprobs, top = sampled
             pending.token_ids, pending.results = token_ids, copy_to_host(token_ids, logprobs, top)
             pending.logprobs_asked = input_batch.logprobs_asked(sample_rows)
@@ -376,26 +358,25 @@ class ModelRunner:
                if params.num_top_logprobs else None)
         return token_ids, logprobs, top
 
-    def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
-        """The sampling parameters of the seqs in these rows; no look at each seq's options when
-        all are greedy and none uses a control (the common batch)."""
-        input_batch = self.input_batch
-        if input_batch.all_greedy_plain(rows):
-            return SamplingTensors.for_greedy(len(rows))
-        return SamplingTensors.build(input_batch.sampling_of(rows),
-                                     input_batch.num_tokens[rows].tolist(),
-                                     self.info.vocab_size, self.backend.device,
-                                     input_batch.token_counts, input_batch.count_rows_of(rows),
-                                     input_batch.num_controlled > 0)
-
     def _step_sampling(self, to_sample: np.ndarray, rows: np.ndarray) -> StepSampling:
-        """What the batch rows `to_sample` (seqs in `rows`) sample, for a decode graph; no look
-        at each seq's options in the common batch (all greedy, no controls)."""
+        """What the batch rows `to_sample` (seqs in `rows`) sample, the one source of a step's
+        sampling parameters (a graph packs it, _sampling_tensors makes the eager Sampler's of
+        it); no look at each seq's options in the common batch (all greedy, no controls)."""
         input_batch = self.input_batch
         if input_batch.all_greedy_plain(rows):
             return StepSampling(to_sample)
         return StepSampling(to_sample, input_batch.sampling_of(rows),
                             input_batch.num_tokens[rows], input_batch.count_rows_of(rows))
+
+    def _sampling_tensors(self, sampling: StepSampling) -> SamplingTensors:
+        """The eager Sampler's parameters for `sampling`."""
+        if sampling.options is None:
+            return SamplingTensors.for_greedy(len(sampling.rows))
+        input_batch = self.input_batch
+        return SamplingTensors.build(sampling.options, sampling.positions.tolist(),
+                                     self.info.vocab_size, self.backend.device,
+                                     input_batch.token_counts, sampling.count_rows,
+                                     input_batch.num_controlled > 0)
 
     def _input_ids(self, batch: _StepBatch) -> tuple[np.ndarray, DeviceTokens | None]:
         """The packed input ids of the batch [num_tokens] int64. A token sampled by an unfinished
@@ -457,34 +438,46 @@ class ModelRunner:
         return self.model.compute_logits(
             hidden[to_device(torch.from_numpy(last_rows), device)])  # [num_sampled, vocab]
 
-    def _small_step_replay(self, batch: _StepBatch, tables: np.ndarray,
-                           to_sample: np.ndarray) -> torch.Tensor:
-        ids, device_tokens = self._input_ids(batch)
-        positions, slots, cu_seqlens_q, seq_lens = host_metadata(
-            tables, self.input_batch.num_computed[batch.rows], batch.num_scheduled,
-            self.info.block_size)
-        last_rows = np.cumsum(batch.num_scheduled)[to_sample] - 1  # [num_sampled]
-        return self.small_step_graphs.run(ids, positions, slots, cu_seqlens_q, seq_lens, tables,
-                                          last_rows, device_tokens)  # [num_sampled, vocab]
+    def _forward(self, batch: _StepBatch, to_sample: np.ndarray, sampling: StepSampling,
+                 may_sample_in_graph: bool) -> tuple:
+        """The step's forward, replayed from a graph where one fits, else eager. Returns (kind
+        for the step timer, the logits of the rows `to_sample` [m, vocab] or None, their eager
+        Sampler parameters or None, what a graph sampled (as _sample_eagerly returns) or None).
+        may_sample_in_graph: whether a decode graph may sample these rows."""
+        tables = self.input_batch.block_table.gather(batch.rows)  # [num_seqs, longest table]
+        num_seqs = len(batch.rows)
+        one_token = bool((batch.num_scheduled == 1).all())
+        num_tokens = num_seqs if one_token else int(batch.num_scheduled.sum())
+        ladder = (None if self.graphs is None else self.graphs.choose(
+            num_tokens, num_seqs, tables.shape[1], one_token and may_sample_in_graph))
+        if ladder is None:
+            # Built before the forward: their host-to-device copies never wait for it.
+            params = self._sampling_tensors(sampling)
+            return "other", self._forward_eager(batch, tables, to_sample), params, None
+        logits, sampled = self.graphs.run(self._graph_inputs(batch, tables, to_sample,
+                                                             ladder == DECODE), sampling)
+        # After the replay is queued: the GPU needs them only after the graph, and a short
+        # step's GPU would idle while they are built.
+        params = self._sampling_tensors(sampling) if sampled is None else None
+        return ("decode" if ladder == DECODE else "other"), logits, params, sampled
 
-    def _decode_replay(self, batch: _StepBatch, tables: np.ndarray, to_sample: np.ndarray
-                       ) -> tuple[torch.Tensor | None, tuple | None]:
-        """Replays the decode graph of the batch. Returns (None, what _sample_eagerly returns)
-        when the graph sampled the rows `to_sample`, else (their logits [m, vocab], None)."""
-        block_size = self.info.block_size
+    def _graph_inputs(self, batch: _StepBatch, tables: np.ndarray, to_sample: np.ndarray,
+                      decode: bool) -> GraphInputs:
+        """The batch's inputs for a graph: a decode step's (one token a seq, at its computed
+        count) straight from the rows, a small step's through host_metadata."""
         ids, device_tokens = self._input_ids(batch)
-        positions = self.input_batch.num_computed[batch.rows]  # [num_seqs]
-        slots = (tables[np.arange(len(positions)), positions // block_size].astype(np.int64)
-                 * block_size + positions % block_size)  # [num_seqs]
-        sampling = self._step_sampling(to_sample, batch.rows[to_sample])
-        graphs = self.decode_graphs
-        logits, sampled = graphs.run(ids, positions, slots, tables, device_tokens,
-                                     sampling)  # [num_seqs, vocab]
-        index = (None if len(to_sample) == len(positions)
-                 else to_device(torch.from_numpy(to_sample), self.backend.device))
-        if sampled:
-            return None, graphs.sampler.results(len(positions), index, sampling.num_top_logprobs)
-        return (logits if index is None else logits[index]), None
+        computed = self.input_batch.num_computed[batch.rows]  # [num_seqs]
+        block_size = self.info.block_size
+        if decode:
+            slots = (tables[np.arange(len(computed)), computed // block_size].astype(np.int64)
+                     * block_size + computed % block_size)  # [num_seqs]
+            return GraphInputs(ids, computed, slots, computed + 1, tables,
+                               device_tokens=device_tokens)
+        positions, slots, cu_seqlens_q, seq_lens = host_metadata(
+            tables, computed, batch.num_scheduled, block_size)
+        last_rows = cu_seqlens_q[1:][to_sample] - 1  # [num_sampled]: their seqs' last tokens
+        return GraphInputs(ids, positions, slots, seq_lens, tables, cu_seqlens_q, last_rows,
+                           device_tokens)
 
 
 def _logprobs(pending: PendingStep, token_ids: np.ndarray) -> tuple[SampledToken, ...]:

@@ -12,12 +12,11 @@ import torch
 from executor_svc.backends import get_backend
 from executor_svc.cache_engine import CacheEngine, bytes_per_block, kv_cache_dtype, num_blocks_for
 from executor_svc.config import ExecutorConfig
-from executor_svc.cuda_graphs import BATCH_SIZES
+from executor_svc.cuda_graphs import BATCH_SIZES, TOKEN_SIZES
 from executor_svc.fingerprint import model_fingerprint, start_source_identity
 from executor_svc.generation_config import read_generation_config
 from executor_svc.model_loader import DTYPES, default_model_source, load_model
 from executor_svc.model_runner import ModelRunner
-from executor_svc.small_step_graphs import TOKEN_SIZES
 from executor_svc.step import ExecutorInfo
 from executor_svc.step_limits import (choose_step_limits, decode_graph_sizes, device_of,
                                       small_step_graph_sizes)
@@ -115,30 +114,30 @@ class Worker:
         return self.memory_profile.num_gpu_blocks
 
     def _build_runner(self) -> ModelRunner:
-        """The runner, with the backend's graph runners unless enforce_eager (the sizes the step
-        limits call for; `info` names those built); the decode graphs are captured once the runner
-        exists, since they count penalties in its rows."""
-        graphs = small_graphs = None
+        """The runner, with the backend's graph runner unless enforce_eager (the sizes the step
+        limits call for; `info` names those built); the graphs are captured once the runner
+        exists, since the decode graphs count penalties in its rows."""
+        graphs = None
         if not self.config.enforce_eager:
             max_blocks_per_seq = -(-self.info.max_model_len // self.config.block_size)
-            graphs, small_graphs = self.backend.build_graphs(
+            graphs = self.backend.build_graphs(
                 self.model, self.cache_engine.kv_caches, max_blocks_per_seq, self.dtype,
                 decode_graph_sizes(self.step_limits, BATCH_SIZES),
                 small_step_graph_sizes(self.step_limits, TOKEN_SIZES))
         self.step_limits = replace(
             self.step_limits,
             decode_graph_sizes=graphs.batch_sizes if graphs is not None else (),
-            small_step_graph_sizes=small_graphs.token_sizes if small_graphs is not None else ())
+            small_step_graph_sizes=graphs.token_sizes if graphs is not None else ())
         self.info = replace(self.info, step_limits=self.step_limits)
-        runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs,
-                             small_graphs)
+        runner = ModelRunner(self.model, self.backend, self.cache_engine, self.info, graphs)
         if graphs is not None:
             graphs.capture(runner.input_batch.token_counts)
         return runner
 
     def _log_ready(self) -> None:
         info, cache, block_gib = self.info, self.cache_engine, self.block_bytes / 2**30
-        graphs, small_graphs = self.runner.decode_graphs, self.runner.small_step_graphs
+        decode_sizes = self.step_limits.decode_graph_sizes  # those captured
+        token_sizes = self.step_limits.small_step_graph_sizes
         self._warn_unscaled_kv_cache()
         log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %s, %.1f GiB), %d CPU swap "
                  "pages (%.1f GiB%s), decode graphs %s, small-step graphs %s", info.model_name,
@@ -147,8 +146,7 @@ class Worker:
                  info.num_gpu_blocks * block_gib,
                  cache.num_cpu_blocks, cache.num_cpu_blocks * block_gib,
                  " pinned" if self.backend.pin_swap_memory else "",
-                 "off" if graphs is None else graphs.batch_sizes,
-                 "off" if small_graphs is None else f"{small_graphs.token_sizes} tokens")
+                 decode_sizes or "off", f"{token_sizes} tokens" if token_sizes else "off")
 
     def _warn_unscaled_kv_cache(self) -> None:
         """vLLM's warning: an FP8 cache whose layers' scales are 1.0 (the checkpoint has none)

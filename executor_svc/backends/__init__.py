@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from executor_svc.cuda_graphs import DecodeGraphs
+    from executor_svc.cuda_graphs import CudaGraphs
     from executor_svc.memory_profile import MemoryProfile
-    from executor_svc.small_step_graphs import SmallStepGraphs
 
 
 class Backend(Protocol):
@@ -95,10 +94,10 @@ class Backend(Protocol):
 
     def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
                      decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]
-                     ) -> tuple[DecodeGraphs | None, SmallStepGraphs | None]:
-        """The graph runners the model runner replays (decode graphs of `decode_sizes` seqs,
-        small-step graphs of `token_sizes` tokens), (None, None) when every step runs eagerly.
-        The decode graphs come uncaptured: capture(counts) needs the runner's rows."""
+                     ) -> CudaGraphs | None:
+        """The graph runner the model runner replays (decode graphs of `decode_sizes` seqs,
+        small-step graphs of `token_sizes` tokens or of none), None when every step runs
+        eagerly. It comes uncaptured: capture(counts) needs the runner's rows."""
         ...
 
     def graph_workspaces(self) -> list[torch.Tensor]:

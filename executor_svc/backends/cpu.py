@@ -66,8 +66,8 @@ class CpuBackend:
 
     @staticmethod
     def build_graphs(model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
-                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]):
-        return None, None
+                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]) -> None:
+        return None
 
     @staticmethod
     def graph_workspaces() -> list[torch.Tensor]:

@@ -138,7 +138,9 @@ class CudaBackend:
         return self._elementwise(x.dtype).fused_add_rms_norm(x, residual, weight, eps)
 
     def rotary_embedding(self, positions, q, k, cos_table, sin_table, interleaved=False) -> None:
-        self._elementwise(q.dtype).rotary_embedding(positions, q, k, cos_table, sin_table)
+        """Partial rotary from the tables' width (rotary_dim = cos_table.shape[1])."""
+        self._elementwise(q.dtype).rotary_embedding(positions, q, k, cos_table, sin_table,
+                                                    interleaved)
 
     def rotary_embedding_and_cache(self, positions, q, k, value, cos_table, sin_table, k_cache,
                                    v_cache, slot_mapping, interleaved=False, k_scale=None,
@@ -147,9 +149,9 @@ class CudaBackend:
         (pagedserve_kernels.ops), else the twin's RoPE and the cache kernel."""
         if self.elementwise_impl(q.dtype) == "cupy":
             self._ops.rotary_embedding_and_cache(positions, q, k, value, cos_table, sin_table,
-                                                 k_cache, v_cache, slot_mapping)
+                                                 k_cache, v_cache, slot_mapping, interleaved)
         else:
-            self.rotary_embedding(positions, q, k, cos_table, sin_table)
+            self.rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
             self.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
 
     def silu_and_mul(self, x, out=None) -> torch.Tensor:
@@ -214,18 +216,13 @@ class CudaBackend:
 
     def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
                      decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]):
-        """(DecodeGraphs, SmallStepGraphs or None). The decode graphs are not captured yet: their
-        capture(counts) needs the runner's penalty counts. The small-step graphs are captured
-        here, and only where the kernels cover the model: the torch twin is not capturable."""
-        from executor_svc.cuda_graphs import DecodeGraphs
-        from executor_svc.small_step_graphs import SmallStepGraphs
+        """CudaGraphs, not captured yet: capture(counts) needs the runner's penalty counts. Small
+        steps only where the kernels cover the model: the torch prefill twin is not capturable."""
+        from executor_svc.cuda_graphs import CudaGraphs
 
-        graphs = DecodeGraphs(model, kv_caches, max_blocks_per_seq, decode_sizes)
-        small_graphs = None
-        if self.kernels_cover(dtype, model.config.head_dim):
-            small_graphs = SmallStepGraphs(model, kv_caches, max_blocks_per_seq, token_sizes)
-            small_graphs.capture()
-        return graphs, small_graphs
+        if not self.kernels_cover(dtype, model.config.head_dim):
+            token_sizes = ()
+        return CudaGraphs(model, kv_caches, max_blocks_per_seq, decode_sizes, token_sizes)
 
     def graph_workspaces(self) -> list[torch.Tensor]:
         """The attention launchers' scratch tensors, which a captured graph must keep alive."""

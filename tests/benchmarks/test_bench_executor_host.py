@@ -32,10 +32,15 @@ def test_the_runner_holds_what_the_scheduler_holds():
 
 def test_the_prefix_case_admits_one_cached_prefix_seq_a_step_through_the_small_step_graphs():
     bench = PrefixBench(num_seqs=1, finish_per_step=0, seed=3)
-    graphs = bench.runner.small_step_graphs
+    graphs = bench.runner.graphs
     num_runs = []
     run = graphs.run
-    graphs.run = lambda *args, **kwargs: num_runs.append(len(args[0])) or run(*args, **kwargs)
+
+    def counting_run(inputs, sampling=None):
+        if not inputs.is_decode:
+            num_runs.append(len(inputs.input_ids))
+        return run(inputs, sampling)
+    graphs.run = counting_run
     for _ in range(5):
         plan, _ = bench.in_flight[0]
         bench.step()

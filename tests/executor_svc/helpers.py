@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import random
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
@@ -32,26 +33,33 @@ def hf_model(preset: str):
 
 
 class EagerReplay:
-    """Stands in for a captured decode graph on CPU: the same static buffers, run eagerly."""
+    """Stands in for a captured graph on CPU: the same static buffers, run eagerly."""
 
-    def __init__(self, graphs, variant: str, bs: int) -> None:
-        self.graphs, self.variant, self.bs = graphs, variant, bs
+    def __init__(self, graphs, key: tuple[str, int]) -> None:
+        self.graphs, self.key = graphs, key
 
     def replay(self) -> None:
-        self.graphs.step(self.variant, self.bs)
+        self.graphs.step(self.key)
+
+
+def eager_graphs(runner: ModelRunner, batch_sizes=(1, 2, 4, 8), token_sizes=(), graphs_class=None,
+                 **options):
+    """CudaGraphs (or `graphs_class`) over the runner's model and cache whose replays run
+    eagerly, a block table never wider than the cache has blocks; options go to the class. No
+    small-step ladder unless token_sizes are given."""
+    from executor_svc.cuda_graphs import CudaGraphs
+
+    graphs = (graphs_class or CudaGraphs)(runner.model, runner.cache_engine.kv_caches,
+                                          runner.info.num_gpu_blocks, batch_sizes, token_sizes,
+                                          **options)
+    graphs.prepare(runner.input_batch.token_counts)
+    graphs.graphs = {key: EagerReplay(graphs, key) for key in graphs.keys()}
+    return graphs
 
 
 def with_eager_graphs(runner: ModelRunner, batch_sizes=(1, 2, 4, 8), **options) -> ModelRunner:
-    """The runner with DecodeGraphs whose replays run eagerly (a block table never wider than
-    the cache has blocks); options go to DecodeGraphs."""
-    from executor_svc.cuda_graphs import DecodeGraphs
-
-    graphs = DecodeGraphs(runner.model, runner.cache_engine.kv_caches, runner.info.num_gpu_blocks,
-                          batch_sizes, **options)
-    graphs.prepare(runner.input_batch.token_counts)
-    graphs.graphs = {(variant, bs): EagerReplay(graphs, variant, bs)
-                     for bs in graphs.batch_sizes for variant in graphs.variants(bs)}
-    runner.decode_graphs = graphs
+    """The runner with eager_graphs(runner, batch_sizes, **options) as its graphs."""
+    runner.graphs = eager_graphs(runner, batch_sizes, **options)
     return runner
 
 
@@ -228,15 +236,16 @@ def make_scheduler(info: ExecutorInfo, **config) -> Scheduler:
 
 
 def spy_on_graph_sampling(runner: ModelRunner) -> list[bool]:
-    """Wraps runner.decode_graphs.run; the list returned gets, per replay, whether the graph
+    """Wraps runner.graphs.run; the list returned gets, per decode replay, whether the graph
     sampled the step (else the runner sampled its logits eagerly)."""
-    sampled, run = [], runner.decode_graphs.run
+    sampled, run = [], runner.graphs.run
 
-    def spy(*args):
-        out = run(*args)
-        sampled.append(out[1])
+    def spy(inputs, sampling=None):
+        out = run(inputs, sampling)
+        if inputs.is_decode:
+            sampled.append(out[1] is not None)
         return out
-    runner.decode_graphs.run = spy
+    runner.graphs.run = spy
     return sampled
 
 
@@ -250,3 +259,129 @@ def held_num_tokens(runner: ModelRunner, seq_id: int) -> int:
     """A held seq's tokens, those sampled by unfinished steps included."""
     batch = runner.input_batch
     return int(batch.num_tokens[batch.row(seq_id)])
+
+
+# -- bf16 against transformers (test_cuda_backend, test_families_gpu) -----------------------------
+
+def decode_all(driver: PlanDriver, prompts: dict[int, list[int]], num_new: int) -> None:
+    """Every prompt prefilled in one step, then decode steps until each seq has num_new tokens."""
+    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
+    while min(len(driver.tokens[s]) - len(p) for s, p in prompts.items()) < num_new:
+        driver.run(cached_seqs=[driver.cached_seq(s) for s, p in prompts.items()
+                                if len(driver.tokens[s]) - len(p) < num_new])
+
+
+@torch.inference_mode()
+def hf_generate(hf, prompt: list[int], num_new: int) -> list[int]:
+    """transformers' greedy tokens on the model's device, exactly num_new of them."""
+    gen = GenerationConfig(max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    out = hf.generate(torch.tensor([prompt], device=hf.device),
+                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                device=hf.device),
+                      generation_config=gen)
+    return out[0, len(prompt):].tolist()
+
+
+class RecordingSampler:
+    """Keeps each step's logits (rows in sampling order) before delegating."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.logits = inner, []
+
+    def sample(self, logits, params):
+        self.logits.append(logits.float().clone())
+        return self.inner.sample(logits, params)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a - b).norm(dim=-1) / b.norm(dim=-1)  # per position
+
+
+@dataclass
+class Bf16Reference:
+    """transformers' greedy tokens for each prompt, and its teacher-forced logits on them
+    ([num_new, vocab] per seq) in the model's bf16 and in float32."""
+
+    prompts: dict[int, list[int]]
+    tokens: dict[int, list[int]]
+    logits: dict[int, torch.Tensor]
+    fp32_logits: dict[int, torch.Tensor]
+
+    @property
+    def num_new(self) -> int:
+        return len(next(iter(self.tokens.values())))
+
+
+def bf16_reference(hf, prompts: dict[int, list[int]], num_new: int) -> Bf16Reference:
+    """From a bf16 transformers model; a float32 copy of it lives only while it computes."""
+    import copy
+
+    tokens = {s: hf_generate(hf, p, num_new) for s, p in prompts.items()}
+    forced = {s: torch.tensor([p + tokens[s][:-1]], device=hf.device) for s, p in prompts.items()}
+    with torch.inference_mode():
+        logits = {s: hf(ids).logits[0, len(prompts[s]) - 1:].float() for s, ids in forced.items()}
+        hf32 = copy.deepcopy(hf).float()
+        fp32 = {s: hf32(ids).logits[0, len(prompts[s]) - 1:].float() for s, ids in forced.items()}
+        del hf32
+    return Bf16Reference(dict(prompts), tokens, logits, fp32)
+
+
+def compare_bf16_with_transformers(runner: ModelRunner, ref: Bf16Reference, label: str
+                                   ) -> tuple[dict[int, bool], dict[int, bool]]:
+    """The bf16 tolerance, measured rather than guessed: transformers' own bf16 logits against
+    the same model in float32. Ours may be at most twice that far from transformers' bf16 logits
+    (plus 0.5%), position by position, on the teacher-forced sequence (every decode step a graph
+    replay). Then free-running greedy (new seqs) must be identical until transformers' top-2
+    margin is within twice the largest logit difference seen at that position. Returns
+    ({seq: within}, {seq: identical}) for the caller to assert once it has freed the GPU."""
+    ours = _teacher_forced_logits(runner, ref)  # [seqs, num_new, vocab]
+    tolerance, within = {}, {}
+    for row, (s, hf_logits) in enumerate(ref.logits.items()):
+        ours_vs_hf = rel_error(ours[row], hf_logits)
+        hf_vs_fp32 = rel_error(hf_logits, ref.fp32_logits[s])
+        print(f"{label} seq {s}: ||ours-hf||/||hf|| max {ours_vs_hf.max():.4f} mean "
+              f"{ours_vs_hf.mean():.4f}; transformers bf16 vs fp32 mean {hf_vs_fp32.mean():.4f}; "
+              f"ours vs fp32 mean {rel_error(ours[row], ref.fp32_logits[s]).mean():.4f}")
+        within[s] = bool((ours_vs_hf <= 2 * hf_vs_fp32 + 0.005).all())
+        tolerance[s] = (ours[row] - hf_logits).abs().max(dim=-1).values  # [num_new]
+    runner.reset()
+    driver = PlanDriver(runner, seed=1)
+    decode_all(driver, {s + 10: p for s, p in ref.prompts.items()}, ref.num_new)
+    identical = {}
+    for s, prompt in ref.prompts.items():
+        top2 = ref.logits[s].topk(2, dim=-1).values
+        near_tie = ((top2[:, 0] - top2[:, 1]) <= 2 * tolerance[s]).nonzero()
+        stop = int(near_tie[0]) if len(near_tie) else ref.num_new
+        got = driver.tokens[s + 10][len(prompt):len(prompt) + ref.num_new]
+        first_diff = next((i for i, (a, b) in enumerate(zip(got, ref.tokens[s])) if a != b), None)
+        print(f"{label} seq {s}: greedy identical through {stop}/{ref.num_new} required "
+              f"(first differing position: {first_diff})")
+        identical[s] = got[:stop] == ref.tokens[s][:stop]
+    return within, identical
+
+
+def _teacher_forced_logits(runner: ModelRunner, ref: Bf16Reference) -> torch.Tensor:
+    """Our logits with transformers' tokens fed back instead of ours: [seqs, num_new, vocab],
+    seqs in ref.prompts' order."""
+    recorder = runner.sampler = RecordingSampler(runner.sampler)
+    sampled_ids, run = [], runner._run  # each step's sampling seqs in row order (longest first)
+
+    def recording_run(step_id, batch, marks):
+        pending = run(step_id, batch, marks)
+        sampled_ids.append([int(s) for s in pending.seq_ids])
+        return pending
+
+    runner._run = recording_run
+    try:
+        driver = PlanDriver(runner)
+        driver.run(new_seqs=[driver.new_seq(s, p) for s, p in ref.prompts.items()])
+        for k in range(1, ref.num_new):
+            for s in ref.prompts:
+                held_tokens(runner, s)[-1] = ref.tokens[s][k - 1]
+            driver.run(cached_seqs=[driver.cached_seq(s) for s in ref.prompts])
+    finally:
+        runner._run, runner.sampler = run, recorder.inner
+    assert len(sampled_ids) == len(recorder.logits) == ref.num_new
+    return torch.stack([logits[[ids.index(s) for s in ref.prompts]]  # rows by seq, as prompts
+                        for logits, ids in zip(recorder.logits, sampled_ids)], dim=1)

@@ -6,7 +6,6 @@ overlapped steps giving the same outputs as one step at a time, and the worker's
 profile."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import random
@@ -14,18 +13,17 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from executor_svc.cache_engine import CacheEngine
-from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.cuda_graphs import BATCH_SIZES, TOKEN_SIZES, CudaGraphs
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
 from executor_svc.sampler import Sampler, SamplingTensors
-from executor_svc.small_step_graphs import SmallStepGraphs
 from executor_svc.step import CachedSeqs, ExecutorInfo, SamplingOptions, StepPlan
 from tests.executor_svc.helpers import (
-    PlanDriver, RunnerLink, ScheduledRun, add_workload, execute, held_tokens, hf_greedy,
+    PlanDriver, RunnerLink, ScheduledRun, add_workload, bf16_reference,
+    compare_bf16_with_transformers, decode_all, execute, hf_generate, hf_greedy,
     hf_model, make_runner, make_scheduler, random_prompt, spy_on_graph_sampling,
     with_eager_graphs,
 )
@@ -33,13 +31,6 @@ from tests.gpu import gpu_ready
 
 
 BLOCK_SIZE = 16
-
-
-def _decode_all(driver: PlanDriver, prompts: dict[int, list[int]], num_new: int) -> None:
-    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
-    while min(len(driver.tokens[s]) - len(p) for s, p in prompts.items()) < num_new:
-        driver.run(cached_seqs=[driver.cached_seq(s) for s, p in prompts.items()
-                                if len(driver.tokens[s]) - len(p) < num_new])
 
 
 # -- CPU: the graph runner's packing and padding, with replays run eagerly ----------------------
@@ -50,7 +41,7 @@ def test_decode_graph_inputs_replayed_eagerly_match_transformers():
     rng = random.Random(20)
     prompts = {s: random_prompt(rng, n) for s, n in zip(range(1, 6), (3, 9, 14, 1, 6))}
     driver = PlanDriver(runner)
-    _decode_all(driver, prompts, 8)  # 5 seqs padded to 8, then fewer as they finish
+    decode_all(driver, prompts, 8)  # 5 seqs padded to 8, then fewer as they finish
     for seq_id, prompt in prompts.items():
         assert driver.tokens[seq_id][len(prompt):len(prompt) + 8] == hf_greedy(hf, prompt, 8)
 
@@ -68,7 +59,8 @@ def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: i
                max_model_len: int = 1024, graphs: bool = True,
                small_graphs: bool = False, lt_rows: list[int] | None = None,
                **graph_options) -> ModelRunner:
-    """graph_options go to DecodeGraphs (e.g. sample_in_graphs=False). lt_rows: every product of
+    """graph_options go to CudaGraphs (e.g. sample_in_graphs=False); `graphs`: the decode ladder,
+    `small_graphs`: the small-step one. lt_rows: every product of
     these row counts runs a cuBLASLt algorithm (pagedserve_kernels.gemm, the fastest even where
     F.linear is faster), in this runner's backend."""
     backend = _backend()
@@ -80,28 +72,15 @@ def gpu_runner(hf, dtype_name: str, num_gpu_blocks: int = 512, num_cpu_blocks: i
                         num_gpu_blocks, num_cpu_blocks, model.embed_tokens.dtype, backend)
     info = ExecutorInfo("test", "fp", dtype_name, BLOCK_SIZE, num_gpu_blocks, num_cpu_blocks,
                         max_model_len, config.vocab_size, "", "cuda")
-    decode_graphs = None
-    if graphs:
-        decode_graphs = DecodeGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE,
-                                     **graph_options)
-    small = None
-    if small_graphs:
-        small = SmallStepGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE)
-        small.capture()
-    runner = ModelRunner(model, backend, cache, info, decode_graphs, small)
-    if decode_graphs is not None:
-        decode_graphs.capture(runner.input_batch.token_counts)
+    cuda_graphs = None
+    if graphs or small_graphs:
+        graph_options.setdefault("batch_sizes", BATCH_SIZES if graphs else ())
+        cuda_graphs = CudaGraphs(model, cache.kv_caches, max_model_len // BLOCK_SIZE,
+                                 token_sizes=TOKEN_SIZES if small_graphs else (), **graph_options)
+    runner = ModelRunner(model, backend, cache, info, cuda_graphs)
+    if cuda_graphs is not None:
+        cuda_graphs.capture(runner.input_batch.token_counts)
     return runner
-
-
-@torch.inference_mode()
-def hf_generate(hf, prompt: list[int], num_new: int) -> list[int]:
-    gen = GenerationConfig(max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    out = hf.generate(torch.tensor([prompt], device="cuda"),
-                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-                      generation_config=gen)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.gpu
@@ -113,49 +92,25 @@ def test_tiny_float32_greedy_identical_to_transformers_on_gpu(preset):
     rng = random.Random(30)
     prompts = {s: random_prompt(rng, n) for s, n in zip(range(1, 5), (5, 17, 40, 1))}
     driver = PlanDriver(runner)
-    _decode_all(driver, prompts, 32)
+    decode_all(driver, prompts, 32)
     for seq_id, prompt in prompts.items():
         assert driver.tokens[seq_id][len(prompt):len(prompt) + 32] == hf_generate(hf, prompt, 32)
 
 
-class _RecordingSampler:
-    """Keeps each step's logits (rows in sampling order) before delegating."""
-
-    def __init__(self, inner: Sampler) -> None:
-        self.inner, self.logits = inner, []
-
-    def sample(self, logits, params):
-        self.logits.append(logits.float().clone())
-        return self.inner.sample(logits, params)
-
-
 NUM_NEW = 24
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a - b).norm(dim=-1) / b.norm(dim=-1)  # per position
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 @pytest.mark.parametrize("preset", ["smollm2-135m", "llama3-8b"])
 def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
-    """bf16 tolerance, measured rather than guessed: transformers' own bf16 logits against the
-    same model in float32. Ours may be at most twice that far from transformers' bf16 logits
-    (plus 0.5%), position by position, on the teacher-forced sequence."""
+    """The bf16 rule of helpers.compare_bf16_with_transformers (tolerance measured against
+    transformers' own bf16-vs-float32 distance), with every product on a cuBLASLt algorithm."""
     hf = build_hf_model(preset, seed=0, dtype=torch.bfloat16, device="cuda")
     vocab = hf.config.vocab_size
     rng = random.Random(40)
     prompts = {s: random_prompt(rng, n, vocab) for s, n in zip(range(1, 4), (37, 80, 129))}
-    hf_tokens = {s: hf_generate(hf, p, NUM_NEW) for s, p in prompts.items()}
-    forced = {s: torch.tensor([p + hf_tokens[s][:-1]], device="cuda") for s, p in prompts.items()}
-    with torch.inference_mode():
-        hf_logits = {s: hf(ids).logits[0, len(prompts[s]) - 1:].float()
-                     for s, ids in forced.items()}  # [NUM_NEW, vocab]
-        hf32 = copy.deepcopy(hf).float()
-        fp32_logits = {s: hf32(ids).logits[0, len(prompts[s]) - 1:].float()
-                       for s, ids in forced.items()}
-        del hf32
+    ref = bf16_reference(hf, prompts, NUM_NEW)
     torch.cuda.empty_cache()
     # The recorder sees the logits; every product runs a cuBLASLt algorithm (prefill: 246 rows,
     # decode graph: 4, sampled rows: 3), as a tuned executor's may.
@@ -163,53 +118,8 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(preset):
     algos = runner.model.backend.gemm.algos
     assert all((4, *group[0].shape, torch.bfloat16) in algos
                for group in runner.model.linear_groups().values())  # the decode graph's
-
-    # Teacher-forced: feed transformers' tokens; every decode step is a graph replay (3 -> 4).
-    recorder = runner.sampler = _RecordingSampler(runner.sampler)
-    sampled_ids, run = [], runner._run  # each step's sampling seqs in row order (longest first)
-
-    def recording_run(step_id, batch, marks):
-        pending = run(step_id, batch, marks)
-        sampled_ids.append([int(s) for s in pending.seq_ids])
-        return pending
-
-    runner._run = recording_run
-    driver = PlanDriver(runner)
-    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
-    for k in range(1, NUM_NEW):
-        for s in prompts:
-            held_tokens(runner, s)[-1] = hf_tokens[s][k - 1]
-        driver.run(cached_seqs=[driver.cached_seq(s) for s in prompts])
-    runner._run = run
-    assert len(sampled_ids) == len(recorder.logits) == NUM_NEW
-    ours = torch.stack([logits[[ids.index(s) for s in prompts]]  # rows by seq, as prompts
-                        for logits, ids in zip(recorder.logits, sampled_ids)], dim=1)
-    tolerance, within = {}, {}
-    for row, (s, ref) in enumerate(hf_logits.items()):
-        ours_vs_hf, hf_vs_fp32 = _rel(ours[row], ref), _rel(ref, fp32_logits[s])
-        print(f"{preset} seq {s}: ||ours-hf||/||hf|| max {ours_vs_hf.max():.4f} mean "
-              f"{ours_vs_hf.mean():.4f}; transformers bf16 vs fp32 mean {hf_vs_fp32.mean():.4f}; "
-              f"ours vs fp32 mean {_rel(ours[row], fp32_logits[s]).mean():.4f}")
-        within[s] = bool((ours_vs_hf <= 2 * hf_vs_fp32 + 0.005).all())
-        tolerance[s] = (ours[row] - ref).abs().max(dim=-1).values  # [NUM_NEW]
-
-    # Free-running greedy (new seqs): identical until transformers' top-2 margin is within
-    # twice the largest logit difference seen at that position.
-    runner.sampler = recorder.inner
-    runner.reset()
-    driver = PlanDriver(runner, seed=1)
-    _decode_all(driver, {s + 10: p for s, p in prompts.items()}, NUM_NEW)
-    identical = {}
-    for s, prompt in prompts.items():
-        top2 = hf_logits[s].topk(2, dim=-1).values
-        near_tie = ((top2[:, 0] - top2[:, 1]) <= 2 * tolerance[s]).nonzero()
-        stop = int(near_tie[0]) if len(near_tie) else NUM_NEW
-        got = driver.tokens[s + 10][len(prompt):len(prompt) + NUM_NEW]
-        first_diff = next((i for i, (a, b) in enumerate(zip(got, hf_tokens[s])) if a != b), None)
-        print(f"{preset} seq {s}: greedy identical through {stop}/{NUM_NEW} required "
-              f"(first differing position: {first_diff})")
-        identical[s] = got[:stop] == hf_tokens[s][:stop]
-    del runner, hf
+    within, identical = compare_bf16_with_transformers(runner, ref, preset)
+    del runner, hf, ref
     torch.cuda.empty_cache()
     assert all(within.values()), within
     assert all(identical.values()), identical
@@ -483,7 +393,7 @@ def test_mixed_step_split_matches_the_prefill_kernel_alone(preset, num_layers):
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_small_step_graphs_match_the_eager_forward_on_gpu():
-    """Steps with prompt tokens replayed from SmallStepGraphs give the eager forward's
+    """Steps with prompt tokens replayed from the small-step graphs give the eager forward's
     distribution (bf16, which the kernels cover; one-token seqs go through the graph's prefill
     attention, the decode kernel eagerly, hence a tolerance), and a graph step's launch syncs
     nothing: a prefill of three seqs (62 tokens), a mixed step of their decodes and a new prompt
@@ -502,8 +412,13 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
         replayed = []
         if small:
             assert runner.backend.few_query_max >= 16
-            real_run = runner.small_step_graphs.run
-            runner.small_step_graphs.run = lambda *a: replayed.append(len(a[0])) or real_run(*a)
+            real_run = runner.graphs.run
+
+            def counting_run(inputs, sampling=None):
+                if not inputs.is_decode:
+                    replayed.append(len(inputs.input_ids))
+                return real_run(inputs, sampling)
+            runner.graphs.run = counting_run
         driver = PlanDriver(runner)
         steps = [
             lambda: dict(new_seqs=[driver.new_seq(s, p, sampling=top) for s, p in prompts.items()]),

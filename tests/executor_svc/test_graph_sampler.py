@@ -51,7 +51,7 @@ def _options(kinds: list[str]) -> list[SamplingOptions]:
 
 
 class StaticPath:
-    """A GraphSampler whose parameter region is copied to its device twin as DecodeGraphs copies
+    """A GraphSampler whose parameter region is copied to its device twin as CudaGraphs copies
     it (from the variant's start only), run eagerly (or, with `capture`, through CUDA graphs)."""
 
     def __init__(self, device: torch.device, counts: TokenCounts, **limits) -> None:
@@ -345,7 +345,7 @@ def test_profiled_sampling_runs_every_control_on_cpu():
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_captured_graph_sampling_matches_the_eager_sampler_on_gpu():
     """sample_into captured per (variant, size) and replayed on fresh random logits, its
-    parameters packed and copied as DecodeGraphs does, against the eager Sampler on the same
+    parameters packed and copied as CudaGraphs does, against the eager Sampler on the same
     GPU logits: same ids, top ids and counts, logprobs within float32 rounding. (That a whole
     decode step syncs nothing is test_cuda_backend's test_decode_step_has_no_host_sync.)"""
     pair = Pair(torch.device("cuda"))

@@ -5,8 +5,7 @@ import torch
 
 from executor_svc import wire
 from executor_svc.config import ExecutorConfig
-from executor_svc.cuda_graphs import BATCH_SIZES
-from executor_svc.small_step_graphs import TOKEN_SIZES
+from executor_svc.cuda_graphs import BATCH_SIZES, TOKEN_SIZES
 from executor_svc.step import ExecutorInfo, StepLimits
 from executor_svc.step_limits import (Device, choose_step_limits, decode_graph_sizes,
                                       device_of, small_step_graph_sizes, vllm_batch_defaults)
@@ -147,7 +146,7 @@ def test_a_gpu_workers_profile_and_graphs_follow_its_step_limits(monkeypatch):
 
         def build_graphs(self, model, kv_caches, max_blocks_per_seq, dtype, decode, tokens):
             asked["graphs"] = (decode, tokens)
-            return None, None
+            return None
 
     monkeypatch.setattr(worker_module, "get_backend", lambda name: RecordingBackend())
     monkeypatch.setattr(worker_module, "device_of", lambda device: H100)

@@ -46,7 +46,7 @@ def test_cuda_backend_fails_loudly_without_cuda():
 def test_the_cpu_backend_leaves_the_worker_its_defaults():
     worker = Worker(ExecutorConfig(model="preset:tiny", swap_space_gib=0.001))
     assert worker.memory_profile is None and worker.info.num_gpu_blocks == 1024
-    assert worker.runner.decode_graphs is None and worker.runner.small_step_graphs is None
+    assert worker.runner.graphs is None
 
 
 def test_cuda_prepare_model_tunes_graph_batches_then_step_rungs():

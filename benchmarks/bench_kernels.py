@@ -77,7 +77,8 @@ def contiguous_kv(cache_t, table):
     return pages.permute(0, 2, 1, 3, 4).reshape(s, h, p * b, d)
 
 
-def bench_prefill(head_dim, q_len, ctx=4096, num_seqs=8, heads=32, kv_heads=8, block_size=16):
+def bench_prefill(head_dim, q_len, ctx=4096, num_seqs=8, heads=32, kv_heads=8, block_size=16,
+                  variant="default"):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     k_cache, v_cache, tables = paged_inputs(num_seqs, ctx, kv_heads, head_dim, block_size)
@@ -89,7 +90,7 @@ def bench_prefill(head_dim, q_len, ctx=4096, num_seqs=8, heads=32, kv_heads=8, b
     out = torch.empty_like(qs[0])
     scale = head_dim**-0.5
     ours = median_ms(lambda i: attention.paged_prefill_attention(
-        qs[i % 2], k_cache, v_cache, tables[i % 2], cu, lens, scale, out=out))
+        qs[i % 2], k_cache, v_cache, tables[i % 2], cu, lens, scale, out=out, variant=variant))
     pairs = sum(ctx - q_len + i + 1 for i in range(q_len))  # attended (query, key) pairs per head
     flops = 4 * head_dim * pairs * heads * num_seqs
     if q_len == ctx:
@@ -127,7 +128,8 @@ def bench_prefill(head_dim, q_len, ctx=4096, num_seqs=8, heads=32, kv_heads=8, b
                 continue
             ref_ms, check, note = median_ms(fn), fn(1), name
             break
-    attention.paged_prefill_attention(qs[1], k_cache, v_cache, tables[1], cu, lens, scale, out=out)
+    attention.paged_prefill_attention(qs[1], k_cache, v_cache, tables[1], cu, lens, scale, out=out,
+                                      variant=variant)
     ours_view = out.view(num_seqs, q_len, heads, head_dim).transpose(1, 2).float()
     diff = float("nan") if check is None else (
         (ours_view - check.float()).norm() / check.float().norm()).item()
@@ -171,48 +173,33 @@ def bench_decode_sweep(num_seqs, ctx, copy_bw, rounds=5, heads=32, kv_heads=8, h
     (one block of 40 calls per candidate per round) so drift hits all alike; medians of rounds."""
     k_cache, v_cache, tables, qs, lens, out = decode_inputs(num_seqs, ctx, heads, kv_heads,
                                                             head_dim, block_size)
-    key = (torch.bfloat16, head_dim)
-    saved = (attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM,
-             attention.DECODE_CTAS_PER_SM_MANY)
-    candidates = [(kernel, ctas) for kernel in (saved[0], ("decode_s2_bf16_hd128", 2))
-                  for ctas in (4, 8, 12, 16, 24)]
+    candidates = [(variant, ctas) for variant in ("default", "s2") for ctas in (4, 8, 12, 16, 24)]
     times: dict = {c: [] for c in candidates}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    try:
-        for r in range(rounds):
-            for c in candidates:
-                attention.DECODE_KERNELS[key] = c[0]
-                attention.DECODE_CTAS_PER_SM = attention.DECODE_CTAS_PER_SM_MANY = c[1]
-                times[c].append(median_ms(lambda i: attention.paged_decode_attention(
-                    qs[i % 2], k_cache, v_cache, tables[i % 2], lens, head_dim**-0.5, out=out),
-                    iters=40, warmup=5 if r == 0 else 2))
-    finally:
-        (attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM,
-         attention.DECODE_CTAS_PER_SM_MANY) = saved
+    for r in range(rounds):
+        for variant, ctas in candidates:
+            times[(variant, ctas)].append(median_ms(lambda i: attention.paged_decode_attention(
+                qs[i % 2], k_cache, v_cache, tables[i % 2], lens, head_dim**-0.5, out=out,
+                variant=variant, ctas_per_sm=ctas), iters=40, warmup=5 if r == 0 else 2))
     kv_bytes = 2 * num_seqs * ctx * kv_heads * head_dim * 2
     result = {}
-    for (kernel, ctas), ts in times.items():
+    for (variant, ctas), ts in times.items():
         ms = statistics.median(ts)
         splits, _ = attention.decode_splits(num_seqs, kv_heads, tables[0].shape[1], block_size,
                                             sms, ctas)
-        result[f"{kernel[0]} ctas/SM {ctas}"] = {
+        kernel, _ = attention.decode_kernel(torch.bfloat16, head_dim, variant)
+        result[f"{kernel} ctas/SM {ctas}"] = {
             "ms": ms, "frac_copy_bw": kv_bytes / (ms * 1e-3) / copy_bw, "splits": splits,
             "round_ms_min": min(ts), "round_ms_max": max(ts)}
     return result
 
 
 RAGGED_BATCHES = (8, 16, 32, 48, 64, 96, 128, 192, 256)
-# Decode split policies timed beside the launcher's default: (pages a split may span, CTAs per
-# SM the splits aim for with few seqs, and with many), set through pagedserve_kernels.attention's
-# _DECODE_MAX_PAGES, DECODE_CTAS_PER_SM and DECODE_CTAS_PER_SM_MANY.
-DECODE_POLICY_CANDIDATES = {"256 pages, 12/SM (before)": (256, 12, 12),
-                            "1024 pages, 12/SM": (1024, 12, 12), "1024 pages, 4/SM": (1024, 4, 4)}
-_POLICY_KNOBS = ("_DECODE_MAX_PAGES", "DECODE_CTAS_PER_SM", "DECODE_CTAS_PER_SM_MANY")
-
-
-def _set_decode_policy(policy: tuple) -> None:
-    for name, value in zip(_POLICY_KNOBS, policy):
-        setattr(attention, name, value)
+# Decode split policies timed beside the launcher's default: paged_decode_attention's split
+# keywords (pages a split may span, CTAs per SM the splits aim for, few seqs or many alike).
+DECODE_POLICY_CANDIDATES = {"256 pages, 12/SM (before)": dict(max_pages=256, ctas_per_sm=12),
+                            "1024 pages, 12/SM": dict(max_pages=1024, ctas_per_sm=12),
+                            "1024 pages, 4/SM": dict(max_pages=1024, ctas_per_sm=4)}
 
 
 def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
@@ -232,53 +219,49 @@ def bench_decode_ragged(copy_bw, batches=RAGGED_BATCHES, context=(64, 1792), wid
     variant and round: a policy may regrow the partials' workspace); medians."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rng = torch.Generator().manual_seed(5)
-    default = tuple(getattr(attention, name) for name in _POLICY_KNOBS)
     # name -> (policy, seqs by descending context, as model_runner orders a step's)
-    policies = {"default": default, **DECODE_POLICY_CANDIDATES}
+    policies = {"default": {}, **DECODE_POLICY_CANDIDATES}
     variants = {f"{name}{', longest first' * ordered}": (policy, ordered)
                 for ordered in (True, False) for name, policy in policies.items()}
     result = {}
-    try:
-        for bs in batches:
-            lens_list = torch.randint(context[0], context[1] + 1, (bs,), generator=rng).tolist()
-            pages = [-(-n // block_size) for n in lens_list]
-            num_blocks = sum(pages)
-            g = torch.Generator(device="cuda").manual_seed(bs)
-            shape = (num_blocks, kv_heads, block_size, head_dim)
-            k_cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
-            v_cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
-            perm = torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32)
-            tables = torch.zeros(bs, width, dtype=torch.int32, device="cuda")
-            at = 0
-            for i, p in enumerate(pages):
-                tables[i, :p] = perm[at:at + p]
-                at += p
-            lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
-            q = torch.randn(bs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty_like(q)
-            longest = torch.argsort(lens, descending=True)
-            inputs = {False: (q, tables, lens),
-                      True: (q[longest].contiguous(), tables[longest].contiguous(),
-                             lens[longest].contiguous())}
-            times: dict = {name: [] for name in variants}
-            for _ in range(rounds):
-                for name, (policy, ordered) in variants.items():
-                    _set_decode_policy(policy)
-                    q_in, tables_in, lens_in = inputs[ordered]
-                    times[name].append(graph_ms(lambda: attention.paged_decode_attention(
-                        q_in, k_cache, v_cache, tables_in, lens_in, head_dim**-0.5, out=out)))
-            kv_bytes = 2 * sum(lens_list) * kv_heads * head_dim * 2
-            row = {"mean_context": sum(lens_list) / bs, "policies": {}}
-            for name, ts in times.items():
-                _set_decode_policy(variants[name][0])
-                ms = statistics.median(ts)
-                row["policies"][name] = {
-                    "us": ms * 1e3, "frac_copy_bw": kv_bytes / (ms * 1e-3) / copy_bw,
-                    "splits": attention.decode_splits(bs, kv_heads, width, block_size, sms)[0],
-                    "round_us_min": min(ts) * 1e3, "round_us_max": max(ts) * 1e3}
-            result[bs] = row
-    finally:
-        _set_decode_policy(default)
+    for bs in batches:
+        lens_list = torch.randint(context[0], context[1] + 1, (bs,), generator=rng).tolist()
+        pages = [-(-n // block_size) for n in lens_list]
+        num_blocks = sum(pages)
+        g = torch.Generator(device="cuda").manual_seed(bs)
+        shape = (num_blocks, kv_heads, block_size, head_dim)
+        k_cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+        perm = torch.randperm(num_blocks, generator=g, device="cuda").to(torch.int32)
+        tables = torch.zeros(bs, width, dtype=torch.int32, device="cuda")
+        at = 0
+        for i, p in enumerate(pages):
+            tables[i, :p] = perm[at:at + p]
+            at += p
+        lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+        q = torch.randn(bs, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        longest = torch.argsort(lens, descending=True)
+        inputs = {False: (q, tables, lens),
+                  True: (q[longest].contiguous(), tables[longest].contiguous(),
+                         lens[longest].contiguous())}
+        times: dict = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, (policy, ordered) in variants.items():
+                q_in, tables_in, lens_in = inputs[ordered]
+                times[name].append(graph_ms(lambda: attention.paged_decode_attention(
+                    q_in, k_cache, v_cache, tables_in, lens_in, head_dim**-0.5, out=out,
+                    **policy)))
+        kv_bytes = 2 * sum(lens_list) * kv_heads * head_dim * 2
+        row = {"mean_context": sum(lens_list) / bs, "policies": {}}
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            splits = attention.decode_splits(bs, kv_heads, width, block_size, sms,
+                                             **variants[name][0])[0]
+            row["policies"][name] = {
+                "us": ms * 1e3, "frac_copy_bw": kv_bytes / (ms * 1e-3) / copy_bw, "splits": splits,
+                "round_us_min": min(ts) * 1e3, "round_us_max": max(ts) * 1e3}
+        result[bs] = row
     return result
 
 
@@ -551,19 +534,14 @@ def main() -> None:
     print(f"D2D copy bandwidth (read+write): {results['copy_bw_GBps']:.0f} GB/s", flush=True)
     rows = []
     if "prefill" in only:
-        cases = [(name, hd, q_len, None) for name, hd, q_len, _, _ in PREFILL_CASES]
-        if args.variants:  # candidate kernels compiled beside the defaults
-            cases += [("prefill hd128 8x4096 [mma.sync v3]", 128, 4096, "prefill_bf16_hd128"),
-                      ("prefill hd64 8x4096 [mma.sync v3]", 64, 4096, "prefill_bf16_hd64"),
-                      ("prefill hd64 8x4096 [wgmma, 1 CTA/SM]", 64, 4096, "prefill_wg1_bf16_hd64"),
-                      ("prefill chunk 512 on 3584 [mma.sync v3]", 128, 512, "prefill_bf16_hd128")]
+        cases = [(name, hd, q_len, "default") for name, hd, q_len, _, _ in PREFILL_CASES]
+        if args.variants:  # candidate kernels (compiled on their first launch)
+            cases += [("prefill hd128 8x4096 [mma.sync v3]", 128, 4096, "mma_sync"),
+                      ("prefill hd64 8x4096 [mma.sync v3]", 64, 4096, "mma_sync"),
+                      ("prefill hd64 8x4096 [wgmma, 1 CTA/SM]", 64, 4096, "wg1"),
+                      ("prefill chunk 512 on 3584 [mma.sync v3]", 128, 512, "mma_sync")]
         for name, hd, q_len, variant in cases:
-            default = attention.PREFILL_KERNELS[(torch.bfloat16, hd)]
-            attention.PREFILL_KERNELS[(torch.bfloat16, hd)] = variant or default
-            try:
-                r = bench_prefill(hd, q_len)
-            finally:
-                attention.PREFILL_KERNELS[(torch.bfloat16, hd)] = default
+            r = bench_prefill(hd, q_len, variant=variant)
             results[name] = r
             print(name, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}),
                   flush=True)

@@ -4,7 +4,7 @@ fused elementwise kernels, and the kernels of one eager step grouped by kind (to
 With --mixed N, also a mixed step as the executor runs it eagerly (the decodes plus one N-token
 prompt chunk): its host launch time, GPU time and kernels by kind. With --chunk N --cached C, a
 step of one seq's N new tokens over C cached ones (a chat turn whose prefix is cached) through
-SmallStepGraphs, its attention through the few-query kernel (at its split size, at 256-key
+a small-step graph, its attention through the few-query kernel (at its split size, at 256-key
 splits, and the key-split candidate) and through the prefill kernel, beside a one-token decode
 step of the same seq; with --decodes D, the chunk beside D one-token seqs (a mixed small step):
 
@@ -212,7 +212,7 @@ def main() -> None:
     p.add_argument("--skip-decode", action="store_true", help="only the mixed steps")
     p.add_argument("--chunk", type=int, nargs="*", default=[],
                    help="also time a step of this many new tokens of one seq over --cached "
-                        "cached ones through SmallStepGraphs, each attention path (one per N)")
+                        "cached ones through a small-step graph, each attention path (one per N)")
     p.add_argument("--cached", type=int, default=2000)
     p.add_argument("--decodes", type=int, nargs="*", default=[0],
                    help="with --chunk: also each chunk beside this many one-token seqs "
@@ -309,8 +309,9 @@ def set_variant(backend, label: str) -> None:
     """Sets the backend up as the decode-step variant `label` (VARIANTS)."""
     backend.fused_ops = label != "unfused"
     if label == "rope-cache-apart":
-        def apart(positions, q, k, value, cos, sin, k_cache, v_cache, slots):
-            backend.rotary_embedding(positions, q, k, cos, sin)
+        def apart(positions, q, k, value, cos, sin, k_cache, v_cache, slots, interleaved=False,
+                  k_scale=None, v_scale=None):
+            backend.rotary_embedding(positions, q, k, cos, sin, interleaved)
             backend.reshape_and_cache(k, value, k_cache, v_cache, slots)
         backend.rotary_embedding_and_cache = apart
     else:
@@ -373,13 +374,12 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
                   decodes: int = 0) -> dict:
     """GPU time of one step of `chunk` new tokens of one seq over `cached` cached ones, beside
     `decodes` one-token seqs (contexts of `cached` + 1 to 2 x `cached`: a mixed small step),
-    through SmallStepGraphs (inputs packed, copied and the graph replayed, as the runner does),
+    through a small-step graph (inputs packed, copied and the graph replayed, as the runner does),
     with attention through the few-query kernel (as configured, at 256-key splits, and the
-    key-split candidate FEW_QUERY_KEY_SPLIT) and through the prefill kernel; and of one decode
-    step of the same seqs (one token each), for comparison. Median of 50 (ms), and each one's
-    kernel time by kind (torch profiler, mean of 10). Figures: RESULTS.md."""
-    from executor_svc.small_step_graphs import SmallStepGraphs
-    from pagedserve_kernels import attention
+    key-split candidate, through backend.few_query_variant) and through the prefill kernel; and
+    of one decode step of the same seqs (one token each), for comparison. Median of 50 (ms),
+    and each one's kernel time by kind (torch profiler, mean of 10). Figures: RESULTS.md."""
+    from executor_svc.cuda_graphs import CudaGraphs, GraphInputs
 
     rng = np.random.default_rng(0)
     # (new tokens, cached tokens) per seq: the decodes first, as the scheduler orders them
@@ -403,24 +403,22 @@ def profile_chunk(model, engine, chunk: int, cached: int, width: int, weights_ms
     out = {"chunk": chunk, "cached": cached, "decodes": decodes, "weights_read_ms": weights_ms}
     size = next(n for n in (16, 32, 64, 128, 256, 512) if n >= num_tokens)
     backend = model.backend
-    defaults = backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS, attention.FEW_QUERY_KEY_SPLIT
-    variants = {  # label: (few_query_max, few-query split keys, key split)
-        "few_query": (size, defaults[1], False), "few_query_256": (size, 256, False),
-        "few_query_ks": (size, defaults[1], True), "prefill_kernel": (0, 256, False)}
-    for label, settings in variants.items():
-        (backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS,
-         attention.FEW_QUERY_KEY_SPLIT) = settings
-        graphs = SmallStepGraphs(model, engine.kv_caches, width, token_sizes=(size,))
-        graphs.capture()
-        run = lambda i: graphs.run(ids, positions, slots, cu, seq_lens, table,  # noqa: E731
-                                   last_rows)
+    default_max = backend.few_query_max
+    variants = {  # label: (few_query_max, paged_few_query_attention's candidate keywords)
+        "few_query": (size, {}), "few_query_256": (size, {"split_keys": 256}),
+        "few_query_ks": (size, {"key_split": True}), "prefill_kernel": (0, {})}
+    for label, (few_query_max, few_query_variant) in variants.items():
+        backend.few_query_max, backend.few_query_variant = few_query_max, few_query_variant
+        graphs = CudaGraphs(model, engine.kv_caches, width, batch_sizes=(), token_sizes=(size,))
+        graphs.capture(None)
+        inputs = GraphInputs(ids, positions, slots, seq_lens, table, cu, last_rows)
+        run = lambda i: graphs.run(inputs)  # noqa: E731
         out[label] = median_ms(run, iters=50)
         kernels = kernel_breakdown(lambda: run(0))
         out[f"{label}_ms_by_kind"] = kernels["ms_by_kind"]
         out[f"{label}_attention_ms_by_kernel"] = kernels["attention_ms_by_kernel"]
         del graphs
-    (backend.few_query_max, attention.FEW_QUERY_SPLIT_KEYS,
-     attention.FEW_QUERY_KEY_SPLIT) = defaults
+    backend.few_query_max, backend.few_query_variant = default_max, {}
     step = DecodeStep(model, engine.kv_caches, list(seq_lens), width)
     with torch.inference_mode():
         step.capture()

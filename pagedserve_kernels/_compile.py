@@ -22,13 +22,11 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "prefill_tiles",
             "prefill_bf16_hd64", "prefill_bf16_hd128", "prefill_fp16_hd64", "prefill_fp16_hd128",
             "prefill_wg_bf16_hd64", "prefill_wg_bf16_hd128", "prefill_wg_fp16_hd64",
-            "prefill_wg_fp16_hd128", "prefill_wg1_bf16_hd64",
+            "prefill_wg_fp16_hd128",
             "decode_bf16_hd64", "decode_bf16_hd128", "decode_fp16_hd64", "decode_fp16_hd128",
-            "decode_s2_bf16_hd128",
             "decode_combine_bf16", "decode_combine_fp16",
             "query_tiles", "decode_mq_bf16_hd64", "decode_mq_bf16_hd128", "decode_mq_fp16_hd64",
-            "decode_mq_fp16_hd128", "decode_mqks_bf16_hd64", "decode_mqks_bf16_hd128",
-            "decode_mqks_fp16_hd64", "decode_mqks_fp16_hd128",
+            "decode_mq_fp16_hd128",
         ),
     ),
     "cache": ("cache.cu", ("reshape_and_cache_i64", "reshape_and_cache_i32", "copy_pages")),
@@ -44,6 +42,20 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
 }
 
+# Modules of candidate kernels only benchmarks and tests launch: a source built with a macro
+# defined that adds them to it, compiled on their first launch, never by warmup().
+# module name -> (source file, the macro, the candidate kernels it adds)
+ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "attention_variants": (
+        "attention.cu",
+        "PS_VARIANTS",
+        (
+            "prefill_wg1_bf16_hd64", "decode_s2_bf16_hd128", "decode_mqks_bf16_hd64",
+            "decode_mqks_bf16_hd128", "decode_mqks_fp16_hd64", "decode_mqks_fp16_hd128",
+        ),
+    ),
+}
+
 _BASE_OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -52,7 +64,7 @@ _modules: dict[tuple[str, int], Any] = {}
 _functions: dict[tuple[str, str, int], Any] = {}
 _smem_limit: dict[tuple[str, int], int] = {}  # (kernel, device) -> dynamic shared memory allowed
 _streams: dict[tuple[int, int], Any] = {}
-_arch_used: dict[int, str] = {}
+_arch_used: dict[tuple[str, int], str] = {}  # (module, device) -> the arch option it was built with
 
 
 def load_source(filename: str) -> str:
@@ -97,16 +109,16 @@ def get_module(name: str, device: torch.device | int | None = None) -> Any:
     with _lock:
         if key in _modules:
             return _modules[key]
-        filename, kernels = MODULES[name]
+        filename, kernels, options = _module_spec(name)
         source = load_source(filename)
         with cupy.cuda.Device(index):
             cc = cupy.cuda.Device(index).compute_capability
             last_error: Exception | None = None
             for arch in arch_options(cc):
                 try:
-                    module = cupy.RawModule(code=source, options=_BASE_OPTIONS + arch)
+                    module = cupy.RawModule(code=source, options=options + arch)
                     module.get_function(kernels[0])  # forces compile + load now
-                    _arch_used[index] = arch[0] if arch else f"cupy default (sm_{cc})"
+                    _arch_used[key] = arch[0] if arch else f"cupy default (sm_{cc})"
                     break
                 except cupy.cuda.compiler.CompileException as exc:
                     last_error = exc
@@ -115,6 +127,15 @@ def get_module(name: str, device: torch.device | int | None = None) -> Any:
                 raise RuntimeError(f"could not compile {filename}: {last_error}")
         _modules[key] = module
         return module
+
+
+def _module_spec(name: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(source file, kernels, NVRTC options) of module `name`, of MODULES or ON_DEMAND."""
+    if name in MODULES:
+        filename, kernels = MODULES[name]
+        return filename, kernels, _BASE_OPTIONS
+    filename, macro, kernels = ON_DEMAND[name]
+    return filename, kernels, _BASE_OPTIONS + (f"-D{macro}",)
 
 
 def get_function(module: str, kernel: str, device: torch.device | int | None = None,
@@ -162,12 +183,13 @@ def launch(module: str, kernel: str, device: torch.device, grid: tuple[int, ...]
         fn(grid, block, args, shared_mem=shared_mem, stream=current_stream(device))
 
 
-def arch_used(device: torch.device | int | None = None) -> str | None:
-    return _arch_used.get(_device_index(device))
+def arch_used(device: torch.device | int | None = None, module: str = "attention") -> str | None:
+    return _arch_used.get((module, _device_index(device)))
 
 
 def warmup(device: torch.device | int | None = None) -> dict[str, float]:
-    """Compile (or load from CuPy's cache) every module and kernel; seconds per module."""
+    """Compile (or load from CuPy's cache) every module of MODULES and load its kernels (not
+    ON_DEMAND's candidates); seconds per module."""
     seconds: dict[str, float] = {}
     for name, (_, kernels) in MODULES.items():
         start = time.perf_counter()

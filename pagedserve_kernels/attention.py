@@ -1,5 +1,6 @@
 """Launchers of the paged attention kernels (csrc/attention.cu), as `pagedserve_kernels.reference`;
-capturable: grids come from tensor shapes, scratch grows only outside capture. Imports cupy lazily.
+capturable: grids come from tensor shapes, scratch grows only outside capture. Candidate kernels
+are keyword arguments (`variant`, `key_split`, ...), production's the default. Imports cupy lazily.
 """
 from __future__ import annotations
 
@@ -22,12 +23,6 @@ MAX_GROUP = 16  # query heads per KV head served by one decode CTA (the MMA's M)
 _HEAD_DIMS = (64, 128)
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# (dtype, head_dim) -> kernel; benchmarks and tests swap in variants through these tables.
-# Hopper (module built for sm_90a): the wgmma kernels; anything else: the mma.sync kernels.
-PREFILL_KERNELS = {(dt, hd): f"prefill_wg_{name}_hd{hd}" for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
-# (dtype, head_dim) -> (decode kernel, its pipeline stages); the benchmark swaps in candidates.
-DECODE_KERNELS = {(dt, hd): (f"decode_{name}_hd{hd}", _DECODE_STAGES[hd])
-                  for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
 # Decode splits aim for about DECODE_CTAS_PER_SM CTAs per SM while the (seq, kv head) pairs are
 # fewer than DECODE_MANY_PAIRS_PER_SM per SM, and for DECODE_CTAS_PER_SM_MANY from there on
 # (see decode_splits): few seqs need many splits to fill the GPU, many seqs are better off
@@ -35,9 +30,13 @@ DECODE_KERNELS = {(dt, hd): (f"decode_{name}_hd{hd}", _DECODE_STAGES[hd])
 DECODE_CTAS_PER_SM = 12
 DECODE_CTAS_PER_SM_MANY = 4
 DECODE_MANY_PAIRS_PER_SM = 3
-PREFILL_KERNELS_MMA_SYNC = {(dt, hd): f"prefill_{name}_hd{hd}" for dt, name in _DTYPES.items()
-                            for hd in _HEAD_DIMS}
 _WG_THREADS, _WG_BN = 256, 128
+# Prefill variants: "default" (wgmma on Hopper, whose module is built for sm_90a, else mma.sync),
+# "mma_sync" (the fallback, anywhere) and "wg1" (a benchmark's wgmma bf16 hd64 at 1 CTA per SM).
+PREFILL_VARIANTS = ("default", "mma_sync", "wg1")
+# Decode variants: "default", and "s2" (the bf16 hd128 kernel with 2 stages, 3 CTAs per SM).
+DECODE_VARIANTS = {"default": ("decode", _DECODE_STAGES), "s2": ("decode_s2", {128: 2})}
+_VARIANTS = "attention_variants"  # the module of the candidates, built on demand (_compile)
 
 
 def prefill_launch_shape(kernel: str, head_dim: int, elem_bytes: int) -> tuple[int, int]:
@@ -47,13 +46,64 @@ def prefill_launch_shape(kernel: str, head_dim: int, elem_bytes: int) -> tuple[i
     return _THREADS, (_PREFILL_BM + 2 * _PREFILL_BN) * head_dim * elem_bytes
 
 
-def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
-    kernel = PREFILL_KERNELS[(dtype, head_dim)]
-    if kernel.startswith("prefill_wg"):
-        _compile.get_module("attention", device)
-        if _compile.arch_used(device) != "-arch=sm_90a":
-            kernel = PREFILL_KERNELS_MMA_SYNC[(dtype, head_dim)]
+def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device,
+                   variant: str = "default") -> str:
+    """The prefill kernel's name for `variant` (PREFILL_VARIANTS)."""
+    name = f"{_DTYPES[dtype]}_hd{head_dim}"
+    if variant == "mma_sync":
+        return f"prefill_{name}"
+    if variant not in PREFILL_VARIANTS:
+        raise ValueError(f"prefill variant must be one of {PREFILL_VARIANTS}, got {variant!r}")
+    _compile.get_module("attention", device)
+    hopper = _compile.arch_used(device) == "-arch=sm_90a"
+    if variant == "default":
+        return f"prefill_wg_{name}" if hopper else f"prefill_{name}"
+    kernel = _candidate(f"prefill_wg1_{name}")
+    if not hopper:
+        raise ValueError(f"{kernel} needs the module built for sm_90a (a Hopper GPU)")
     return kernel
+
+
+def decode_kernel(dtype: torch.dtype, head_dim: int, variant: str = "default") -> tuple[str, int]:
+    """(the decode kernel's name, its pipeline stages) for `variant` (DECODE_VARIANTS)."""
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"decode variant must be one of {tuple(DECODE_VARIANTS)}, got {variant!r}")
+    prefix, stages = DECODE_VARIANTS[variant]
+    kernel = f"{prefix}_{_DTYPES[dtype]}_hd{head_dim}"
+    if variant != "default":
+        _candidate(kernel)
+    return kernel, stages[head_dim]
+
+
+def _candidate(kernel: str) -> str:
+    """A candidate kernel's name, checked: one the variants module builds."""
+    if kernel not in _compile.ON_DEMAND[_VARIANTS][2]:
+        raise ValueError(f"no candidate kernel {kernel} in {_VARIANTS}")
+    return kernel
+
+
+def _module_of(kernel: str) -> str:
+    return "attention" if kernel in _compile.MODULES["attention"][1] else _VARIANTS
+
+
+def _features(sliding_window: int | None, soft_cap: float | None) -> tuple:
+    """The kernels' (window, soft_cap) arguments, 0 for none; ValueError naming a bad value."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if soft_cap is not None and not (0 < soft_cap < math.inf):
+        raise ValueError(f"soft_cap must be None or a positive finite number, got {soft_cap!r}")
+    window = min(int(sliding_window or 0), 2**31 - 1)
+    return _i32(window), _f32(soft_cap or 0.0)
+
+
+def window_pages(sliding_window: int | None, tokens: int, block_size: int, max_pages: int) -> int:
+    """Pages the keys of `tokens` consecutive queries can span: with a window W, the W + tokens - 1
+    keys from the first query's window on, from any offset in a page; at most `max_pages`."""
+    if not sliding_window:
+        return max_pages
+    keys = sliding_window + tokens - 1
+    return min(max_pages, (keys + block_size - 2) // block_size + 1)
+
 
 _workspaces: dict[tuple[str, int], torch.Tensor] = {}
 _num_sms: dict[int, int] = {}
@@ -149,6 +199,10 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    *,
+    variant: str = "default",
 ) -> torch.Tensor:
     """Causal attention of new query tokens over everything cached for their sequence.
 
@@ -156,11 +210,14 @@ def paged_prefill_attention(
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer, new K/V written)
     block_tables: [num_seqs, max_blocks_per_seq] int32; cu_seqlens_q: [num_seqs + 1] int32;
     seq_lens: [num_seqs] int32 (context including the new tokens; query i of a sequence with q_len
-    new tokens sits at position seq_len - q_len + i). returns out: [total_q_tokens, num_heads,
+    new tokens sits at position seq_len - q_len + i). sliding_window W: a query sees its W most
+    recent positions (tiles before them are not read); soft_cap c: scores c * tanh(score / c)
+    (reference._attend's). variant: PREFILL_VARIANTS. returns out: [total_q_tokens, num_heads,
     head_dim]. Launches a tile-list kernel then the attention kernel on torch's current stream.
     """
     out, num_heads, num_kv_heads, num_seqs = _check_packed(q, out, k_cache, v_cache, block_tables,
                                                            cu_seqlens_q, seq_lens)
+    features = _features(sliding_window, soft_cap)
     total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
@@ -169,17 +226,17 @@ def paged_prefill_attention(
     tiles = _workspace("prefill_tiles", device, 2 * num_entries, torch.int32)
     _compile.launch("attention", "prefill_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(), _i32(num_entries)))
-    kernel = prefill_kernel(q.dtype, head_dim, device)
+    kernel = prefill_kernel(q.dtype, head_dim, device, variant)
     threads, smem = prefill_launch_shape(kernel, head_dim, q.element_size())
     args = (
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
         _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
-        _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)),
+        _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)), *features,
     )
-    _compile.launch("attention", kernel, device, (num_heads, num_entries, 1), (threads, 1, 1),
-                    args, shared_mem=smem)
+    _compile.launch(_module_of(kernel), kernel, device, (num_heads, num_entries, 1),
+                    (threads, 1, 1), args, shared_mem=smem)
     return out
 
 
@@ -188,16 +245,6 @@ def paged_prefill_attention(
 # than decode's 256 keys; from two CTAs a head on, shorter splits lose and splits keep 256 keys
 # (profile_decode.py --chunk; NOTES.md).
 FEW_QUERY_SPLIT_KEYS = 128
-# (dtype, head_dim) -> (multi-query decode kernel, its pipeline stages): as DECODE_KERNELS.
-DECODE_MQ_KERNELS = {(dt, hd): (f"decode_mq_{name}_hd{hd}", _DECODE_STAGES[hd])
-                     for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
-# A candidate, off: entries of at most 16 query rows (a one-token seq of a mixed small step, a
-# chunk's last few tokens) with their warps splitting the keys, as the one-token kernel does,
-# where the default gives them one warp and leaves three idle. Off because it wins only with many
-# decodes beside a chunk, which is rare (NOTES.md). The GPU test covers both kernels.
-FEW_QUERY_KEY_SPLIT = False
-DECODE_MQKS_KERNELS = {(dt, hd): (f"decode_mqks_{name}_hd{hd}", _DECODE_STAGES[hd])
-                       for dt, name in _DTYPES.items() for hd in _HEAD_DIMS}
 
 
 def paged_few_query_attention(
@@ -209,18 +256,27 @@ def paged_few_query_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    *,
+    key_split: bool = False,
+    split_keys: int = FEW_QUERY_SPLIT_KEYS,
 ) -> torch.Tensor:
     """paged_prefill_attention's semantics (same arguments, causal), for sequences with few query
     tokens over long contexts, e.g. a cached prefix's new tokens: the decode kernel's split of
     each context over CTAs, with up to 64 / group query tokens of one sequence in a CTA (their
     query heads are 16 MMA rows per warp, each warp over all of a stage's keys) sharing one read
-    of the context. Launch shapes follow from the tensors' shapes only (capturable). The CUDA
-    backend's prefill attention takes it for packed steps of few tokens (backends/cuda.py,
-    FEW_QUERY_MAX).
+    of the context; with a window the splits cover only the window's pages. Launch shapes follow
+    from the tensors' shapes only (capturable). The CUDA backend's prefill attention takes it for
+    packed steps of few tokens (backends/cuda.py, FEW_QUERY_MAX).
+
+    Candidates (benchmarks, tests): key_split (_few_query_kernel); split_keys, the fewest keys of
+    a split when a seq's tokens fill one CTA.
     """
     out, num_heads, num_kv_heads, num_seqs = _check_packed(q, out, k_cache, v_cache, block_tables,
                                                            cu_seqlens_q, seq_lens)
     group = _check_group(num_heads, num_kv_heads)
+    features = _features(sliding_window, soft_cap)
     total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
@@ -228,28 +284,36 @@ def paged_few_query_attention(
     tpc = _THREADS // 32 * 16 // group  # query tokens per CTA: 16 rows per warp
     tiles, num_entries = _few_query_tiles(cu_seqlens_q, num_seqs, total, tpc)
     # Splits as for one seq's tokens (a cached prefix's new tokens, the common case): short ones
-    # (FEW_QUERY_SPLIT_KEYS or 256 keys) over the whole width. Sized by the bound on entries
-    # instead, a short step padded to many seqs would get a few long splits, one CTA walking
-    # most of the context.
+    # (split_keys or 256 keys) over the width (or window). Sized by the bound on entries instead,
+    # a short step padded to many seqs would get a few long splits, one CTA walking most of it.
     usual = math.ceil(total / tpc)
-    splits, chunk_pages = decode_splits(usual, num_kv_heads, block_tables.shape[1], block_size,
-                                        _sm_count(device),
-                                        min_keys=FEW_QUERY_SPLIT_KEYS if usual == 1 else 256)
+    span = window_pages(sliding_window, tpc, block_size, block_tables.shape[1])
+    splits, chunk_pages = decode_splits(usual, num_kv_heads, span, block_size, _sm_count(device),
+                                        min_keys=split_keys if usual == 1 else 256)
     part_o, part_lse = _split_partials(device, total * num_heads, head_dim, splits)
-    kernels = DECODE_MQKS_KERNELS if FEW_QUERY_KEY_SPLIT else DECODE_MQ_KERNELS
-    kernel, stages = kernels[(q.dtype, head_dim)]
+    kernel = _few_query_kernel(q.dtype, head_dim, key_split)
     args = (
         q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
         _i32(tpc), _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
         _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
-        _f32(scale * math.log2(math.e)),
+        _f32(scale * math.log2(math.e)), *features,
     )
-    _compile.launch("attention", kernel, device, (splits, num_kv_heads, num_entries),
-                    (_THREADS, 1, 1), args, shared_mem=_decode_smem(stages, head_dim, q))
+    _compile.launch(_module_of(kernel), kernel, device, (splits, num_kv_heads, num_entries),
+                    (_THREADS, 1, 1), args,
+                    shared_mem=_decode_smem(_DECODE_STAGES[head_dim], head_dim, q))
     _combine_splits(out, part_o, part_lse, total, num_heads, splits)
     return out
+
+
+def _few_query_kernel(dtype: torch.dtype, head_dim: int, key_split: bool) -> str:
+    """The few-query kernel, or with key_split the candidate whose entries of at most 16 query
+    rows (a one-token seq of a mixed step, a chunk's last few tokens) have their warps split the
+    keys, as the one-token kernel does, where the default gives them one warp and leaves three
+    idle; it wins only with many decodes beside a chunk, which is rare (NOTES.md)."""
+    kernel = f"decode_{'mqks' if key_split else 'mq'}_{_DTYPES[dtype]}_hd{head_dim}"
+    return _candidate(kernel) if key_split else kernel
 
 
 def _few_query_tiles(cu_seqlens_q: torch.Tensor, num_seqs: int, total: int, tpc: int
@@ -267,9 +331,10 @@ def _few_query_tiles(cu_seqlens_q: torch.Tensor, num_seqs: int, total: int, tpc:
     return tiles, num_entries
 
 
-def _decode_smem(stages: int, head_dim: int, q: torch.Tensor) -> int:
+def _decode_smem(stages: int, head_dim: int, q: torch.Tensor,
+                 max_pages: int = _DECODE_MAX_PAGES) -> int:
     """Dynamic shared memory of a decode-family kernel: its K/V stages and its page list."""
-    return stages * 2 * _DECODE_BN * head_dim * q.element_size() + _DECODE_MAX_PAGES * 4
+    return stages * 2 * _DECODE_BN * head_dim * q.element_size() + max_pages * 4
 
 
 def _split_partials(device: torch.device, rows: int, head_dim: int, splits: int
@@ -320,26 +385,27 @@ def _num_tiles(total: int, num_seqs: int, tile: int) -> int:
     return num_entries
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                  num_sms: int, ctas_per_sm: int | None = None,
-                  min_keys: int = 256) -> tuple[int, int]:
+def decode_splits(num_seqs: int, num_kv_heads: int, span_pages: int, block_size: int,
+                  num_sms: int, ctas_per_sm: int | None = None, min_keys: int = 256,
+                  max_pages: int = _DECODE_MAX_PAGES) -> tuple[int, int]:
     """(num_splits, pages per split) from host-known shapes only (capturable).
 
-    Splits bound each CTA's page list and, when sequences are few, spread one sequence over
-    enough CTAs for about `ctas_per_sm` per SM (by default DECODE_CTAS_PER_SM, or
-    DECODE_CTAS_PER_SM_MANY once the (seq, kv head) pairs alone reach DECODE_MANY_PAIRS_PER_SM
-    per SM); each split keeps at least `min_keys` keys."""
+    Splits cover `span_pages` pages (a table's width, or window_pages' span), bound each CTA's
+    page list to `max_pages` and, when sequences are few, spread one sequence over enough CTAs
+    for about `ctas_per_sm` per SM (by default DECODE_CTAS_PER_SM, or DECODE_CTAS_PER_SM_MANY
+    once the (seq, kv head) pairs alone reach DECODE_MANY_PAIRS_PER_SM per SM); each split keeps
+    at least `min_keys` keys."""
     align = max(1, _DECODE_BN // block_size)  # split boundaries on stage boundaries
-    max_pages = max(1, max_blocks_per_seq)
-    splits = math.ceil(max_pages / _DECODE_MAX_PAGES)
+    pages = max(1, span_pages)
+    splits = math.ceil(pages / max_pages)
     if not ctas_per_sm:
         many = num_seqs * num_kv_heads >= DECODE_MANY_PAIRS_PER_SM * num_sms
         ctas_per_sm = DECODE_CTAS_PER_SM_MANY if many else DECODE_CTAS_PER_SM
     want = math.ceil(ctas_per_sm * num_sms / max(1, num_seqs * num_kv_heads))
-    splits = max(splits, min(want, math.ceil(max_pages * block_size / min_keys)))
-    chunk = math.ceil(math.ceil(max_pages / splits) / align) * align
-    chunk = min(chunk, _DECODE_MAX_PAGES)
-    return math.ceil(max_pages / chunk), chunk
+    splits = max(splits, min(want, math.ceil(pages * block_size / min_keys)))
+    chunk = math.ceil(math.ceil(pages / splits) / align) * align
+    chunk = min(chunk, max_pages)
+    return math.ceil(pages / chunk), chunk
 
 
 def paged_decode_attention(
@@ -350,42 +416,62 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    *,
+    variant: str = "default",
+    ctas_per_sm: int | None = None,
+    max_pages: int = _DECODE_MAX_PAGES,
 ) -> torch.Tensor:
     """One query token per sequence (its last position) over the sequence's pages.
 
     q: [num_seqs, num_heads, head_dim] bf16/fp16 (head_dim 64/128, num_heads / num_kv_heads <= 16);
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]; block_tables:
     [num_seqs, max_blocks_per_seq] int32; seq_lens: [num_seqs] int32 including the new token
-    (0 gives a zero row). returns out: [num_seqs, num_heads, head_dim]. When the context is split,
-    partials go to a cached workspace and a combine kernel merges them (two launches).
+    (0 gives a zero row); sliding_window, soft_cap: as paged_prefill_attention (with a window the
+    splits cover only its pages). returns out: [num_seqs, num_heads, head_dim]. When the context
+    is split, partials go to a cached workspace and a combine kernel merges them (two launches).
+    Candidates (benchmarks, tests): variant (DECODE_VARIANTS); the split policy's ctas_per_sm and
+    max_pages (decode_splits).
     """
-    out = _check_q(q, out)
-    _check_cache(k_cache, v_cache, q)
-    num_heads, num_kv_heads = _check_heads(q, k_cache)
-    _check_group(num_heads, num_kv_heads)
-    device = q.device
-    num_seqs = q.shape[0]
-    _check_index("block_tables", block_tables, 2, device)
-    _check_index("seq_lens", seq_lens, 1, device)
-    if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"q {tuple(q.shape)}, block_tables {tuple(block_tables.shape)} and "
-                         f"seq_lens {tuple(seq_lens.shape)} disagree on num_seqs")
+    out, num_heads, num_kv_heads = _check_decode(q, out, k_cache, v_cache, block_tables, seq_lens)
+    features = _features(sliding_window, soft_cap)
+    num_seqs, device = q.shape[0], q.device
     if num_seqs == 0:
         return out
     head_dim, block_size = q.shape[2], k_cache.shape[2]
-    splits, chunk_pages = decode_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size,
-                                        _sm_count(device))
+    span = window_pages(sliding_window, 1, block_size, block_tables.shape[1])
+    splits, chunk_pages = decode_splits(num_seqs, num_kv_heads, span, block_size,
+                                        _sm_count(device), ctas_per_sm, max_pages=max_pages)
     part_o, part_lse = _split_partials(device, num_seqs * num_heads, head_dim, splits)
-    kernel, stages = DECODE_KERNELS[(q.dtype, head_dim)]
+    kernel, stages = decode_kernel(q.dtype, head_dim, variant)
     args = (
         q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(),
         _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
         _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
-        _f32(scale * math.log2(math.e)),
+        _f32(scale * math.log2(math.e)), *features,
     )
-    _compile.launch("attention", kernel, device, (splits, num_kv_heads, num_seqs),
-                    (_THREADS, 1, 1), args, shared_mem=_decode_smem(stages, head_dim, q))
+    _compile.launch(_module_of(kernel), kernel, device, (splits, num_kv_heads, num_seqs),
+                    (_THREADS, 1, 1), args,
+                    shared_mem=_decode_smem(stages, head_dim, q, max_pages))
     _combine_splits(out, part_o, part_lse, num_seqs, num_heads, splits)
     return out
+
+
+def _check_decode(q, out, k_cache, v_cache, block_tables, seq_lens
+                  ) -> tuple[torch.Tensor, int, int]:
+    """Checks one-token attention's arguments; returns (out, num_heads, num_kv_heads), `out`
+    allocated when None."""
+    out = _check_q(q, out)
+    _check_cache(k_cache, v_cache, q)
+    num_heads, num_kv_heads = _check_heads(q, k_cache)
+    _check_group(num_heads, num_kv_heads)
+    device, num_seqs = q.device, q.shape[0]
+    _check_index("block_tables", block_tables, 2, device)
+    _check_index("seq_lens", seq_lens, 1, device)
+    if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"q {tuple(q.shape)}, block_tables {tuple(block_tables.shape)} and "
+                         f"seq_lens {tuple(seq_lens.shape)} disagree on num_seqs")
+    return out, num_heads, num_kv_heads

@@ -169,13 +169,13 @@ def paged_decode_attention(
 
 
 def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                           k_scale=None, v_scale=None):
+                           sliding_window=None, soft_cap=None, k_scale=None, v_scale=None):
     """Decode attention with torch ops only and no host sync (capturable in a CUDA graph).
 
     q: [num_seqs, num_heads, head_dim]; caches [num_blocks, kv_heads, block_size, head_dim];
-    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32; k_scale, v_scale:
-    an FP8 cache's (paged_prefill_attention's). Reads every listed page (max_blocks of them per
-    row), so it suits small models only.
+    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32; sliding_window,
+    soft_cap, k_scale, v_scale: paged_prefill_attention's. Reads every listed page (max_blocks of
+    them per row), so it suits small models only.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -195,7 +195,11 @@ def torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, o
     v = v.masked_fill((ctx.view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)), 0.0)
     qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("skgd,sktd->skgt", qf, k) * scale  # [seqs, kv_heads, group, ctx]
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     valid = ctx.view(1, 1, 1, -1) < seq_lens.view(-1, 1, 1, 1)
+    if sliding_window is not None:  # the query sits at seq_len - 1
+        valid &= ctx.view(1, 1, 1, -1) >= seq_lens.view(-1, 1, 1, 1) - sliding_window
     probs = scores.masked_fill(~valid, float("-inf")).softmax(dim=-1)
     result = torch.einsum("skgt,sktd->skgd", probs, v).reshape(num_seqs, num_heads, head_dim)
     if out is None:

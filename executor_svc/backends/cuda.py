@@ -48,6 +48,9 @@ class CudaBackend:
         self._attention, self._cache_ops, self._ops = attention, cache_ops, ops
         self.fused_ops = fused_ops
         self.few_query_max = FEW_QUERY_MAX  # packed steps up to it: the few-query kernel
+        # paged_few_query_attention's candidate keywords (key_split, split_keys) a benchmark
+        # times; empty: production's kernel.
+        self.few_query_variant: dict = {}
         from pagedserve_kernels.gemm import LinearTuner
 
         self.gemm = LinearTuner(self.device)  # F.linear until tune_linears() chooses
@@ -104,24 +107,23 @@ class CudaBackend:
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                 scale, out=None, sliding_window=None, soft_cap=None, k_scale=None,
                                 v_scale=None) -> torch.Tensor:
+        """sliding_window / soft_cap: the layer's (None: none), computed inside the kernels."""
+        args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
+                sliding_window, soft_cap)
         if self.kernels_cover(q.dtype, q.shape[-1]):
             if (q.shape[0] <= self.few_query_max
                     and q.shape[1] // k_cache.shape[1] <= self._attention.MAX_GROUP):
-                return self._attention.paged_few_query_attention(
-                    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
-            return self._attention.paged_prefill_attention(
-                q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
-        return reference.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+                return self._attention.paged_few_query_attention(*args, **self.few_query_variant)
+            return self._attention.paged_prefill_attention(*args)
+        return reference.paged_prefill_attention(*args)
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale,
                                out=None, sliding_window=None, soft_cap=None, k_scale=None,
                                v_scale=None) -> torch.Tensor:
+        args = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, sliding_window, soft_cap)
         if self.kernels_cover(q.dtype, q.shape[-1]):
-            return self._attention.paged_decode_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, out)
-        return reference.torch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                scale, out)
+            return self._attention.paged_decode_attention(*args)
+        return reference.torch_decode_attention(*args)
 
     def swap_blocks(self, src_k, src_v, dst_k, dst_v, block_mapping) -> None:
         self._cache_ops.swap_blocks(src_k, src_v, dst_k, dst_v, block_mapping)

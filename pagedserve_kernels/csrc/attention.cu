@@ -7,6 +7,10 @@
 //   decode:  flash-decoding; one CTA per (seq, kv head, split) serves all query heads of the group
 //            (they are the M rows of the MMA), 3-4 stage cp.async pipeline, partials merged by a
 //            log-sum-exp combine kernel when the context is split.
+// Every kernel takes a sliding window W (a query at p sees keys p - W < k <= p; W <= 0: causal
+// only) and a logit soft-cap c (scores c * tanh(score / c) before the mask; c <= 0: none) as
+// runtime arguments: one build serves every layer, and a captured graph keeps its layers' values.
+// Candidate kernels that only benchmarks and tests launch are built with -DPS_VARIANTS.
 #include "common.cuh"
 
 namespace ps {
@@ -15,6 +19,28 @@ constexpr int kThreads = 128;  // 4 warps for every attention kernel here
 constexpr int kPrefillBM = 128;
 constexpr int kPrefillBN = 64;
 constexpr int kDecodeBN = 64;  // keys per pipeline stage; each warp owns 16 of them
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Whether the query at position qpos sees the key at kpos: causal, and within the window.
+__device__ __forceinline__ bool sees(int qpos, int kpos, int window) {
+  return kpos <= qpos && (window <= 0 || kpos > qpos - window);
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Soft-capping of raw scores (q.k, before the scale): the kernels' softmax multiplies a score
+// by scale_log2 = scale * log2(e), so s becomes (c / scale) * tanh(s * scale / c), whose
+// product with scale_log2 is log2(e) * c * tanh(s * scale / c): the cap on the natural score.
+template <int N>
+__device__ __forceinline__ void soft_cap_scores(float (&s)[N], float soft_cap, float scale_log2) {
+  const float in = scale_log2 / (soft_cap * kLog2e), out = soft_cap * kLog2e / scale_log2;
+#pragma unroll
+  for (int i = 0; i < N; ++i) s[i] = out * tanh_approx(s[i] * in);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Tile list for prefill: for every sequence, its query tiles of `bm` tokens (seq, m_block), last
@@ -53,7 +79,7 @@ __device__ __forceinline__ void prefill_impl(
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ seq_lens,
     const int2* __restrict__ tiles, long long q_stride_tok, int q_stride_head,
     long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads, int block_size_log2,
-    int max_blocks_per_seq, float scale_log2) {
+    int max_blocks_per_seq, float scale_log2, int window, float soft_cap) {
   constexpr int BM = kPrefillBM, BN = kPrefillBN;
   constexpr int CH = HD / 8;                 // 16-byte chunks per row
   constexpr int ROW_STEP = kThreads / CH;    // rows covered by one pass of the CTA
@@ -81,6 +107,8 @@ __device__ __forceinline__ void prefill_impl(
   const int rows_here = min(BM, q_len - m0);
   const int kv_end = ctx0 + m0 + rows_here;  // keys [0, kv_end) are visible to some row here
   const int n_tiles = (kv_end + BN - 1) / BN;
+  // With a window, tiles before the first row's window are never read.
+  const int j0 = window > 0 ? max(0, ctx0 + m0 - window + 1) / BN : 0;
   const int bs_mask = (1 << block_size_log2) - 1;
   const int* bt = block_tables + (long long)seq * max_blocks_per_seq;
   const long long head_off = (long long)kv_head << (block_size_log2);  // in rows
@@ -122,9 +150,9 @@ __device__ __forceinline__ void prefill_impl(
     }
   };
 
-  if (tid < TPG) s_tpg[0][tid] = page_of_tile(0, tid);
+  if (tid < TPG) s_tpg[j0 & 1][tid] = page_of_tile(j0, tid);
   __syncthreads();
-  issue(k_cache, sK, 0);
+  issue(k_cache, sK, j0);
   cp_async_commit();
 
   float o[MT][DT][4];
@@ -150,14 +178,16 @@ __device__ __forceinline__ void prefill_impl(
   const unsigned int k_off = ldm_off<HD>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
   const unsigned int v_off = ldm_off<HD>((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
 
-  for (int j = 0; j < n_tiles; ++j) {
+  for (int j = j0; j < n_tiles; ++j) {
     cp_async_wait<0>();
     __syncthreads();  // K_j (and Q) landed; every warp is done reading sV
     issue(v_cache, sV, j);
     cp_async_commit();
     const int next_page = (tid < TPG && j + 1 < n_tiles) ? page_of_tile(j + 1, tid) : -1;
 
-    const bool active = warp_has_rows && j * BN <= warp_qpos0 + 31;
+    // Some key of the tile is at or before the warp's last row and inside its first row's window.
+    const bool active = warp_has_rows && j * BN <= warp_qpos0 + 31 &&
+                        (window <= 0 || (j + 1) * BN - 1 > warp_qpos0 - window);
     float s[MT][NT][4];
     if (active) {
 #pragma unroll
@@ -183,7 +213,14 @@ __device__ __forceinline__ void prefill_impl(
           }
         }
       }
-      if ((j + 1) * BN - 1 > warp_qpos0) {  // causal mask reaches this warp's rows
+      if (soft_cap > 0.f) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) soft_cap_scores(s[mt][nt], soft_cap, scale_log2);
+      }
+      // The causal mask or the window's lower edge reaches this warp's rows.
+      if ((j + 1) * BN - 1 > warp_qpos0 || (window > 0 && j * BN <= warp_qpos0 + 31 - window)) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -192,7 +229,7 @@ __device__ __forceinline__ void prefill_impl(
             for (int e = 0; e < 4; ++e) {
               const int qpos = warp_qpos0 + mt * 16 + g + ((e >> 1) << 3);
               const int kpos = j * BN + nt * 8 + 2 * t4 + (e & 1);
-              if (kpos > qpos) s[mt][nt][e] = -INFINITY;
+              if (!sees(qpos, kpos, window)) s[mt][nt][e] = -INFINITY;
             }
       }
     }
@@ -305,7 +342,7 @@ __device__ __forceinline__ void prefill_wg_impl(
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ seq_lens,
     const int2* __restrict__ tiles, long long q_stride_tok, int q_stride_head,
     long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads, int block_size_log2,
-    int max_blocks_per_seq, float scale_log2) {
+    int max_blocks_per_seq, float scale_log2, int window, float soft_cap) {
 #if PS_HAS_WGMMA
   constexpr int BM = kPrefillBM, BN = kWgBN, NTH = kWgThreads;
   constexpr int CH = HD / 8;
@@ -336,6 +373,8 @@ __device__ __forceinline__ void prefill_wg_impl(
   const int rows_here = min(BM, q_len - m0);
   const int kv_end = ctx0 + m0 + rows_here;
   const int n_tiles = (kv_end + BN - 1) / BN;
+  // With a window, tiles before the first row's window are never read.
+  const int j0 = window > 0 ? max(0, ctx0 + m0 - window + 1) / BN : 0;
   const int bs_mask = (1 << block_size_log2) - 1;
   const int* bt = block_tables + (long long)seq * max_blocks_per_seq;
   const int ld_ch = tid % CH, ld_row = tid / CH;
@@ -360,7 +399,7 @@ __device__ __forceinline__ void prefill_wg_impl(
     }
   };
 
-  // Q tile (rows past q_len zero-filled), row offsets of tile 0, then K/V of tile 0.
+  // Q tile (rows past q_len zero-filled), row offsets of tile j0, then K/V of tile j0.
 #pragma unroll
   for (int i = 0; i < Q_ROWS; ++i) {
     const int r = ld_row + i * ROW_STEP;
@@ -370,11 +409,11 @@ __device__ __forceinline__ void prefill_wg_impl(
                       : q;
     cp_async16(sQ + sw128_off(r, ld_ch, BM), src, ok ? 16 : 0);
   }
-  if (tid < BN) s_row[0][tid] = row_off(0, tid);
+  if (tid < BN) s_row[j0 & 1][tid] = row_off(j0, tid);
   __syncthreads();
-  issue(0);
+  issue(j0);
   cp_async_commit();
-  if (tid < BN) s_row[1][tid] = row_off(1, tid);
+  if (tid < BN) s_row[(j0 + 1) & 1][tid] = row_off(j0 + 1, tid);
 
   float o[DT * 4];
 #pragma unroll
@@ -387,7 +426,7 @@ __device__ __forceinline__ void prefill_wg_impl(
   const bool wg_has_rows = m0 + wg_row0 < q_len;
   const unsigned long long q_desc = wg_desc(sQ + wg_row0 * 128, 16, 1024);
 
-  for (int j = 0; j < n_tiles; ++j) {
+  for (int j = j0; j < n_tiles; ++j) {
     cp_async_wait<0>();
     fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
     __syncthreads();      // tile j (and Q) landed for all; buffer (j+1)&1 and s_row[(j+1)&1] free
@@ -395,7 +434,11 @@ __device__ __forceinline__ void prefill_wg_impl(
     cp_async_commit();
     if (tid < BN && j + 2 < n_tiles) s_row[j & 1][tid] = row_off(j + 2, tid);
 
-    if (!(wg_has_rows && j * BN <= wg_qpos0 + 63)) continue;  // warpgroup-uniform
+    // Warpgroup-uniform: some key of the tile is at or before the warpgroup's last row and
+    // inside its first row's window.
+    if (!(wg_has_rows && j * BN <= wg_qpos0 + 63 &&
+          (window <= 0 || (j + 1) * BN - 1 > wg_qpos0 - window)))
+      continue;
     const unsigned int sK = sKV + (j & 1) * 2 * KV_BYTES, sV = sK + KV_BYTES;
     const unsigned long long k_desc = wg_desc(sK, 16, 1024);
     float s[NT * 4];
@@ -414,14 +457,16 @@ __device__ __forceinline__ void prefill_wg_impl(
     wgmma_wait<0>();
     fence_regs(s);
 
-    if ((j + 1) * BN - 1 > warp_qpos0) {  // causal mask reaches this warp's rows
+    if (soft_cap > 0.f) soft_cap_scores(s, soft_cap, scale_log2);
+    // The causal mask or the window's lower edge reaches this warp's rows.
+    if ((j + 1) * BN - 1 > warp_qpos0 || (window > 0 && j * BN <= warp_qpos0 + 15 - window)) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qpos = warp_qpos0 + g + ((e >> 1) << 3);
           const int kpos = j * BN + nt * 8 + 2 * t4 + (e & 1);
-          if (kpos > qpos) s[nt * 4 + e] = -INFINITY;
+          if (!sees(qpos, kpos, window)) s[nt * 4 + e] = -INFINITY;
         }
     }
 #pragma unroll
@@ -527,7 +572,7 @@ __device__ __forceinline__ void decode_impl(
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, long long q_stride_tok,
     int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads,
     int block_size_log2, int max_blocks_per_seq, int chunk_pages, int num_splits,
-    float scale_log2, const int* __restrict__ cu_seqlens_q = nullptr,
+    float scale_log2, int window, float soft_cap, const int* __restrict__ cu_seqlens_q = nullptr,
     const int2* __restrict__ tiles = nullptr, int tpc = 1) {
   constexpr int BN = kDecodeBN;
   constexpr int CH = HD / 8;
@@ -561,7 +606,10 @@ __device__ __forceinline__ void decode_impl(
   }
   const bool ks = !MQ || (KS && rows <= 16);  // warps split the keys (one 16-row MMA tile)
   const int row0 = ks ? 0 : warp * 16;       // this warp's first query row
-  const int begin = (split * chunk_pages) << block_size_log2;
+  // With a window, keys before the first token's window are never read: the splits start at the
+  // page of its first key (the launcher sizes them for the window's pages).
+  const int lo = window > 0 ? max(0, (MQ ? first_lim : seq_len) - window) : 0;
+  const int begin = ((lo >> block_size_log2) + split * chunk_pages) << block_size_log2;
   const int end = min(seq_len, begin + (chunk_pages << block_size_log2));
   const long long row_base = (long long)seq * num_heads + head0;  // partial index of (seq, head0)
   // Row r's partial index and output offset: (seq, head0 + r), or MQ's (token, head).
@@ -648,16 +696,19 @@ __device__ __forceinline__ void decode_impl(
       }
     }
   }
-  // MQ: the keys each of this thread's two rows (g, g + 8) sees; one-token: all up to `end`.
-  int lim[2] = {end, end};
+  // MQ: the keys [from, lim) each of this thread's two rows (g, g + 8) sees; one-token: [lo, end).
+  int lim[2] = {end, end}, from[2] = {lo, lo};
   if constexpr (MQ) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + g + h * 8;
-      if (r < rows) lim[h] = min(end, first_lim + r / group);
+      if (r < rows) {
+        lim[h] = min(end, first_lim + r / group);
+        if (window > 0) from[h] = first_lim + r / group - window;
+      }
     }
   }
-  const int lim_min = min(lim[0], lim[1]);
+  const int lim_min = min(lim[0], lim[1]), from_max = max(from[0], from[1]);
 
   float o[DT][4];
 #pragma unroll
@@ -691,20 +742,28 @@ __device__ __forceinline__ void decode_impl(
       mma16816<T>(s[0], qa[kk], kb[0], kb[1]);
       mma16816<T>(s[1], qa[kk], kb[2], kb[3]);
     }
+    if (soft_cap > 0.f) {
+      soft_cap_scores(s[0], soft_cap, scale_log2);
+      soft_cap_scores(s[1], soft_cap, scale_log2);
+    }
     if constexpr (MQ) {
-      if (kbase + 16 > lim_min) {
+      if (kbase + 16 > lim_min || kbase < from_max) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (kbase + nt * 8 + 2 * t4 + (e & 1) >= lim[e >> 1]) s[nt][e] = -INFINITY;
+          for (int e = 0; e < 4; ++e) {
+            const int k = kbase + nt * 8 + 2 * t4 + (e & 1);
+            if (k >= lim[e >> 1] || k < from[e >> 1]) s[nt][e] = -INFINITY;
+          }
       }
-    } else if (kbase + 16 > end) {
+    } else if (kbase + 16 > end || kbase < lo) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (kbase + nt * 8 + 2 * t4 + (e & 1) >= end) s[nt][e] = -INFINITY;
+        for (int e = 0; e < 4; ++e) {
+          const int k = kbase + nt * 8 + 2 * t4 + (e & 1);
+          if (k >= end || k < lo) s[nt][e] = -INFINITY;
+        }
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -869,10 +928,11 @@ extern "C" __global__ void __launch_bounds__(1024)
            const int* cu_seqlens_q, const int* seq_lens, const int2* tiles,                       \
            long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head,  \
            int num_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,          \
-           float scale_log2) {                                                                    \
+           float scale_log2, int window, float soft_cap) {                                        \
     ps::IMPL<T, HD>(q, out, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, tiles,        \
                     q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, num_heads,          \
-                    num_kv_heads, block_size_log2, max_blocks_per_seq, scale_log2);               \
+                    num_kv_heads, block_size_log2, max_blocks_per_seq, scale_log2, window,        \
+                    soft_cap);                                                                    \
   }
 #define PS_PREFILL(NAME, T, HD, MIN_CTAS) \
   PS_PREFILL_ENTRY(NAME, prefill_impl, ps::kThreads, T, HD, MIN_CTAS)
@@ -891,7 +951,9 @@ PS_PREFILL_WG(prefill_wg_bf16_hd64, __nv_bfloat16, 64, 2)
 PS_PREFILL_WG(prefill_wg_bf16_hd128, __nv_bfloat16, 128, 1)
 PS_PREFILL_WG(prefill_wg_fp16_hd64, __half, 64, 2)
 PS_PREFILL_WG(prefill_wg_fp16_hd128, __half, 128, 1)
+#ifdef PS_VARIANTS
 PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark comparison only
+#endif
 
 #define PS_DECODE(NAME, T, HD, STAGES, MIN_CTAS)                                                 \
   extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                           \
@@ -899,11 +961,12 @@ PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark compari
            const T* v_cache, const int* block_tables, const int* seq_lens,                       \
            long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head, \
            int num_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,         \
-           int chunk_pages, int num_splits, float scale_log2) {                                  \
+           int chunk_pages, int num_splits, float scale_log2, int window, float soft_cap) {      \
     ps::decode_impl<T, HD, STAGES>(q, out, part_o, part_lse, k_cache, v_cache, block_tables,     \
                                    seq_lens, q_stride_tok, q_stride_head, o_stride_tok,          \
                                    o_stride_head, num_heads, num_kv_heads, block_size_log2,      \
-                                   max_blocks_per_seq, chunk_pages, num_splits, scale_log2);     \
+                                   max_blocks_per_seq, chunk_pages, num_splits, scale_log2,      \
+                                   window, soft_cap);                                            \
   }
 // hd128: 3 stages of 32 KB, 2 CTAs/SM; hd64: 4 stages of 16 KB. The _s2 kernel (2 stages, 3 CTAs
 // per SM) is a candidate the benchmark times beside the default (NOTES.md).
@@ -911,7 +974,9 @@ PS_DECODE(decode_bf16_hd64, __nv_bfloat16, 64, 4, 1)
 PS_DECODE(decode_bf16_hd128, __nv_bfloat16, 128, 3, 2)
 PS_DECODE(decode_fp16_hd64, __half, 64, 4, 1)
 PS_DECODE(decode_fp16_hd128, __half, 128, 3, 2)
+#ifdef PS_VARIANTS
 PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
+#endif
 
 #define PS_DECODE_MQ(NAME, T, HD, STAGES, MIN_CTAS, KS)                                          \
   extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                           \
@@ -920,25 +985,28 @@ PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
            const int* seq_lens, const int2* tiles, int tpc, long long q_stride_tok,              \
            int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads,          \
            int num_kv_heads, int block_size_log2, int max_blocks_per_seq, int chunk_pages,       \
-           int num_splits, float scale_log2) {                                                   \
+           int num_splits, float scale_log2, int window, float soft_cap) {                       \
     ps::decode_impl<T, HD, STAGES, true, KS>(q, out, part_o, part_lse, k_cache, v_cache,         \
                                              block_tables, seq_lens, q_stride_tok,               \
                                              q_stride_head, o_stride_tok, o_stride_head,         \
                                              num_heads, num_kv_heads, block_size_log2,           \
                                              max_blocks_per_seq, chunk_pages, num_splits,        \
-                                             scale_log2, cu_seqlens_q, tiles, tpc);              \
+                                             scale_log2, window, soft_cap, cu_seqlens_q, tiles,  \
+                                             tpc);                                               \
   }
 // Few query tokens per sequence over its context (paged_few_query_attention); the _mqks_
-// candidates split the keys of entries of at most 16 rows (FEW_QUERY_KEY_SPLIT, off: timed once,
-// pagedserve_kernels/NOTES.md).
+// candidates split the keys of entries of at most 16 rows (the launcher's key_split, off: timed
+// once, pagedserve_kernels/NOTES.md).
 PS_DECODE_MQ(decode_mq_bf16_hd64, __nv_bfloat16, 64, 4, 1, false)
 PS_DECODE_MQ(decode_mq_bf16_hd128, __nv_bfloat16, 128, 3, 2, false)
 PS_DECODE_MQ(decode_mq_fp16_hd64, __half, 64, 4, 1, false)
 PS_DECODE_MQ(decode_mq_fp16_hd128, __half, 128, 3, 2, false)
+#ifdef PS_VARIANTS
 PS_DECODE_MQ(decode_mqks_bf16_hd64, __nv_bfloat16, 64, 4, 1, true)
 PS_DECODE_MQ(decode_mqks_bf16_hd128, __nv_bfloat16, 128, 3, 2, true)
 PS_DECODE_MQ(decode_mqks_fp16_hd64, __half, 64, 4, 1, true)
 PS_DECODE_MQ(decode_mqks_fp16_hd128, __half, 128, 3, 2, true)
+#endif
 
 #define PS_COMBINE(NAME, T)                                                                      \
   extern "C" __global__ void NAME(const float* part_o, const float* part_lse, T* out,            \

@@ -1,8 +1,10 @@
 """The CuPy kernels against their torch reference twins on the GPU.
 
-Attention: per sequence, ||kernel - ref64|| / ||ref64|| must stay within 2x the same error of torch
-doing the computation in the kernel's dtype (SDPA in bf16/fp16), plus a 1e-3 floor; outputs are
-poisoned with NaN first. Copies: bit-exact, untouched pages unchanged. Fresh random inputs per case.
+Attention: per sequence, ||kernel - ref64|| / ||ref64|| (ref64: the reference twin's _attend in
+float64) must stay within 2x the same error of torch doing the computation in the kernel's dtype
+(SDPA in bf16/fp16; with a soft-cap, matmul, tanh and softmax in that dtype), plus a 1e-3 floor;
+outputs are poisoned with NaN first. Copies: bit-exact, untouched pages unchanged. Fresh random
+inputs per case.
 """
 from __future__ import annotations
 
@@ -57,21 +59,31 @@ def rel_err(x: torch.Tensor, ref64: torch.Tensor) -> float:
     return ((x.double() - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
 
 
-def torch_in_dtype(q, k, v, scale):
-    """Same attention by torch SDPA in q's dtype: q [q_len, H, D], k/v [ctx, KVH, D]."""
+def torch_in_dtype(q, k, v, scale, window=None, cap=None):
+    """Same attention by torch in q's dtype: q [q_len, H, D], k/v [ctx, KVH, D]; SDPA, or with a
+    soft-cap matmul, tanh and softmax (SDPA has no cap)."""
     q_len, heads, _ = q.shape
     ctx, kv_heads, _ = k.shape
     group = heads // kv_heads
-    mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - q_len)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-        v.repeat_interleave(group, 1).transpose(0, 1), attn_mask=mask, scale=scale)
+    q_pos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)
+    mask = k_pos <= q_pos  # [q_len, ctx]
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    qt = q.transpose(0, 1)  # [H, q_len, D]
+    kt = k.repeat_interleave(group, 1).transpose(0, 1)  # [H, ctx, D]
+    vt = v.repeat_interleave(group, 1).transpose(0, 1)
+    if cap is None:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.tanh(torch.matmul(qt, kt.transpose(1, 2)) * scale / cap) * cap
+        out = torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1), vt)
     return out.transpose(0, 1)
 
 
-def check_attention(out, q, k_cache, v_cache, tables, cu, seq_lens, scale):
-    """Per sequence: the float64 result (the reference twin's computation, done by SDPA in float64
-    on the GPU) against the kernel and against torch in the kernel's dtype."""
+def check_attention(out, q, k_cache, v_cache, tables, cu, seq_lens, scale, window=None, cap=None):
+    """Per sequence: the float64 result (the reference twin's _attend in float64 on the GPU)
+    against the kernel and against torch in the kernel's dtype."""
     assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
     starts, lens = cu.tolist(), seq_lens.tolist()
     for i, n in enumerate(lens):
@@ -80,10 +92,11 @@ def check_attention(out, q, k_cache, v_cache, tables, cu, seq_lens, scale):
             continue
         k = ref.gather_kv(k_cache, tables[i], n)
         v = ref.gather_kv(v_cache, tables[i], n)
-        ref64 = torch_in_dtype(q[a:b].double(), k.double(), v.double(), scale)
-        base = rel_err(torch_in_dtype(q[a:b], k, v, scale), ref64)
+        ref64 = ref._attend(q[a:b].double(), k.double(), v.double(), scale, window, cap)
+        base = rel_err(torch_in_dtype(q[a:b], k, v, scale, window, cap), ref64)
         err = rel_err(out[a:b], ref64)
-        assert err <= 2 * base + FLOOR, f"seq {i} (q_len {b - a}, ctx {n}): {err:.2e} vs torch {base:.2e}"
+        assert err <= 2 * base + FLOOR, (f"seq {i} (q_len {b - a}, ctx {n}, window {window}, cap "
+                                         f"{cap}): {err:.2e} vs torch {base:.2e}")
 
 
 def test_kernels_match_the_reference_twins_on_cpu(kern):
@@ -114,15 +127,19 @@ PREFILL_CASES = {
 }
 
 
-@pytest.fixture(params=["default", "mma_sync"])
-def prefill_impl(request, kern):
-    """The default prefill kernels (wgmma on Hopper), then the mma.sync fallback kernels."""
-    attention, _ = kern
-    saved = dict(attention.PREFILL_KERNELS)
-    if request.param == "mma_sync":
-        attention.PREFILL_KERNELS.update(attention.PREFILL_KERNELS_MMA_SYNC)
-    yield request.param
-    attention.PREFILL_KERNELS.update(saved)
+# The default prefill kernels (wgmma on Hopper), then the mma.sync fallback kernels.
+PREFILL_VARIANTS = ["default", "mma_sync"]
+
+# name: (sliding_window, soft_cap, q's scale): windows of one position, inside a page, of one or
+# just past a page or tile (16/32-key pages, 64/128-key tiles, 64-key decode stages), across many
+# tiles, and past every context (causal only); soft-caps with scores where the cap bites (q
+# scaled up for 50), alone and beside a window.
+FEATURES = {
+    "w1": (1, None, 1.0), "w5": (5, None, 1.0), "w16": (16, None, 1.0), "w17": (17, None, 1.0),
+    "w100": (100, None, 1.0), "w129": (129, None, 1.0), "w700": (700, None, 1.0),
+    "w20000": (20000, None, 1.0), "cap5": (None, 5.0, 1.0), "cap50": (None, 50.0, 4.0),
+    "w33_cap5": (33, 5.0, 1.0), "w100_cap50": (100, 50.0, 4.0),
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,38 +147,54 @@ def prefill_impl(request, kern):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill_matches_reference(kern, prefill_impl, dtype, head_dim, heads, kv_heads, block_size,
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
+def test_prefill_matches_reference(kern, variant, dtype, head_dim, heads, kv_heads, block_size,
                                    case):
-    _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case)
+    _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case, variant)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (16, 2)])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill_candidate_wg1_hd64(kern, heads, kv_heads, block_size, case):
+@pytest.mark.parametrize("features", ["none", "w33_cap5"])
+def test_prefill_candidate_wg1_hd64(kern, heads, kv_heads, block_size, case, features):
     """The benchmark's comparison variant (wgmma hd64 at 1 CTA/SM), and block size 8."""
-    attention, _ = kern
-    key = (torch.bfloat16, 64)
-    saved = attention.PREFILL_KERNELS[key]
-    attention.PREFILL_KERNELS[key] = "prefill_wg1_bf16_hd64"
-    try:
-        _check_prefill(kern, torch.bfloat16, 64, heads, kv_heads, block_size, case)
-    finally:
-        attention.PREFILL_KERNELS[key] = saved
+    _check_prefill(kern, torch.bfloat16, 64, heads, kv_heads, block_size, case, "wg1",
+                   FEATURES.get(features, (None, None, 1.0)))
 
 
-def _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case):
+# A full prefill of a few tiles, chunks over longer contexts (the last one's first tiles wholly
+# before a small window), one-token rows.
+WINDOW_PREFILL_CASE = ([7, 129, 300, 1000, 640, 77, 2048], [7, 129, 300, 129, 1, 77, 256])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(8, 2, 16), (4, 4, 32)])
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
+def test_prefill_window_and_soft_cap(kern, variant, dtype, head_dim, heads, kv_heads, block_size,
+                                     features):
+    _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, "window", variant,
+                   FEATURES[features])
+
+
+def _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case, variant,
+                   features=(None, None, 1.0)):
     attention, _ = kern
-    seq_lens, q_lens = PREFILL_CASES[case]
-    gen = torch.Generator(device="cuda").manual_seed(seed_of(case, dtype, head_dim, heads, block_size))
+    window, cap, q_scale = features
+    seq_lens, q_lens = WINDOW_PREFILL_CASE if case == "window" else PREFILL_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(seed_of(case, dtype, head_dim, heads,
+                                                             block_size, features))
     k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen)
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen, device="cuda").to(dtype)
+    q = (torch.randn(sum(q_lens), heads, head_dim, generator=gen, device="cuda") * q_scale).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
-    attention.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out)
-    check_attention(out, q, k_cache, v_cache, tables, cu, lens, scale)
+    attention.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out,
+                                      sliding_window=window, soft_cap=cap, variant=variant)
+    check_attention(out, q, k_cache, v_cache, tables, cu, lens, scale, window, cap)
 
 
 def test_prefill_strided_q_and_empty_sequences(kern):
@@ -198,24 +231,47 @@ FEW_QUERY_CASES = {
 @pytest.mark.parametrize("case", list(FEW_QUERY_CASES))
 @pytest.mark.parametrize("key_split", [False, True])  # the default kernels, then the candidates
 def test_few_query_attention_matches_reference(kern, dtype, head_dim, heads, kv_heads, block_size,
-                                              case, key_split, monkeypatch):
+                                              case, key_split):
     """paged_few_query_attention against float64 with paged_prefill_attention's semantics, q as a
     strided view (as the model passes it), outputs poisoned with NaN."""
+    _check_few_query(kern, dtype, head_dim, heads, kv_heads, block_size, case, key_split)
+
+
+# Entries of one token to several tiles a seq, at both ends of a page; a padded seq.
+WINDOW_FEW_QUERY_CASE = ([300, 1, 57, 2016, 129, 5000, 3000, 90, 0],
+                         [1, 1, 5, 16, 17, 3, 100, 65, 0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(8, 8, 16), (32, 8, 32), (16, 1, 16)])
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("key_split", [False, True])
+def test_few_query_window_and_soft_cap(kern, dtype, head_dim, heads, kv_heads, block_size,
+                                       features, key_split):
+    """64, 16 and 4 tokens a CTA, each row masked at its own window."""
+    _check_few_query(kern, dtype, head_dim, heads, kv_heads, block_size, "window", key_split,
+                     FEATURES[features])
+
+
+def _check_few_query(kern, dtype, head_dim, heads, kv_heads, block_size, case, key_split,
+                     features=(None, None, 1.0)):
     attention, _ = kern
-    monkeypatch.setattr(attention, "FEW_QUERY_KEY_SPLIT", key_split)
-    seq_lens, q_lens = FEW_QUERY_CASES[case]
+    window, cap, q_scale = features
+    seq_lens, q_lens = WINDOW_FEW_QUERY_CASE if case == "window" else FEW_QUERY_CASES[case]
     gen = torch.Generator(device="cuda").manual_seed(seed_of("few", case, dtype, head_dim, heads,
-                                                             block_size))
+                                                             block_size, features))
     k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen,
                                            width_extra=3)
     qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim, generator=gen, device="cuda")
-    q = qkv.to(dtype)[:, :heads]
+    q = (qkv * q_scale).to(dtype)[:, :heads]
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
     out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
-    attention.paged_few_query_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out)
-    check_attention(out, q, k_cache, v_cache, tables, cu, lens, scale)
+    attention.paged_few_query_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out,
+                                        sliding_window=window, soft_cap=cap, key_split=key_split)
+    check_attention(out, q, k_cache, v_cache, tables, cu, lens, scale, window, cap)
 
 
 DECODE_CASES = {
@@ -226,7 +282,7 @@ DECODE_CASES = {
 }
 
 
-def decode_lens(case, gen):
+def decode_lens(case):
     spec = DECODE_CASES[case]
     if isinstance(spec, str):
         return torch.randint(1, 600, (256,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -239,44 +295,60 @@ def decode_lens(case, gen):
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_matches_reference(kern, dtype, head_dim, heads, kv_heads, block_size, case):
-    attention, _ = kern
-    gen = torch.Generator(device="cuda").manual_seed(seed_of(case, dtype, head_dim, heads, block_size))
-    seq_lens = decode_lens(case, gen)
-    k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen,
-                                           width_extra=3)
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen, device="cuda").to(dtype)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)
-    cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device="cuda")
-    check_attention(out, q, k_cache, v_cache, tables, cu, lens, head_dim**-0.5)
+    _check_decode(kern, dtype, head_dim, heads, kv_heads, block_size, decode_lens(case), {},
+                  seed=seed_of(case, dtype, head_dim, heads, block_size))
 
 
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 @pytest.mark.parametrize("ctas_per_sm", [None, 4, 24])
-def test_decode_candidate_kernel_and_split_policies(kern, case, ctas_per_sm):
-    """The 2-stage hd128 candidate the benchmark times, and other split counts, stay correct."""
+@pytest.mark.parametrize("variant", ["default", "s2"])
+@pytest.mark.parametrize("features", ["none", "w100_cap50"])
+def test_decode_candidate_kernel_and_split_policies(kern, case, ctas_per_sm, variant, features):
+    """The 2-stage hd128 candidate the benchmark times, and other split counts (few seqs or many
+    alike), stay correct."""
+    _check_decode(kern, torch.bfloat16, 128, 32, 8, 16, decode_lens(case),
+                  dict(variant=variant, ctas_per_sm=ctas_per_sm),
+                  FEATURES.get(features, (None, None, 1.0)),
+                  seed=seed_of("cand", case, ctas_per_sm, variant, features))
+
+
+# Contexts of one token to many pages, at page edges, and long ones split over many CTAs.
+WINDOW_DECODE_LENS = [1, 15, 16, 17, 31, 32, 33, 1000, 4097, 257, 16384, 5000, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(8, 8, 16), (16, 2, 32)])
+@pytest.mark.parametrize("features", list(FEATURES))
+@pytest.mark.parametrize("policy", ["default", "short_splits"])
+def test_decode_window_and_soft_cap(kern, dtype, head_dim, heads, kv_heads, block_size, features,
+                                    policy):
+    """Splits laid over the window's pages: the default plan, and one of many short splits (a
+    window's pages over several CTAs, merged by the combine)."""
+    options = {} if policy == "default" else dict(ctas_per_sm=24, max_pages=8)
+    _check_decode(kern, dtype, head_dim, heads, kv_heads, block_size, WINDOW_DECODE_LENS, options,
+                  FEATURES[features],
+                  seed=seed_of("dwin", dtype, head_dim, heads, block_size, features, policy))
+
+
+def _check_decode(kern, dtype, head_dim, heads, kv_heads, block_size, seq_lens, options,
+                  features=(None, None, 1.0), seed=0):
     attention, _ = kern
-    gen = torch.Generator(device="cuda").manual_seed(seed_of("cand", case, ctas_per_sm))
-    seq_lens = decode_lens(case, gen)
-    k_cache, v_cache, tables = paged_cache(seq_lens, 8, 128, 16, torch.bfloat16, gen, width_extra=3)
-    q = torch.randn(len(seq_lens), 32, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    window, cap, q_scale = features
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen,
+                                           width_extra=3)
+    q = (torch.randn(len(seq_lens), heads, head_dim, generator=gen, device="cuda") * q_scale).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device="cuda")
-    key = (torch.bfloat16, 128)
-    saved = (attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM,
-             attention.DECODE_CTAS_PER_SM_MANY)
-    for variant in (saved[0], ("decode_s2_bf16_hd128", 2)):
-        attention.DECODE_KERNELS[key] = variant
-        if ctas_per_sm:  # few seqs or many alike
-            attention.DECODE_CTAS_PER_SM = attention.DECODE_CTAS_PER_SM_MANY = ctas_per_sm
-        try:
-            out = torch.full_like(q, float("nan"))
-            attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, out=out)
-        finally:
-            (attention.DECODE_KERNELS[key], attention.DECODE_CTAS_PER_SM,
-             attention.DECODE_CTAS_PER_SM_MANY) = saved
-        check_attention(out, q, k_cache, v_cache, tables, cu, lens, 128**-0.5)
+    out = torch.full_like(q, float("nan"))
+    attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out,
+                                     sliding_window=window, soft_cap=cap, **options)
+    empty = lens == 0  # a zero row, as documented
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    keep = (~empty).nonzero().flatten()
+    cu = torch.arange(len(keep) + 1, dtype=torch.int32, device="cuda")
+    check_attention(out[keep], q[keep], k_cache, v_cache, tables[keep], cu, lens[keep],
+                    head_dim**-0.5, window, cap)
 
 
 def test_decode_zero_length_rows_are_zero(kern):
@@ -363,9 +435,12 @@ def test_unpinned_cpu_pages_are_refused(kern):
         cache_ops.swap_blocks(gpu, gpu, cpu, cpu, torch.tensor([[0, 1]]))
 
 
-def test_cuda_graph_capture_decode_and_cache_write(kern):
-    """Capture cache write + split decode (+ combine) once; replay on new inputs written in place."""
+@pytest.mark.parametrize("features", ["none", "w100_cap50"])
+def test_cuda_graph_capture_decode_and_cache_write(kern, features):
+    """Capture cache write + split decode (+ combine) once; replay on new inputs written in place
+    (a layer's window and soft-cap are captured with the launch)."""
     attention, cache_ops = kern
+    window, cap, q_scale = FEATURES.get(features, (None, None, 1.0))
     gen = torch.Generator(device="cuda").manual_seed(13)
     heads, kv_heads, head_dim, block_size = 16, 4, 128, 16
     seq_lens = [3000, 17, 1200, 1]
@@ -386,7 +461,8 @@ def test_cuda_graph_capture_decode_and_cache_write(kern):
 
     def step():
         cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slots)
-        attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out)
+        attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out,
+                                         sliding_window=window, soft_cap=cap)
 
     for t in (q, key, value):
         t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
@@ -401,6 +477,7 @@ def test_cuda_graph_capture_decode_and_cache_write(kern):
     for new_lens in ([2990, 5, 1201, 1], [3001, 30, 700, 16]):
         for t in (q, key, value):
             t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+        q.mul_(q_scale)
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         slots.copy_(last_slots(new_lens))
         out.fill_(float("nan"))
@@ -411,4 +488,4 @@ def test_cuda_graph_capture_decode_and_cache_write(kern):
         assert torch.equal(k_cache.view(torch.int16), expect_k.view(torch.int16))
         assert torch.equal(v_cache.view(torch.int16), expect_v.view(torch.int16))
         cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
-        check_attention(out, q, k_cache, v_cache, tables, cu, lens, head_dim**-0.5)
+        check_attention(out, q, k_cache, v_cache, tables, cu, lens, head_dim**-0.5, window, cap)

@@ -1,5 +1,6 @@
 """CPU checks of the kernel launchers: input validation raises ValueError before any launch, the
-decode split plan, and the source loader (CI; needs neither CuPy nor a GPU)."""
+decode split plan (with and without a window), kernel variants by argument, and the source loader
+(CI; needs neither CuPy nor a GPU)."""
 from __future__ import annotations
 
 import re
@@ -117,16 +118,127 @@ def test_ops_module_lists_every_kernel_of_ops_cu():
     assert len(ops_names) == 5 and dtypes == ["bf16", "fp16"] and len(rope_cache) == 4
 
 
-@pytest.mark.parametrize("module", ["attention", "cache"])
-def test_module_lists_every_entry_point_of_its_source(module):
-    """warmup compiles what MODULES lists: every extern "C" kernel of the source, instantiated
-    by a PS_ macro or written out, and nothing else."""
-    filename, listed = _compile.MODULES[module]
-    src = _compile.load_source(filename)
+def _entry_points(src: str) -> list[str]:
     by_macro = re.findall(r"^PS_\w+\((\w+),", src, re.MULTILINE)
     written = re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(',
                          src, re.MULTILINE)
-    assert sorted(listed) == sorted(by_macro + written)
+    return sorted(by_macro + written)
+
+
+_VARIANT_BLOCK = re.compile(r"^#ifdef PS_VARIANTS\n(.*?)^#endif\n", re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize("module", ["attention", "cache"])
+def test_module_lists_every_entry_point_of_its_source(module):
+    """warmup compiles what MODULES lists: every extern "C" kernel of the source, instantiated
+    by a PS_ macro or written out, outside its candidates' #ifdef PS_VARIANTS blocks, and
+    nothing else; ON_DEMAND's module lists exactly the candidates of those blocks."""
+    filename, listed = _compile.MODULES[module]
+    src = _compile.load_source(filename)
+    assert sorted(listed) == _entry_points(_VARIANT_BLOCK.sub("", src))
+    candidates = _entry_points("".join(_VARIANT_BLOCK.findall(src)))
+    on_demand = [kernels for name, (source, macro, kernels) in _compile.ON_DEMAND.items()
+                 if source == filename]
+    assert sorted(sum(on_demand, ())) == candidates
+    if module == "attention":  # the benchmarks' and tests' candidates, none of them production's
+        assert len(candidates) == 6 and not set(candidates) & set(listed)
+
+
+def test_warmup_loads_production_kernels_only(monkeypatch):
+    """An executor's start compiles and loads MODULES' kernels; a candidate's module is built
+    only when a launch names one of its kernels."""
+    loaded = []
+    monkeypatch.setattr(_compile, "get_function",
+                        lambda module, kernel, device=None, shared_mem=0: loaded.append(
+                            (module, kernel)))
+    _compile.warmup(0)
+    assert {m for m, _ in loaded} == set(_compile.MODULES)
+    candidates = set(_compile.ON_DEMAND["attention_variants"][2])
+    assert candidates and not candidates & {k for _, k in loaded}
+    assert _compile._module_spec("attention_variants")[2][-1] == "-DPS_VARIANTS"
+    assert "-DPS_VARIANTS" not in _compile._module_spec("attention")[2]
+
+
+def test_variants_are_arguments_that_name_their_kernel_and_module():
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert attention.decode_kernel(bf16, 128) == ("decode_bf16_hd128", 3)
+    assert attention.decode_kernel(fp16, 64) == ("decode_fp16_hd64", 4)
+    assert attention.decode_kernel(bf16, 128, "s2") == ("decode_s2_bf16_hd128", 2)
+    assert attention.prefill_kernel(fp16, 64, torch.device("cpu"), "mma_sync") == "prefill_fp16_hd64"
+    assert attention._few_query_kernel(fp16, 128, False) == "decode_mq_fp16_hd128"
+    assert attention._few_query_kernel(fp16, 128, True) == "decode_mqks_fp16_hd128"
+    assert attention._module_of("decode_bf16_hd128") == "attention"
+    assert attention._module_of("decode_s2_bf16_hd128") == "attention_variants"
+    assert attention._module_of("decode_mqks_fp16_hd64") == "attention_variants"
+    with pytest.raises(ValueError, match="decode_s2_fp16_hd128"):
+        attention.decode_kernel(fp16, 128, "s2")
+    with pytest.raises(ValueError, match="decode variant"):
+        attention.decode_kernel(bf16, 128, "s3")
+    with pytest.raises(ValueError, match="prefill variant"):
+        attention.prefill_kernel(bf16, 128, torch.device("cpu"), "fast")
+
+
+@pytest.mark.parametrize("window,cap", [(0, None), (-3, None), (True, None), (None, 0.0),
+                                        (None, -1.0), (None, float("inf")), (None, float("nan"))])
+def test_bad_window_or_soft_cap_is_a_value_error_naming_it(window, cap):
+    name = "sliding_window" if cap is None else "soft_cap"
+    with pytest.raises(ValueError, match=name):
+        attention._features(window, cap)
+
+
+def test_window_and_soft_cap_reach_the_kernels_as_int_and_float():
+    assert attention._features(None, None) == (0, 0.0)
+    window, cap = attention._features(4096, 50.0)
+    assert (int(window), float(cap)) == (4096, 50.0)
+    assert window.dtype.name == "int32" and cap.dtype.name == "float32"
+    assert int(attention._features(1 << 40, None)[0]) == 2**31 - 1  # past any context
+
+
+def _kernel_key_ranges(seq_len, tokens, window, block_size, splits, chunk):
+    """The decode kernels' split ranges [begin, end) for an entry of `tokens` queries ending at
+    seq_len - 1 (decode_impl's arithmetic), and the first key a query of the entry sees."""
+    first_lim = seq_len - tokens + 1  # keys the first query sees
+    lo = max(0, first_lim - window) if window else 0
+    page_lo = lo // block_size
+    ranges = []
+    for split in range(splits):
+        begin = (page_lo + split * chunk) * block_size
+        ranges.append((begin, min(seq_len, begin + chunk * block_size)))
+    return lo, ranges
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 17, 100, 129, 1000, 5000])
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_window_split_plan_covers_every_visible_key_once(block_size, window, tokens):
+    """Over contexts from one token to the table's end: the splits laid from the first query's
+    window page cover every key some query of the entry sees, each once, each within the page
+    list's bound; with a window they span at most its pages."""
+    width = 300  # table pages
+    for num_seqs in (1, 64, 256):
+        span = attention.window_pages(window, tokens, block_size, width)
+        splits, chunk = attention.decode_splits(num_seqs, 8, span, block_size, num_sms=132)
+        assert chunk <= attention._DECODE_MAX_PAGES and splits * chunk >= span
+        if window:
+            assert span <= (window + tokens - 2) // block_size + 2
+        for seq_len in range(tokens, width * block_size + 1, 131):
+            lo, ranges = _kernel_key_ranges(seq_len, tokens, window, block_size, splits, chunk)
+            live = [(b, e) for b, e in ranges if b < e]
+            assert live[0][0] <= lo and live[-1][1] == seq_len, (seq_len, lo, ranges)
+            assert all(e == b2 for (_, e), (b2, _) in zip(live, live[1:]))  # abutting, once
+            assert all(e - b <= chunk * block_size for b, e in live)
+
+
+def test_window_pages():
+    assert attention.window_pages(None, 1, 16, 300) == 300
+    assert attention.window_pages(1, 1, 16, 300) == 1
+    assert attention.window_pages(16, 1, 16, 300) == 2  # 16 keys from a page's second slot on
+    assert attention.window_pages(100, 64, 16, 300) == 12  # 163 keys from a last slot on
+    assert attention.window_pages(10**9, 1, 16, 300) == 300
+    # a window's plan: one split of its pages, where the whole table would take several
+    assert attention.decode_splits(256, 8, attention.window_pages(1000, 1, 16, 2048), 16, 132) \
+        == (1, 64)
+    assert attention.decode_splits(256, 8, 2048, 16, 132)[0] == 2
 
 
 def test_shared_memory_limit_is_only_raised(monkeypatch):

@@ -3,6 +3,7 @@ head sizes without a kernel) reads every page of a table row; whatever lies past
 length must not reach its output. Pure torch: runs on CPU."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve_kernels import reference
@@ -28,3 +29,27 @@ def test_garbage_past_the_context_never_reaches_the_output():
                                                 tables, seq_lens, 0.25)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,cap", [(1, None), (5, None), (6, None), (100, None), (None, 2.0),
+                                        (3, 2.0)])
+def test_window_and_soft_cap_as_the_reference(window, cap):
+    """The capturable twin with a layer's window and soft-cap gives the reference's result
+    (query at seq_len - 1 sees keys seq_len - W .. seq_len - 1; scores capped before the mask);
+    a window past every context is full attention."""
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, kv_heads, block_size, head_dim, heads = 16, 2, 4, 16, 4
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(4, 4)
+    seq_lens = torch.tensor([16, 5, 1, 11], dtype=torch.int32)
+    q = torch.randn(4, heads, head_dim, generator=gen) * 3
+    out = reference.torch_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25,
+                                           sliding_window=window, soft_cap=cap)
+    expected = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(),
+                                                tables, seq_lens, 0.25, sliding_window=window,
+                                                soft_cap=cap)
+    plain = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(),
+                                             tables, seq_lens, 0.25)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(plain, expected) == (window == 100)  # the case tells them apart

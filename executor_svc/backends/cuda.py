@@ -61,16 +61,11 @@ class CudaBackend:
 
     @staticmethod
     def check_model(config) -> None:
-        """Refuses a model needing what the kernels lack (missing_features), by name: the ops
-        below are never called with those arguments set, so they do not look at them."""
+        """Refuses quantized weights, which the kernels cannot multiply yet, by name."""
         if config.quantization is not None:
             kernel = "FP8 W8A8 product" if "fp8" in config.quantization else "int4 kernel"
             raise ValueError(f"{config.quantization} needs the {kernel}, which the CUDA backend "
                              "does not have yet (--backend cpu computes it)")
-        missing = missing_features(config)
-        if missing:
-            raise ValueError(f"{config.architecture} needs {' and '.join(missing)}, which the "
-                             "CUDA kernels do not have yet (--backend cpu computes it)")
 
     @staticmethod
     def check_kv_cache_dtype(kv_cache_dtype: torch.dtype) -> None:
@@ -249,18 +244,3 @@ class CudaBackend:
         runner.finish(decode)
         runner.reset()
         torch.cuda.synchronize(self.device)
-
-
-# ModelConfig feature -> its name in the load-time refusal; each is GPU work still to do.
-_MISSING_FEATURES = (
-    (lambda c: any(w is not None for w in c.layer_windows), "per-layer sliding-window attention"),
-    (lambda c: c.attn_logit_softcapping is not None, "attention logit soft-capping"),
-    (lambda c: c.rotary_dim is not None, "partial rotary embedding"),
-    (lambda c: c.rope_interleaved, "interleaved-pair rotary embedding"),
-)
-
-
-def missing_features(config) -> list[str]:
-    """What `config` (a ModelConfig) needs that neither the kernels nor their torch fallbacks
-    (float32, other head sizes) compute."""
-    return [name for needs, name in _MISSING_FEATURES if needs(config)]

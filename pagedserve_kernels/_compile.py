@@ -40,6 +40,13 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "rotary_embedding_cache_fp16_i32",
         ),
     ),
+    "quant": (
+        "quant.cu",
+        (
+            "w4a16_bf16_m16", "w4a16_bf16_m32", "w4a16_bf16_m64", "w4a16_fp16_m16",
+            "w4a16_fp16_m32", "w4a16_fp16_m64", "w4_dequant_bf16", "w4_dequant_fp16",
+        ),
+    ),
 }
 
 # Modules of candidate kernels only benchmarks and tests launch: a source built with a macro

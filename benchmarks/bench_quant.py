@@ -1,0 +1,176 @@
+"""Our W4A16 product (pagedserve_kernels.quant.int4_linear) against torch's bf16 F.linear on
+Llama-3-8B's four layer products at decode row counts and a prefill step, with dequantize + F.linear
+(the cuBLAS route) beside it; with --vllm-site, vLLM's Marlin (gptq_marlin, 4-bit, same group
+size) on the same shapes, timed the same way in a child process that alone has SITE on its path.
+
+    PYTHONPATH=. python3 benchmarks/bench_quant.py [--rows 1 16 256 ...] [--group 128] [--asym]
+                                                   [--vllm-site /tmp/vllm_site] [--json out.json]
+
+Each product runs over enough distinct weights (>= 256 MB) that none is read from L2, all captured
+in one CUDA graph (bench_kernels.graph_ms); the median replay over the weights gives µs/product.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_kernels import MATMUL_SHAPES as SHAPES, graph_ms  # noqa: E402  (this folder)
+
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 4096)
+ROTATE_BYTES = 256 << 20
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, -(-ROTATE_BYTES // nbytes))
+
+
+def time_products(product, weights: list, rows: int, k: int) -> float:
+    """µs per product: one graph of `product(x, w)` over every weight."""
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    ms = graph_ms(lambda: [product(x, w) for w in weights], calls=1, replays=7)
+    return ms * 1e3 / len(weights)
+
+
+def int4_weights(n: int, k: int, group: int, asym: bool, count: int) -> list:
+    from pagedserve_kernels import quant
+
+    group = k if group == -1 else group
+    words = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), dtype=torch.int64,
+                          device="cuda").to(torch.int32)  # 8 random nibbles each
+    scales = (torch.rand(k // group, n, device="cuda") * 0.02 + 1e-3).to(torch.bfloat16)
+    zeros = (torch.randint(0, 16, (k // group, n), device="cuda").to(torch.uint8)
+             if asym else None)
+    return [quant.repack(words, scales, zeros, group) for _ in range(count)]
+
+
+def ours(rows_list, group: int, asym: bool) -> dict:
+    from pagedserve_kernels import quant
+
+    quant.prepare(torch.device("cuda"))
+    out = {}
+    for name, n, k in SHAPES:
+        dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+                 for _ in range(copies_for(2 * n * k))]
+        packed = int4_weights(n, k, group, asym, copies_for(n * k // 2))
+        scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+        for rows in rows_list:
+            out[f"{name} {rows}"] = {
+                "bf16_us": time_products(F.linear, dense, rows, k),
+                "int4_us": time_products(quant.int4_linear, packed, rows, k),
+                "dequant_cublas_us": time_products(
+                    lambda x, p: F.linear(x, quant.dequantize(p, scratch)), packed, rows, k),
+            }
+            print(name, rows, {key: round(v, 1) for key, v in out[f"{name} {rows}"].items()},
+                  flush=True)
+        del dense, packed, scratch
+        torch.cuda.empty_cache()
+    return out
+
+
+def marlin_worker(path: str, rows_list, group: int, asym: bool) -> None:
+    """In the child: vLLM's Marlin on random 4-bit weights (values do not change its time)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils import marlin_utils_test as mt
+    from vllm.scalar_type import scalar_types
+
+    gemm = getattr(ops, "marlin_gemm", None)  # renamed from gptq_marlin_gemm in later versions
+    if gemm is None or "b_q_type" not in inspect.signature(gemm).parameters:
+        gemm = ops.gptq_marlin_gemm
+    params = inspect.signature(gemm).parameters
+    qtype = scalar_types.uint4 if asym else scalar_types.uint4b8
+    out = {}
+    for name, n, k in SHAPES:
+        w = torch.randn(k, n, dtype=torch.bfloat16, device="cuda") * 0.02
+        if asym:
+            _, q, s, zp = mt.awq_marlin_quantize(w, qtype, group)
+        else:
+            quantize_args = inspect.signature(mt.marlin_quantize).parameters
+            extra = {"act_order": False} if "act_order" in quantize_args else {}
+            _, q, s = mt.marlin_quantize(w, qtype, group, **extra)[:3]
+            zp = torch.empty(0, dtype=torch.int, device="cuda")
+        del w
+        empty = torch.empty(0, dtype=torch.int, device="cuda")
+        workspace = mt.MarlinWorkspace(n, 64, 16).scratch
+        weights = [(q, s, zp)] + [(q.clone(), s.clone(), zp.clone())
+                                  for _ in range(copies_for(n * k // 2) - 1)]
+
+        def product(x, weight):
+            args = {"a": x, "c": None, "b_q_weight": weight[0], "b_bias": None,
+                    "b_scales": weight[1], "a_scales": None, "global_scale": None,
+                    "b_zeros": weight[2], "g_idx": empty, "perm": empty, "workspace": workspace,
+                    "b_q_type": qtype, "size_m": x.shape[0], "size_n": n, "size_k": k,
+                    "is_k_full": True, "use_atomic_add": False, "use_fp32_reduce": True,
+                    "is_zp_float": False, "has_zp": asym, "num_bits": 4}
+            return gemm(**{key: v for key, v in args.items() if key in params})
+
+        for rows in rows_list:
+            out[f"{name} {rows}"] = {"marlin_us": time_products(product, weights, rows, k)}
+        del weights
+        torch.cuda.empty_cache()
+    Path(path).write_text(json.dumps(out))
+
+
+def run_marlin(site: str, rows_list, group: int, asym: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "marlin.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, str(ROOT)]),
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, __file__, "--marlin-worker", str(path), "--group", str(group),
+               "--rows", *map(str, rows_list)] + (["--asym"] if asym else [])
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(path.read_text())
+
+
+def table(results: dict, rows_list) -> None:
+    print("| product | rows | bf16 µs | int4 µs | int4 vs bf16 | dequant+cuBLAS µs | Marlin µs "
+          "| int4 vs Marlin |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, _, _ in SHAPES + [("layer", 0, 0)]:
+        for rows in rows_list:
+            if name == "layer":  # the four products of one decoder layer
+                parts = [results[f"{s} {rows}"] for s, _, _ in SHAPES]
+                r = {key: sum(p.get(key, float("nan")) for p in parts) for key in parts[0]}
+            else:
+                r = results[f"{name} {rows}"]
+            marlin = r.get("marlin_us", float("nan"))
+            print(f"| {name} | {rows} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | "
+                  f"{r['bf16_us'] / r['int4_us']:.2f}x | {r['dequant_cublas_us']:.1f} | "
+                  f"{marlin:.1f} | {marlin / r['int4_us']:.2f}x |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    p.add_argument("--group", type=int, default=128, help="input rows per scale; -1: per column")
+    p.add_argument("--asym", action="store_true", help="zero points per group (AWQ-like)")
+    p.add_argument("--vllm-site", help="a folder holding vLLM (compare with its Marlin kernel)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--marlin-worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    if args.marlin_worker:
+        marlin_worker(args.marlin_worker, args.rows, args.group, args.asym)
+        return
+    results = ours(args.rows, args.group, args.asym)
+    if args.vllm_site:
+        for key, value in run_marlin(args.vllm_site, args.rows, args.group, args.asym).items():
+            results[key].update(value)
+    table(results, args.rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

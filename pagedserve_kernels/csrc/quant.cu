@@ -1,0 +1,316 @@
+// W4A16 products: y[M, N] = x[M, K] . W[K, N] with W = (q - zero) * scale per group of input rows,
+// q 4-bit. Weights come repacked by pagedserve_kernels/quant.py (`repack`) so that one 16-byte load
+// gives a lane the B fragments of mma.m16n8k16 for a 32-row chunk of four n8 tiles; nibbles turn
+// into bf16/fp16 in registers by the magic-number trick (or-ing a nibble into the mantissa of 128
+// or 1024), so (q - zero) is exact and one multiply rounds W as dequantize-then-cast does.
+#include "common.cuh"
+
+namespace ps_quant {
+
+constexpr int THREADS = 256;  // 8 warps: 4 along N (32 columns each) x 2 along K
+constexpr int CTA_N = 128;
+constexpr int STAGE_K = 64;   // one k32 chunk per K warp
+
+// Packed weight tile (n32 block b, k32 chunk c): 32 lanes x uint4, at ((b * KC + c) * 32 + lane).
+// Word j of lane (g = lane / 4, t = lane % 4) holds column 32b + 8j + g; its nibble p (bits 4p..)
+// holds pair i = p % 4, element p / 4 of that pair, pair i being rows 32c + 16(i / 2) + 8(i % 2)
+// + 2t + {0, 1}: the B fragment registers (b0, b1) of the chunk's two k16 steps, in order.
+template <typename T> struct Int4;
+template <> struct Int4<__nv_bfloat16> {
+  static constexpr unsigned int BASE = 0x43004300u;       // 128.0 twice: 128 + n is exact
+  static constexpr unsigned int SYM_ZERO = 0x43084308u;   // 136.0 = 128 + 8
+  static __device__ __forceinline__ unsigned int pair(unsigned int q, unsigned int z2,
+                                                      unsigned int s2) {
+    unsigned int v = (q & 0x000f000fu) | BASE;
+    __nv_bfloat162 d = __hmul2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&v),
+                                       *reinterpret_cast<__nv_bfloat162*>(&z2)),
+                               *reinterpret_cast<__nv_bfloat162*>(&s2));
+    return *reinterpret_cast<unsigned int*>(&d);
+  }
+};
+template <> struct Int4<__half> {
+  static constexpr unsigned int BASE = 0x64006400u;       // 1024.0 twice: 1024 + n is exact
+  static constexpr unsigned int SYM_ZERO = 0x64086408u;   // 1032.0 = 1024 + 8
+  static __device__ __forceinline__ unsigned int pair(unsigned int q, unsigned int z2,
+                                                      unsigned int s2) {
+    unsigned int v = (q & 0x000f000fu) | BASE;
+    __half2 d = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&v), *reinterpret_cast<__half2*>(&z2)),
+                        *reinterpret_cast<__half2*>(&s2));
+    return *reinterpret_cast<unsigned int*>(&d);
+  }
+};
+
+__device__ __forceinline__ unsigned int dup_lo(unsigned int u) { return __byte_perm(u, 0, 0x1010); }
+__device__ __forceinline__ unsigned int dup_hi(unsigned int u) { return __byte_perm(u, 0, 0x3232); }
+
+// Two floats another thread block wrote, read from L2 (never a stale L1 line).
+__device__ __forceinline__ float2 ld_l2(const float* p) {
+  float2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+
+template <int MT>
+struct Cfg {
+  static constexpr int ROWS = 16 * MT;
+  static constexpr int STAGES = MT == 1 ? 6 : (MT == 2 ? 5 : 4);
+  static constexpr int W_BYTES = THREADS * 16;         // one uint4 per thread
+  static constexpr int X_BYTES = ROWS * STAGE_K * 2;   // [ROWS][64] swizzled 16-byte chunks
+  static constexpr int S_BYTES = 2 * CTA_N * 2;        // scales of the stage's two k32 chunks
+  static constexpr int STAGE_BYTES = W_BYTES + X_BYTES + 2 * S_BYTES;  // + zeros, as scales
+  static constexpr int SMEM = STAGES * STAGE_BYTES;    // quant.py's _smem_bytes mirrors this
+  static_assert(4 * MT * 16 * 32 * 4 <= SMEM, "the K-warp reduction reuses the pipeline");
+};
+
+// Epilogue: two adjacent columns n, n + 1 of row m, plus bias, rounded once.
+template <typename T>
+__device__ __forceinline__ void store2(T* y, long long y_stride, int m, int n, float v0, float v1,
+                                      const T* bias) {
+  if (bias != nullptr) {
+    const float2 b = ps::Pack<T>::unpack(*reinterpret_cast<const unsigned int*>(bias + n));
+    v0 += b.x;
+    v1 += b.y;
+  }
+  *reinterpret_cast<unsigned int*>(y + m * y_stride + n) = ps::Pack<T>::two(v0, v1);
+}
+
+// Grid (Np / 128, splits, ceil(M / ROWS)); 256 threads. Split s covers K stages
+// [s * split_stages, ...). splits == 1: the CTA writes y. Else each CTA writes fp32 partials to
+// ws[split][M][Np] and the last CTA of a tile (counters[tile], reset by it) sums them in split
+// order: deterministic, capturable, no host sync.
+template <typename T, int MT>
+__device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
+                                      const T* __restrict__ x, long long x_stride,
+                                      const uint4* __restrict__ qw, const T* __restrict__ scales,
+                                      const T* __restrict__ zeros, const T* __restrict__ bias,
+                                      float* __restrict__ ws, int* __restrict__ counters, int M,
+                                      int N, int K, int Kp, int Np, int group, int split_stages) {
+  using C = Cfg<MT>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int s_last;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wn = warp & 3, wk = warp >> 2, g = lane >> 2, t = lane & 3;
+  const int ncta = blockIdx.x, split = blockIdx.y, m0 = blockIdx.z * C::ROWS;
+  const int KC = Kp >> 5, NB = Np >> 5;
+  const int s0 = split * split_stages;
+  const int nst = min(Kp / STAGE_K - s0, split_stages);
+  const int nb = ncta * 4 + wn;
+  const uint4* wsrc = qw + ((size_t)nb * KC + wk) * 32 + lane;  // + 64 per stage
+  const unsigned int smem0 = ps::smem_addr(smem);
+
+  auto load_stage = [&](int i) {
+    const int s = s0 + i;
+    const unsigned int st = smem0 + (i % C::STAGES) * C::STAGE_BYTES;
+    ps::cp_async16(st + tid * 16, wsrc + (size_t)s * 64, 16);
+    const unsigned int xs = st + C::W_BYTES;
+#pragma unroll
+    for (int c = tid; c < C::ROWS * 8; c += THREADS) {
+      const int row = c >> 3, ch = c & 7, k = s * STAGE_K + ch * 8, m = m0 + row;
+      const bool ok = m < M && k < K;  // zero-filled past the rows and K (padding reads 0)
+      const T* src = ok ? x + (long long)m * x_stride + k : x;
+      ps::cp_async16(xs + row * 128 + ((ch ^ (row & 7)) << 4), src, ok ? 16 : 0);
+    }
+    if (tid < 64) {  // 32 threads copy the scales, 32 the zeros: 2 chunks x 256 bytes each
+      const T* base = tid < 32 ? scales : zeros;
+      if (base != nullptr) {
+        const int c = tid & 31, half = c >> 4, part = c & 15;
+        const int grp = (s * STAGE_K + half * 32) / group;
+        const T* src = base + ((size_t)grp * NB + ncta * 4) * 32 + part * 8;
+        ps::cp_async16(st + C::W_BYTES + C::X_BYTES + (tid < 32 ? 0 : C::S_BYTES) + half * 256 +
+                           part * 16,
+                       src, 16);
+      }
+    }
+  };
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][j][r] = 0.f;
+
+#pragma unroll
+  for (int i = 0; i < C::STAGES - 1; ++i) {
+    if (i < nst) load_stage(i);
+    ps::cp_async_commit();
+  }
+  for (int i = 0; i < nst; ++i) {
+    ps::cp_async_wait<C::STAGES - 2>();  // stage i has landed (own copies), then everyone's
+    __syncthreads();                     // ... and the buffer refilled below is read by no one
+    if (i + C::STAGES - 1 < nst) load_stage(i + C::STAGES - 1);
+    ps::cp_async_commit();
+
+    const int b = i % C::STAGES;
+    const unsigned char* st = smem + b * C::STAGE_BYTES;
+    const uint4 wq = *reinterpret_cast<const uint4*>(st + tid * 16);
+    const unsigned int qv[4] = {wq.x, wq.y, wq.z, wq.w};
+    const int sidx = C::W_BYTES + C::X_BYTES + wk * 256 + (wn * 32 + g * 4) * 2;  // 4 columns
+    const uint2 sraw = *reinterpret_cast<const uint2*>(st + sidx);
+    const unsigned int s2[4] = {dup_lo(sraw.x), dup_hi(sraw.x), dup_lo(sraw.y), dup_hi(sraw.y)};
+    unsigned int z2[4] = {Int4<T>::SYM_ZERO, Int4<T>::SYM_ZERO, Int4<T>::SYM_ZERO,
+                          Int4<T>::SYM_ZERO};
+    if (zeros != nullptr) {
+      const uint2 zraw = *reinterpret_cast<const uint2*>(st + sidx + C::S_BYTES);
+      z2[0] = dup_lo(zraw.x);
+      z2[1] = dup_hi(zraw.x);
+      z2[2] = dup_lo(zraw.y);
+      z2[3] = dup_hi(zraw.y);
+    }
+    const unsigned int xs = smem0 + b * C::STAGE_BYTES + C::W_BYTES;
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh) {
+      unsigned int a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {  // A fragment of rows 16mt.., k 32wk + 16kh..
+        const int row = mt * 16 + (lane & 15), chunk = wk * 4 + kh * 2 + (lane >> 4);
+        ps::ldmatrix_x4(a[mt], xs + row * 128 + ((chunk ^ (row & 7)) << 4));
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const unsigned int b0 = Int4<T>::pair(qv[j] >> (8 * kh), z2[j], s2[j]);
+        const unsigned int b1 = Int4<T>::pair(qv[j] >> (8 * kh + 4), z2[j], s2[j]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ps::mma16816<T>(acc[mt][j], a[mt], b0, b1);
+      }
+    }
+  }
+  ps::cp_async_wait<0>();
+  __syncthreads();
+
+  // The two K warps of each column block add up (fixed order); K warp 0 holds the sum.
+  float* red = reinterpret_cast<float*>(smem);
+  if (wk == 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          red[(((wn * MT + mt) * 4 + j) * 4 + r) * 32 + lane] = acc[mt][j][r];
+  }
+  __syncthreads();
+  if (wk == 0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          acc[mt][j][r] += red[(((wn * MT + mt) * 4 + j) * 4 + r) * 32 + lane];
+  }
+
+  if (gridDim.y == 1) {
+    if (wk == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int n = nb * 32 + j * 8 + 2 * t, m = m0 + mt * 16 + g;
+          if (n >= N) continue;
+          if (m < M) store2(y, y_stride, m, n, acc[mt][j][0], acc[mt][j][1], bias);
+          if (m + 8 < M) store2(y, y_stride, m + 8, n, acc[mt][j][2], acc[mt][j][3], bias);
+        }
+    }
+    return;
+  }
+
+  if (wk == 0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n = nb * 32 + j * 8 + 2 * t, m = m0 + mt * 16 + g;
+        float* part = ws + (size_t)split * M * Np + n;
+        if (m < M)
+          *reinterpret_cast<float2*>(part + (size_t)m * Np) =
+              make_float2(acc[mt][j][0], acc[mt][j][1]);
+        if (m + 8 < M)
+          *reinterpret_cast<float2*>(part + (size_t)(m + 8) * Np) =
+              make_float2(acc[mt][j][2], acc[mt][j][3]);
+      }
+  }
+  __threadfence();  // partials visible device-wide before this CTA counts itself in
+  __syncthreads();
+  if (tid == 0) {
+    const int tile = blockIdx.z * gridDim.x + ncta;
+    s_last = atomicAdd(counters + tile, 1) == (int)gridDim.y - 1;
+    if (s_last) counters[tile] = 0;  // every other split has counted: ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int rows = min(C::ROWS, M - m0);
+  for (int e = tid; e < rows * (CTA_N / 2); e += THREADS) {
+    const int m = m0 + e / (CTA_N / 2), n = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
+    if (n >= N) continue;
+    float2 sum = make_float2(0.f, 0.f);
+    for (int sp = 0; sp < (int)gridDim.y; ++sp) {
+      const float2 v = ld_l2(ws + ((size_t)sp * M + m) * Np + n);
+      sum.x += v.x;
+      sum.y += v.y;
+    }
+    store2(y, y_stride, m, n, sum.x, sum.y, bias);
+  }
+}
+
+// W[N, K] (row-major, F.linear's layout) from the packed form, exactly the values the product
+// multiplies: one thread per packed uint4 (32 weights).
+template <typename T>
+__device__ __forceinline__ void dequant(T* __restrict__ w, const uint4* __restrict__ qw,
+                                        const T* __restrict__ scales, const T* __restrict__ zeros,
+                                        int N, int K, int Kp, int Np, int group) {
+  const int KC = Kp >> 5, NB = Np >> 5;
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long long)NB * KC * 32) return;
+  const int lane = (int)(idx & 31), g = lane >> 2, t = lane & 3;
+  const long long tile = idx >> 5;
+  const int kc = (int)(tile % KC), nb = (int)(tile / KC);
+  const uint4 wq = qw[idx];
+  const unsigned int qv[4] = {wq.x, wq.y, wq.z, wq.w};
+  const size_t sbase = ((size_t)(kc * 32 / group) * NB + nb) * 32 + g * 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = nb * 32 + j * 8 + g;
+    if (n >= N) continue;
+    const unsigned short sv = *reinterpret_cast<const unsigned short*>(scales + sbase + j);
+    const unsigned int s2 = (unsigned int)sv * 0x10001u;
+    unsigned int z2 = Int4<T>::SYM_ZERO;
+    if (zeros != nullptr)
+      z2 = (unsigned int)(*reinterpret_cast<const unsigned short*>(zeros + sbase + j)) * 0x10001u;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int k = kc * 32 + (p >> 1) * 16 + (p & 1) * 8 + 2 * t;
+      if (k < K)
+        *reinterpret_cast<unsigned int*>(w + (size_t)n * K + k) =
+            Int4<T>::pair(qv[j] >> (4 * p), z2, s2);
+    }
+  }
+}
+
+}  // namespace ps_quant
+
+#define PS_QUANT_PRODUCT(NAME, T, MT, MIN_CTAS)                                                \
+  extern "C" __global__ void __launch_bounds__(ps_quant::THREADS, MIN_CTAS)                    \
+      NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
+           const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
+           int N, int K, int Kp, int Np, int group, int split_stages) {                        \
+    ps_quant::w4a16<T, MT>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws, counters, M, \
+                           N, K, Kp, Np, group, split_stages);                                 \
+  }
+PS_QUANT_PRODUCT(w4a16_bf16_m16, __nv_bfloat16, 1, 3)
+PS_QUANT_PRODUCT(w4a16_bf16_m32, __nv_bfloat16, 2, 2)
+PS_QUANT_PRODUCT(w4a16_bf16_m64, __nv_bfloat16, 4, 1)
+PS_QUANT_PRODUCT(w4a16_fp16_m16, __half, 1, 3)
+PS_QUANT_PRODUCT(w4a16_fp16_m32, __half, 2, 2)
+PS_QUANT_PRODUCT(w4a16_fp16_m64, __half, 4, 1)
+
+#define PS_QUANT_DEQUANT(NAME, T)                                                              \
+  extern "C" __global__ void __launch_bounds__(256)                                            \
+      NAME(T* w, const uint4* qw, const T* scales, const T* zeros, int N, int K, int Kp,       \
+           int Np, int group) {                                                                \
+    ps_quant::dequant<T>(w, qw, scales, zeros, N, K, Kp, Np, group);                           \
+  }
+PS_QUANT_DEQUANT(w4_dequant_bf16, __nv_bfloat16)
+PS_QUANT_DEQUANT(w4_dequant_fp16, __half)

@@ -1,0 +1,344 @@
+"""W4A16 products (csrc/quant.cu): an int4 weight repacked once at load (`repack`, pure torch, runs
+on the CPU too) into the kernel's layout, dequantized in registers, multiplied on tensor cores;
+bf16/fp16 activations, any row count, capturable. Imports cupy only when launching.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+
+import torch
+
+from pagedserve_kernels import _compile
+from pagedserve_kernels._compile import i32 as _i32, i64 as _i64
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The dequant ors a nibble into the mantissa of this value (128 + n, 1024 + n: exact); a zero
+# point is stored as base + zero so (q - zero) is one exact subtraction in the kernel.
+MAGIC_BASE = {torch.bfloat16: 128, torch.float16: 1024}
+SYMMETRIC_ZERO = 8
+PACK = 8  # nibbles per int32
+CHUNK = 32  # input rows per packed tile (and the finest group size the kernel reads)
+CTA_N = 128  # output columns per thread block (the padded N is a multiple)
+STAGE_K = 64  # input rows per pipeline stage (the padded K is a multiple)
+_THREADS = 256
+_STAGES = {1: 6, 2: 5, 4: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
+_MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
+WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
+MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
+
+_lock = threading.Lock()
+_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_resident: dict[tuple[str, int], int] = {}
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """An int4 linear in the kernel's layout (quant.cu's header comment): N, K padded to
+    multiples of 128 and 64 with zero scales; `unpack` inverts it."""
+
+    qweight: torch.Tensor  # [Np / 32, Kp / 32, 32, 4] int32: (n32 block, k32 chunk), lane, word
+    scales: torch.Tensor  # [ceil(Kp / group), Np / 32, 8, 4]: group, n32 block, g, j (col 8j + g)
+    zeros: torch.Tensor | None  # as scales, MAGIC_BASE + zero point; None: symmetric (8)
+    n: int
+    k: int
+    group_size: int  # input rows per group (k for one group per output column)
+    perm: torch.Tensor | None  # [K] int64: row k multiplies x[:, perm[k]] (act-order); None: id
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K), as a dense weight's."""
+        return self.n, self.k
+
+    def to(self, device: torch.device | str) -> "PackedInt4":
+        return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device),
+                       zeros=None if self.zeros is None else self.zeros.to(device),
+                       perm=None if self.perm is None else self.perm.to(device))
+
+
+def repack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+           group_size: int, perm: torch.Tensor | None = None,
+           dtype: torch.dtype | None = None) -> PackedInt4:
+    """The kernel's layout of reference.dequantize_int4's arguments (Int4Weight's fields).
+
+    qweight: [K / 8, N] int32, nibble j of word r is row 8r + j (0..15)
+    scales: [K / group_size, N]; zeros: [K / group_size, N] uint8 0..16, or None for 8
+    group_size: a multiple of 32, or K (one group per column); perm: [K] or None
+    dtype: the activations' (bf16/fp16), scales' by default. Runs where the tensors are.
+    """
+    dtype = scales.dtype if dtype is None else dtype
+    n, k = _check_int4(qweight, scales, zeros, group_size, perm, dtype)
+    kp, np_ = _round_up(k, STAGE_K), _round_up(n, CTA_N)
+    kc, nb = kp // CHUNK, np_ // CHUNK
+    q = torch.zeros(kp, np_, dtype=torch.uint8, device=qweight.device)  # padding: any finite
+    q[:k, :n] = unpack_rows(qweight)
+    # row 32c + 16kh + 8kb + 2t + h, column 32b + 8j + g -> word [b, c, g, t, j], nibble 4h+2kh+kb
+    q = q.view(kc, 2, 2, 4, 2, nb, 4, 8).permute(5, 0, 7, 3, 6, 4, 1, 2).reshape(nb, kc, 32, 4, 8)
+    words = _words(q)
+    groups = -(-kp // group_size)
+    packed_scales = _pack_groups(scales.to(dtype), groups, np_, 0)
+    packed_zeros = None
+    if zeros is not None:
+        base = MAGIC_BASE[dtype]
+        packed_zeros = _pack_groups((zeros.float() + base).to(dtype), groups, np_,
+                                    base + SYMMETRIC_ZERO)
+    if perm is not None:
+        perm = perm.to(torch.int64).contiguous()
+    return PackedInt4(words.contiguous(), packed_scales, packed_zeros, n, k, group_size, perm)
+
+
+def unpack(packed: PackedInt4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(qweight, scales, zeros) as `repack` took them: the inverse of its layout."""
+    n, k, group = packed.n, packed.k, packed.group_size
+    nb, kc = packed.qweight.shape[:2]
+    shifts = torch.arange(PACK, dtype=torch.int32, device=packed.qweight.device) * 4
+    q = (packed.qweight.unsqueeze(-1) >> shifts) & 0xF  # [b, c, lane, j, nibble]
+    q = q.view(nb, kc, 8, 4, 4, 2, 2, 2).permute(1, 6, 7, 3, 5, 0, 4, 2)
+    q = q.reshape(kc * CHUNK, nb * CHUNK)[:k, :n]
+    scales = _unpack_groups(packed.scales)[: k // group, :n]
+    zeros = None
+    if packed.zeros is not None:
+        zeros = (_unpack_groups(packed.zeros)[: k // group, :n].float()
+                 - MAGIC_BASE[packed.dtype]).to(torch.uint8)
+    return pack_rows(q), scales, zeros
+
+
+def int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x[:, perm] @ W^T (+ bias), W = (q - zero) * scale as reference.int4_linear computes it,
+    fp32 accumulation, one rounding.
+
+    x: [num_tokens, K] packed.dtype (bf16/fp16) on packed's GPU; any strides (copied when the
+       kernel cannot read them: last dim not contiguous, row stride or start not 16-byte aligned)
+    bias: [N] x's dtype or None; out: [num_tokens, N], last dim contiguous, or None (allocated)
+    returns out. Capturable once `prepare(device)` has run; the split-K workspace is shared by
+    all products of a device, so launch them on one stream.
+    """
+    _check_x(x, packed)
+    num_tokens, n = x.shape[0], packed.n
+    out = _check_out(out, num_tokens, n, x)
+    if num_tokens == 0:
+        return out
+    if packed.perm is not None:
+        x = x.index_select(1, packed.perm)
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    if bias is not None:
+        bias = _check_bias(bias, n, x)
+    mt = 1 if num_tokens <= 16 else 2 if num_tokens <= 32 else 4
+    kernel = f"w4a16_{_DTYPES[x.dtype]}_m{16 * mt}"
+    kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
+    m_tiles = -(-num_tokens // (16 * mt))
+    splits, split_stages = _splits(kernel, x.device, m_tiles, np_ // CTA_N, kp // STAGE_K,
+                                   num_tokens * np_)
+    ws_ptr = counters_ptr = 0
+    if splits > 1:
+        ws, counters = _workspace(x.device)
+        ws_ptr, counters_ptr = ws.data_ptr(), counters.data_ptr()
+    args = (out.data_ptr(), _i64(out.stride(0)), x.data_ptr(), _i64(x.stride(0)),
+            packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.zeros),
+            _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
+            _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
+    _compile.launch("quant", kernel, x.device, (np_ // CTA_N, splits, m_tiles), (_THREADS, 1, 1),
+                    args, shared_mem=_smem_bytes(mt))
+    return out
+
+
+def dequantize(packed: PackedInt4, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W [N, K] in packed.dtype (F.linear's layout, rows in packed's input order), exactly the
+    values int4_linear multiplies: reference.dequantize_int4(...).to(dtype). For large row counts
+    a dequantized scratch weight and cuBLAS may beat the fused product."""
+    n, k = packed.n, packed.k
+    device = packed.qweight.device
+    if out is None:
+        out = torch.empty(n, k, dtype=packed.dtype, device=device)
+    if out.shape != (n, k) or out.dtype != packed.dtype or not out.is_contiguous() \
+            or out.device != device:
+        raise ValueError(f"out must be a contiguous [{n}, {k}] {packed.dtype} tensor on {device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    words = packed.qweight.numel() // 4
+    kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
+    args = (out.data_ptr(), packed.qweight.data_ptr(), packed.scales.data_ptr(),
+            _ptr(packed.zeros), _i32(n), _i32(k), _i32(kp), _i32(np_), _i32(packed.group_size))
+    _compile.launch("quant", f"w4_dequant_{_DTYPES[packed.dtype]}", device,
+                    (-(-words // 256), 1, 1), (256, 1, 1), args)
+    return out
+
+
+def prepare(device: torch.device | int | None = None) -> None:
+    """Compile the kernels and allocate the device's split-K workspace: before a CUDA-graph
+    capture (nothing is allocated while capturing)."""
+    device = torch.device("cuda", _index(device))
+    for name in _compile.MODULES["quant"][1]:
+        _compile.get_function("quant", name, device)
+    _workspace(device)
+
+
+# ---- layout helpers (torch only) ----
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C] int32 -> [8R, C] uint8 0..15: row 8r + j is nibble j of row r."""
+    rows, cols = packed.shape
+    out = torch.empty(rows, PACK, cols, dtype=torch.uint8, device=packed.device)
+    for j in range(PACK):
+        out[:, j] = (packed >> (4 * j)) & 0xF
+    return out.view(rows * PACK, cols)
+
+
+def pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """[8R, C] 0..15 -> [R, C] int32, the inverse of unpack_rows."""
+    return _words(values.reshape(-1, PACK, values.shape[1]).transpose(1, 2))
+
+
+def _words(nibbles: torch.Tensor) -> torch.Tensor:
+    """[..., 8] 0..15 -> [...] int32 with nibble p at bits 4p, without int32 overflow: the top
+    nibble enters as its signed value times 2^28."""
+    words = torch.zeros(nibbles.shape[:-1], dtype=torch.int32, device=nibbles.device)
+    for p in range(PACK - 1):
+        words += nibbles[..., p].to(torch.int32) << (4 * p)
+    top = nibbles[..., PACK - 1].to(torch.int32)
+    return words + (top - 16 * (top >= 8).to(torch.int32)) * (1 << 28)
+
+
+def _pack_groups(t: torch.Tensor, groups: int, np_: int, fill: float) -> torch.Tensor:
+    """[G, N] -> [groups, Np / 32, 8, 4] (padding: fill): column 32b + 8j + g at [., b, g, j]."""
+    padded = torch.full((groups, np_), fill, dtype=t.dtype, device=t.device)
+    padded[: t.shape[0], : t.shape[1]] = t
+    return padded.view(groups, np_ // CHUNK, 4, 8).transpose(2, 3).contiguous()
+
+
+def _unpack_groups(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(2, 3).reshape(t.shape[0], -1)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _check_int4(qweight, scales, zeros, group_size, perm, dtype) -> tuple[int, int]:
+    if dtype not in _DTYPES:
+        raise ValueError(f"the int4 kernel computes in bfloat16 or float16, not {dtype}")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be [K / 8, N] int32, got {tuple(qweight.shape)} "
+                         f"{qweight.dtype}")
+    k, n = qweight.shape[0] * PACK, qweight.shape[1]
+    if n % PACK or k == 0 or n == 0:
+        raise ValueError(f"qweight {tuple(qweight.shape)}: N must be a positive multiple of 8")
+    if group_size <= 0 or k % group_size or (group_size % CHUNK and group_size != k):
+        raise ValueError(f"group_size {group_size}: the int4 kernel takes a multiple of {CHUNK} "
+                         f"dividing K = {k}, or K itself")
+    groups = k // group_size
+    if tuple(scales.shape) != (groups, n) or not scales.is_floating_point():
+        raise ValueError(f"scales must be float [{groups}, {n}], got {tuple(scales.shape)} "
+                         f"{scales.dtype}")
+    if zeros is not None and (tuple(zeros.shape) != (groups, n) or zeros.dtype != torch.uint8):
+        raise ValueError(f"zeros must be uint8 [{groups}, {n}], got {tuple(zeros.shape)} "
+                         f"{zeros.dtype}")
+    if perm is not None and tuple(perm.shape) != (k,):
+        raise ValueError(f"perm must be [{k}], got {tuple(perm.shape)}")
+    for name, t in (("scales", scales), ("zeros", zeros), ("perm", perm)):
+        if t is not None and t.device != qweight.device:
+            raise ValueError(f"{name} is on {t.device}, qweight on {qweight.device}")
+    return n, k
+
+
+def _check_x(x: torch.Tensor, packed: PackedInt4) -> None:
+    if x.device.type != "cuda" or x.device != packed.qweight.device:
+        raise ValueError(f"x must be on the packed weight's GPU ({packed.qweight.device}), got "
+                         f"{x.device}")
+    if x.dtype != packed.dtype:
+        raise ValueError(f"x is {x.dtype}, the packed weight computes in {packed.dtype}")
+    if x.dim() != 2 or x.shape[1] != packed.k:
+        raise ValueError(f"x must be [num_tokens, {packed.k}], got {tuple(x.shape)}")
+
+
+def _check_out(out, num_tokens: int, n: int, x: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    if (out.shape != (num_tokens, n) or out.dtype != x.dtype or out.device != x.device
+            or (n > 1 and out.stride(1) != 1) or out.stride(0) % 2 or out.data_ptr() % 4):
+        raise ValueError(f"out must be [{num_tokens}, {n}] {x.dtype} on {x.device} with a "
+                         f"contiguous last dim, got {tuple(out.shape)} {out.dtype} strides "
+                         f"{out.stride()}")
+    return out
+
+
+def _check_bias(bias: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
+    if bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device:
+        raise ValueError(f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} "
+                         f"{bias.dtype} on {bias.device}")
+    return bias if bias.is_contiguous() and bias.data_ptr() % 4 == 0 else bias.contiguous()
+
+
+def _index(device: torch.device | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    if device is None or device.index is None:
+        return torch.cuda.current_device()
+    return device.index
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _smem_bytes(mt: int) -> int:
+    """Cfg<MT>::SMEM of quant.cu: stages x (weights + activations + scales + zeros)."""
+    return _STAGES[mt] * (_THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2))
+
+
+def _splits(kernel: str, device: torch.device, m_tiles: int, n_blocks: int, k_stages: int,
+            partial_floats: int) -> tuple[int, int]:
+    """(splits, stages per split): split K until the grid fills the resident thread blocks of
+    every SM, within the workspace; 1 when the tiles alone do."""
+    tiles = m_tiles * n_blocks
+    target = _sm_count(device) * _resident_ctas(kernel, device)
+    splits = min(round(target / tiles), k_stages // _MIN_SPLIT_STAGES,
+                 WORKSPACE_FLOATS // partial_floats)
+    if splits <= 1 or tiles > MAX_SPLIT_TILES:
+        return 1, k_stages
+    per = -(-k_stages // splits)
+    return -(-k_stages // per), per
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _resident_ctas(kernel: str, device: torch.device) -> int:
+    """Thread blocks of `kernel` one SM holds at once (registers, shared memory, threads)."""
+    index = _index(device)
+    key = (kernel, index)
+    if key not in _resident:
+        mt = int(kernel.rsplit("_m", 1)[1]) // 16
+        smem = _smem_bytes(mt)
+        fn = _compile.get_function("quant", kernel, index, smem)
+        props = torch.cuda.get_device_properties(index)
+        regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp
+        regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
+        smem_per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+        by_regs = regs_per_sm // (regs * _THREADS // 32)
+        by_smem = smem_per_sm // (smem + 1024)  # 1 KiB reserved per block
+        _resident[key] = max(1, min(by_regs, by_smem, 2048 // _THREADS))
+    return _resident[key]
+
+
+def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K partials and per-tile arrival counters (zero between launches)."""
+    index = _index(device)
+    found = _workspaces.get(index)
+    if found is not None:
+        return found
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the int4 split-K workspace is allocated while capturing a CUDA "
+                           "graph; call pagedserve_kernels.quant.prepare(device) first")
+    with _lock:
+        if index not in _workspaces:
+            dev = torch.device("cuda", index)
+            _workspaces[index] = (torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=dev),
+                                  torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=dev))
+        return _workspaces[index]

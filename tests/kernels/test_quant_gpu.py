@@ -1,0 +1,152 @@
+"""The W4A16 kernels (pagedserve_kernels.quant) on the GPU against dequantize-then-matmul in float32
+on fresh random inputs: every row-count path (1, 7, 64, 256, 4096 rows: one m16 tile, split-K,
+m64 tiles), group sizes 32/64/128 and one per column, symmetric and asymmetric, act-order, bf16 and
+fp16, Llama-3-8B's four shapes and small odd ones. The bound: twice cuBLAS's own distance from the
+float32 product of the same rounded weight, plus a rounding floor. Outputs start as NaN (an
+unwritten element fails). The dequantize kernel gives the reference weight bit for bit, and
+products replay from a CUDA graph as they run eagerly, again and again (split-K counters reset).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve_kernels import reference
+from tests.gpu import gpu_ready
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")]
+
+ROWS = [1, 7, 64, 256, 4096]
+LLAMA = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+SMALL = [(136, 384, 32), (136, 384, 64), (136, 384, 128), (136, 384, -1), (264, 192, 64),
+         (8, 8, -1), (136, 2048, 128), (200, 2048, -1)]  # the last two split K
+# (group, asymmetric, act-order, dtype) on the Llama shapes
+LLAMA_CASES = [(128, True, False, torch.bfloat16), (128, False, True, torch.float16),
+               (-1, False, False, torch.bfloat16), (32, True, True, torch.bfloat16),
+               (64, False, False, torch.float16)]
+VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (asym, act-order)
+ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.fixture(scope="module")
+def quant():
+    from pagedserve_kernels import quant
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference is float32
+    quant.prepare(torch.device("cuda"))
+    yield quant
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _int4(n, k, group, asym, act_order, dtype, seed):
+    """The loaders' int4 form (reference.dequantize_int4's arguments) with random contents."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    group = k if group == -1 else group
+    q = torch.randint(0, 16, (k, n), generator=g, device="cuda")
+    scales = (torch.rand(k // group, n, generator=g, device="cuda") * 0.02 + 1e-3).to(dtype)
+    zeros = None
+    if asym:
+        zeros = torch.randint(0, 17, (k // group, n), generator=g, device="cuda").to(torch.uint8)
+    perm = torch.randperm(k, generator=g, device="cuda") if act_order else None
+    shifts = torch.arange(8, device="cuda").view(1, 8, 1) * 4
+    words = (q.view(-1, 8, n) << shifts).sum(1)  # int64, nibble j at bits 4j
+    qweight = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return qweight, scales, zeros, group, perm
+
+
+def _check(quant, m, n, k, group, asym, act_order, dtype, bias=False):
+    seed = m * 7 + n * 3 + k + group + 11 * asym + 5 * act_order
+    qweight, scales, zeros, group, perm = _int4(n, k, group, asym, act_order, dtype, seed)
+    packed = quant.repack(qweight, scales, zeros, group, perm)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    b = torch.randn(n, generator=g, device="cuda").to(dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    quant.int4_linear(x, packed, b, out=out)
+    weight = reference.dequantize_int4(qweight, scales, zeros, group)  # [N, K] float32
+    xp = x if perm is None else x.index_select(1, perm)
+    exact = xp.float() @ weight.t() + (0 if b is None else b.float())
+    cublas = F.linear(xp, weight.to(dtype), b).float()
+    bound = (2 * float((cublas - exact).abs().max())
+             + ROUNDING[dtype] * float(exact.abs().max()) + 1e-3)
+    err = float((out.float() - exact).abs().max())
+    assert err <= bound, (m, n, k, group, asym, act_order, dtype, err, bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("asym,act_order", VARIANTS)
+@pytest.mark.parametrize("n,k,group", SMALL)
+@pytest.mark.parametrize("m", ROWS)
+def test_small_shapes_every_variant(quant, m, n, k, group, asym, act_order, dtype):
+    _check(quant, m, n, k, group, asym, act_order, dtype)
+
+
+@pytest.mark.parametrize("group,asym,act_order,dtype", LLAMA_CASES)
+@pytest.mark.parametrize("n,k", LLAMA)
+@pytest.mark.parametrize("m", ROWS)
+def test_llama_shapes(quant, m, n, k, group, asym, act_order, dtype):
+    _check(quant, m, n, k, group, asym, act_order, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 40, 300])
+def test_bias_is_added_before_the_one_rounding(quant, m):
+    _check(quant, m, 4096, 4096, 128, True, False, torch.bfloat16, bias=True)
+    _check(quant, m, 136, 384, 32, False, True, torch.float16, bias=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,asym", [(4096, 14336, 128, True), (6144, 4096, -1, False),
+                                            (136, 384, 32, True), (264, 192, 64, False),
+                                            (8, 8, -1, True)])
+def test_dequantize_kernel_is_the_reference_weight(quant, n, k, group, asym, dtype):
+    qweight, scales, zeros, group, _ = _int4(n, k, group, asym, False, dtype, n + k)
+    packed = quant.repack(qweight, scales, zeros, group)
+    weight = quant.dequantize(packed)
+    assert torch.equal(weight, reference.dequantize_int4(qweight, scales, zeros, group).to(dtype))
+
+
+def test_strided_and_misaligned_inputs(quant):
+    qweight, scales, zeros, group, perm = _int4(4096, 4096, 128, True, False, torch.bfloat16, 3)
+    packed = quant.repack(qweight, scales, zeros, group, perm)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    wide = torch.randn(9, 4096 + 16, generator=g, device="cuda").to(torch.bfloat16)
+    for x in (wide[:, :4096], wide[:, 1:4097], wide[::2, 8:4104]):  # aligned rows, odd start, gaps
+        expected = quant.int4_linear(x.contiguous(), packed)
+        assert torch.equal(quant.int4_linear(x, packed), expected)
+
+
+def test_graph_replays_match_eager_again_and_again(quant):
+    qweight, scales, zeros, group, perm = _int4(4096, 4096, 128, True, True, torch.bfloat16, 5)
+    packed = quant.repack(qweight, scales, zeros, group, perm)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for m in (1, 64, 300):  # split K over one m16 tile, one m64 tile, five m64 tiles
+        inputs = [torch.randn(m, 4096, generator=g, device="cuda").to(torch.bfloat16)
+                  for _ in range(3)]
+        eager = [quant.int4_linear(x, packed) for x in inputs]
+        assert torch.equal(quant.int4_linear(inputs[0], packed), eager[0])  # deterministic
+        static_x = inputs[0].clone()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = quant.int4_linear(static_x, packed)
+        for _ in range(2):
+            for x, expected in zip(inputs, eager):
+                static_x.copy_(x)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(static_out, expected), m
+
+
+def test_refuses_inputs_it_cannot_multiply(quant):
+    qweight, scales, zeros, group, _ = _int4(256, 512, 128, True, False, torch.bfloat16, 8)
+    packed = quant.repack(qweight, scales, zeros, group)
+    x = torch.randn(4, 512, device="cuda")
+    with pytest.raises(ValueError, match="packed weight computes in"):
+        quant.int4_linear(x, packed)
+    with pytest.raises(ValueError, match=r"\[num_tokens, 512\]"):
+        quant.int4_linear(x[:, :256].to(torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="bias"):
+        quant.int4_linear(x.to(torch.bfloat16), packed, torch.zeros(3, device="cuda"))
+    assert quant.int4_linear(x[:0].to(torch.bfloat16), packed).shape == (0, 256)

@@ -1,9 +1,11 @@
 """pagedserve and vLLM on the same GPU in one run: W1, W2, W3 (BENCHMARK.md) and W4 (RESULTS.md)
 through `bench_serving.py` (both services, the public gRPC API) and through vLLM's offline
 `LLM.generate` with its defaults (`offline_bench.py` of ../shared/bench/vllm, installed by its
-install_on_gpu.sh; W4 through `vllm_w4.py`, prefix caching on), then the GPU's ceilings (bf16
-matmul rate, copy bandwidth) and the ratio table. `--prefix-ttft` adds bench_serving's TTFT of a
-request whose 2,000-token prefix is cached, against caching off (pagedserve only).
+install_on_gpu.sh, through `vllm_preset.py`; W4 through `vllm_w4.py`, prefix caching on), then the
+GPU's ceilings (bf16 matmul rate, copy bandwidth) and the ratio table. `--preset NAME` (default
+llama3-8b; also qwen3-8b, glm4-9b) is the shape both sides run, with random bf16 weights.
+`--prefix-ttft` adds bench_serving's TTFT of a request whose 2,000-token prefix is cached, against
+caching off (pagedserve only).
 
     python3 benchmarks/side_by_side.py --workloads W1,W2,W3,W4 --prefix-ttft --out-dir $OUT
 
@@ -41,26 +43,41 @@ from bench_serving import (CONVERSATION_WORKLOADS, PREFIX_TTFT, WORKLOADS,  # no
                            make_requests)  # (this script's folder)
 from conversations import ConversationsSpec, turn_lengths  # noqa: E402
 
-# Llama-3-8B (BENCHMARK.md), the model both sides run with random bf16 weights.
-LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 32, 4096, 32, 8, 128, 14336, 128256
-LAYER_PARAMS = HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN \
-    + 3 * HIDDEN * INTER
-KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+DEFAULT_PRESET = "llama3-8b"  # BENCHMARK.md's model
+W4_PRESETS = ("llama3-8b",)  # vllm_w4.py runs Llama-3-8B's shape only
 
 
-def floor_seconds(workload: str, matmul_flops: float, copy_bps: float) -> float:
-    """A lower bound on a workload's time: every computed row's matrix products at the measured
-    matmul rate, prefill attention (over the cached context too) at that rate, and each decode
-    row's K/V read once at the copy bandwidth. Weights re-read per step, sampling and everything
-    else count as zero; cached prompt tokens (request_sizes) cost nothing."""
+def model_shape(preset: str):
+    """The preset's ModelConfig (executor_svc.model_config): the floor's constants."""
+    from executor_svc.model_config import ModelConfig, preset_hf_config
+
+    return ModelConfig.from_hf_config(preset_hf_config(preset))
+
+
+def floor_seconds(workload: str, matmul_flops: float, copy_bps: float, shape) -> float:
+    """A lower bound on a workload's time on `shape` (model_shape): every computed row's matrix
+    products at the measured matmul rate, prefill attention (over the cached context too) at
+    that rate, and each decode row's K/V read once at the copy bandwidth. Weights re-read per
+    step, biases, norms, sampling and everything else count as zero; cached prompt tokens
+    (request_sizes) cost nothing."""
+    layers, hidden, heads, head_dim = (shape.num_layers, shape.hidden_size, shape.num_heads,
+                                       shape.head_dim)
+    kv_bytes_per_token = 2 * layers * shape.num_kv_heads * head_dim * 2  # K and V, bf16
     flops = kv_bytes = 0.0
     for c, p, output in request_sizes(workload):
         rows = p + output - 1
-        flops += 2 * rows * LAYERS * LAYER_PARAMS + 2 * output * HIDDEN * VOCAB
-        flops += 4 * LAYERS * HEADS * HEAD_DIM * (p * c + p * (p + 1) / 2)  # QK^T and PV, causal
+        flops += 2 * rows * layers * layer_params(shape) + 2 * output * hidden * shape.vocab_size
+        flops += 4 * layers * heads * head_dim * (p * c + p * (p + 1) / 2)  # QK^T, PV, causal
         contexts = output * (c + p) + output * (output - 1) / 2  # decode rows' contexts, summed
-        kv_bytes += contexts * KV_BYTES_PER_TOKEN
+        kv_bytes += contexts * kv_bytes_per_token
     return flops / matmul_flops + kv_bytes / copy_bps
+
+
+def layer_params(shape) -> int:
+    """One decoder layer's matrix weights: q, k, v, o and the gated MLP's three."""
+    hidden, head_dim = shape.hidden_size, shape.head_dim
+    attention = hidden * (shape.num_heads + 2 * shape.num_kv_heads) * head_dim
+    return attention + shape.num_heads * head_dim * hidden + 3 * hidden * shape.intermediate_size
 
 
 def request_sizes(workload: str) -> list[tuple[int, int, int]]:
@@ -68,10 +85,10 @@ def request_sizes(workload: str) -> list[tuple[int, int, int]]:
     share nothing. W4 as if the cache kept everything: the system prompt is computed once, and a
     turn computes only its new tokens and the previous turn's last output token (sampled, never
     fed back)."""
-    if workload not in CONVERSATION_WORKLOADS:
-        return [(0, len(prompt), output) for prompt, output in make_requests(workload, VOCAB)]
+    if workload not in CONVERSATION_WORKLOADS:  # lengths only: any vocabulary gives the same
+        return [(0, len(prompt), output) for prompt, output in make_requests(workload, 2)]
     spec, sizes = ConversationsSpec(), []
-    for i, turns in enumerate(turn_lengths(spec, VOCAB)):
+    for i, turns in enumerate(turn_lengths(spec, 2)):
         cached = spec.system_tokens if i else 0
         for prompt, output in turns:
             sizes.append((cached, prompt - cached, output))
@@ -122,15 +139,16 @@ def median_run(runs: list[dict], serving) -> dict:
 
 
 def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, report,
-             repeats: dict[str, int] | None = None) -> None:
-    """vLLM's offline runs (a repeated workload run again at the end, in the same engine), then
-    W4's, into `results` (load_vllm's layout); report() after each."""
+             repeats: dict[str, int] | None = None, preset: str = DEFAULT_PRESET) -> None:
+    """vLLM's offline runs on the preset's shape (a repeated workload run again at the end, in
+    the same engine), then W4's, into `results` (load_vllm's layout); report() after each."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own site only
     offline = [w for w in workloads if w in WORKLOADS]
     offline += [w for w in offline for _ in range((repeats or {}).get(w, 1) - 1)]
     if offline:
-        run([sys.executable, str(vllm_dir / "offline_bench.py"), "--workloads", ",".join(offline),
-             "--out", str(out / "vllm.json")], out / "vllm.log", env=env)
+        run([sys.executable, "benchmarks/vllm_preset.py", "--preset", preset, "--vllm-dir",
+             str(vllm_dir), "--workloads", ",".join(offline), "--out", str(out / "vllm.json")],
+            out / "vllm.log", env=env)
         results.update(load_vllm(out, workloads))
         report()
     for w in workloads:
@@ -193,7 +211,7 @@ def ceilings(out: Path) -> dict | None:
             "matmul_by_tokens": {k: v for k, v in r["matmul"].items() if k != "peak_tflops"}}
 
 
-def table(workloads, ours: dict, vllm: dict, ceil: dict | None) -> str:
+def table(workloads, ours: dict, vllm: dict, ceil: dict | None, shape) -> str:
     lines = ["| workload | pagedserve tok/s | vLLM tok/s | ratio | floor tok/s | pagedserve / floor "
              "| vLLM / floor | pagedserve TTFT p50 / ITL p50 | complete (ours, vLLM) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -202,8 +220,8 @@ def table(workloads, ours: dict, vllm: dict, ceil: dict | None) -> str:
         v = vllm.get("workloads", {}).get(w, {})
         a, b = s.get("output_tok_s"), v.get("output_tok_s")
         expected = sum(o for _, _, o in request_sizes(w))
-        floor = (expected / floor_seconds(w, ceil["matmul_tflops"] * 1e12, ceil["copy_GBps"] * 1e9)
-                 if ceil else None)
+        floor = (expected / floor_seconds(w, ceil["matmul_tflops"] * 1e12, ceil["copy_GBps"] * 1e9,
+                                          shape) if ceil else None)
         fmt = (lambda x: f"{x:,.0f}" if x else "n/a")
         frac = (lambda x: f"{x / floor:.0%}" if x and floor else "n/a")
         lines.append(
@@ -325,16 +343,20 @@ def gather(args, workloads: list[str], out: Path, runs: Path, report
             prefix = run_prefix_ttft(runs, args.pagedserve_args)
             progress()
     if not args.skip_vllm:
-        run_vllm(workloads, runs, args.vllm_dir, vllm, progress, repeats)
+        run_vllm(workloads, runs, args.vllm_dir, vllm, progress, repeats, args.preset)
     return ours, vllm, ceil, prefix
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="W1,W2,W3")
     p.add_argument("--prefix-ttft", action="store_true",
                    help="also bench_serving --workload prefix-ttft (pagedserve, caching on/off)")
     p.add_argument("--out-dir", type=Path, default=Path("side_by_side"))
+    p.add_argument("--preset", default=DEFAULT_PRESET,
+                   help="the model shape of both sides (executor_svc.model_config.PRESETS; vLLM "
+                        "runs llama3-8b, qwen3-8b, glm4-9b); --merge and --from-dir take it for "
+                        "the floor")
     p.add_argument("--vllm-dir", type=Path, default=Path("/tmp/vllm_parts"),
                    help="where install_on_gpu.sh left offline_bench.py")
     p.add_argument("--repeat", type=int, default=1,
@@ -351,7 +373,14 @@ def main() -> None:
                         "--skip-vllm, one --skip-pagedserve) into --out-dir, running nothing")
     p.add_argument("pagedserve_args", nargs="*",
                    help="after --: extra bench_serving flags for every workload")
-    args = p.parse_args()
+    return p
+
+
+def _parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str], object]:
+    """(args, workloads, the preset's shape); bench_serving's flags start with the preset's
+    --model."""
+    p = _parser()
+    args = p.parse_args(argv)
     workloads = args.workloads.split(",")
     known = [*WORKLOADS, *CONVERSATION_WORKLOADS]
     unknown = [w for w in workloads if w not in known]
@@ -359,6 +388,22 @@ def main() -> None:
         p.error(f"unknown workload(s) {unknown}; choose from {known}")
     if args.repeat < 1:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
+    try:
+        shape = model_shape(args.preset)
+    except ValueError as err:
+        p.error(f"--preset: {err}")
+    if any(a == "--model" or a.startswith("--model=") for a in args.pagedserve_args):
+        p.error("--model among bench_serving's flags: --preset names the model of both sides")
+    conversations = [w for w in workloads if w in CONVERSATION_WORKLOADS]
+    if conversations and args.preset not in W4_PRESETS and not args.skip_vllm:
+        p.error(f"--preset {args.preset}: vLLM's {','.join(conversations)} (vllm_w4.py) runs "
+                f"{', '.join(W4_PRESETS)} only; add --skip-vllm")
+    args.pagedserve_args = ["--model", f"preset:{args.preset}", *args.pagedserve_args]
+    return args, workloads, shape
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, workloads, shape = _parse_args(argv)
     out = args.from_dir or args.out_dir
     runs = out / "runs"
     if args.from_dir and not runs.is_dir():  # a folder written before runs/ existed
@@ -367,17 +412,18 @@ def main() -> None:
     start = time.perf_counter()
 
     def report(ours: dict, vllm: dict, ceil: dict | None, prefix: dict | None) -> None:
-        text = table(workloads, ours, vllm, ceil)
+        text = table(workloads, ours, vllm, ceil, shape)
         if args.prefix_ttft:
             text += "\n\n" + prefix_ttft_line(prefix)
-        header = (f"side by side, {time.strftime('%Y-%m-%d')}, {vllm.get('gpu', 'GPU n/a')}, "
+        header = (f"side by side, {args.preset}, {time.strftime('%Y-%m-%d')}, "
+                  f"{vllm.get('gpu', 'GPU n/a')}, "
                   f"vLLM {vllm.get('vllm', 'n/a')}; ceilings: "
                   + (f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy "
                      f"{ceil['copy_GBps']:.0f} GB/s" if ceil else "n/a")
                   + f"; {time.perf_counter() - start:.0f} s")
         (out / "table.md").write_text(header + "\n\n" + text + "\n")
         (out / "summary.json").write_text(json.dumps(
-            summary(workloads, ours, vllm, ceil, prefix), indent=1))
+            dict(summary(workloads, ours, vllm, ceil, prefix), preset=args.preset), indent=1))
         print("\n" + header + "\n\n" + text + "\n", flush=True)
 
     report(*gather(args, workloads, out, runs, report))

@@ -440,12 +440,40 @@ def _llama3_8b() -> Any:
     )
 
 
+def _qwen3_8b() -> Any:
+    """Qwen/Qwen3-8B's config.json (untied, no windows: use_sliding_window false)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, max_window_layers=36, use_sliding_window=False,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=151643, eos_token_id=151645,
+    )
+
+
+def _glm4_9b() -> Any:
+    """THUDM/GLM-4-9B-0414's config.json: two KV heads, QKV bias, half of each head rotated."""
+    from transformers import Glm4Config
+
+    return Glm4Config(
+        vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+        num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=32768, partial_rotary_factor=0.5, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=True,
+        pad_token_id=151329, eos_token_id=[151329, 151336, 151338],
+    )
+
+
 PRESETS: dict[str, Callable[[], Any]] = {
     "tiny": _tiny,
     "tiny-qwen2": _tiny_qwen2,
     "tiny-llama3": _tiny_llama3,
     "smollm2-135m": _smollm2_135m,
     "llama3-8b": _llama3_8b,
+    "qwen3-8b": _qwen3_8b,
+    "glm4-9b": _glm4_9b,
 }
 
 

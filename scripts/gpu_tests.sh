@@ -10,6 +10,7 @@ mkdir -p "$out"
 files=(
   tests/executor_svc/test_cuda_backend.py
   tests/executor_svc/test_graph_sampler.py
+  tests/executor_svc/test_families_gpu.py
   tests/kernels/test_kernels_gpu.py
   tests/kernels/test_ops_gpu.py
   tests/kernels/test_gemm_gpu.py

@@ -13,13 +13,13 @@ from conversations import ConversationsSpec, turn_lengths
 def test_w4_sizes_compute_each_token_once():
     spec = ConversationsSpec()
     sizes = side_by_side.request_sizes("W4")
-    lengths = [turn for row in turn_lengths(spec, side_by_side.VOCAB) for turn in row]
+    lengths = [turn for row in turn_lengths(spec, 2) for turn in row]
     assert len(sizes) == len(lengths) == 512
     assert [(c + p, o) for c, p, o in sizes] == lengths
     # Computed: the system prompt once, every turn's new tokens, and the last output token of
     # each turn that another follows (sampled, never fed back).
     computed = sum(p for _, p, _ in sizes)
-    rows = turn_lengths(spec, side_by_side.VOCAB)
+    rows = turn_lengths(spec, 2)
     new_tokens = sum(row[0][0] - spec.system_tokens for row in rows) + sum(
         p - prev_p - prev_o for row in rows for (prev_p, prev_o), (p, _) in zip(row, row[1:]))
     assert computed == spec.system_tokens + new_tokens + 64 * 7
@@ -27,7 +27,8 @@ def test_w4_sizes_compute_each_token_once():
 
 def test_w1_to_w3_share_nothing():
     assert all(c == 0 for c, _, _ in side_by_side.request_sizes("W1"))
-    assert side_by_side.floor_seconds("W4", 790e12, 4.2e12) > 0
+    llama = side_by_side.model_shape("llama3-8b")
+    assert side_by_side.floor_seconds("W4", 790e12, 4.2e12, llama) > 0
 
 
 def test_every_run_rewrites_the_summary_and_a_cut_off_call_keeps_what_finished(
@@ -69,7 +70,7 @@ def test_every_run_rewrites_the_summary_and_a_cut_off_call_keeps_what_finished(
         "ceilings.json", "pagedserve_W1.json", "pagedserve_W2.json", "vllm.json"}
     # The ceilings ran first; before vLLM's run the summary already had both of ours.
     assert [name for name, _ in seen] == ["bench_kernels.py", "bench_serving.py",
-                                          "bench_serving.py", "offline_bench.py"]
+                                          "bench_serving.py", "vllm_preset.py"]
     before_vllm = seen[3][1]
     assert before_vllm["pagedserve"]["W2"]["output_tok_s"] == 9800.0 and before_vllm["vllm"] == {}
     final = json.loads((tmp_path / "o" / "summary.json").read_text())
@@ -179,3 +180,67 @@ def test_repeat_below_one_is_refused(tmp_path, monkeypatch, repeat):
                                       str(tmp_path / "o")])
     with pytest.raises(SystemExit):
         side_by_side.main()
+
+
+@pytest.mark.parametrize("preset, billions", [("llama3-8b", 8.03), ("qwen3-8b", 8.19),
+                                              ("glm4-9b", 9.40)])
+def test_the_floor_counts_each_presets_published_parameters(preset, billions):
+    """The floor's weights (matrices of every layer, embedding and head) come to the models'
+    published sizes: Llama-3-8B 8.03B, Qwen3-8B 8.2B, GLM-4-9B 9.4B."""
+    shape = side_by_side.model_shape(preset)
+    params = (shape.num_layers * side_by_side.layer_params(shape)
+              + 2 * shape.vocab_size * shape.hidden_size)
+    assert abs(params / 1e9 - billions) < 0.01
+
+
+def test_a_preset_runs_both_sides_on_its_shape(tmp_path, monkeypatch):
+    """--preset glm4-9b: bench_serving serves preset:glm4-9b, vLLM runs it through
+    vllm_preset.py, and the floor is GLM-4-9B's, not Llama-3-8B's."""
+    import json
+    import sys
+
+    cmds = []
+
+    def fake_run(cmd, log, env=None, timeout=None):
+        cmds.append(cmd)
+        log.write_text("ok\n")
+        out = Path(cmd[cmd.index("--out" if "--out" in cmd else "--json") + 1])
+        if "bench_kernels.py" in cmd[1]:
+            out.write_text(json.dumps({"copy_bw_GBps": 4000.0,
+                                       "matmul": {"peak_tflops": 760.0}}))
+        return 0
+
+    monkeypatch.setattr(side_by_side, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--preset", "glm4-9b", "--workloads",
+                                      "W1", "--out-dir", str(tmp_path / "o"), "--vllm-dir",
+                                      str(tmp_path / "v"), "--", "--max-num-seqs", "128"])
+    side_by_side.main()
+    serving, vllm = cmds[1], cmds[2]
+    assert serving[serving.index("--model") + 1] == "preset:glm4-9b"
+    assert serving[-2:] == ["--max-num-seqs", "128"]
+    assert Path(vllm[1]).name == "vllm_preset.py"
+    assert vllm[vllm.index("--preset") + 1] == "glm4-9b"
+    assert vllm[vllm.index("--vllm-dir") + 1] == str(tmp_path / "v")
+    outputs = sum(o for _, _, o in side_by_side.request_sizes("W1"))
+    floors = {p: f"{outputs / side_by_side.floor_seconds('W1', 760e12, 4000e9, shape):,.0f}"
+              for p, shape in ((p, side_by_side.model_shape(p)) for p in ("glm4-9b", "llama3-8b"))}
+    assert floors["glm4-9b"] != floors["llama3-8b"]
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["preset"] == "glm4-9b"
+    assert f"| n/a | {floors['glm4-9b']} |" in (tmp_path / "o" / "table.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--preset", "qwen3-8b", "--", "--model", "preset:tiny"], "--preset names the model"),
+    (["--preset", "qwen3-8b", "--workloads", "W4"], "runs llama3-8b only; add --skip-vllm"),
+])
+def test_a_preset_the_run_cannot_honour_is_one_usage_line(tmp_path, monkeypatch, capsys, argv,
+                                                         message):
+    import sys
+
+    monkeypatch.setattr(side_by_side, "run", lambda *a, **k: pytest.fail("ran something"))
+    monkeypatch.setattr(sys, "argv", ["side_by_side.py", "--out-dir", str(tmp_path), *argv])
+    with pytest.raises(SystemExit):
+        side_by_side.main()
+    assert message in capsys.readouterr().err

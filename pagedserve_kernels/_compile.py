@@ -14,7 +14,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 
-# module name -> (source file, every kernel it defines); warmup() loads all of them.
+# module name -> (source file, every kernel it defines); warmup() loads all but LAZY's.
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attention": (
         "attention.cu",
@@ -48,6 +48,10 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
 }
+
+# Modules of MODULES only some models need, which warmup() skips: their launcher's prepare()
+# loads them once a model does (quant: a model with int4 weights), so no start pays their compile.
+LAZY: frozenset[str] = frozenset({"quant"})
 
 # Modules of candidate kernels only benchmarks and tests launch: a source built with a macro
 # defined that adds them to it, compiled on their first launch, never by warmup().
@@ -195,10 +199,12 @@ def arch_used(device: torch.device | int | None = None, module: str = "attention
 
 
 def warmup(device: torch.device | int | None = None) -> dict[str, float]:
-    """Compile (or load from CuPy's cache) every module of MODULES and load its kernels (not
-    ON_DEMAND's candidates); seconds per module."""
+    """Compile (or load from CuPy's cache) every module of MODULES but LAZY's and load its
+    kernels (not ON_DEMAND's candidates); seconds per module."""
     seconds: dict[str, float] = {}
     for name, (_, kernels) in MODULES.items():
+        if name in LAZY:
+            continue
         start = time.perf_counter()
         for kernel in kernels:
             get_function(name, kernel, device)

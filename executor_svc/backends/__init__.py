@@ -80,8 +80,9 @@ class Backend(Protocol):
         ...
 
     def prepare_model(self, model, cache_dir: str | None, max_num_batched_tokens: int) -> None:
-        """Device choices for `model`'s products (CUDA: GEMM algorithms, kept in `cache_dir`),
-        made before the memory profile and any graph capture."""
+        """Device choices for `model`'s products (CUDA: int4 weights repacked for its kernel,
+        GEMM algorithms kept in `cache_dir`), made before the memory profile and any graph
+        capture."""
         ...
 
     def profile_num_blocks(self, model, block_size: int, block_bytes: int, utilization: float,

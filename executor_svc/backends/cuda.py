@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from executor_svc.quantization import Int4Weight
 from pagedserve_kernels import reference
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,9 @@ FEW_QUERY_MAX = 64
 # Step sizes tuned between the decode graphs' largest batch and the step budget: rungs for the
 # products of eager steps with more rows than a graph
 _STEP_RUNGS = (2048, 4096)
+# The layers' projections (LayerWeights fields) and the module names a refusal gives them
+_PROJECTIONS = {"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
+                "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"}
 
 
 class CudaBackend:
@@ -39,13 +43,14 @@ class CudaBackend:
             import cupy  # noqa: F401  (the kernels need it; fail here, not mid-request)
         except ImportError as err:
             raise RuntimeError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from err
-        from pagedserve_kernels import arch_used, attention, cache_ops, ops, warmup
+        from pagedserve_kernels import arch_used, attention, cache_ops, ops, quant, warmup
 
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         self._attention, self._cache_ops, self._ops = attention, cache_ops, ops
+        self._quant = quant  # its kernels compile in prepare_model, for a model with int4 weights
         self.fused_ops = fused_ops
         self.few_query_max = FEW_QUERY_MAX  # packed steps up to it: the few-query kernel
         # paged_few_query_attention's candidate keywords (key_split, split_keys) a benchmark
@@ -54,18 +59,19 @@ class CudaBackend:
         from pagedserve_kernels.gemm import LinearTuner
 
         self.gemm = LinearTuner(self.device)  # F.linear until tune_linears() chooses
-        # Compile and load every kernel now: a compile error stops the executor before it serves.
+        # Compile and load every kernel now (the int4 ones once a model has int4 weights): a
+        # compile error stops the executor before it serves.
         self.compile_seconds = warmup(self.device)
         log.info("CuPy kernels ready in %.2fs (%s)", self.compile_seconds["total"],
                  arch_used(self.device))
 
     @staticmethod
     def check_model(config) -> None:
-        """Refuses quantized weights, which the kernels cannot multiply yet, by name."""
-        if config.quantization is not None:
-            kernel = "FP8 W8A8 product" if "fp8" in config.quantization else "int4 kernel"
-            raise ValueError(f"{config.quantization} needs the {kernel}, which the CUDA backend "
-                             "does not have yet (--backend cpu computes it)")
+        """Refuses FP8 weights, which the kernels cannot multiply yet, by name (int4 weights run
+        the W4A16 kernel; prepare_model refuses a group size it cannot read)."""
+        if config.quantization is not None and "fp8" in config.quantization:
+            raise ValueError(f"{config.quantization} needs the FP8 W8A8 product, which the CUDA "
+                             "backend does not have yet (--backend cpu computes it)")
 
     @staticmethod
     def check_kv_cache_dtype(kv_cache_dtype: torch.dtype) -> None:
@@ -166,7 +172,14 @@ class CudaBackend:
     # -- matrix products --------------------------------------------------------------------------
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
-        return self.gemm.linear(x, weight, bias)
+        """Dense: the tuned GEMM; int4 in the W4A16 kernel's layout (prepare_model repacks a
+        bf16/fp16 model's): the kernel, bias fused; an Int4Weight (float32 models): its twin."""
+        if isinstance(weight, torch.Tensor):
+            return self.gemm.linear(x, weight, bias)
+        if isinstance(weight, Int4Weight):
+            return reference.int4_linear(x, weight.qweight, weight.scales, weight.zeros,
+                                         weight.group_size, weight.perm, bias)
+        return self._quant.int4_linear(x, weight, bias)
 
     def tune_linears(self, groups: dict[str, list[torch.Tensor]], rows: list[int],
                      force_lt: bool = False) -> list[dict]:
@@ -186,7 +199,9 @@ class CudaBackend:
     # -- what the worker asks of the device before it serves ---------------------------------------
 
     def prepare_model(self, model, cache_dir: str | None, max_num_batched_tokens: int) -> None:
-        """GEMM algorithms for the rows a step has: every decode-graph batch size (all products),
+        """A bf16/fp16 model's int4 projections repacked once (repack_int4), the W4A16 kernels
+        compiled and their workspace allocated, before any graph capture. GEMM algorithms for
+        the dense products and the rows a step has: every decode-graph batch size (all products),
         and steps of 2,048, 4,096 and max_num_batched_tokens tokens, those up to the budget (all
         but lm_head, which sees only the rows that sample); chosen once per GPU and library
         version, then read from `cache_dir`. Other row counts (eager steps, also every
@@ -194,7 +209,12 @@ class CudaBackend:
         kernel has run: a kernel's first run waits for the GPU (pagedserve_kernels/gemm.py)."""
         from executor_svc.cuda_graphs import BATCH_SIZES
 
-        groups = model.linear_groups()
+        if model.embed_tokens.dtype in _KERNEL_DTYPES and repack_int4(model):
+            start = time.perf_counter()
+            self._quant.prepare(self.device)
+            log.info("int4 kernels ready in %.2fs", time.perf_counter() - start)
+        groups = {name: weights for name, weights in model.linear_groups().items()
+                  if all(isinstance(w, torch.Tensor) for w in weights)}  # dense products
         self.gemm.cache_dir = cache_dir
         self.tune_linears(groups, list(BATCH_SIZES))
         body = {name: weights for name, weights in groups.items() if name != "lm_head"}
@@ -244,3 +264,28 @@ class CudaBackend:
         runner.finish(decode)
         runner.reset()
         torch.cuda.synchronize(self.device)
+
+
+def repack_int4(model) -> int:
+    """Replaces each Int4Weight projection of `model` by its layout for the W4A16 kernel
+    (quant.repack, in the model's dtype); the loaded form is dropped. Every one is checked before
+    any is repacked: a group size the kernel cannot read is a ValueError naming the layer.
+    Returns how many were repacked."""
+    from pagedserve_kernels import quant
+
+    dtype = model.embed_tokens.dtype
+    found = [(f"model.layers.{i}.{name}", layer, field)
+             for i, layer in enumerate(model.layers) for field, name in _PROJECTIONS.items()
+             if isinstance(getattr(layer, field), Int4Weight)]
+    for name, layer, field in found:
+        weight = getattr(layer, field)
+        k = weight.shape[1]
+        if weight.group_size % quant.CHUNK and weight.group_size != k:
+            raise ValueError(f"{name}: int4 group size {weight.group_size} is not supported by "
+                             f"the CUDA backend's W4A16 kernel (a multiple of {quant.CHUNK}, or "
+                             "one group per output channel); --backend cpu computes it")
+    for name, layer, field in found:
+        weight = getattr(layer, field)
+        setattr(layer, field, quant.repack(weight.qweight, weight.scales, weight.zeros,
+                                           weight.group_size, weight.perm, dtype))
+    return len(found)

@@ -211,11 +211,10 @@ def test_tensors_that_disagree_with_the_config_are_refused_naming_the_tensor(
 
 
 @pytest.mark.parametrize("kind, refusal", [
-    ("awq-g32", "awq int4 g32 needs the int4 kernel, which the CUDA backend does not have yet"),
     ("ct-fp8", "compressed-tensors fp8 w8a8 dynamic per-token needs the FP8 W8A8 product, which "
                "the CUDA backend does not have yet"),
 ])
-def test_the_cuda_backend_refuses_quantized_models_at_load(folders, kind, refusal):
+def test_the_cuda_backend_refuses_fp8_models_at_load(folders, kind, refusal):
     from executor_svc.backends.cuda import CudaBackend
 
     _, config, _, _ = load_model(str(folders(kind)[0]), "float32")

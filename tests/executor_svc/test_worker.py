@@ -55,7 +55,8 @@ def test_cuda_prepare_model_tunes_graph_batches_then_step_rungs():
     calls = []
     backend.gemm = SimpleNamespace(cache_dir=None)
     backend.tune_linears = lambda groups, rows: calls.append((sorted(groups), rows))
-    model = SimpleNamespace(linear_groups=lambda: {"qkv": [], "lm_head": []})
+    model = SimpleNamespace(linear_groups=lambda: {"qkv": [], "lm_head": []}, layers=[],
+                            embed_tokens=torch.empty(0, dtype=torch.bfloat16))
     backend.prepare_model(model, "/cache", 8192)
     assert backend.gemm.cache_dir == "/cache"
     assert calls == [(["lm_head", "qkv"], list(BATCH_SIZES)), (["qkv"], [2048, 4096, 8192])]

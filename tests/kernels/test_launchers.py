@@ -152,11 +152,30 @@ def test_warmup_loads_production_kernels_only(monkeypatch):
                         lambda module, kernel, device=None, shared_mem=0: loaded.append(
                             (module, kernel)))
     _compile.warmup(0)
-    assert {m for m, _ in loaded} == set(_compile.MODULES)
+    assert {m for m, _ in loaded} == set(_compile.MODULES) - _compile.LAZY
     candidates = set(_compile.ON_DEMAND["attention_variants"][2])
     assert candidates and not candidates & {k for _, k in loaded}
     assert _compile._module_spec("attention_variants")[2][-1] == "-DPS_VARIANTS"
     assert "-DPS_VARIANTS" not in _compile._module_spec("attention")[2]
+
+
+def test_the_int4_kernels_load_with_a_quantized_model_not_at_warmup(monkeypatch):
+    """quant is LAZY: warmup() skips it, quant.prepare() (the CUDA backend's prepare_model, for
+    a model with int4 weights) loads every kernel of it and allocates the split-K workspace."""
+    from pagedserve_kernels import quant
+
+    loaded, workspaces = [], []
+    monkeypatch.setattr(_compile, "get_function",
+                        lambda module, kernel, device=None, shared_mem=0: loaded.append(
+                            (module, kernel, device)))
+    monkeypatch.setattr(quant, "_workspace", workspaces.append)
+    assert _compile.LAZY == {"quant"} <= set(_compile.MODULES)
+    _compile.warmup(0)
+    assert not [m for m, _, _ in loaded if m == "quant"]
+    loaded.clear()
+    quant.prepare(1)
+    assert loaded == [("quant", k, torch.device("cuda", 1)) for k in _compile.MODULES["quant"][1]]
+    assert workspaces == [torch.device("cuda", 1)]
 
 
 def test_variants_are_arguments_that_name_their_kernel_and_module():

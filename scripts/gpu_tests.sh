@@ -15,6 +15,7 @@ files=(
   tests/kernels/test_ops_gpu.py
   tests/kernels/test_gemm_gpu.py
   tests/kernels/test_quant_gpu.py
+  tests/kernels/test_fp8_gpu.py
   tests/executor_svc/test_quantized_gpu.py
   tests/integration/test_gpu_end_to_end.py
 )

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from executor_svc.quantization import Int4Weight
-from pagedserve_kernels import reference
+from executor_svc.quantization import Fp8Weight, Int4Weight
+from pagedserve_kernels import fp8, reference
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,13 @@ class CudaBackend:
 
     @staticmethod
     def check_model(config) -> None:
-        """Refuses FP8 weights, which the kernels cannot multiply yet, by name (int4 weights run
-        the W4A16 kernel; prepare_model refuses a group size it cannot read)."""
-        if config.quantization is not None and "fp8" in config.quantization:
-            raise ValueError(f"{config.quantization} needs the FP8 W8A8 product, which the CUDA "
-                             "backend does not have yet (--backend cpu computes it)")
+        """Refuses block-wise FP8 weights, which the scaled product here does not take, by name
+        (int4 weights run the W4A16 kernel; prepare_model refuses a group size it cannot read;
+        per-channel and per-tensor FP8 run cuBLASLt's scaled product)."""
+        if config.quantization is not None and "fp8" in config.quantization \
+                and "block" in config.quantization:
+            raise ValueError(f"{config.quantization} needs a block-wise FP8 product, which the "
+                             "CUDA backend does not have yet (--backend cpu computes it)")
 
     @staticmethod
     def check_kv_cache_dtype(kv_cache_dtype: torch.dtype) -> None:
@@ -173,12 +175,19 @@ class CudaBackend:
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         """Dense: the tuned GEMM; int4 in the W4A16 kernel's layout (prepare_model repacks a
-        bf16/fp16 model's): the kernel, bias fused; an Int4Weight (float32 models): its twin."""
+        bf16/fp16 model's): the kernel, bias fused; an Int4Weight (float32 models): its twin;
+        FP8 W8A8: cuBLASLt's scaled product (pagedserve_kernels.fp8)."""
         if isinstance(weight, torch.Tensor):
             return self.gemm.linear(x, weight, bias)
         if isinstance(weight, Int4Weight):
             return reference.int4_linear(x, weight.qweight, weight.scales, weight.zeros,
                                          weight.group_size, weight.perm, bias)
+        if isinstance(weight, Fp8Weight):
+            if not fp8.supports(weight.weight):  # cuBLASLt's FP8 shapes: the twin
+                return reference.fp8_linear(x, weight.weight, weight.weight_scale,
+                                            weight.input_scale, weight.per_token, bias)
+            return fp8.fp8_linear(x, weight.weight, weight.weight_scale, weight.input_scale,
+                                  weight.per_token, bias)
         return self._quant.int4_linear(x, weight, bias)
 
     def tune_linears(self, groups: dict[str, list[torch.Tensor]], rows: list[int],

@@ -25,7 +25,7 @@ from executor_svc.step import ExecutorInfo
 from pagedserve_kernels import quant, reference
 from tests.executor_svc.helpers import (Bf16Reference, PlanDriver, _teacher_forced_logits,
                                         compare_bf16_with_transformers, decode_all)
-from tests.executor_svc.quant_checkpoints import VOCAB, write_base, write_int4
+from tests.executor_svc.quant_checkpoints import VOCAB, write_base, write_fp8, write_int4
 from tests.gpu import gpu_ready
 
 # head_dim 64 (4 heads): the attention kernels; down_proj's 1,024 inputs split K on decode rows.
@@ -187,6 +187,28 @@ def test_int4_on_the_gpu_within_tolerance_of_its_twins(folders, kind, dtype_name
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_fp8_on_the_gpu_within_tolerance_of_its_twin(folders, tmp_path, static):
+    """AutoFP8's fp8 folder (per-tensor weight scales; dynamic per-tensor or static activation
+    scales) through cuBLASLt's scaled product, decode graphs replayed, against the CPU twin in
+    bf16 by compare_bf16_with_transformers' rule."""
+    path = tmp_path / "fp8"
+    write_fp8(folders.base("llama"), path, static)
+    backend = cuda_backend()
+    fp32 = cpu_runner(path, "float32")
+    twin = greedy_reference(cpu_runner(path, "bfloat16"), fp32, backend.device)
+    model, config, _, _ = load_model(str(path), "bfloat16", backend.device, 0, backend)
+    backend.prepare_model(model, None, 512)
+    runner = make_runner(model, config, backend, "bfloat16", graphs=True)
+    within, identical = compare_bf16_with_transformers(runner, twin, f"fp8 static={static}")
+    del runner, twin
+    torch.cuda.empty_cache()
+    assert all(within.values()), within
+    assert all(identical.values()), identical
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_the_worker_serves_an_int4_folder_through_its_graphs(folders):
     """What the executor runs: Worker repacks at load (prepare_model), profiles memory through
     the kernel, captures decode and small-step graphs that sample in the graph, warms up. Its
@@ -310,13 +332,14 @@ def test_linear_dispatches_by_weight_kind(folders):
     assert backend.linear(x, model.lm_head) == "gemm"
 
 
-def test_check_model_takes_int4_and_refuses_fp8_in_one_line(folders):
+def test_check_model_takes_int4_and_per_channel_fp8_and_refuses_block_wise_fp8(folders):
     _, config, _, _ = load_model(str(folders.folder("gptq-g32")), "float32")
     CudaBackend.check_model(config)
-    fp8 = dataclasses.replace(config, quantization="fp8 w8a8 dynamic")
-    with pytest.raises(ValueError, match="fp8 w8a8 dynamic needs the FP8 W8A8 product, which the "
-                                         "CUDA backend does not have yet"):
-        CudaBackend.check_model(fp8)
+    CudaBackend.check_model(dataclasses.replace(config, quantization="fp8 w8a8 dynamic"))
+    block = dataclasses.replace(config, quantization="fp8 w8a8 dynamic block 128x128")
+    with pytest.raises(ValueError, match="fp8 w8a8 dynamic block 128x128 needs a block-wise FP8 "
+                                         "product, which the CUDA backend does not have yet"):
+        CudaBackend.check_model(block)
 
 
 def test_repack_refuses_a_group_size_naming_the_layer_and_repacks_nothing(folders, tmp_path,

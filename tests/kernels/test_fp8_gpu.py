@@ -1,0 +1,71 @@
+"""pagedserve_kernels.fp8 on the GPU: cuBLASLt's scaled product computes the reference twin's FP8
+W8A8 product (the same e4m3 activations and scales, summed in float32) within the output dtype's
+rounding, at every row count a step has, for dynamic per-token, dynamic per-tensor and static
+activation scales, with and without a bias; and it replays from a CUDA graph as it runs eagerly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve_kernels import reference
+from tests.gpu import gpu_ready
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")]
+
+ROWS = (1, 7, 64, 256, 4096)
+SHAPES = ((6144, 4096), (4096, 14336), (48, 32))
+MODES = {"dynamic per-token": (None, True), "dynamic per-tensor": (None, False),
+         "static": (0.02, False)}
+
+
+def _weight(n, k, seed, per_channel):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device="cuda") * k**-0.5
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(n)
+    scale = (amax / 448.0).float()
+    return (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_the_scaled_product_is_the_twins(rows, n, k, mode, dtype):
+    from pagedserve_kernels import fp8
+
+    static, per_token = MODES[mode]
+    w, w_scale = _weight(n, k, rows + n + k, per_channel=mode != "static")
+    g = torch.Generator(device="cuda").manual_seed(rows * 7 + k)
+    x = torch.randn(rows, k, generator=g, device="cuda").to(dtype)
+    bias = torch.randn(n, generator=g, device="cuda").to(dtype) if rows % 2 else None
+    input_scale = None if static is None else torch.tensor(static, device="cuda")
+    ours = fp8.fp8_linear(x, w, w_scale, input_scale, per_token, bias)
+    # the twin's float32 sum before its rounding to the dtype: what an epilogue may round
+    xq, x_scale = reference.quantize_fp8(x, input_scale, per_token)
+    exact = (xq.double() @ w.double().t()) * x_scale.double() * w_scale.double().view(1, -1)
+    if bias is not None:
+        exact = exact + bias.double()
+    assert ours.dtype == dtype and ours.shape == (rows, n)
+    # bf16's rounding (the scaled product writes bf16), twice, relative to the output's scale
+    bound = 2 * 2.0**-8 * float(exact.abs().max()) + 1e-3
+    assert float((ours.double() - exact).abs().max()) <= bound
+
+
+def test_the_scaled_product_replays_from_a_graph_as_eagerly():
+    from pagedserve_kernels import fp8
+
+    w, w_scale = _weight(4096, 4096, 1, per_channel=True)
+    x = torch.randn(16, 4096, device="cuda").bfloat16()
+    eager = fp8.fp8_linear(x, w, w_scale)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8.fp8_linear(x, w, w_scale)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8.fp8_linear(x, w, w_scale)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fp8.fp8_linear(x, w, w_scale)) and not torch.equal(out, eager)

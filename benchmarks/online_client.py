@@ -46,6 +46,12 @@ class Record:
     closing: bool = False  # the last chunk had a finish reason and no token ids
     completion_tokens: int | None = None  # from the usage chunk
     error: str | None = None
+    # The JSON schema's name where one constrains the output (it ends with the schema, so any
+    # length up to max_tokens completes); None: the output must run to max_tokens.
+    schema: str | None = None
+    text: str = ""  # a constrained output's text
+    finish_reason: str | None = None
+    check: str | None = None  # a constrained output against its schema (json_workload.py)
 
     @property
     def output_tokens(self) -> int:
@@ -77,11 +83,15 @@ def arrival_offsets(num_requests: int, rate: float, burstiness: float = 1.0,
 
 
 def request_body(model: str, prompt: list[int], max_tokens: int, temperature: float,
-                 return_token_ids: bool) -> dict:
-    """EOS ignored and min_tokens = max_tokens: every request produces its full output."""
+                 return_token_ids: bool, schema: dict | None = None) -> dict:
+    """EOS ignored and min_tokens = max_tokens: every request produces its full output; with a
+    JSON schema (vLLM's `structured_outputs`), the output ends where the schema's JSON does."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
             "ignore_eos": True, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if schema is not None:
+        del body["min_tokens"], body["ignore_eos"]
+        body["structured_outputs"] = {"json": schema}
     if return_token_ids:
         body["return_token_ids"] = True
     return body
@@ -124,6 +134,9 @@ def _on_event(event: bytes, now: float, record: Record) -> None:
         elif data.get("choices"):
             choice = data["choices"][0]
             ids = choice.get("token_ids")
+            record.finish_reason = choice.get("finish_reason") or record.finish_reason
+            if record.schema is not None:
+                record.text += choice.get("text") or ""
             if ids is None or ids:
                 record.token_times.append(now)
                 record.tokens_counted += 1 if ids is None else len(ids)
@@ -141,7 +154,7 @@ def _finish(record: Record) -> None:
         record.tokens_counted -= 1
     if not record.token_times:
         record.fail("no chunk carried a token")
-    elif record.output_tokens != record.max_tokens:
+    elif record.schema is None and record.output_tokens != record.max_tokens:
         record.fail(f"{record.output_tokens} of {record.max_tokens} tokens")
 
 
@@ -216,7 +229,8 @@ def request_figures(record: Record) -> dict:
 
 def summarize(records: list[Record], wall_s: float) -> dict:
     """The run's figures: counts, throughputs, and mean and p50/p90/p99 (ms) of TTFT, TPOT,
-    ITL and e2e over the completed requests; failures by reason."""
+    ITL and e2e over the completed requests; failures by reason; how many constrained outputs
+    parse and validate."""
     done = [r for r in records if r.error is None]
     figures = [request_figures(r) for r in done]
     output_tokens = sum(r.output_tokens for r in done)
@@ -232,8 +246,12 @@ def summarize(records: list[Record], wall_s: float) -> dict:
            "output_throughput": output_tokens / wall_s if wall_s > 0 else 0.0,
            "chunks_not_one_token": sum(r.tokens_counted != len(r.token_times) for r in done),
            "token_count_mismatch": sum(r.tokens_counted != r.output_tokens for r in done),
+           "finish_reasons": dict(collections.Counter(r.finish_reason for r in done)),
            "send_lag_p99_ms": _ms(percentile([r.send_lag for r in records
                                               if r.send_lag is not None], 99))}
+    if any(r.schema is not None for r in records):  # how the constrained outputs ended
+        out["json_outputs"] = dict(collections.Counter(
+            r.check or "not completed" for r in records if r.schema is not None))
     for name, values in series.items():
         out[f"mean_{name}_ms"] = _ms(sum(values) / len(values) if values else None)
         for q in PERCENTILES:

@@ -41,9 +41,13 @@ def launch_ours(model: str, log_dir: Path, executor_args: list[str] = (),
 
 
 @contextlib.contextmanager
-def launch_vllm(model: str, log_dir: Path, site: str, server_args: list[str] = ()):
+def launch_vllm(model: str, log_dir: Path, site: str, server_args: list[str] = (),
+                tokenizer: str | None = None):
     """vLLM's OpenAI API server on dummy weights of `model`'s shape (a preset), token ids in and
-    out (no tokenizer), with vLLM's defaults; yields its URL once /v1/models answers."""
+    out (no tokenizer), with vLLM's defaults; yields its URL once /v1/models answers. With a
+    tokenizer folder (structured output needs one), that tokenizer, and JSON without the
+    whitespace vLLM's grammars otherwise allow between tokens, as pagedserve writes it (a
+    random-weight model could pad an output with whitespace until max_tokens)."""
     from benchmarks.vllm_preset import hub_config
     from scripts.local_services import free_port
 
@@ -55,8 +59,11 @@ def launch_vllm(model: str, log_dir: Path, site: str, server_args: list[str] = (
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own site only
     env["PYTHONPATH"] = site
     env.update({k: v for k, v in VLLM_ENV.items() if k not in os.environ})
+    tokens = (["--tokenizer", tokenizer, "--structured-outputs-config",
+               json.dumps({"disable_any_whitespace": True})] if tokenizer
+              else ["--skip-tokenizer-init"])
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--load-format", "dummy", "--skip-tokenizer-init", "--seed", "0",
+           "--load-format", "dummy", *tokens, "--seed", "0",
            "--host", "127.0.0.1", "--port", str(port), *server_args]
     log = log_dir / "vllm_server.log"
     print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)

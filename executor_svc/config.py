@@ -10,6 +10,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3, as o
 @dataclass(frozen=True)
 class ExecutorConfig:
     model: str = ""  # "preset:NAME", a local HF folder, a .gguf path; "" = default_model_source()
+    # vLLM's --tokenizer: a tokenizer folder or .gguf file served instead of the model's ("" = the
+    # model's); lets a preset's random weights take text and grammars
+    tokenizer: str = ""
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on cpu, bfloat16 on cuda
     backend: str = "cpu"  # "cpu" | "cuda"
     block_size: int = 16

@@ -171,5 +171,12 @@ def model_fingerprint(config: ModelConfig, identity: dict[str, Any], seed: int =
     return hashlib.sha256(blob).hexdigest()
 
 
+def tokenizer_identity(source: str) -> list[Any]:
+    """A tokenizer served instead of the model's (--tokenizer), as a preset's is named: its
+    file's name and size (tokenizer.json in a folder)."""
+    path = Path(source)
+    return _name_and_size(str(path / "tokenizer.json" if path.is_dir() else path))
+
+
 def _name_and_size(path: str) -> list[Any]:
     return [Path(path).name, os.path.getsize(path)]

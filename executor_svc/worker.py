@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -13,7 +14,7 @@ from executor_svc.backends import get_backend
 from executor_svc.cache_engine import CacheEngine, bytes_per_block, kv_cache_dtype, num_blocks_for
 from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import BATCH_SIZES, TOKEN_SIZES
-from executor_svc.fingerprint import model_fingerprint, start_source_identity
+from executor_svc.fingerprint import model_fingerprint, start_source_identity, tokenizer_identity
 from executor_svc.generation_config import read_generation_config
 from executor_svc.model_loader import DTYPES, default_model_source, load_model
 from executor_svc.model_runner import ModelRunner
@@ -84,15 +85,21 @@ class Worker:
     def _load(self, source: str, dtype: torch.dtype):
         """(model, config, tokenizer source, name, fingerprint). The weight files are hashed in a
         background thread while they load (hashlib releases the GIL; the second read of each file
-        comes from the page cache); warns when the model comes without a tokenizer."""
+        comes from the page cache); --tokenizer replaces the model's tokenizer; warns when there is
+        none."""
         identity = start_source_identity(source, self.config.fingerprint_cache_dir)
         model, model_config, tokenizer, name = load_model(
             source, dtype, self.backend.device, self.config.seed, self.backend)
+        identity = identity.result()
+        if self.config.tokenizer:
+            tokenizer = str(Path(self.config.tokenizer).resolve())
+            _check_tokenizer_fits(tokenizer, model_config.vocab_size)
+            identity = {**identity, "tokenizer": tokenizer_identity(tokenizer)}
         if not tokenizer:
             log.warning("model %s has no tokenizer: only token-id prompts will work (text and "
                         "chat requests are refused)", name)
         quantized_kv = self.kv_cache_dtype != dtype
-        fingerprint = model_fingerprint(model_config, identity.result(), self.config.seed,
+        fingerprint = model_fingerprint(model_config, identity, self.config.seed,
                                         self.backend.device, dtype,
                                         self.config.resolved_kv_cache_dtype() if quantized_kv
                                         else None)
@@ -158,3 +165,15 @@ class Worker:
                         "k_scale / v_scale for them, which may cost accuracy (a compressed-tensors "
                         "kv_cache_scheme or an fp8 checkpoint's scales set them)", len(unscaled),
                         len(self.model.kv_scales))
+
+
+def _check_tokenizer_fits(source: str, vocab_size: int) -> None:
+    """--tokenizer's ids must all be rows of the model's logits (grammars mask over them)."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(source)
+    hf = (PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+          if path.suffix == ".gguf" else PreTrainedTokenizerFast.from_pretrained(str(path)))
+    if len(hf) > vocab_size:
+        raise ValueError(f"--tokenizer {source}: its {len(hf)} tokens do not fit the model's "
+                         f"vocabulary of {vocab_size}")

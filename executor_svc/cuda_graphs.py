@@ -1,6 +1,6 @@
 """CudaGraphs: steps replayed from CUDA graphs captured at start, on one set of static buffers
-filled from one staged copy: decode steps (sampled in the graph) by batch size, short steps with
-prompt tokens by token count. Imports torch only; attention is reached through the model's backend.
+filled from one staged copy: decode steps (grammar-masked and sampled in the graph) by batch size,
+short steps with prompt tokens by token count. Imports torch only; the model's backend runs ops.
 """
 from __future__ import annotations
 
@@ -30,11 +30,29 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 
 # products take longer than launching it eagerly, so the launch hides behind its GPU time.
 TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
 MAX_SEQS = 32  # seqs of a small step
+# Decode batches up to this size have masked variants (a grammar's bitmask applied to the logits
+# before the sampling): vLLM's max_num_seqs default; each adds its variants' captures.
+MAX_MASKED_BATCH = 256
+_MASKED = "masked_"  # the prefix of a masked variant's name
 
 DECODE = "decode"  # the ladder of decode steps: every seq computes one token
 # The ladder of small steps, and its graphs' variant: the forward to the sampled rows' logits,
 # which the eager Sampler samples.
 SMALL_STEP = "small_step"
+
+
+def masked(variant: str) -> str:
+    """The decode variant that masks the logits with the step's GrammarMask, then samples them
+    as `variant` does."""
+    return _MASKED + variant
+
+
+@dataclass(frozen=True)
+class GrammarMask:
+    """What the constrained rows of a decode step may sample."""
+
+    rows: np.ndarray  # [m] int64: their rows of the batch (the graph's logits rows), distinct
+    bitmask: np.ndarray  # [m, ceil(vocab / 32)] int32: bit t % 32 of word t // 32 allows token t
 
 
 @dataclass(frozen=True)
@@ -59,10 +77,12 @@ class GraphInputs:
 
 class CudaGraphs:
     """Captured forwards of `model` over `kv_caches`, keyed (variant, size): a decode step of
-    `size` seqs (embedding to float32 logits, then one GraphSampler variant; with
-    sample_in_graphs=False the greedy variant only, every step sampled eagerly from its logits),
-    or (SMALL_STEP, size) a step of `size` tokens and `max_seqs` seqs with prompt tokens
-    (embedding to the float32 logits of each sampled seq's last token).
+    `size` seqs (embedding to float32 logits, then one GraphSampler variant, or for sizes up to
+    max_masked_batch its masked(variant), which first applies a GrammarMask's bitmask, staged
+    with the inputs, through the backend's apply_token_bitmask; with sample_in_graphs=False the
+    greedy variant only, every step sampled eagerly from its logits), or (SMALL_STEP, size) a
+    step of `size` tokens and `max_seqs` seqs with prompt tokens (embedding to the float32
+    logits of each sampled seq's last token).
 
     A step is padded to the nearest size of its ladder. Pad tokens write no slot (-1); a decode
     step's pad seqs each own one pad token (seq_len 1, reading one key of whatever block their
@@ -77,7 +97,8 @@ class CudaGraphs:
                  token_sizes: tuple[int, ...] = TOKEN_SIZES, max_seqs: int = MAX_SEQS,
                  sample_in_graphs: bool = True,
                  max_controlled_batch: int = MAX_CONTROLLED_BATCH,
-                 max_logit_bias: int = MAX_LOGIT_BIAS) -> None:
+                 max_logit_bias: int = MAX_LOGIT_BIAS,
+                 max_masked_batch: int = MAX_MASKED_BATCH) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, kv_caches[0].device
         self.batch_sizes, self.token_sizes = tuple(sorted(batch_sizes)), tuple(sorted(token_sizes))
         self.max_batch_size = self.batch_sizes[-1] if self.batch_sizes else 0
@@ -89,13 +110,17 @@ class CudaGraphs:
         t, s = max(n, self.max_tokens), max(n, self.max_seqs)  # rows both ladders share
         self.sampler = GraphSampler(n, model.config.vocab_size, self.device,
                                     max_controlled_batch, max_logit_bias)
+        self.max_masked_batch = min(max_masked_batch, n) if sample_in_graphs else 0
         self._make_static_inputs(t, s)
+        self._make_mask_buffers(model.config.vocab_size)
         # Staged: the sampler's parameter region, which the decode graphs read straight from the
-        # device twin, then the input rows laid out as _offsets says.
+        # device twin, then the input rows laid out as _offsets says, then a masked step's mask
+        # right after its block tables.
         self._base = self.sampler.num_slots
         self._offsets = _layout(t, s)
-        self.staging = HostStaging(self._base + self._offsets["tables"] + s * self.width,
-                                   self.device)
+        m = self.max_masked_batch
+        self.staging = HostStaging(self._base + self._offsets["tables"] + s * self.width
+                                   + m * (1 + self._mask_slots), self.device)
         # The graphs' logits, outside their pool and shared by all graphs: replays are ordered
         # on one stream, and a step's eager sampling reads its logits before the next replay.
         self._logits_out = torch.empty(s, model.config.vocab_size, dtype=torch.float32,
@@ -118,11 +143,26 @@ class CudaGraphs:
         self.block_tables = torch.zeros(s, self.width, dtype=torch.int32,
                                         device=device)  # [s, width]
 
+    def _make_mask_buffers(self, vocab_size: int) -> None:
+        """The masked variants' bitmask rows and their logits rows, for max_masked_batch rows;
+        rows padded to whole int64 slots, as they are staged."""
+        words = -(-vocab_size // 32)
+        self._mask_slots = -(-words // 2)  # int64 slots of a staged bitmask row
+        m = self.max_masked_batch
+        self._bitmask_slots = torch.full((m, self._mask_slots), -1, dtype=torch.int64,
+                                         device=self.device)  # [m, slots]
+        self.bitmask = self._bitmask_slots.view(torch.int32)[:, :words]  # [m, words] int32
+        # The logits row each bitmask row masks; -1: none (the rows past a step's constrained)
+        self.mask_indices = torch.full((m,), -1, dtype=torch.int64, device=self.device)  # [m]
+
     # -- what is captured ---------------------------------------------------------------------
 
     def variants(self, bs: int) -> tuple[str, ...]:
         """The variants captured for decode batch size bs."""
-        return self.sampler.variants(bs) if self.sample_in_graphs else (GREEDY,)
+        if not self.sample_in_graphs:
+            return (GREEDY,)
+        plain = self.sampler.variants(bs)
+        return plain + (tuple(map(masked, plain)) if bs <= self.max_masked_batch else ())
 
     def keys(self) -> list[tuple[str, int]]:
         """Every graph's key, largest first: the sampled decode variants at the largest batch
@@ -147,8 +187,13 @@ class CudaGraphs:
         variant, size = key
         if variant == SMALL_STEP:
             self._forward(size, self.max_seqs, decode=False)
-        else:
-            self.sampler.sample_into(self._forward(size, size, decode=True), variant)
+            return
+        logits = self._forward(size, size, decode=True)  # [size, vocab]
+        if variant.startswith(_MASKED):
+            self.model.backend.apply_token_bitmask(logits, self.bitmask[:size],
+                                                   self.mask_indices[:size])
+            variant = variant[len(_MASKED):]
+        self.sampler.sample_into(logits, variant)
 
     def _forward(self, num_tokens: int, num_seqs: int, decode: bool) -> torch.Tensor:
         """Logits [num_seqs, vocab] float32: of every token (decode) or of last_rows."""
@@ -187,17 +232,17 @@ class CudaGraphs:
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        log.info("captured %d graphs (decode batch sizes %s; small steps of %s tokens, up to %d "
-                 "seqs) in %.2fs", len(self.graphs), self.batch_sizes, self.token_sizes,
-                 self.max_seqs, seconds)
+        log.info("captured %d graphs (decode batch sizes %s, masked up to %d seqs; small steps "
+                 "of %s tokens, up to %d seqs) in %.2fs", len(self.graphs), self.batch_sizes,
+                 self.max_masked_batch, self.token_sizes, self.max_seqs, seconds)
         return seconds
 
     # -- replay ---------------------------------------------------------------------------------
 
     def choose(self, num_tokens: int, num_seqs: int, max_blocks: int, decode: bool) -> str | None:
-        """The ladder that replays a step: DECODE when `decode` (every seq computes one token
-        and may sample in the graph) and a decode graph holds its seqs, else SMALL_STEP where a
-        small-step graph holds its tokens and seqs; None: the step runs eagerly."""
+        """The ladder that replays a step: DECODE when `decode` (every seq computes one token)
+        and a decode graph holds its seqs, else SMALL_STEP where a small-step graph holds its
+        tokens and seqs; None: the step runs eagerly."""
         if not self.graphs or max_blocks > self.width:
             return None
         if decode and num_seqs <= self.max_batch_size:
@@ -210,25 +255,46 @@ class CudaGraphs:
         """The ladder's size a step of `size` seqs (decode) or tokens (small) replays."""
         return next(s for s in (self.batch_sizes if decode else self.token_sizes) if s >= size)
 
-    def run(self, inputs: GraphInputs, sampling: StepSampling | None = None
+    def masks_in_graph(self, sampling: StepSampling, num_seqs: int) -> bool:
+        """Whether a decode step of num_seqs seqs that samples `sampling` replays a masked
+        variant when run() is given its GrammarMask; else its graph returns the logits, which
+        the caller masks and samples eagerly."""
+        if num_seqs > self.max_masked_batch:
+            return False
+        size = self.padded_size(num_seqs, True)
+        return size <= self.max_masked_batch and self.sampler.variant(sampling, size) is not None
+
+    def run(self, inputs: GraphInputs, sampling: StepSampling | None = None,
+            mask: GrammarMask | None = None, may_sample: bool = True
             ) -> tuple[torch.Tensor | None, tuple | None]:
-        """One step replayed; `sampling`: what its rows sample (None: nothing in the graph).
-        Returns (the sampling rows' logits [m, vocab], None), a view valid until the next replay
-        (later work on the stream may read it), or, when a decode graph sampled them,
-        (None, GraphSampler.results: token ids, logprobs, top ones or None)."""
+        """One step replayed; `sampling`: what its rows sample (None: nothing in the graph);
+        `mask`: what a decode step's constrained rows may sample, applied in the graph before
+        its sampling (masks_in_graph must hold); may_sample=False: no sampling in the graph (a
+        constrained step without its mask). Returns (the sampling rows' logits [m, vocab],
+        None), a view valid until the next replay (later work on the stream may read it), or,
+        when a decode graph sampled them, (None, GraphSampler.results: token ids, logprobs, top
+        ones or None)."""
         decode = inputs.is_decode
         num_seqs = len(inputs.seq_lens)
         size = self.padded_size(num_seqs if decode else len(inputs.input_ids), decode)
         variant = None
-        if decode and sampling is not None and self.sample_in_graphs:
+        if decode and sampling is not None and self.sample_in_graphs and may_sample:
             variant = self.sampler.variant(sampling, size)
+        if mask is not None and (variant is None or size > self.max_masked_batch):
+            raise ValueError(f"no masked decode graph samples this step of {num_seqs} seqs")
         host, p = self.staging.take(), self._base
         if variant is not None:
             self.sampler.pack(host[:p], size, sampling, variant)
         seqs = size if decode else self.max_seqs
         end = p + self._pack(host[p:], inputs, size, seqs)
+        mask_at = end - p
+        if mask is not None:
+            end = p + self._pack_mask(host[p:], mask_at, mask, size)
         staged = self.staging.send(self.sampler.starts[variant] if variant else p, end)
         self._spread(staged[p:], inputs, size, seqs)
+        if mask is not None:
+            self._spread_mask(staged[p:], mask_at, len(mask.rows), size)
+            variant = masked(variant)
         self.graphs[(variant or GREEDY, size) if decode else (SMALL_STEP, size)].replay()
         if not decode:  # last_rows picked the sampling rows
             return self._logits_out[:len(inputs.last_rows)], None
@@ -279,6 +345,26 @@ class CudaGraphs:
         rows, width = inputs.block_tables.shape
         self.block_tables[:rows, :width].copy_(
             staged[o["tables"]:o["tables"] + rows * width].view(rows, width))
+
+    def _pack_mask(self, h: np.ndarray, at: int, mask: GrammarMask, size: int) -> int:
+        """Writes the mask's logits rows, padded with -1 to `size` (the masked variant's bitmask
+        rows), then its bitmask rows into host rows h from `at`; returns where they end."""
+        m, words = len(mask.rows), self.bitmask.shape[1]
+        if mask.bitmask.shape != (m, words) or m > size:
+            raise ValueError(f"a mask of {m} rows of {words} words for a batch of {size}, got "
+                             f"rows {mask.rows.shape} and bitmask {mask.bitmask.shape}")
+        _put(h, at, mask.rows, size, -1)
+        start, end = at + size, at + size + m * self._mask_slots
+        h[start:end].view(np.int32).reshape(m, 2 * self._mask_slots)[:, :words] = mask.bitmask
+        return end
+
+    def _spread_mask(self, staged: torch.Tensor, at: int, num_masked: int, size: int) -> None:
+        """The staged mask (from `at`, as _pack_mask wrote it) into the masked variants' buffers;
+        bitmask rows past num_masked keep stale bits, which their -1 rows never apply."""
+        self.mask_indices[:size].copy_(staged[at:at + size])
+        start = at + size
+        rows = staged[start:start + num_masked * self._mask_slots]
+        self._bitmask_slots[:num_masked].copy_(rows.view(num_masked, self._mask_slots))
 
 
 def _put(h: np.ndarray, at: int, values, padded: int, pad) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from executor_svc.attention_metadata import build_attention_metadata, host_metadata, to_device
-from executor_svc.cuda_graphs import DECODE, CudaGraphs, GraphInputs
+from executor_svc.cuda_graphs import DECODE, CudaGraphs, GrammarMask, GraphInputs
 from executor_svc.device_tokens import DeviceTokens
 from executor_svc.graph_sampler import StepSampling
 from executor_svc.input_batch import InputBatch
@@ -303,15 +303,13 @@ class ModelRunner:
         constrained = input_batch.grammars.constrained(sample_rows)  # [m] of to_sample
         if len(rows):
             sampling = self._step_sampling(to_sample, sample_rows)
-            # The decode graphs sample inside: a grammar's mask is not applied there yet.
-            kind, logits, params, sampled = self._forward(batch, to_sample, sampling,
-                                                          may_sample_in_graph=not len(constrained))
+            kind, logits, params, sampled = self._forward(batch, to_sample, sampling, constrained)
         pending = PendingStep(step_id, batch.seq_ids[to_sample], sample_rows,
                               input_batch.occupancy[sample_rows],
                               input_batch.num_tokens[sample_rows], None, None, kind, marks,
                               0.0, 0.0)
         if len(to_sample):
-            if len(constrained):
+            if len(constrained) and sampled is None:  # a graph that samples also masked
                 self._apply_grammars(logits, sample_rows[constrained], constrained)
             if sampled is None:  # not sampled in a graph: by the eager Sampler
                 sampled = self._sample_eagerly(logits, params)
@@ -324,18 +322,23 @@ class ModelRunner:
     @torch.inference_mode()  # logits are an inference tensor
     def _apply_grammars(self, logits: torch.Tensor, rows: np.ndarray, index: np.ndarray) -> None:
         """-inf on the logits (rows `index` of logits [n, vocab]) of the tokens each row's
-        grammar disallows. Called once the step's forward is queued: a token of the rows that an
-        unfinished step sampled is waited for here, so the forward overlaps that step."""
+        grammar disallows. Called once the step's forward is queued, so the forward overlaps
+        the wait in _grammar_bitmask."""
+        bitmask = self._grammar_bitmask(rows)
+        device = self.backend.device
+        self.backend.apply_token_bitmask(logits, to_device(torch.from_numpy(bitmask), device),
+                                         to_device(torch.from_numpy(index), device))
+
+    def _grammar_bitmask(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), words] int32: what the seqs of InputBatch rows `rows` may sample next. A
+        token of theirs that an unfinished step sampled is waited for here (that step's end)."""
         input_batch = self.input_batch
         positions = input_batch.num_tokens[rows]  # where the sampled tokens go
         if (input_batch.num_known[rows] < positions).any():
             self._record_unfinished()
         token_ids = input_batch.token_ids
-        bitmask = input_batch.grammars.bitmask(
+        return input_batch.grammars.bitmask(
             rows, positions, lambda row, start, end: token_ids[row, start:end])
-        device = self.backend.device
-        self.backend.apply_token_bitmask(logits, to_device(torch.from_numpy(bitmask), device),
-                                         to_device(torch.from_numpy(index), device))
 
     def _record_unfinished(self) -> None:
         """Waits for the unfinished steps and records their sampled ids in the rows now (finish
@@ -439,27 +442,41 @@ class ModelRunner:
             hidden[to_device(torch.from_numpy(last_rows), device)])  # [num_sampled, vocab]
 
     def _forward(self, batch: _StepBatch, to_sample: np.ndarray, sampling: StepSampling,
-                 may_sample_in_graph: bool) -> tuple:
+                 constrained: np.ndarray) -> tuple:
         """The step's forward, replayed from a graph where one fits, else eager. Returns (kind
         for the step timer, the logits of the rows `to_sample` [m, vocab] or None, their eager
         Sampler parameters or None, what a graph sampled (as _sample_eagerly returns) or None).
-        may_sample_in_graph: whether a decode graph may sample these rows."""
+        constrained: the indices into to_sample of the rows that follow a grammar; a decode
+        graph that samples them masks them first (see _grammar_mask)."""
         tables = self.input_batch.block_table.gather(batch.rows)  # [num_seqs, longest table]
         num_seqs = len(batch.rows)
         one_token = bool((batch.num_scheduled == 1).all())
         num_tokens = num_seqs if one_token else int(batch.num_scheduled.sum())
         ladder = (None if self.graphs is None else self.graphs.choose(
-            num_tokens, num_seqs, tables.shape[1], one_token and may_sample_in_graph))
+            num_tokens, num_seqs, tables.shape[1], one_token))
         if ladder is None:
             # Built before the forward: their host-to-device copies never wait for it.
             params = self._sampling_tensors(sampling)
             return "other", self._forward_eager(batch, tables, to_sample), params, None
-        logits, sampled = self.graphs.run(self._graph_inputs(batch, tables, to_sample,
-                                                             ladder == DECODE), sampling)
+        inputs = self._graph_inputs(batch, tables, to_sample, ladder == DECODE)
+        mask, may_sample = None, True
+        if ladder == DECODE and len(constrained):
+            # Else the graph's logits are masked and sampled after the forward is queued.
+            may_sample = self.graphs.masks_in_graph(sampling, num_seqs)
+            if may_sample:
+                mask = self._grammar_mask(batch, to_sample[constrained])
+        logits, sampled = self.graphs.run(inputs, sampling, mask, may_sample)
         # After the replay is queued: the GPU needs them only after the graph, and a short
         # step's GPU would idle while they are built.
         params = self._sampling_tensors(sampling) if sampled is None else None
         return ("decode" if ladder == DECODE else "other"), logits, params, sampled
+
+    def _grammar_mask(self, batch: _StepBatch, constrained: np.ndarray) -> GrammarMask:
+        """The bitmask of a decode step's constrained seqs (`constrained`: their indices in the
+        batch), for its graph to apply before sampling. Filled before the launch: where a row's
+        last token is an unfinished step's, this step waits for that step's end, so only steps
+        with a constrained row ever wait (docs/architecture.md, "Structured output")."""
+        return GrammarMask(constrained, self._grammar_bitmask(batch.rows[constrained]))
 
     def _graph_inputs(self, batch: _StepBatch, tables: np.ndarray, to_sample: np.ndarray,
                       decode: bool) -> GraphInputs:

@@ -37,7 +37,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "rotary_embedding_bf16", "rotary_embedding_fp16", "silu_and_mul_bf16",
             "silu_and_mul_fp16", "rotary_embedding_cache_bf16_i64",
             "rotary_embedding_cache_bf16_i32", "rotary_embedding_cache_fp16_i64",
-            "rotary_embedding_cache_fp16_i32",
+            "rotary_embedding_cache_fp16_i32", "apply_token_bitmask",
         ),
     ),
     "quant": (
@@ -47,11 +47,23 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "w4a16_fp16_m32", "w4a16_fp16_m64", "w4_dequant_bf16", "w4_dequant_fp16",
         ),
     ),
+    "kv_fp8": (
+        "kv_fp8.cu",
+        tuple(f"{kind}_{dtype}_hd{hd}_fp8"
+              for kind in ("prefill", "prefill_wg", "decode", "decode_mq")
+              for dtype in ("bf16", "fp16") for hd in (64, 128))
+        + tuple(f"reshape_and_cache_fp8_{dtype}_{index}"
+                for dtype in ("bf16", "fp16", "fp32") for index in ("i64", "i32"))
+        + tuple(f"rotary_embedding_cache_{dtype}_{index}_fp8"
+                for dtype in ("bf16", "fp16") for index in ("i64", "i32")),
+    ),
 }
 
-# Modules of MODULES only some models need, which warmup() skips: their launcher's prepare()
-# loads them once a model does (quant: a model with int4 weights), so no start pays their compile.
-LAZY: frozenset[str] = frozenset({"quant"})
+# Modules of MODULES only some models need, which warmup() skips, so no start pays their
+# compile: quant's prepare() loads it once a model has int4 weights; kv_fp8 compiles on the
+# first launch over an FP8 KV cache (the decode graphs' eager pass or the warm-up step, before
+# the executor serves).
+LAZY: frozenset[str] = frozenset({"quant", "kv_fp8"})
 
 # Modules of candidate kernels only benchmarks and tests launch: a source built with a macro
 # defined that adds them to it, compiled on their first launch, never by warmup().

@@ -1,6 +1,7 @@
 """Launchers of the paged attention kernels (csrc/attention.cu), as `pagedserve_kernels.reference`;
 capturable: grids come from tensor shapes, scratch grows only outside capture. Candidate kernels
-are keyword arguments (`variant`, `key_split`, ...), production's the default. Imports cupy lazily.
+are keyword arguments (`variant`, `key_split`, ...), production's the default. An FP8 (e4m3)
+cache takes the same kernels built over it (csrc/kv_fp8.cu). Imports cupy lazily.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from pagedserve_kernels import _compile
 from pagedserve_kernels._compile import f32 as _f32, i32 as _i32, i64 as _i64
+from pagedserve_kernels.cache_ops import KV_FP8, kv_scale_args
 
 _THREADS = 128
 _PREFILL_BM, _PREFILL_BN = 128, 64
@@ -37,25 +39,35 @@ PREFILL_VARIANTS = ("default", "mma_sync", "wg1")
 # Decode variants: "default", and "s2" (the bf16 hd128 kernel with 2 stages, 3 CTAs per SM).
 DECODE_VARIANTS = {"default": ("decode", _DECODE_STAGES), "s2": ("decode_s2", {128: 2})}
 _VARIANTS = "attention_variants"  # the module of the candidates, built on demand (_compile)
+_FP8 = "kv_fp8"  # the module of the kernels over an FP8 cache, built on first use (_compile.LAZY)
 
 
 def prefill_launch_shape(kernel: str, head_dim: int, elem_bytes: int) -> tuple[int, int]:
-    """(threads, dynamic shared memory bytes) of a prefill kernel by its name."""
+    """(threads, dynamic shared memory bytes) of a prefill kernel by its name; elem_bytes: q's."""
+    # An FP8 cache's kernel ("..._fp8") stages K/V bytes and converts them into one K/V tile of
+    # q's dtype; the wgmma kernel's staging is double-buffered
+    fp8 = kernel.endswith("_fp8")
     if kernel.startswith("prefill_wg"):  # 1 KiB for the manual 1024-byte alignment, Q, 2 x (K, V)
-        return _WG_THREADS, 1024 + (_PREFILL_BM + 4 * _WG_BN) * head_dim * elem_bytes
-    return _THREADS, (_PREFILL_BM + 2 * _PREFILL_BN) * head_dim * elem_bytes
+        kv = (2 * elem_bytes + 4) if fp8 else 4 * elem_bytes
+        return _WG_THREADS, 1024 + (_PREFILL_BM * elem_bytes + _WG_BN * kv) * head_dim
+    kv = (2 * elem_bytes + 2) if fp8 else 2 * elem_bytes
+    return _THREADS, (_PREFILL_BM * elem_bytes + _PREFILL_BN * kv) * head_dim
 
 
 def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device,
-                   variant: str = "default") -> str:
-    """The prefill kernel's name for `variant` (PREFILL_VARIANTS)."""
-    name = f"{_DTYPES[dtype]}_hd{head_dim}"
+                   variant: str = "default", fp8: bool = False) -> str:
+    """The prefill kernel's name for `variant` (PREFILL_VARIANTS); fp8: over an FP8 cache
+    (default and mma_sync only)."""
+    name = f"{_DTYPES[dtype]}_hd{head_dim}" + ("_fp8" if fp8 else "")
     if variant == "mma_sync":
         return f"prefill_{name}"
     if variant not in PREFILL_VARIANTS:
         raise ValueError(f"prefill variant must be one of {PREFILL_VARIANTS}, got {variant!r}")
-    _compile.get_module("attention", device)
-    hopper = _compile.arch_used(device) == "-arch=sm_90a"
+    if fp8 and variant != "default":
+        raise ValueError(f"the prefill variant {variant!r} has no kernel over an FP8 cache")
+    module = _FP8 if fp8 else "attention"
+    _compile.get_module(module, device)
+    hopper = _compile.arch_used(device, module) == "-arch=sm_90a"
     if variant == "default":
         return f"prefill_wg_{name}" if hopper else f"prefill_{name}"
     kernel = _candidate(f"prefill_wg1_{name}")
@@ -64,12 +76,18 @@ def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device,
     return kernel
 
 
-def decode_kernel(dtype: torch.dtype, head_dim: int, variant: str = "default") -> tuple[str, int]:
-    """(the decode kernel's name, its pipeline stages) for `variant` (DECODE_VARIANTS)."""
+def decode_kernel(dtype: torch.dtype, head_dim: int, variant: str = "default",
+                  fp8: bool = False) -> tuple[str, int]:
+    """(the decode kernel's name, its pipeline stages) for `variant` (DECODE_VARIANTS); fp8: over
+    an FP8 cache (the default only)."""
     if variant not in DECODE_VARIANTS:
         raise ValueError(f"decode variant must be one of {tuple(DECODE_VARIANTS)}, got {variant!r}")
     prefix, stages = DECODE_VARIANTS[variant]
     kernel = f"{prefix}_{_DTYPES[dtype]}_hd{head_dim}"
+    if fp8:
+        if variant != "default":
+            raise ValueError(f"the decode variant {variant!r} has no kernel over an FP8 cache")
+        return f"{kernel}_fp8", stages[head_dim]
     if variant != "default":
         _candidate(kernel)
     return kernel, stages[head_dim]
@@ -83,7 +101,9 @@ def _candidate(kernel: str) -> str:
 
 
 def _module_of(kernel: str) -> str:
-    return "attention" if kernel in _compile.MODULES["attention"][1] else _VARIANTS
+    if kernel in _compile.MODULES["attention"][1]:
+        return "attention"
+    return _FP8 if kernel in _compile.MODULES[_FP8][1] else _VARIANTS
 
 
 def _features(sliding_window: int | None, soft_cap: float | None) -> tuple:
@@ -137,9 +157,10 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) 
         if t.dim() != 4 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [num_blocks, num_kv_heads, block_size, "
                              f"head_dim] tensor, got shape {tuple(t.shape)} strides {t.stride()}")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), "
-                             f"got {t.dtype} on {t.device}")
+        if t.dtype not in (q.dtype, KV_FP8) or t.dtype != k_cache.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be of q's dtype or float8_e4m3fn (an FP8 cache), both "
+                             f"caches alike, on q's device ({q.dtype}, {q.device}), got "
+                             f"{t.dtype} on {t.device}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     block_size = k_cache.shape[2]
@@ -201,13 +222,18 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     variant: str = "default",
 ) -> torch.Tensor:
     """Causal attention of new query tokens over everything cached for their sequence.
 
     q: [total_q_tokens, num_heads, head_dim] bf16/fp16, head_dim 64 or 128, sequences packed
-    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer, new K/V written)
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (one layer, new K/V
+    written), of q's dtype or FP8 (float8_e4m3fn: an element x of k_cache reads as x * k_scale,
+    of v_cache as x * v_scale, the layer's scales, [] float32 on the device; other caches ignore
+    them)
     block_tables: [num_seqs, max_blocks_per_seq] int32; cu_seqlens_q: [num_seqs + 1] int32;
     seq_lens: [num_seqs] int32 (context including the new tokens; query i of a sequence with q_len
     new tokens sits at position seq_len - q_len + i). sliding_window W: a query sees its W most
@@ -218,6 +244,7 @@ def paged_prefill_attention(
     out, num_heads, num_kv_heads, num_seqs = _check_packed(q, out, k_cache, v_cache, block_tables,
                                                            cu_seqlens_q, seq_lens)
     features = _features(sliding_window, soft_cap)
+    scales = kv_scale_args(k_cache, k_scale, v_scale)
     total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
@@ -226,14 +253,14 @@ def paged_prefill_attention(
     tiles = _workspace("prefill_tiles", device, 2 * num_entries, torch.int32)
     _compile.launch("attention", "prefill_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(), _i32(num_entries)))
-    kernel = prefill_kernel(q.dtype, head_dim, device, variant)
+    kernel = prefill_kernel(q.dtype, head_dim, device, variant, fp8=bool(scales))
     threads, smem = prefill_launch_shape(kernel, head_dim, q.element_size())
     args = (
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
         _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
-        _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)), *features,
+        _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)), *features, *scales,
     )
     _compile.launch(_module_of(kernel), kernel, device, (num_heads, num_entries, 1),
                     (threads, 1, 1), args, shared_mem=smem)
@@ -258,6 +285,8 @@ def paged_few_query_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     key_split: bool = False,
     split_keys: int = FEW_QUERY_SPLIT_KEYS,
@@ -277,6 +306,7 @@ def paged_few_query_attention(
                                                            cu_seqlens_q, seq_lens)
     group = _check_group(num_heads, num_kv_heads)
     features = _features(sliding_window, soft_cap)
+    scales = kv_scale_args(k_cache, k_scale, v_scale)
     total, device = q.shape[0], q.device
     if total == 0 or num_seqs == 0:
         return out
@@ -291,27 +321,34 @@ def paged_few_query_attention(
     splits, chunk_pages = decode_splits(usual, num_kv_heads, span, block_size, _sm_count(device),
                                         min_keys=split_keys if usual == 1 else 256)
     part_o, part_lse = _split_partials(device, total * num_heads, head_dim, splits)
-    kernel = _few_query_kernel(q.dtype, head_dim, key_split)
+    kernel = _few_query_kernel(q.dtype, head_dim, key_split, fp8=bool(scales))
     args = (
         q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
         _i32(tpc), _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
         _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
-        _f32(scale * math.log2(math.e)), *features,
+        _f32(scale * math.log2(math.e)), *features, *scales,
     )
     _compile.launch(_module_of(kernel), kernel, device, (splits, num_kv_heads, num_entries),
                     (_THREADS, 1, 1), args,
-                    shared_mem=_decode_smem(_DECODE_STAGES[head_dim], head_dim, q))
+                    shared_mem=_decode_smem(_DECODE_STAGES[head_dim], head_dim, q,
+                                            fp8=bool(scales)))
     _combine_splits(out, part_o, part_lse, total, num_heads, splits)
     return out
 
 
-def _few_query_kernel(dtype: torch.dtype, head_dim: int, key_split: bool) -> str:
+def _few_query_kernel(dtype: torch.dtype, head_dim: int, key_split: bool,
+                      fp8: bool = False) -> str:
     """The few-query kernel, or with key_split the candidate whose entries of at most 16 query
     rows (a one-token seq of a mixed step, a chunk's last few tokens) have their warps split the
     keys, as the one-token kernel does, where the default gives them one warp and leaves three
-    idle; it wins only with many decodes beside a chunk, which is rare (NOTES.md)."""
+    idle; it wins only with many decodes beside a chunk, which is rare (NOTES.md). fp8: over an
+    FP8 cache (not key_split)."""
+    if fp8:
+        if key_split:
+            raise ValueError("key_split has no few-query kernel over an FP8 cache")
+        return f"decode_mq_{_DTYPES[dtype]}_hd{head_dim}_fp8"
     kernel = f"decode_{'mqks' if key_split else 'mq'}_{_DTYPES[dtype]}_hd{head_dim}"
     return _candidate(kernel) if key_split else kernel
 
@@ -332,9 +369,13 @@ def _few_query_tiles(cu_seqlens_q: torch.Tensor, num_seqs: int, total: int, tpc:
 
 
 def _decode_smem(stages: int, head_dim: int, q: torch.Tensor,
-                 max_pages: int = _DECODE_MAX_PAGES) -> int:
-    """Dynamic shared memory of a decode-family kernel: its K/V stages and its page list."""
-    return stages * 2 * _DECODE_BN * head_dim * q.element_size() + max_pages * 4
+                 max_pages: int = _DECODE_MAX_PAGES, fp8: bool = False) -> int:
+    """Dynamic shared memory of a decode-family kernel: its K/V stages and its page list; over an
+    FP8 cache, stages of bytes and the one K/V tile of q's dtype they are converted into."""
+    tile = 2 * _DECODE_BN * head_dim * q.element_size()
+    if fp8:
+        return stages * 2 * _DECODE_BN * head_dim + tile + max_pages * 4
+    return stages * tile + max_pages * 4
 
 
 def _split_partials(device: torch.device, rows: int, head_dim: int, splits: int
@@ -418,6 +459,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     variant: str = "default",
     ctas_per_sm: int | None = None,
@@ -428,14 +471,16 @@ def paged_decode_attention(
     q: [num_seqs, num_heads, head_dim] bf16/fp16 (head_dim 64/128, num_heads / num_kv_heads <= 16);
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]; block_tables:
     [num_seqs, max_blocks_per_seq] int32; seq_lens: [num_seqs] int32 including the new token
-    (0 gives a zero row); sliding_window, soft_cap: as paged_prefill_attention (with a window the
-    splits cover only its pages). returns out: [num_seqs, num_heads, head_dim]. When the context
-    is split, partials go to a cached workspace and a combine kernel merges them (two launches).
+    (0 gives a zero row); sliding_window, soft_cap, an FP8 cache's k_scale / v_scale: as
+    paged_prefill_attention (with a window the splits cover only its pages). returns out:
+    [num_seqs, num_heads, head_dim]. When the context is split, partials go to a cached workspace
+    and a combine kernel merges them (two launches).
     Candidates (benchmarks, tests): variant (DECODE_VARIANTS); the split policy's ctas_per_sm and
     max_pages (decode_splits).
     """
     out, num_heads, num_kv_heads = _check_decode(q, out, k_cache, v_cache, block_tables, seq_lens)
     features = _features(sliding_window, soft_cap)
+    scales = kv_scale_args(k_cache, k_scale, v_scale)
     num_seqs, device = q.shape[0], q.device
     if num_seqs == 0:
         return out
@@ -444,18 +489,18 @@ def paged_decode_attention(
     splits, chunk_pages = decode_splits(num_seqs, num_kv_heads, span, block_size,
                                         _sm_count(device), ctas_per_sm, max_pages=max_pages)
     part_o, part_lse = _split_partials(device, num_seqs * num_heads, head_dim, splits)
-    kernel, stages = decode_kernel(q.dtype, head_dim, variant)
+    kernel, stages = decode_kernel(q.dtype, head_dim, variant, fp8=bool(scales))
     args = (
         q.data_ptr(), out.data_ptr(), part_o, part_lse, k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(),
         _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
         _i32(block_tables.shape[1]), _i32(chunk_pages), _i32(splits),
-        _f32(scale * math.log2(math.e)), *features,
+        _f32(scale * math.log2(math.e)), *features, *scales,
     )
     _compile.launch(_module_of(kernel), kernel, device, (splits, num_kv_heads, num_seqs),
                     (_THREADS, 1, 1), args,
-                    shared_mem=_decode_smem(stages, head_dim, q, max_pages))
+                    shared_mem=_decode_smem(stages, head_dim, q, max_pages, fp8=bool(scales)))
     _combine_splits(out, part_o, part_lse, num_seqs, num_heads, splits)
     return out
 

@@ -1,6 +1,7 @@
-"""Launchers of the KV-cache kernels (csrc/cache.cu): cache write, swap_blocks, copy_blocks, as
-`pagedserve_kernels.reference`. CPU-side caches must be pinned: the kernel reaches them through
-their mapped device address. Imports cupy only when launching.
+"""Launchers of the KV-cache kernels (csrc/cache.cu; an FP8 cache's write in csrc/kv_fp8.cu):
+cache write, swap_blocks, copy_blocks, as `pagedserve_kernels.reference`. CPU-side caches must be
+pinned: the kernel reaches them through their mapped device address. Imports cupy only when
+launching.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ _COPY_THREADS = 256
 _HOST_COPY_CTAS = 32       # saturates PCIe in both directions without taking many SMs
 _DEVICE_COPY_CTAS_PER_SM = 4
 _RESHAPE_THREADS = 256
+KV_FP8 = torch.float8_e4m3fn  # an FP8 cache's element type (reference.KV_FP8)
+_ROW_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 _host_to_device_ptr: dict[int, int] = {}
 _num_sms: dict[int, int] = {}
@@ -25,16 +28,25 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new K and V rows into their cache slots (one launch, K and V together).
 
-    key, value: [num_tokens, num_kv_heads, head_dim], last dim contiguous, same dtype as the cache
+    key, value: [num_tokens, num_kv_heads, head_dim], last dim contiguous, same dtype as the
+        cache; into an FP8 cache bf16, fp16 or float32, each element stored as e4m3(x / scale)
+        (reference.quantize_kv's rule, bit for bit)
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous (one layer)
     slot_mapping: [num_tokens] int64 or int32 on the cache's device; a negative slot skips its token
+    k_scale, v_scale: an FP8 cache's per-layer scales (kv_scale_args); other caches ignore them
     """
     num_tokens = key.shape[0]
     check_cache_write(key, value, k_cache, v_cache, slot_mapping)
+    scales = kv_scale_args(k_cache, k_scale, v_scale)
     if num_tokens == 0:
+        return
+    if scales:
+        _reshape_and_cache_fp8(key, value, k_cache, v_cache, slot_mapping, scales)
         return
     num_kv_heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     es = k_cache.element_size()
@@ -51,10 +63,44 @@ def reshape_and_cache(
     _compile.launch("cache", kernel, k_cache.device, grid, (_RESHAPE_THREADS, 1, 1), args)
 
 
+def _reshape_and_cache_fp8(key, value, k_cache, v_cache, slot_mapping, scales) -> None:
+    """reshape_and_cache into an FP8 cache: a thread per 8 elements of a row."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    total = num_tokens * num_kv_heads * (head_dim // 8)
+    index = "i64" if slot_mapping.dtype == torch.int64 else "i32"
+    args = (
+        key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slot_mapping.data_ptr(), _i32(num_tokens), _i32(num_kv_heads), _i32(head_dim),
+        _i64(key.stride(0)), _i64(key.stride(1)), _i64(value.stride(0)), _i64(value.stride(1)),
+        _i64(k_cache.shape[2]), *scales,
+    )
+    grid = ((total + _RESHAPE_THREADS - 1) // _RESHAPE_THREADS, 1, 1)
+    _compile.launch("kv_fp8", f"reshape_and_cache_fp8_{_ROW_DTYPES[key.dtype]}_{index}",
+                    k_cache.device, grid, (_RESHAPE_THREADS, 1, 1), args)
+
+
+def kv_scale_args(cache: torch.Tensor, k_scale, v_scale) -> tuple:
+    """The FP8 kernels' (k_scale, v_scale) arguments, device pointers read by the kernels (so a
+    captured graph keeps the layer's values); () for a cache of another dtype, whose kernels take
+    none (the scales are ignored, as the reference twin does). Raises ValueError unless an FP8
+    cache comes with both scales as one-element float32 tensors on its device."""
+    if cache.dtype != KV_FP8:
+        return ()
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
+                or scale.numel() != 1 or scale.device != cache.device):
+            got = (f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
+                   if isinstance(scale, torch.Tensor) else repr(scale))
+            raise ValueError(f"an FP8 KV cache needs {name}, the layer's scale, as a one-element "
+                             f"float32 tensor on {cache.device}; got {got}")
+    return (k_scale.data_ptr(), v_scale.data_ptr())
+
+
 def check_cache_write(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Raises ValueError unless reshape_and_cache can write key / value [num_tokens, kv_heads,
     head_dim] (16-byte aligned rows) into these caches at slot_mapping (also RoPE's fused form,
-    pagedserve_kernels.ops.rotary_embedding_and_cache)."""
+    pagedserve_kernels.ops.rotary_embedding_and_cache): rows of the cache's dtype, or bf16 /
+    fp16 / float32 rows of a head_dim that is a multiple of 8 into an FP8 cache."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_cuda or t.dim() != 4 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous 4-D CUDA tensor [num_blocks, "
@@ -62,16 +108,21 @@ def check_cache_write(key, value, k_cache, v_cache, slot_mapping) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
         raise ValueError("k_cache and v_cache must have the same shape, dtype and device")
     expect = (key.shape[0], k_cache.shape[1], k_cache.shape[3])
+    fp8 = k_cache.dtype == KV_FP8
+    row_dtype = (key.dtype if key.dtype in _ROW_DTYPES else None) if fp8 else k_cache.dtype
     for name, t in (("key", key), ("value", value)):
-        if tuple(t.shape) != expect or t.dtype != k_cache.dtype or t.device != k_cache.device:
-            raise ValueError(f"{name} must be {expect} {k_cache.dtype} on {k_cache.device}, got "
+        if tuple(t.shape) != expect or t.dtype != row_dtype or t.device != k_cache.device:
+            wanted = f"{expect} bf16/fp16/float32 (one dtype)" if fp8 else f"{expect} {row_dtype}"
+            raise ValueError(f"{name} must be {wanted} on {k_cache.device}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
         es = t.element_size()
         if (t.stride(2) != 1 or (t.stride(0) * es) % 16 or (t.stride(1) * es) % 16
                 or t.data_ptr() % 16):
             raise ValueError(f"{name} needs a contiguous last dim and 16-byte aligned rows; "
                              f"strides {t.stride()}")
-    if (k_cache.shape[3] * k_cache.element_size()) % 16:
+    if fp8 and k_cache.shape[3] % 8:
+        raise ValueError(f"an FP8 cache's head_dim must be a multiple of 8, got {k_cache.shape[3]}")
+    if not fp8 and (k_cache.shape[3] * k_cache.element_size()) % 16:
         raise ValueError("head_dim * element size must be a multiple of 16 bytes, got "
                          f"{k_cache.shape[3]} * {k_cache.element_size()}")
     if (slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]
@@ -90,7 +141,8 @@ def swap_blocks(
     block_mapping: torch.Tensor,
 ) -> None:
     """Copy whole pages between two caches (GPU <-> pinned CPU, or GPU <-> GPU), all layers, K
-    and V, every pair, in one kernel launch on the GPU side's current stream.
+    and V, every pair, in one kernel launch on the GPU side's current stream. Pages move as bytes,
+    of any element type (an FP8 page as it is, never requantized).
 
     src_*, dst_*: [num_layers, num_blocks, num_kv_heads, block_size, head_dim] contiguous (block
         counts may differ between src and dst); CPU tensors must be pinned

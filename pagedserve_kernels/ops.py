@@ -1,6 +1,6 @@
 """Launchers of the Llama forward's elementwise kernels (csrc/ops.cu), bf16/fp16, as the reference
-twins but in fp32 with one rounding (equal to rounding, not bit for bit); capturable, no syncs.
-Imports cupy only when launching.
+twins but in fp32 with one rounding (equal to rounding, not bit for bit), and of a grammar's token
+mask on float32 logits; capturable, no syncs. Imports cupy only when launching.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ _VEC = 8  # 2-byte elements per 16-byte vector: the kernels' vector width
 _NORM_MAX_THREADS = 1024
 _ROPE_MAX_THREADS = 512
 _SILU_THREADS = 256
+_MASK_THREADS = 256
 _MAX_GRID_Y = 65535
 
 
@@ -114,25 +115,29 @@ def rotary_embedding_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     interleaved: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """rotary_embedding(positions, q, k, cos_table, sin_table, interleaved), then
-    cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping), with the same results
-    bit for bit; one launch (one CTA per token) where every row is whole 16-byte vectors
-    (rotary_dim a multiple of 16, q/k rows and the tables 16-byte aligned), else those two
+    cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale), with
+    the same results bit for bit; one launch (one CTA per token) where every row is whole 16-byte
+    vectors (rotary_dim a multiple of 16, q/k rows and the tables 16-byte aligned), else those two
     launches.
     Arguments as theirs: value [num_tokens, num_kv_heads, head_dim] with k's dtype; caches
-    [num_blocks, num_kv_heads, block_size, head_dim] contiguous (one layer); slot_mapping int64 or
+    [num_blocks, num_kv_heads, block_size, head_dim] contiguous (one layer), of k's dtype or FP8
+    (then k_scale / v_scale, the layer's, as cache_ops.kv_scale_args); slot_mapping int64 or
     int32, a negative slot caches nothing for its token (q and k are still rotated)."""
     from pagedserve_kernels import cache_ops
 
     _check_rope(positions, q, k, cos_table, sin_table)
     cache_ops.check_cache_write(k, value, k_cache, v_cache, slot_mapping)
+    scales = cache_ops.kv_scale_args(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if not (_rope_vec(q, k, cos_table, sin_table)
             and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0):
         rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
-        cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
+        cache_ops.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if num_tokens == 0:
         return
@@ -145,9 +150,14 @@ def rotary_embedding_and_cache(
             _i64(value.stride(0)), _i64(value.stride(1)), cos_table.data_ptr(),
             sin_table.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
             _i32(num_heads), _i32(num_kv_heads), _i32(head_dim), _i32(rotary_dim),
-            _i32(bool(interleaved)), _i64(cos_table.shape[0]), _i64(k_cache.shape[2]))
-    _launch(f"rotary_embedding_cache_{_DTYPES[q.dtype]}_{index}", q, (num_tokens, 1, 1),
-            _threads(units, _ROPE_MAX_THREADS), args)
+            _i32(bool(interleaved)), _i64(cos_table.shape[0]), _i64(k_cache.shape[2]), *scales)
+    kernel = f"rotary_embedding_cache_{_DTYPES[q.dtype]}_{index}"
+    threads = _threads(units, _ROPE_MAX_THREADS)
+    if scales:  # an FP8 cache: its kernel is in the FP8 cache's module (_compile.LAZY)
+        _compile.launch("kv_fp8", f"{kernel}_fp8", q.device, (num_tokens, 1, 1), (threads, 1, 1),
+                        args)
+    else:
+        _launch(kernel, q, (num_tokens, 1, 1), threads, args)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,6 +190,49 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
             _i32(vec))
     _launch(f"silu_and_mul_{_DTYPES[x.dtype]}", x, (num_tokens, chunks, 1), threads, args)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        indices: torch.Tensor | None = None) -> None:
+    """In place: logits[indices[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] is clear
+    (reference.apply_token_bitmask's contract, bit for bit): one pass over the masked rows.
+
+    logits: [n, vocab] float32 on the GPU, last dim contiguous (any row stride)
+    bitmask: [m, words] int32, words >= ceil(vocab / 32), last dim contiguous (any row stride)
+    indices: [m] int64, contiguous: rows of logits, distinct among those in [0, n); an index
+        outside [0, n) masks nothing (a graph's padding rows). None: m == n, row i
+    Grid (chunks of the vocabulary, m); capturable, no syncs.
+    """
+    _check_device("logits", logits)
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [n, vocab] float32 with a contiguous last dim, got "
+                         f"{logits.dtype} {tuple(logits.shape)} strides {logits.stride()}")
+    n, vocab = logits.shape
+    if (bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device != logits.device
+            or (bitmask.shape[1] > 1 and bitmask.stride(1) != 1)):
+        raise ValueError(f"bitmask must be [m, words] int32 on {logits.device} with a contiguous "
+                         f"last dim, got {bitmask.dtype} {tuple(bitmask.shape)} on "
+                         f"{bitmask.device}")
+    m, words = bitmask.shape
+    if words * 32 < vocab:
+        raise ValueError(f"bitmask of {words} words cannot cover {vocab} tokens")
+    if indices is None:
+        if m != n:
+            raise ValueError(f"without indices the bitmask needs a row per logits row ({n}), "
+                             f"got {m}")
+    elif (indices.dtype != torch.int64 or indices.shape != (m,) or not indices.is_contiguous()
+          or indices.device != logits.device):
+        raise ValueError(f"indices must be a contiguous [{m}] int64 tensor on {logits.device}, "
+                         f"got {indices.dtype} {tuple(indices.shape)} on {indices.device}")
+    if m > _MAX_GRID_Y:
+        raise ValueError(f"{m} bitmask rows exceed one launch's {_MAX_GRID_Y}")
+    if m == 0 or vocab == 0:
+        return
+    args = (logits.data_ptr(), _i64(logits.stride(0)), bitmask.data_ptr(),
+            _i64(bitmask.stride(0)), 0 if indices is None else indices.data_ptr(), _i64(n),
+            _i32(vocab))
+    chunks = (vocab + _MASK_THREADS - 1) // _MASK_THREADS
+    _launch("apply_token_bitmask", logits, (chunks, m, 1), _MASK_THREADS, args)
 
 
 # -- validation ------------------------------------------------------------------------------------

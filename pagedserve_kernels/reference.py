@@ -428,8 +428,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     """In place: logits[indices[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] is 0 (a
     grammar's disallowed tokens). logits: [n, vocab] float; bitmask: [m, ceil(vocab / 32)] int32,
     bit j of a word the token 32 * word + j (llguidance's and xgrammar's layout); indices: [m]
-    int64 rows of logits, distinct (None: m == n, row i). No host sync."""
-    vocab = logits.shape[1]
+    int64 rows of logits, distinct among those in [0, n); an index outside [0, n) masks nothing
+    (a graph's padding rows). None: m == n, row i. No host sync."""
+    n, vocab = logits.shape
     if bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"bitmask of {bitmask.shape[1]} words cannot cover {vocab} tokens")
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
@@ -437,6 +438,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     disallowed = (bits == 0).reshape(bitmask.shape[0], -1)[:, :vocab]  # [m, vocab]
     if indices is None:
         logits.masked_fill_(disallowed, float("-inf"))
-    else:
-        rows = logits[indices].masked_fill_(disallowed, float("-inf"))  # [m, vocab]
-        logits.index_copy_(0, indices, rows)
+        return
+    # Padding rows land in a scratch row past the logits, so no sync picks them out.
+    target = torch.where((indices >= 0) & (indices < n), indices, n)  # [m]
+    dense = torch.zeros(n + 1, vocab, dtype=torch.bool, device=logits.device)  # [n + 1, vocab]
+    dense.index_copy_(0, target, disallowed)
+    logits.masked_fill_(dense[:n], float("-inf"))

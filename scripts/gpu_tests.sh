@@ -10,6 +10,7 @@ mkdir -p "$out"
 files=(
   tests/executor_svc/test_cuda_backend.py
   tests/executor_svc/test_graph_sampler.py
+  tests/executor_svc/test_structured_output_gpu.py
   tests/executor_svc/test_families_gpu.py
   tests/kernels/test_kernels_gpu.py
   tests/kernels/test_ops_gpu.py
@@ -17,6 +18,7 @@ files=(
   tests/kernels/test_quant_gpu.py
   tests/kernels/test_fp8_gpu.py
   tests/executor_svc/test_quantized_gpu.py
+  tests/executor_svc/test_fp8_kv_cache_gpu.py
   tests/integration/test_gpu_end_to_end.py
 )
 status=0

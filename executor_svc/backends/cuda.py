@@ -77,9 +77,9 @@ class CudaBackend:
 
     @staticmethod
     def check_kv_cache_dtype(kv_cache_dtype: torch.dtype) -> None:
-        if kv_cache_dtype == reference.KV_FP8:
-            raise ValueError("--kv-cache-dtype fp8 needs FP8 KV attention kernels, which the CUDA "
-                             "backend does not have yet (--backend cpu computes it)")
+        """A cache of the model's dtype or FP8 (e4m3, per-layer scales): the kernels read both
+        where they cover the model (kv_fp8.cu, compiled on its first launch), the torch twins
+        elsewhere."""
 
     @staticmethod
     def kernels_cover(dtype: torch.dtype, head_dim: int) -> bool:
@@ -102,17 +102,18 @@ class CudaBackend:
 
     # -- attention and the KV cache ---------------------------------------------------------------
 
-    # k_scale / v_scale: an FP8 cache's, which check_kv_cache_dtype refuses; never looked at.
+    # k_scale / v_scale: the layer's ([] float32 on the device), read by an FP8 cache's kernels.
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, k_scale=None,
                           v_scale=None) -> None:
-        self._cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        self._cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale,
+                                          v_scale)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                 scale, out=None, sliding_window=None, soft_cap=None, k_scale=None,
                                 v_scale=None) -> torch.Tensor:
         """sliding_window / soft_cap: the layer's (None: none), computed inside the kernels."""
         args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
-                sliding_window, soft_cap)
+                sliding_window, soft_cap, k_scale, v_scale)
         if self.kernels_cover(q.dtype, q.shape[-1]):
             if (q.shape[0] <= self.few_query_max
                     and q.shape[1] // k_cache.shape[1] <= self._attention.MAX_GROUP):
@@ -123,7 +124,8 @@ class CudaBackend:
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale,
                                out=None, sliding_window=None, soft_cap=None, k_scale=None,
                                v_scale=None) -> torch.Tensor:
-        args = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, sliding_window, soft_cap)
+        args = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, sliding_window, soft_cap,
+                k_scale, v_scale)
         if self.kernels_cover(q.dtype, q.shape[-1]):
             return self._attention.paged_decode_attention(*args)
         return reference.torch_decode_attention(*args)
@@ -154,10 +156,11 @@ class CudaBackend:
         (pagedserve_kernels.ops), else the twin's RoPE and the cache kernel."""
         if self.elementwise_impl(q.dtype) == "cupy":
             self._ops.rotary_embedding_and_cache(positions, q, k, value, cos_table, sin_table,
-                                                 k_cache, v_cache, slot_mapping, interleaved)
+                                                 k_cache, v_cache, slot_mapping, interleaved,
+                                                 k_scale, v_scale)
         else:
             self.rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
-            self.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping)
+            self.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def silu_and_mul(self, x, out=None) -> torch.Tensor:
         return self._elementwise(x.dtype).silu_and_mul(x, out)
@@ -166,10 +169,13 @@ class CudaBackend:
         """GeGLU: the torch twin on the GPU (no fused kernel yet; correct, capturable)."""
         return reference.gelu_tanh_and_mul(x, out)
 
-    @staticmethod
-    def apply_token_bitmask(logits, bitmask, indices=None) -> None:
-        """The torch twin on the GPU, eager (outside the decode graphs: no kernel yet)."""
-        reference.apply_token_bitmask(logits, bitmask, indices)
+    def apply_token_bitmask(self, logits, bitmask, indices=None) -> None:
+        """The kernel (pagedserve_kernels.ops, capturable: the decode graphs' masked variants)
+        for float32 logits, as the graphs and the model's logits are; else the torch twin."""
+        if logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            self._ops.apply_token_bitmask(logits, bitmask, indices)
+        else:
+            reference.apply_token_bitmask(logits, bitmask, indices)
 
     # -- matrix products --------------------------------------------------------------------------
 

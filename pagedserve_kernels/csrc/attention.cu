@@ -11,7 +11,11 @@
 // only) and a logit soft-cap c (scores c * tanh(score / c) before the mask; c <= 0: none) as
 // runtime arguments: one build serves every layer, and a captured graph keeps its layers' values.
 // Candidate kernels that only benchmarks and tests launch are built with -DPS_VARIANTS.
-#include "common.cuh"
+// Over an FP8 (e4m3) cache (C = kv_fp8, entry points in kv_fp8.cu), K/V pages are
+// staged as bytes by the same cp.async pipelines, converted in shared memory to the tile of T
+// the MMAs read (exactly: every e4m3 value is a bf16/fp16 one), and the layer's k_scale folds
+// into the softmax scale, its v_scale into the output's normalisation.
+#include "kv_fp8.cuh"
 
 namespace ps {
 
@@ -72,14 +76,16 @@ __device__ void prefill_tiles_impl(const int* __restrict__ cu_seqlens_q, int num
 }
 
 // ---------------------------------------------------------------------------------------------
-template <typename T, int HD>
+template <typename T, int HD, typename C = T>
 __device__ __forceinline__ void prefill_impl(
-    const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_cache,
-    const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const T* __restrict__ q, T* __restrict__ out, const C* __restrict__ k_cache,
+    const C* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ seq_lens,
     const int2* __restrict__ tiles, long long q_stride_tok, int q_stride_head,
     long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads, int block_size_log2,
-    int max_blocks_per_seq, float scale_log2, int window, float soft_cap) {
+    int max_blocks_per_seq, float scale_log2, int window, float soft_cap,
+    const float* __restrict__ k_scale = nullptr, const float* __restrict__ v_scale = nullptr) {
+  constexpr bool F8 = sizeof(C) == 1;
   constexpr int BM = kPrefillBM, BN = kPrefillBN;
   constexpr int CH = HD / 8;                 // 16-byte chunks per row
   constexpr int ROW_STEP = kThreads / CH;    // rows covered by one pass of the CTA
@@ -92,10 +98,17 @@ __device__ __forceinline__ void prefill_impl(
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * HD;
   T* sV = sK + BN * HD;
+  kv_fp8* stK = reinterpret_cast<kv_fp8*>(sV + BN * HD);  // F8: K_j, V_j as staged, row-major
+  kv_fp8* stV = stK + BN * HD;
 
   const int2 tile = tiles[blockIdx.y];
   const int seq = tile.x;
   if (seq < 0) return;
+  float v_mul = 1.f;
+  if constexpr (F8) {
+    scale_log2 *= *k_scale;
+    v_mul = *v_scale;
+  }
   const int m0 = tile.y * BM;
   const int head = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -149,10 +162,29 @@ __device__ __forceinline__ void prefill_impl(
       cp_async16(smem_addr(dst + swz<HD>(r, ld_ch)), src, ok ? 16 : 0);
     }
   };
+  // F8: 16 elements a 16-byte chunk, into the row-major staging tile.
+  auto issue8 = [&](const C* cache, kv_fp8* dst, int j) {
+    constexpr int CH8 = HD / 16, ROW_STEP8 = kThreads / CH8;
+    const int* tpg = s_tpg[j & 1];
+    const int first = (j * BN) >> block_size_log2;
+    const int c8 = tid % CH8;
+#pragma unroll
+    for (int i = 0; i < BN / ROW_STEP8; ++i) {
+      const int r = tid / CH8 + i * ROW_STEP8;
+      const int kpos = j * BN + r;
+      const bool ok = kpos < kv_end;
+      const C* src = cache;
+      if (ok)
+        src = cache + (((long long)tpg[(kpos >> block_size_log2) - first] * num_kv_heads
+                        << block_size_log2) + head_off + (kpos & bs_mask)) * HD + c8 * 16;
+      cp_async16(smem_addr(dst + r * HD + c8 * 16), src, ok ? 16 : 0);
+    }
+  };
 
   if (tid < TPG) s_tpg[j0 & 1][tid] = page_of_tile(j0, tid);
   __syncthreads();
-  issue(k_cache, sK, j0);
+  if constexpr (F8) issue8(k_cache, stK, j0);
+  else issue(k_cache, sK, j0);
   cp_async_commit();
 
   float o[MT][DT][4];
@@ -181,8 +213,15 @@ __device__ __forceinline__ void prefill_impl(
   for (int j = j0; j < n_tiles; ++j) {
     cp_async_wait<0>();
     __syncthreads();  // K_j (and Q) landed; every warp is done reading sV
-    issue(v_cache, sV, j);
-    cp_async_commit();
+    if constexpr (F8) {
+      issue8(v_cache, stV, j);
+      cp_async_commit();
+      fp8_rows_to_tile<T, HD, BN, kThreads>(stK, sK, 0, tid);
+      __syncthreads();  // sK converted
+    } else {
+      issue(v_cache, sV, j);
+      cp_async_commit();
+    }
     const int next_page = (tid < TPG && j + 1 < n_tiles) ? page_of_tile(j + 1, tid) : -1;
 
     // Some key of the tile is at or before the warp's last row and inside its first row's window.
@@ -236,8 +275,15 @@ __device__ __forceinline__ void prefill_impl(
     if (tid < TPG) s_tpg[(j + 1) & 1][tid] = next_page;
     cp_async_wait<0>();
     __syncthreads();  // V_j landed; every warp is done reading sK; page list j+1 visible
-    if (j + 1 < n_tiles) issue(k_cache, sK, j + 1);
-    cp_async_commit();
+    if constexpr (F8) {
+      if (j + 1 < n_tiles) issue8(k_cache, stK, j + 1);
+      cp_async_commit();
+      fp8_rows_to_tile<T, HD, BN, kThreads>(stV, sV, 0, tid);
+      __syncthreads();  // sV converted
+    } else {
+      if (j + 1 < n_tiles) issue(k_cache, sK, j + 1);
+      cp_async_commit();
+    }
     if (!active) continue;
 
     // Online softmax (base 2), one row per (mt, half); a row's 16 values sit in one lane quad.
@@ -304,7 +350,8 @@ __device__ __forceinline__ void prefill_impl(
       float l = l_run[mt][h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float inv = l > 0.f ? 1.f / l : 0.f;
+      if constexpr (F8) inv *= v_mul;
       const int row = warp_row0 + mt * 16 + g + h * 8;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt)
@@ -331,26 +378,30 @@ __device__ __forceinline__ void prefill_impl(
 // one __syncthreads per tile. S = Q K^T with both operands in smem; P stays in registers as the A
 // operand of O += P V (V read N-major through the descriptor, no transpose pass). Element offsets
 // of the key rows of the tile after next are computed once per row by 128 threads into a
-// double-buffered smem list (the page-table walk is off the copy path).
+// double-buffered smem list (the page-table walk is off the copy path). Over an FP8 cache the
+// double buffers hold the staged bytes, and each tile is converted into one K/V tile of T (the
+// same bytes of shared memory in all: 1 KiB + 1,280 x head_dim).
 constexpr int kWgThreads = 256;
 constexpr int kWgBN = 128;
 
-template <typename T, int HD>
+template <typename T, int HD, typename C = T>
 __device__ __forceinline__ void prefill_wg_impl(
-    const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_cache,
-    const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const T* __restrict__ q, T* __restrict__ out, const C* __restrict__ k_cache,
+    const C* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ seq_lens,
     const int2* __restrict__ tiles, long long q_stride_tok, int q_stride_head,
     long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads, int block_size_log2,
-    int max_blocks_per_seq, float scale_log2, int window, float soft_cap) {
+    int max_blocks_per_seq, float scale_log2, int window, float soft_cap,
+    const float* __restrict__ k_scale = nullptr, const float* __restrict__ v_scale = nullptr) {
 #if PS_HAS_WGMMA
+  constexpr bool F8 = sizeof(C) == 1;
   constexpr int BM = kPrefillBM, BN = kWgBN, NTH = kWgThreads;
   constexpr int CH = HD / 8;
   constexpr int ROW_STEP = NTH / CH;
   constexpr int KV_ROWS = BN / ROW_STEP;
   constexpr int Q_ROWS = BM / ROW_STEP;
   constexpr int NT = BN / 8, DT = HD / 8;
-  constexpr unsigned int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2;
+  constexpr unsigned int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, KV8_BYTES = BN * HD;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ long long s_row[2][BN];  // element offset of each key row of a tile; -1: past the end
 
@@ -361,6 +412,13 @@ __device__ __forceinline__ void prefill_wg_impl(
   const unsigned int sQ = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
   unsigned char* const sQ_ptr = smem_raw + (sQ - raw_addr);
   const unsigned int sKV = sQ + Q_BYTES;  // buffer b: K at sKV + b * 2 * KV_BYTES, V after it
+  // F8: the converted K and V tiles at sKV; staged buffer b at sST + b * 2 * KV8_BYTES (K, V).
+  const unsigned int sST = sKV + 2 * KV_BYTES;
+  float v_mul = 1.f;
+  if constexpr (F8) {
+    scale_log2 *= *k_scale;
+    v_mul = *v_scale;
+  }
 
   const int m0 = tile.y * BM;
   const int head = blockIdx.x;
@@ -398,6 +456,38 @@ __device__ __forceinline__ void prefill_wg_impl(
       cp_async16(dv + d, ok ? v_cache + off + ld_ch * 8 : v_cache, ok ? 16 : 0);
     }
   };
+  // F8: 16 elements a 16-byte chunk, into the row-major staging buffer (j & 1).
+  auto issue8 = [&](int j) {
+    constexpr int CH8 = HD / 16, ROW_STEP8 = NTH / CH8;
+    const long long* rows = s_row[j & 1];
+    const unsigned int dk = sST + (j & 1) * 2 * KV8_BYTES, dv = dk + KV8_BYTES;
+    const int c8 = tid % CH8;
+#pragma unroll
+    for (int i = 0; i < BN / ROW_STEP8; ++i) {
+      const int r = tid / CH8 + i * ROW_STEP8;
+      const long long off = rows[r];
+      const bool ok = off >= 0;
+      const unsigned int d = r * HD + c8 * 16;
+      cp_async16(dk + d, ok ? k_cache + off + c8 * 16 : k_cache, ok ? 16 : 0);
+      cp_async16(dv + d, ok ? v_cache + off + c8 * 16 : v_cache, ok ? 16 : 0);
+    }
+  };
+  // F8: staged buffer (j & 1) -> the K and V tiles of T in the 128-byte-swizzle layout, by all
+  // threads; visible to the tensor cores after the barrier that follows.
+  auto convert = [&](int j) {
+    constexpr int CH = HD / 8;
+    const unsigned char* st = smem_raw + (sST - raw_addr) + (j & 1) * 2 * KV8_BYTES;
+    unsigned char* kv = smem_raw + (sKV - raw_addr);
+#pragma unroll 2  // fully unrolled, hd64's loads in flight spill its accumulators
+    for (int i = 0; i < 2 * BN * CH / NTH; ++i) {
+      const int u = tid + i * NTH;
+      const int m = u / (BN * CH), r = (u / CH) % BN, ch = u % CH;
+      const uint2 raw = *reinterpret_cast<const uint2*>(st + m * KV8_BYTES + r * HD + ch * 8);
+      *reinterpret_cast<uint4*>(kv + m * KV_BYTES + sw128_off(r, ch, BN)) =
+          FromE4m3<T>::eight(raw);
+    }
+    fence_proxy_async();
+  };
 
   // Q tile (rows past q_len zero-filled), row offsets of tile j0, then K/V of tile j0.
 #pragma unroll
@@ -411,7 +501,8 @@ __device__ __forceinline__ void prefill_wg_impl(
   }
   if (tid < BN) s_row[j0 & 1][tid] = row_off(j0, tid);
   __syncthreads();
-  issue(j0);
+  if constexpr (F8) issue8(j0);
+  else issue(j0);
   cp_async_commit();
   if (tid < BN) s_row[(j0 + 1) & 1][tid] = row_off(j0 + 1, tid);
 
@@ -430,16 +521,24 @@ __device__ __forceinline__ void prefill_wg_impl(
     cp_async_wait<0>();
     fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
     __syncthreads();      // tile j (and Q) landed for all; buffer (j+1)&1 and s_row[(j+1)&1] free
-    if (j + 1 < n_tiles) issue(j + 1);
+    if constexpr (F8) {
+      if (j + 1 < n_tiles) issue8(j + 1);
+    } else {
+      if (j + 1 < n_tiles) issue(j + 1);
+    }
     cp_async_commit();
     if (tid < BN && j + 2 < n_tiles) s_row[j & 1][tid] = row_off(j + 2, tid);
+    if constexpr (F8) {
+      convert(j);
+      __syncthreads();  // the K/V tiles of T are whole (the last tile's MMAs waited for)
+    }
 
     // Warpgroup-uniform: some key of the tile is at or before the warpgroup's last row and
     // inside its first row's window.
     if (!(wg_has_rows && j * BN <= wg_qpos0 + 63 &&
           (window <= 0 || (j + 1) * BN - 1 > wg_qpos0 - window)))
       continue;
-    const unsigned int sK = sKV + (j & 1) * 2 * KV_BYTES, sV = sK + KV_BYTES;
+    const unsigned int sK = F8 ? sKV : sKV + (j & 1) * 2 * KV_BYTES, sV = sK + KV_BYTES;
     const unsigned long long k_desc = wg_desc(sK, 16, 1024);
     float s[NT * 4];
     fence_regs(o);
@@ -527,7 +626,8 @@ __device__ __forceinline__ void prefill_wg_impl(
     float l = l_run[h];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float inv = l > 0.f ? 1.f / l : 0.f;
+    if constexpr (F8) inv *= v_mul;
     const int row = row0 + g + h * 8;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
@@ -565,15 +665,19 @@ __device__ __forceinline__ void prefill_wg_impl(
 // split each stage's keys and merge at the end). KS (a candidate, decode_mqks_*): an entry of at
 // most 16 rows (a one-token seq, a chunk's last few tokens) is served as the one-token kernel
 // serves a seq, its warps splitting the keys, rather than by one warp with three idle.
-template <typename T, int HD, int STAGES, bool MQ = false, bool KS = false>
+// F8 (C = kv_fp8): the stages hold bytes; each stage is converted into one K/V tile of T, a
+// warp's own 16 keys when the warps split the keys (no barrier), else all of them.
+template <typename T, int HD, int STAGES, bool MQ = false, bool KS = false, typename C = T>
 __device__ __forceinline__ void decode_impl(
     const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,
-    float* __restrict__ part_lse, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    float* __restrict__ part_lse, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, long long q_stride_tok,
     int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads,
     int block_size_log2, int max_blocks_per_seq, int chunk_pages, int num_splits,
     float scale_log2, int window, float soft_cap, const int* __restrict__ cu_seqlens_q = nullptr,
-    const int2* __restrict__ tiles = nullptr, int tpc = 1) {
+    const int2* __restrict__ tiles = nullptr, int tpc = 1,
+    const float* __restrict__ k_scale = nullptr, const float* __restrict__ v_scale = nullptr) {
+  constexpr bool F8 = sizeof(C) == 1;
   constexpr int BN = kDecodeBN;
   constexpr int CH = HD / 8;
   constexpr int ROW_STEP = kThreads / CH;
@@ -582,7 +686,15 @@ __device__ __forceinline__ void decode_impl(
   constexpr int STAGE_ELEMS = 2 * BN * HD;  // K then V
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* stages = reinterpret_cast<T*>(smem_raw);
-  int* s_pages = reinterpret_cast<int*>(smem_raw + (size_t)STAGES * STAGE_ELEMS * sizeof(T));
+  kv_fp8* stages8 = reinterpret_cast<kv_fp8*>(smem_raw);  // F8: the stages, row-major bytes
+  T* conv = reinterpret_cast<T*>(smem_raw + (size_t)STAGES * STAGE_ELEMS * sizeof(C));  // F8
+  int* s_pages = reinterpret_cast<int*>(smem_raw + (size_t)STAGES * STAGE_ELEMS * sizeof(C) +
+                                        (F8 ? (size_t)STAGE_ELEMS * sizeof(T) : 0));
+  float v_mul = 1.f;
+  if constexpr (F8) {
+    scale_log2 *= *k_scale;
+    v_mul = *v_scale;
+  }
 
   const int split = blockIdx.x, kv_head = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -664,10 +776,35 @@ __device__ __forceinline__ void decode_impl(
       cp_async16(smem_addr(sV + d), v_cache + off, ok ? 16 : 0);
     }
   };
+  // F8: 16 elements a 16-byte chunk, rows of HD bytes.
+  auto issue8 = [&](int st) {
+    constexpr int CH8 = HD / 16, ROW_STEP8 = kThreads / CH8;
+    kv_fp8* sK = stages8 + (st % STAGES) * STAGE_ELEMS;
+    kv_fp8* sV = sK + BN * HD;
+    const int c8 = tid % CH8;
+#pragma unroll
+    for (int i = 0; i < BN / ROW_STEP8; ++i) {
+      const int r = tid / CH8 + i * ROW_STEP8;
+      const int kpos = begin + st * BN + r;
+      const bool ok = kpos < end;
+      long long off = 0;
+      if (ok) {
+        const int pg = s_pages[(kpos >> block_size_log2) - page0];
+        off = (((long long)pg * num_kv_heads << block_size_log2) + head_off + (kpos & bs_mask)) * HD +
+              c8 * 16;
+      }
+      cp_async16(smem_addr(sK + r * HD + c8 * 16), k_cache + off, ok ? 16 : 0);
+      cp_async16(smem_addr(sV + r * HD + c8 * 16), v_cache + off, ok ? 16 : 0);
+    }
+  };
 
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < n_stages) issue(st);
+    if constexpr (F8) {
+      if (st < n_stages) issue8(st);
+    } else {
+      if (st < n_stages) issue(st);
+    }
     cp_async_commit();
   }
 
@@ -720,8 +857,23 @@ __device__ __forceinline__ void decode_impl(
   for (int st = 0; st < n_stages; ++st) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage st landed; every warp is done with the buffer refilled next
-    if (st + STAGES - 1 < n_stages) issue(st + STAGES - 1);
-    cp_async_commit();
+    if constexpr (F8) {
+      if (st + STAGES - 1 < n_stages) issue8(st + STAGES - 1);
+      cp_async_commit();
+      const kv_fp8* sk8 = stages8 + (st % STAGES) * STAGE_ELEMS;
+      if (ks) {  // this warp reads only its own 16 keys
+        fp8_rows_to_tile<T, HD, 16, 32>(sk8, conv, warp * 16, lane);
+        fp8_rows_to_tile<T, HD, 16, 32>(sk8 + BN * HD, conv + BN * HD, warp * 16, lane);
+        __syncwarp();
+      } else {
+        fp8_rows_to_tile<T, HD, BN, kThreads>(sk8, conv, 0, tid);
+        fp8_rows_to_tile<T, HD, BN, kThreads>(sk8 + BN * HD, conv + BN * HD, 0, tid);
+        __syncthreads();
+      }
+    } else {
+      if (st + STAGES - 1 < n_stages) issue(st + STAGES - 1);
+      cp_async_commit();
+    }
 
     // One-token: this warp's 16 keys of the stage. MQ: all four 16-key blocks, for its own rows
     // (a warp with none left idles).
@@ -729,7 +881,9 @@ __device__ __forceinline__ void decode_impl(
     for (int kb = kb_first; kb < kb_last; ++kb) {
     const int kbase = begin + st * BN + kb * 16;
     if (kbase >= end) break;
-    const unsigned int k_base = stage_base + (st % STAGES) * STAGE_ELEMS * 2 + kb * 16 * HD * 2;
+    unsigned int k_base;
+    if constexpr (F8) k_base = smem_addr(conv) + kb * 16 * HD * 2;
+    else k_base = stage_base + (st % STAGES) * STAGE_ELEMS * 2 + kb * 16 * HD * 2;
     float s[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -813,7 +967,8 @@ __device__ __forceinline__ void decode_impl(
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int row = row0 + g + h * 8;
       if (row >= rows) continue;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float inv = l > 0.f ? 1.f / l : 0.f;
+      if constexpr (F8) inv *= v_mul;
       if (num_splits == 1) {
         T* dst = out + orow(row);
 #pragma unroll
@@ -868,7 +1023,8 @@ __device__ __forceinline__ void decode_impl(
       l += wt * sm_l[w * 16 + row];
       acc += wt * sm_o[(w * 16 + row) * HD + d];
     }
-    const float val = l > 0.f ? acc / l : 0.f;
+    float val = l > 0.f ? acc / l : 0.f;
+    if constexpr (F8) val *= v_mul;
     if (num_splits == 1) {
       out[orow(row) + d] = T(val);
     } else {
@@ -909,7 +1065,9 @@ __device__ __forceinline__ void decode_combine_impl(const float* __restrict__ pa
 }  // namespace ps
 
 // ---------------------------------------------------------------------------------------------
-// Entry points (extern "C": plain names for cupy.RawModule.get_function).
+// Entry points (extern "C": plain names for cupy.RawModule.get_function); kv_fp8.cu defines
+// PS_KV_FP8 and its own (the kernels over an FP8 cache).
+#ifndef PS_KV_FP8
 extern "C" __global__ void __launch_bounds__(1024)
     prefill_tiles(const int* cu_seqlens_q, int num_seqs, int2* tiles, int num_entries) {
   ps::prefill_tiles_impl(cu_seqlens_q, num_seqs, tiles, num_entries, ps::kPrefillBM);
@@ -1017,3 +1175,5 @@ PS_DECODE_MQ(decode_mqks_fp16_hd128, __half, 128, 3, 2, true)
   }
 PS_COMBINE(decode_combine_bf16, __nv_bfloat16)
 PS_COMBINE(decode_combine_fp16, __half)
+
+#endif  // PS_KV_FP8

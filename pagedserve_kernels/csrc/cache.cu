@@ -2,6 +2,9 @@
 // and V, every pair of the step) in one launch. Pages are moved as raw bytes with 16-byte vectors,
 // so the kernels are dtype-agnostic. Host-side pages are pinned memory mapped into the device's
 // address space (UVA): the same kernel runs device<->device, device->host and host->device.
+// An FP8 cache's rows are quantized on the way in (reshape_and_cache_fp8_impl, whose entry
+// points kv_fp8.cu defines); its pages move as bytes like any other.
+#include "kv_fp8.cuh"
 
 // One thread per 16-byte chunk of one (token, kv head) row, K and V together.
 template <typename Index>
@@ -26,6 +29,35 @@ __device__ __forceinline__ void reshape_and_cache_impl(
   *reinterpret_cast<uint4*>(v_cache + dst) = v;
 }
 
+// The FP8 cache's write: one thread per 8 elements of one (token, kv head) row, K and V together,
+// each element x / scale (the layer's k_scale or v_scale, read from the device: capturable)
+// stored as e4m3 (kv_fp8.cuh). key / value rows in T (bf16, fp16 or float32), strides in elements.
+template <typename T, typename Index>
+__device__ __forceinline__ void reshape_and_cache_fp8_impl(
+    const T* __restrict__ key, const T* __restrict__ value, ps::kv_fp8* __restrict__ k_cache,
+    ps::kv_fp8* __restrict__ v_cache, const Index* __restrict__ slot_mapping, int num_tokens,
+    int num_kv_heads, int head_dim, long long key_stride_tok, long long key_stride_head,
+    long long value_stride_tok, long long value_stride_head, long long block_size,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int row_units = head_dim / 8;
+  const long long per_token = (long long)num_kv_heads * row_units;
+  if (idx >= per_token * num_tokens) return;
+  const int tok = (int)(idx / per_token);
+  const int rem = (int)(idx - tok * per_token);
+  const int head = rem / row_units, c = (rem % row_units) * 8;
+  const long long slot = (long long)slot_mapping[tok];
+  if (slot < 0) return;  // padding token
+  const long long block = slot / block_size, off = slot - block * block_size;
+  const long long dst = ((block * num_kv_heads + head) * block_size + off) * head_dim + c;
+  float k[8], v[8];
+  ps::load8f(key + tok * key_stride_tok + head * key_stride_head + c, k);
+  ps::load8f(value + tok * value_stride_tok + head * value_stride_head + c, v);
+  *reinterpret_cast<uint2*>(k_cache + dst) = ps::e4m3x8_from_float(k, *k_scale);
+  *reinterpret_cast<uint2*>(v_cache + dst) = ps::e4m3x8_from_float(v, *v_scale);
+}
+
+#ifndef PS_KV_FP8  // kv_fp8.cu defines the FP8 cache's entry points, not these
 #define PS_RESHAPE(NAME, INDEX)                                                                  \
   extern "C" __global__ void __launch_bounds__(256)                                              \
       NAME(const char* key, const char* value, char* k_cache, char* v_cache,                     \
@@ -38,10 +70,12 @@ __device__ __forceinline__ void reshape_and_cache_impl(
   }
 PS_RESHAPE(reshape_and_cache_i64, long long)
 PS_RESHAPE(reshape_and_cache_i32, int)
+#endif
 
 // Work item = (pair, layer, K|V): one page of one layer, `page_bytes` contiguous on both sides.
 // A CTA walks items grid-stride; each thread keeps UNROLL 16-byte loads in flight before storing.
 // Pairs whose block ids fall outside either cache are skipped (never written out of bounds).
+#ifndef PS_KV_FP8
 constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;
 
@@ -76,3 +110,4 @@ extern "C" __global__ void __launch_bounds__(kCopyThreads)
     }
   }
 }
+#endif  // PS_KV_FP8

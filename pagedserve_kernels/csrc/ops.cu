@@ -8,7 +8,7 @@
 // picks the vector one (`vec` = 1) only when every row start it touches is 16-byte aligned and
 // the widths it splits into vectors (rows; half of rotary_dim for RoPE) are multiples of 8, so
 // the kernels never check alignment themselves.
-#include "common.cuh"
+#include "kv_fp8.cuh"
 
 namespace ps_ops {
 
@@ -211,6 +211,19 @@ __device__ __forceinline__ void rotary_row(const long long* __restrict__ positio
   }
 }
 
+// 8 elements of a K/V row (one 16-byte vector of T) to their cache slot: as they are, or into an
+// FP8 cache (C = kv_fp8) as e4m3(x / scale), the cache kernel's rule.
+template <typename T, typename C>
+__device__ __forceinline__ void store_cache8(C* dst, const uint4 v, float scale) {
+  if constexpr (sizeof(C) == 1) {
+    float f[kVec];
+    unpack8<T>(v, f);
+    *reinterpret_cast<uint2*>(dst) = ps::e4m3x8_from_float(f, scale);
+  } else {
+    *reinterpret_cast<uint4*>(dst) = v;
+  }
+}
+
 // RoPE and the KV cache write in one launch: one CTA per token, the 16-byte vector path only
 // (the launcher falls back to rotary_embedding + reshape_and_cache otherwise). Units: (q and k
 // heads) x rotary_dim / 16 vector pairs (rope_members), rotated in place as rotary_row does
@@ -220,20 +233,27 @@ __device__ __forceinline__ void rotary_row(const long long* __restrict__ positio
 // the u-th vector of k's unrotated tails. As many threads as rotary_embedding's. A position
 // outside [0, max_pos) leaves q and k unrotated (k still cached, as the two kernels would); a
 // negative slot writes no cache row (a graph batch's padding token). Caches [num_blocks,
-// kv_heads, block_size, head_dim], contiguous.
-template <typename T, typename Index>
+// kv_heads, block_size, head_dim], contiguous, of T or FP8 (C = kv_fp8: rows quantized with the
+// layer's k_scale / v_scale, read from the device).
+template <typename T, typename Index, typename C = T>
 __device__ __forceinline__ void rotary_cache_row(
     const long long* __restrict__ positions, T* q, long long q_stride_tok, long long q_stride_head,
     T* k, long long k_stride_tok, long long k_stride_head, const T* __restrict__ v,
     long long v_stride_tok, long long v_stride_head, const float* __restrict__ cos_table,
-    const float* __restrict__ sin_table, T* __restrict__ k_cache, T* __restrict__ v_cache,
+    const float* __restrict__ sin_table, C* __restrict__ k_cache, C* __restrict__ v_cache,
     const Index* __restrict__ slot_mapping, int num_heads, int num_kv_heads, int head_dim,
-    int rotary_dim, int interleaved, long long max_pos, long long block_size) {
+    int rotary_dim, int interleaved, long long max_pos, long long block_size,
+    const float* __restrict__ k_scale = nullptr, const float* __restrict__ v_scale = nullptr) {
   const long long tok = blockIdx.x;
   const long long pos = positions[tok];
   const bool rotate = pos >= 0 && pos < max_pos;
   const long long slot = (long long)slot_mapping[tok];
   const long long block = slot / block_size, off = slot - block * block_size;
+  float ks = 1.f, vs = 1.f;
+  if constexpr (sizeof(C) == 1) {
+    ks = *k_scale;
+    vs = *v_scale;
+  }
   // element offset of kv head h's row for this token in either cache
   auto cache_row = [&](int h) {
     return ((block * num_kv_heads + h) * block_size + off) * head_dim;
@@ -250,13 +270,13 @@ __device__ __forceinline__ void rotary_cache_row(
   for (int u = threadIdx.x; u < max(units, v_units); u += blockDim.x) {
     if (u < v_units) {
       const int vh = u / v_per_head, c = (u - vh * v_per_head) * kVec;
-      *reinterpret_cast<uint4*>(v_cache + cache_row(vh) + c) =
-          *reinterpret_cast<const uint4*>(v + tok * v_stride_tok + vh * v_stride_head + c);
+      const uint4 x = *reinterpret_cast<const uint4*>(v + tok * v_stride_tok + vh * v_stride_head + c);
+      store_cache8<T>(v_cache + cache_row(vh) + c, x, vs);
     }
     if (u < tail_units) {  // partial rotary: k's elements past rotary_dim, cached as they are
       const int kh = u / tail_per_head, c = rotary_dim + (u - kh * tail_per_head) * kVec;
-      *reinterpret_cast<uint4*>(k_cache + cache_row(kh) + c) =
-          *reinterpret_cast<const uint4*>(k + tok * k_stride_tok + kh * k_stride_head + c);
+      const uint4 x = *reinterpret_cast<const uint4*>(k + tok * k_stride_tok + kh * k_stride_head + c);
+      store_cache8<T>(k_cache + cache_row(kh) + c, x, ks);
     }
     if (u >= units) continue;
     const int head = u / per_head;
@@ -274,9 +294,9 @@ __device__ __forceinline__ void rotary_cache_row(
       *p2 = r2;
     }
     if (is_k && slot >= 0) {
-      T* dst = k_cache + cache_row(head - num_heads);
-      *reinterpret_cast<uint4*>(dst + m.x) = r1;
-      *reinterpret_cast<uint4*>(dst + m.y) = r2;
+      C* dst = k_cache + cache_row(head - num_heads);
+      store_cache8<T>(dst + m.x, r1, ks);
+      store_cache8<T>(dst + m.y, r2, ks);
     }
   }
 }
@@ -309,6 +329,7 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
 
 }  // namespace ps_ops
 
+#ifndef PS_KV_FP8  // kv_fp8.cu defines the FP8 cache's entry points, not these
 #define PS_OPS(NAME, T)                                                                          \
   extern "C" __global__ void __launch_bounds__(1024)                                             \
       rms_norm_##NAME(T* out, long long out_stride, const T* x, long long x_stride,              \
@@ -360,3 +381,25 @@ PS_ROPE_CACHE(bf16_i64, __nv_bfloat16, long long)
 PS_ROPE_CACHE(bf16_i32, __nv_bfloat16, int)
 PS_ROPE_CACHE(fp16_i64, __half, long long)
 PS_ROPE_CACHE(fp16_i32, __half, int)
+#endif  // PS_KV_FP8
+
+// A grammar's token mask: logits[row, t] = -inf where bit t % 32 of word t / 32 of bitmask row
+// i is clear, row = indices[i] (i when indices is null); an index outside [0, num_rows) masks
+// nothing (a graph's padding rows). Grid (chunks of the vocabulary, bitmask rows): one pass over
+// the masked rows, the 32 tokens of a warp sharing one word.
+#ifndef PS_KV_FP8
+extern "C" __global__ void __launch_bounds__(256)
+    apply_token_bitmask(float* logits, long long logits_stride, const int* bitmask,
+                        long long bitmask_stride, const long long* indices, long long num_rows,
+                        int vocab) {
+  const long long i = blockIdx.y;
+  const long long row = indices != nullptr ? indices[i] : i;
+  if (row < 0 || row >= num_rows) return;
+  const int* words = bitmask + i * bitmask_stride;
+  float* out = logits + row * logits_stride;
+  const float neg_inf = __uint_as_float(0xff800000u);
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < vocab; t += gridDim.x * blockDim.x) {
+    if (!((words[t >> 5] >> (t & 31)) & 1)) out[t] = neg_inf;
+  }
+}
+#endif  // PS_KV_FP8

@@ -36,10 +36,10 @@ def test_the_prefix_case_admits_one_cached_prefix_seq_a_step_through_the_small_s
     num_runs = []
     run = graphs.run
 
-    def counting_run(inputs, sampling=None):
+    def counting_run(inputs, sampling=None, *args):
         if not inputs.is_decode:
             num_runs.append(len(inputs.input_ids))
-        return run(inputs, sampling)
+        return run(inputs, sampling, *args)
     graphs.run = counting_run
     for _ in range(5):
         plan, _ = bench.in_flight[0]

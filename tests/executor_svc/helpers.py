@@ -240,8 +240,8 @@ def spy_on_graph_sampling(runner: ModelRunner) -> list[bool]:
     sampled the step (else the runner sampled its logits eagerly)."""
     sampled, run = [], runner.graphs.run
 
-    def spy(inputs, sampling=None):
-        out = run(inputs, sampling)
+    def spy(inputs, sampling=None, *args):
+        out = run(inputs, sampling, *args)
         if inputs.is_decode:
             sampled.append(out[1] is not None)
         return out

@@ -414,10 +414,10 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
             assert runner.backend.few_query_max >= 16
             real_run = runner.graphs.run
 
-            def counting_run(inputs, sampling=None):
+            def counting_run(inputs, sampling=None, *args):
                 if not inputs.is_decode:
                     replayed.append(len(inputs.input_ids))
-                return real_run(inputs, sampling)
+                return real_run(inputs, sampling, *args)
             runner.graphs.run = counting_run
         driver = PlanDriver(runner)
         steps = [

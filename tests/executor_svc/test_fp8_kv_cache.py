@@ -1,8 +1,8 @@
 """--kv-cache-dtype fp8 on the CPU runner: greedy output token-identical to transformers in
 float32 whose attention applies the same FP8 round trip to K and V (per-layer scales), through
 batching, chunked prefill, swap, copy-on-write and prefix caching; logits close to a float32
-cache; scales read from checkpoints by vLLM's rules; the CUDA backend refusing it in one line;
-Describe, the fingerprint and the page arithmetic."""
+cache; scales read from checkpoints by vLLM's rules; the CUDA backend taking it (its kernels:
+test_fp8_kv_cache_gpu.py); Describe, the fingerprint and the page arithmetic."""
 import random
 
 import pytest
@@ -249,11 +249,8 @@ def test_a_kv_cache_scheme_is_checked_as_vllm_does():
         parse_quantization_config(qc)
 
 
-def test_the_cuda_backend_refuses_an_fp8_cache_in_one_line():
-    with pytest.raises(ValueError) as err:
-        CudaBackend.check_kv_cache_dtype(FP8)
-    assert str(err.value) == ("--kv-cache-dtype fp8 needs FP8 KV attention kernels, which the "
-                              "CUDA backend does not have yet (--backend cpu computes it)")
+def test_the_cuda_backend_takes_an_fp8_cache():
+    CudaBackend.check_kv_cache_dtype(FP8)
     CudaBackend.check_kv_cache_dtype(torch.bfloat16)
 
 

@@ -22,12 +22,12 @@ class CountingGraphs(CudaGraphs):
         super().__init__(*args, **kwargs)
         self.ladders, self.num_with_device_tokens, self.num_padded = [], 0, 0
 
-    def run(self, inputs, sampling=None):
+    def run(self, inputs, sampling=None, *args):
         self.ladders.append(DECODE if inputs.is_decode else SMALL_STEP)
         self.num_with_device_tokens += inputs.device_tokens is not None
         num_tokens = len(inputs.input_ids)
         self.num_padded += self.padded_size(num_tokens, inputs.is_decode) > num_tokens
-        return super().run(inputs, sampling)
+        return super().run(inputs, sampling, *args)
 
 
 def small_step_graphs(runner, token_sizes, max_seqs, graphs_class=CudaGraphs, batch_sizes=()):

@@ -2,7 +2,8 @@
 tokenizer): constrained seqs' outputs follow their JSON schema, regex or choice with two steps in
 flight or lockstep alike; an unconstrained seq in the same batches samples exactly what it samples
 alone; preemption by swap or recompute, n > 1 and a runner rebuilt from the plan resume the
-grammar state exactly."""
+grammar state exactly; through the decode graphs (replayed eagerly), the mask applied in the graph
+gives the eager path's tokens, and unconstrained batches replay the plain graphs."""
 import functools
 import json
 import random
@@ -11,6 +12,8 @@ import re
 import jsonschema
 import pytest
 
+from executor_svc.cuda_graphs import GREEDY, masked
+from executor_svc.graph_sampler import CONTROLLED, SAMPLED
 from executor_svc.model_loader import smollm2_gguf_path
 from executor_svc.structured_output import GrammarCompiler
 from executor_svc.step import SamplingOptions
@@ -20,6 +23,7 @@ from scheduler_svc.structured_output import structured_output
 from scheduler_svc.tokenizer import load_tokenizer
 from tests.executor_svc.helpers import (
     PlanDriver, RunnerLink, ScheduledRun, hf_greedy, hf_model, make_runner, random_prompt,
+    with_eager_graphs,
 )
 from tests.executor_svc.test_parallel_sampling import assert_pools_whole, scheduler
 
@@ -67,13 +71,15 @@ def check_output(kind, value, token_ids: list[int]) -> None:
         assert text in value
 
 
-def requests(seed: int) -> list[tuple[Sequence, tuple | None]]:
-    """A constrained seq of each format (sampled, seeded) and greedy unconstrained bystanders."""
+def requests(seed: int, **sampling) -> list[tuple[Sequence, tuple | None]]:
+    """A constrained seq of each format (sampled, seeded, or as `sampling` says) and greedy
+    unconstrained bystanders."""
     rng = random.Random(seed)
     out = []
+    sampling = sampling or {"temperature": 1.0}
     for i, (kind, value) in enumerate(FORMATS * 2, start=1):
         seq = Sequence(i, random_prompt(rng, rng.randint(3, 12)),
-                       constrained(kind, value, temperature=1.0, seed=seed + i),
+                       constrained(kind, value, seed=seed + i, **sampling),
                        StoppingParams(max_tokens=80), eos_token_id=EOS, max_model_len=512,
                        arrival_time=float(i))
         out.append((seq, (kind, value)))
@@ -84,9 +90,16 @@ def requests(seed: int) -> list[tuple[Sequence, tuple | None]]:
     return out
 
 
-def run(reqs, overlap=True, **kwargs):
+def run(reqs, overlap=True, graphs=None, **kwargs):
+    """graphs: CudaGraphs options (eager replays), e.g. {"batch_sizes": ...}; None: no graphs."""
     sched_config = {k: kwargs.pop(k) for k in ("preemption_mode", "max_num_seqs") if k in kwargs}
     runner = runner_with_grammars(**kwargs)
+    if graphs is not None:
+        with_eager_graphs(runner, **graphs)
+    return run_on(runner, reqs, overlap, **sched_config)
+
+
+def run_on(runner, reqs, overlap=True, **sched_config):
     sched = scheduler(runner, True, **sched_config)
     for seq, _ in reqs:
         sched.add_seq(seq)
@@ -195,3 +208,81 @@ def test_a_step_without_constrained_rows_does_no_grammar_work():
     driver.run(new_seqs=[driver.new_seq(1, [1, 5, 9]), driver.new_seq(2, [1, 5])])
     driver.run(cached_seqs=[driver.cached_seq(1), driver.cached_seq(2)])
     assert driver.tokens[2][2:] == hf_greedy(hf_model("tiny"), [1, 5], 2)
+
+
+# -- the decode graphs (replayed eagerly on CPU) --------------------------------------------------
+
+LADDER = (1, 2, 4, 8, 16)  # 9 seqs replay the 16-seq graphs, then fewer as they finish
+
+
+class ReplaySpy:
+    """Stands in for a graph: notes its key, then replays it."""
+
+    def __init__(self, graph, key, replays: list) -> None:
+        self.graph, self.key, self.replays = graph, key, replays
+
+    def replay(self) -> None:
+        self.replays.append(self.key)
+        self.graph.replay()
+
+
+def graphed_runner(**graph_options):
+    """A runner with grammars whose decode graphs replay eagerly; returns it and the list that
+    gets each replay's (variant, size)."""
+    runner = with_eager_graphs(runner_with_grammars(), LADDER, **graph_options)
+    replays = []
+    graphs = runner.graphs.graphs
+    for key, graph in graphs.items():
+        graphs[key] = ReplaySpy(graph, key, replays)
+    return runner, replays
+
+
+@pytest.mark.parametrize("sampling, variant", [
+    ({"temperature": 1.0}, SAMPLED),
+    ({"temperature": 0.0}, GREEDY),
+    ({"temperature": 0.8, "logprobs": 2, "presence_penalty": 0.5}, CONTROLLED),
+])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_graphs_mask_in_the_graph_and_sample_what_the_eager_path_samples(
+        sampling, variant, overlap):
+    """Constrained seqs of each format beside greedy unconstrained ones: a decode step with a
+    constrained seq replays the masked variant of its sampling, one without the plain greedy
+    graph; every token is the eager runner's, and the bystanders' are what they sample alone."""
+    eager, _ = run(requests(5, **sampling), overlap=overlap)
+    runner, replays = graphed_runner()
+    graphed, _ = run_on(runner, requests(5, **sampling), overlap=overlap)
+    assert graphed == eager
+    variants = {v for v, _ in replays}
+    assert masked(variant) in variants and variants <= {masked(variant), GREEDY}
+    for seq, fmt in requests(5, **sampling):
+        if fmt is None:
+            assert graphed[seq.seq_id] == hf_greedy(hf_model("tiny"), seq.prompt_token_ids, 24)
+        elif graphed[seq.seq_id][-1] == EOS:  # greedy seqs may run out of tokens first
+            check_output(*fmt, graphed[seq.seq_id])
+
+
+def test_a_batch_past_the_masked_graphs_masks_its_logits_after_the_forward():
+    """With masked variants up to 4 seqs, the first steps (9 seqs, the 16-seq graph) replay
+    the plain graph for its logits, which are masked and sampled eagerly; smaller batches mask
+    in the graph; the tokens are the eager runner's either way."""
+    eager, _ = run(requests(7))
+    runner, replays = graphed_runner(max_masked_batch=4)
+    graphed, _ = run_on(runner, requests(7))
+    assert graphed == eager
+    assert (GREEDY, 16) in replays and (masked(SAMPLED), 16) not in replays
+    assert any(v == masked(SAMPLED) and size <= 4 for v, size in replays)
+
+
+def test_unconstrained_batches_replay_the_plain_graphs_and_never_wait():
+    """No grammar in the batch: no bitmask, no wait for an unfinished step, no masked graph,
+    with two steps in flight."""
+    runner, replays = graphed_runner()
+
+    def refuse(*args):
+        raise AssertionError("an unconstrained step did grammar work")
+    runner._grammar_bitmask = runner._record_unfinished = refuse
+    reqs = [r for r in requests(9) if r[1] is None]
+    outputs, _ = run_on(runner, reqs, overlap=True)
+    assert replays and not any(v.startswith("masked_") for v, _ in replays)
+    for seq, _ in reqs:
+        assert outputs[seq.seq_id] == hf_greedy(hf_model("tiny"), seq.prompt_token_ids, 24)

@@ -489,3 +489,452 @@ def test_cuda_graph_capture_decode_and_cache_write(kern, features):
         assert torch.equal(v_cache.view(torch.int16), expect_v.view(torch.int16))
         cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
         check_attention(out, q, k_cache, v_cache, tables, cu, lens, head_dim**-0.5, window, cap)
+
+
+# -- FP8 (e4m3) KV cache ---------------------------------------------------------------------------
+# The kernels over an FP8 cache (csrc/kv_fp8.cu) against float64 over the same pages dequantized
+# as the reference twin reads them (x * scale in float32), by check_attention's bound with torch
+# in the kernel's dtype over those pages rounded to it; the cache writes byte for byte against
+# the twin's rule; pages moved as bytes.
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def kern_fp8(kern):
+    """(attention, cache_ops, ops), the FP8 cache's module compiled first (its own failure)."""
+    from pagedserve_kernels import _compile, ops
+
+    _compile.get_module("kv_fp8")
+    return (*kern, ops)
+
+
+def fp8_paged_cache(seq_lens, num_kv_heads, head_dim, block_size, gen, spare=5, width_extra=1):
+    """paged_cache's pages written to an FP8 cache as the twin writes them, with per-layer
+    scales near amax / 448 (a calibrated checkpoint's; the largest values saturate): (k_cache,
+    v_cache, block_tables, k_scale, v_scale), the scales [] float32 on the GPU."""
+    k, v, tables = paged_cache(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, gen,
+                               spare, width_extra)
+    scales = 0.009 + 0.004 * torch.rand(2, generator=gen, device="cuda")  # [2]
+    k_scale, v_scale = scales[0].clone(), scales[1].clone()
+    return ref.quantize_kv(k, k_scale), ref.quantize_kv(v, v_scale), tables, k_scale, v_scale
+
+
+def check_attention_fp8(out, q, k_cache, v_cache, k_scale, v_scale, tables, cu, seq_lens, scale,
+                        window=None, cap=None):
+    """check_attention over an FP8 cache: float64 over the dequantized pages; the baseline is
+    torch in q's dtype over those pages rounded to it."""
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
+    k_deq, v_deq = ref.dequantize_kv(k_cache, k_scale), ref.dequantize_kv(v_cache, v_scale)
+    starts, lens = cu.tolist(), seq_lens.tolist()
+    for i, n in enumerate(lens):
+        a, b = starts[i], starts[i + 1]
+        if a == b:
+            continue
+        k = ref.gather_kv(k_deq, tables[i], n)  # [n, kv_heads, hd] float32
+        v = ref.gather_kv(v_deq, tables[i], n)
+        ref64 = ref._attend(q[a:b].double(), k.double(), v.double(), scale, window, cap)
+        base = rel_err(torch_in_dtype(q[a:b], k.to(q.dtype), v.to(q.dtype), scale, window, cap),
+                       ref64)
+        err = rel_err(out[a:b], ref64)
+        assert err <= 2 * base + FLOOR, (f"seq {i} (q_len {b - a}, ctx {n}, window {window}, cap "
+                                         f"{cap}): {err:.2e} vs torch {base:.2e}")
+
+
+FP8_FEATURES = ["w1", "w17", "w129", "w700", "cap5", "cap50", "w33_cap5", "w100_cap50"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (16, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
+def test_fp8_prefill_matches_reference(kern_fp8, variant, dtype, head_dim, heads, kv_heads,
+                                       block_size, case):
+    _check_fp8_prefill(kern_fp8, dtype, head_dim, heads, kv_heads, block_size, case, variant)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("features", FP8_FEATURES)
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
+def test_fp8_prefill_window_and_soft_cap(kern_fp8, variant, dtype, head_dim, features):
+    _check_fp8_prefill(kern_fp8, dtype, head_dim, 8, 2, 16, "window", variant,
+                       FEATURES[features])
+
+
+def _check_fp8_prefill(kern_fp8, dtype, head_dim, heads, kv_heads, block_size, case, variant,
+                       features=(None, None, 1.0)):
+    attention = kern_fp8[0]
+    window, cap, q_scale = features
+    seq_lens, q_lens = WINDOW_PREFILL_CASE if case == "window" else PREFILL_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8", case, dtype, head_dim, heads,
+                                                             block_size, features))
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_cache(seq_lens, kv_heads, head_dim,
+                                                                 block_size, gen)
+    q = (torch.randn(sum(q_lens), heads, head_dim, generator=gen, device="cuda") * q_scale).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    attention.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out,
+                                      sliding_window=window, soft_cap=cap, k_scale=k_scale,
+                                      v_scale=v_scale, variant=variant)
+    check_attention_fp8(out, q, k_cache, v_cache, k_scale, v_scale, tables, cu, lens, scale,
+                        window, cap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (16, 1)])  # 64, 16, 4 tokens a CTA
+@pytest.mark.parametrize("case", list(FEW_QUERY_CASES))
+def test_fp8_few_query_matches_reference(kern_fp8, dtype, head_dim, heads, kv_heads, case):
+    _check_fp8_few_query(kern_fp8, dtype, head_dim, heads, kv_heads, 16, case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(8, 8, 16), (16, 1, 32)])
+@pytest.mark.parametrize("features", ["w17", "cap50", "w100_cap50"])
+def test_fp8_few_query_window_and_soft_cap(kern_fp8, dtype, head_dim, heads, kv_heads, block_size,
+                                           features):
+    _check_fp8_few_query(kern_fp8, dtype, head_dim, heads, kv_heads, block_size, "window",
+                         FEATURES[features])
+
+
+def _check_fp8_few_query(kern_fp8, dtype, head_dim, heads, kv_heads, block_size, case,
+                         features=(None, None, 1.0)):
+    attention = kern_fp8[0]
+    window, cap, q_scale = features
+    seq_lens, q_lens = WINDOW_FEW_QUERY_CASE if case == "window" else FEW_QUERY_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_few", case, dtype, head_dim,
+                                                             heads, block_size, features))
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_cache(seq_lens, kv_heads, head_dim,
+                                                                 block_size, gen, width_extra=3)
+    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim, generator=gen, device="cuda")
+    q = (qkv * q_scale).to(dtype)[:, :heads]  # a strided view, as the model passes it
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    attention.paged_few_query_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out,
+                                        sliding_window=window, soft_cap=cap, k_scale=k_scale,
+                                        v_scale=v_scale)
+    check_attention_fp8(out, q, k_cache, v_cache, k_scale, v_scale, tables, cu, lens, scale,
+                        window, cap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (16, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_fp8_decode_matches_reference(kern_fp8, dtype, head_dim, heads, kv_heads, block_size,
+                                      case):
+    _check_fp8_decode(kern_fp8, dtype, head_dim, heads, kv_heads, block_size, decode_lens(case),
+                      {}, seed=seed_of("fp8_dec", case, dtype, head_dim, heads, block_size))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("features", ["w17", "w129", "cap50", "w100_cap50"])
+@pytest.mark.parametrize("policy", ["default", "short_splits"])
+def test_fp8_decode_window_and_soft_cap(kern_fp8, dtype, head_dim, features, policy):
+    """One split a seq, and many short ones merged by the combine."""
+    options = {} if policy == "default" else dict(ctas_per_sm=24, max_pages=8)
+    _check_fp8_decode(kern_fp8, dtype, head_dim, 16, 2, 32, WINDOW_DECODE_LENS, options,
+                      FEATURES[features],
+                      seed=seed_of("fp8_dwin", dtype, head_dim, features, policy))
+
+
+def _check_fp8_decode(kern_fp8, dtype, head_dim, heads, kv_heads, block_size, seq_lens, options,
+                      features=(None, None, 1.0), seed=0):
+    attention = kern_fp8[0]
+    window, cap, q_scale = features
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_cache(seq_lens, kv_heads, head_dim,
+                                                                 block_size, gen, width_extra=3)
+    q = (torch.randn(len(seq_lens), heads, head_dim, generator=gen, device="cuda") * q_scale).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out,
+                                     sliding_window=window, soft_cap=cap, k_scale=k_scale,
+                                     v_scale=v_scale, **options)
+    empty = lens == 0  # a zero row, as documented
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    keep = (~empty).nonzero().flatten()
+    cu = torch.arange(len(keep) + 1, dtype=torch.int32, device="cuda")
+    check_attention_fp8(out[keep], q[keep], k_cache, v_cache, k_scale, v_scale, tables[keep], cu,
+                        lens[keep], head_dim**-0.5, window, cap)
+
+
+def fp8_special_values(scale: float) -> torch.Tensor:
+    """x such that x / scale (scale a power of two: exact) is every e4m3 value and every midpoint
+    of two neighbours (ties, to even), past the range, infinite, or below the subnormals; zeros
+    of both signs. float32 [n], all but 1e4 exact in bf16 and fp16."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    values = codes[torch.isfinite(codes)].unique()  # sorted, -448..448
+    mids = (values[1:] + values[:-1]) / 2
+    edges = torch.tensor([460.0, 464.0, 1e4, float("inf"), 2.0**-11, 3 * 2.0**-11, 0.0])
+    special = torch.cat([values, mids, edges, -edges])
+    return (special * scale).cuda()
+
+
+@pytest.mark.parametrize("row_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim,kv_heads,block_size", [(128, 8, 16), (64, 1, 32), (40, 2, 16)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_fp8_reshape_and_cache_bit_exact(kern_fp8, row_dtype, head_dim, kv_heads, block_size,
+                                         slot_dtype):
+    """The FP8 cache write against the twin's (x / scale in float32, saturated at +-448, rounded
+    to nearest even) byte for byte: random rows (a scale near their amax / 448 for v), and k rows
+    holding fp8_special_values at a power-of-two k_scale; strided views of a fused projection;
+    slots -1 write nothing; untouched slots keep their bytes."""
+    _, cache_ops, _ = kern_fp8
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_write", row_dtype, head_dim,
+                                                             kv_heads, slot_dtype))
+    num_blocks, num_tokens = 64, 300
+    k_scale = torch.tensor(2.0**-6, device="cuda")
+    v_scale = torch.tensor(0.0123, device="cuda")
+    fused = torch.randn(num_tokens, 3 * kv_heads, head_dim, generator=gen, device="cuda") * 2
+    special = fp8_special_values(2.0**-6)
+    k_part = fused[:, kv_heads : 2 * kv_heads].reshape(-1)
+    k_part[: len(special)] = special
+    fused[:, kv_heads : 2 * kv_heads] = k_part.view(num_tokens, kv_heads, head_dim)
+    fused = fused.to(row_dtype)
+    key, value = fused[:, kv_heads : 2 * kv_heads], fused[:, 2 * kv_heads :]
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k_cache = torch.randint(0, 256, shape, generator=gen, device="cuda", dtype=torch.uint8).view(FP8)
+    v_cache = torch.randint(0, 256, shape, generator=gen, device="cuda", dtype=torch.uint8).view(FP8)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
+    slots[1::7] = -1
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    ref.reshape_and_cache(key, value, expect_k, expect_v, slots, k_scale, v_scale)
+    cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slots.to(slot_dtype), k_scale,
+                                v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), expect_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expect_v.view(torch.uint8))
+
+
+def fp8_rope_tables(rotary_dim: int, max_pos: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_pos, rotary_dim] float32 on the GPU, rows cat(f, f)."""
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().cuda(), emb.sin().cuda()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,interleaved",
+                         [(128, 128, False), (64, 64, True), (128, 64, False), (72, 32, True),
+                          (72, 72, False)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_fp8_rotary_embedding_and_cache(kern_fp8, dtype, head_dim, rotary_dim, interleaved,
+                                        slot_dtype):
+    """The fused RoPE + FP8 cache write against RoPE then the FP8 cache write on copies (q, k,
+    the qkv buffer and both caches bit for bit), and its cache against the twin's write of the
+    rotated k and v, byte for byte. Partial rotary (k's tail cached by its own units); (72, 72):
+    half the span is not whole vectors, so the launcher takes the two launches itself."""
+    _, cache_ops, ops = kern_fp8
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_rope", dtype, head_dim,
+                                                             rotary_dim, interleaved, slot_dtype))
+    num_tokens, heads, kv_heads, block_size = 70, 9, 3, 16
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    num_blocks = num_tokens // block_size + 3
+    qkv = (torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen, device="cuda") * 2).to(dtype)
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k_cache = torch.randint(0, 256, shape, generator=gen, device="cuda", dtype=torch.uint8).view(FP8)
+    v_cache = torch.randint(0, 256, shape, generator=gen, device="cuda", dtype=torch.uint8).view(FP8)
+    k_scale, v_scale = torch.tensor(0.0113, device="cuda"), torch.tensor(0.0157, device="cuda")
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
+    slots[::5] = -1
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen, device="cuda")
+    cos_table, sin_table = fp8_rope_tables(rotary_dim)
+
+    def views(buf):
+        q, k, v = buf.split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
+                v.view(num_tokens, kv_heads, head_dim))
+
+    two = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q, k, v = views(two[0])
+    ops.rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
+    cache_ops.reshape_and_cache(k, v, two[1], two[2], slots.to(slot_dtype), k_scale, v_scale)
+    twin = k_cache.clone(), v_cache.clone()
+    ref.reshape_and_cache(k, v, twin[0], twin[1], slots, k_scale, v_scale)
+    q, k, v = views(qkv)
+    ops.rotary_embedding_and_cache(positions, q, k, v, cos_table, sin_table, k_cache, v_cache,
+                                   slots.to(slot_dtype), interleaved, k_scale, v_scale)
+    assert torch.equal(qkv, two[0]), "q / k differ from the two launches"
+    for name, got, want in (("k_cache", k_cache, two[1]), ("v_cache", v_cache, two[2]),
+                            ("k_cache (twin)", k_cache, twin[0]),
+                            ("v_cache (twin)", v_cache, twin[1])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
+def _fp8_pages(layers, blocks, device, gen):
+    """Random FP8 pages (any byte, NaN codes included) [layers, blocks, 2, 16, 128], K and V,
+    pinned on the CPU."""
+    shape = (layers, blocks, 2, 16, 128)
+    k, v = (torch.randint(0, 256, shape, generator=gen, device="cuda", dtype=torch.uint8)
+            for _ in range(2))
+    if device == "cpu":
+        k, v = k.cpu().pin_memory(), v.cpu().pin_memory()
+    return k.view(FP8), v.view(FP8)
+
+
+@pytest.mark.parametrize("direction", ["gpu_to_cpu", "cpu_to_gpu", "gpu_to_gpu", "copy"])
+def test_fp8_pages_swap_and_copy_bit_exact(kern_fp8, direction):
+    """swap_blocks (pinned CPU swap space both ways, GPU to GPU) and copy_blocks move FP8 pages
+    as bytes, as the twins do; pages not in the mapping stay as they were."""
+    _, cache_ops, _ = kern_fp8
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_pages", direction))
+    if direction == "copy":
+        k, v = _fp8_pages(3, 200, "cuda", gen)
+        ids = torch.randperm(200, generator=gen, device="cuda")
+        mapping = torch.stack([ids[:60], ids[60:120]], 1).to(torch.int64)
+        expect_k, expect_v = k.view(torch.uint8).clone(), v.view(torch.uint8).clone()
+        ref.copy_blocks(expect_k, expect_v, mapping)
+        cache_ops.copy_blocks(k, v, mapping)
+        got_k, got_v = k, v
+    else:
+        src_dev, dst_dev = {"gpu_to_cpu": ("cuda", "cpu"), "cpu_to_gpu": ("cpu", "cuda"),
+                            "gpu_to_gpu": ("cuda", "cuda")}[direction]
+        src_k, src_v = _fp8_pages(4, 50, src_dev, gen)
+        got_k, got_v = _fp8_pages(4, 30, dst_dev, gen)
+        ids = torch.stack([torch.randperm(50, generator=gen, device="cuda")[:20],
+                           torch.randperm(30, generator=gen, device="cuda")[:20]], 1)
+        mapping = ids.to(torch.int64)
+        expect_k, expect_v = got_k.view(torch.uint8).clone(), got_v.view(torch.uint8).clone()
+        ref.swap_blocks(src_k.view(torch.uint8), src_v.view(torch.uint8), expect_k, expect_v,
+                        mapping)
+        cache_ops.swap_blocks(src_k, src_v, got_k, got_v, mapping)
+    torch.cuda.synchronize()
+    assert torch.equal(got_k.view(torch.uint8), expect_k)
+    assert torch.equal(got_v.view(torch.uint8), expect_v)
+
+
+@pytest.mark.parametrize("features", ["none", "w100_cap50"])
+def test_fp8_cuda_graph_capture_decode_and_cache_write(kern_fp8, features):
+    """Capture the FP8 cache write + split decode (+ combine) once; replay on new inputs written
+    in place, then with the layer's scales changed in place: the kernels read them at replay."""
+    attention, cache_ops, _ = kern_fp8
+    window, cap, q_scale = FEATURES.get(features, (None, None, 1.0))
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_graph", features))
+    heads, kv_heads, head_dim, block_size = 16, 4, 128, 16
+    seq_lens = [3000, 17, 1200, 1]
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_cache(seq_lens, kv_heads, head_dim,
+                                                                 block_size, gen, spare=8,
+                                                                 width_extra=2)
+    num_seqs = len(seq_lens)
+    q = torch.empty(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    key = torch.empty(num_seqs, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    value = torch.empty_like(key)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def last_slots(lens_list):
+        return torch.tensor([tables[i, (n - 1) // block_size].item() * block_size + (n - 1) % block_size
+                             for i, n in enumerate(lens_list)], dtype=torch.int64, device="cuda")
+
+    slots = last_slots(seq_lens)
+
+    def step():
+        cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+        attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, out=out,
+                                         sliding_window=window, soft_cap=cap, k_scale=k_scale,
+                                         v_scale=v_scale)
+
+    for t in (q, key, value):
+        t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # eager warm-up: compiles, sizes the workspaces
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for new_lens, scales in (([2990, 5, 1201, 1], None), ([3001, 30, 700, 16], None),
+                             ([3002, 31, 701, 17], (0.021, 0.0071))):
+        for t in (q, key, value):
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+        q.mul_(q_scale)
+        if scales is not None:
+            k_scale.fill_(scales[0])
+            v_scale.fill_(scales[1])
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        slots.copy_(last_slots(new_lens))
+        out.fill_(float("nan"))
+        expect_k, expect_v = k_cache.clone(), v_cache.clone()
+        ref.reshape_and_cache(key, value, expect_k, expect_v, slots, k_scale, v_scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(k_cache.view(torch.uint8), expect_k.view(torch.uint8))
+        assert torch.equal(v_cache.view(torch.uint8), expect_v.view(torch.uint8))
+        cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+        check_attention_fp8(out, q, k_cache, v_cache, k_scale, v_scale, tables, cu, lens,
+                            head_dim**-0.5, window, cap)
+
+
+def test_fp8_cache_needs_the_layers_scales_and_a_production_kernel(kern_fp8):
+    """An FP8 cache without its scales (or with scales not one float32 on the cache's device) is
+    refused naming the argument; candidates with no FP8 kernel are refused by name."""
+    attention, cache_ops, _ = kern_fp8
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_cache([40], 2, 64, 16, gen)
+    q = torch.randn(1, 8, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([40], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+
+    def decode(**kw):
+        return attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, **kw)
+
+    with pytest.raises(ValueError, match="needs k_scale"):
+        decode()
+    with pytest.raises(ValueError, match="needs v_scale"):
+        decode(k_scale=k_scale, v_scale=v_scale.double())
+    with pytest.raises(ValueError, match="needs k_scale"):
+        decode(k_scale=k_scale.cpu(), v_scale=v_scale)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        decode(k_scale=torch.ones(2, device="cuda"), v_scale=v_scale)
+    with pytest.raises(ValueError, match="no kernel over an FP8 cache"):
+        decode(k_scale=k_scale, v_scale=v_scale, variant="s2")
+    with pytest.raises(ValueError, match="no kernel over an FP8 cache"):
+        attention.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.1,
+                                          k_scale=k_scale, v_scale=v_scale, variant="wg1")
+    with pytest.raises(ValueError, match="key_split"):
+        attention.paged_few_query_attention(q, k_cache, v_cache, tables, cu, lens, 0.1,
+                                            k_scale=k_scale, v_scale=v_scale, key_split=True)
+    with pytest.raises(ValueError, match="v_cache must be"):
+        attention.paged_decode_attention(q, k_cache, v_cache.view(torch.uint8), tables, lens, 0.1,
+                                         k_scale=k_scale, v_scale=v_scale)
+    key = torch.randn(1, 2, 64, device="cuda").to(torch.bfloat16)
+    slots = torch.tensor([3], device="cuda")
+    with pytest.raises(ValueError, match="needs k_scale"):
+        cache_ops.reshape_and_cache(key, key, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="bf16/fp16/float32"):
+        cache_ops.reshape_and_cache(key.to(FP8), key.to(FP8), k_cache, v_cache, slots, k_scale,
+                                    v_scale)
+    out = decode(k_scale=k_scale, v_scale=v_scale)  # and with them, it runs
+    check_attention_fp8(out, q, k_cache, v_cache, k_scale, v_scale, tables, cu, lens, 0.1)
+
+
+def test_fp8_torch_twins_read_an_fp8_cache_on_the_gpu(kern_fp8):
+    """The CUDA backend's fallbacks (a head size the kernels do not cover, a float32 model): the
+    twins over an FP8 cache on the GPU equal themselves over its pages dequantized to float32."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    seq_lens = [70, 33, 200]
+    k8, v8, tables, k_scale, v_scale = fp8_paged_cache(seq_lens, 2, 96, 16, gen)
+    k32, v32 = ref.dequantize_kv(k8, k_scale), ref.dequantize_kv(v8, v_scale)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 8, 96, generator=gen, device="cuda")
+    got = ref.torch_decode_attention(q, k8, v8, tables, lens, 0.1, None, 33, None, k_scale, v_scale)
+    want = ref.torch_decode_attention(q, k32, v32, tables, lens, 0.1, None, 33, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    q = torch.randn(76, 8, 96, generator=gen, device="cuda")
+    cu = torch.tensor([0, 70, 75, 76], dtype=torch.int32, device="cuda")
+    got = ref.paged_prefill_attention(q, k8, v8, tables, cu, lens, 0.1, k_scale=k_scale,
+                                      v_scale=v_scale)
+    want = ref.paged_prefill_attention(q, k32, v32, tables, cu, lens, 0.1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

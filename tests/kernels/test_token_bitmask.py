@@ -50,3 +50,17 @@ def test_agrees_with_llguidance_numpy_apply():
 def test_a_bitmask_too_narrow_for_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="cannot cover"):
         reference.apply_token_bitmask(torch.zeros(1, 65), torch.zeros(1, 2, dtype=torch.int32))
+
+
+def test_indices_outside_the_logits_mask_nothing():
+    """A graph's fixed batch pads its bitmask rows with index -1 (or past the logits): those rows
+    change nothing, whatever their bits, and the named rows are masked as without padding."""
+    rng = np.random.default_rng(1)
+    bitmask = rng.integers(-2**31, 2**31, size=(5, 3), dtype=np.int64).astype(np.int32)
+    bitmask[2:] = 0  # the padding rows would mask every token
+    logits = torch.randn(4, 90, dtype=torch.float32)
+    want = _dense(logits, bitmask[:2], [3, 0])
+    got = logits.clone()
+    reference.apply_token_bitmask(got, torch.from_numpy(bitmask),
+                                  torch.tensor([3, 0, -1, 4, -7]))
+    assert torch.equal(got, want)

@@ -37,6 +37,12 @@ def free_port() -> int:
             return port
 
 
+# gRPC's default reconnect backoff (1 s, growing 1.6x) would have a waiter find a process that
+# started listening between two tries seconds late; awaiting a start retries every 0.1-0.25 s.
+_AWAIT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 250)]
+
+
 class ProcessExited(RuntimeError):
     """A process that had to keep running while something was awaited ended."""
 
@@ -46,7 +52,7 @@ def wait_serving(address: str, timeout: float = START_TIMEOUT_S, service: str = 
     """Blocks until the health service at `address` reports SERVING (streams status changes).
     If one of `procs` ({name: process}) exits first, raises ProcessExited at once rather than
     waiting out `timeout`."""
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(address, options=_AWAIT_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
                             wait_for_ready=True)

@@ -65,13 +65,14 @@ class RogueCall:
 
 
 class SecondScheduler:
-    """Another scheduler process on the same executor; its log lines are read as they come."""
+    """Another scheduler process on the same executor; its log lines are read as they come. Its
+    retry interval has it take the lease as soon as the lease is free."""
 
     def __init__(self, executor_address: str) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
                self.address.rsplit(":", 1)[1], "--admin-port", str(free_port()), "--http-port",
-               "0", "--executor", executor_address]
+               "0", "--executor", executor_address, "--executor-retry-interval", "0.2"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         self._lines: queue.SimpleQueue = queue.SimpleQueue()

@@ -24,9 +24,12 @@ VOCAB = 49152
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    running = start_services(tmp_path_factory.mktemp("fuzz"), ["--model", TINY,
-                                                               "--max-model-len", "512"],
-                             ["--max-waiting", "64"])
+    """One system for the fuzzing and the load: pages and running seats for 500 streams, a
+    waiting queue for the rest of them."""
+    running = start_services(tmp_path_factory.mktemp("fuzz"),
+                             ["--model", TINY, "--max-model-len", "512", "--num-gpu-blocks",
+                              "4096"],
+                             ["--max-num-seqs", "256", "--max-waiting", "1000"])
     yield running
     running.stop()
 
@@ -130,19 +133,14 @@ async def _round(address: str, prompts: list[list[int]], max_tokens: int) -> lis
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def test_500_concurrent_streams_complete_with_flat_memory(tmp_path):
-    running = start_services(tmp_path, ["--model", TINY, "--num-gpu-blocks", "4096"],
-                             ["--max-num-seqs", "256", "--max-waiting", "1000"])
-    try:
-        pid = running.procs["scheduler"].pid
-        rss = []
-        for round_seed in (21, 22, 23):
-            prompts = random_prompts(500, seed=round_seed, low=4, high=24)
-            counts = asyncio.run(asyncio.wait_for(_round(running.scheduler_address, prompts, 16),
-                                                  timeout=240))
-            assert counts == [16] * 500
-            rss.append(_rss_mb(pid))
-            assert_pools_whole(running)
-        assert rss[2] - rss[1] < 50, f"scheduler RSS grew {rss} MB over rounds"
-    finally:
-        running.stop()
+def test_500_concurrent_streams_complete_with_flat_memory(services):
+    pid = services.procs["scheduler"].pid
+    rss = []
+    for round_seed in (21, 22, 23):
+        prompts = random_prompts(500, seed=round_seed, low=4, high=24)
+        counts = asyncio.run(asyncio.wait_for(_round(services.scheduler_address, prompts, 16),
+                                              timeout=240))
+        assert counts == [16] * 500
+        rss.append(_rss_mb(pid))
+        assert_pools_whole(services)
+    assert rss[2] - rss[1] < 50, f"scheduler RSS grew {rss} MB over rounds"

@@ -10,13 +10,15 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generate_pb2, generate_pb2_grpc
-from tests.integration.harness import free_port, generate, start_services, start_services_with
+from tests.integration.harness import (Services, free_port, generate, start_services,
+                                       start_services_with, wait_serving)
 from tests.integration.hf_reference import hf_greedy, hf_greedy_later
 from tests.integration.test_end_to_end import TINY, assert_pools_whole, random_prompts
 
@@ -73,79 +75,145 @@ class Load:
             assert final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
 
 
+def serving_executor(services) -> tuple[str, subprocess.Popen | None]:
+    """(address, live process) of the executor the scheduler is attached to, or was last."""
+    address = services.status().executor_address
+    port = address.rsplit(":", 1)[1]
+    for name, proc in services.procs.items():
+        if name != "scheduler" and proc.poll() is None and \
+                proc.args[proc.args.index("--port") + 1] == port:
+            return address, proc
+    return address, None
+
+
+def kill_serving_executor(services) -> int:
+    """SIGKILLs the executor the scheduler is attached to; returns its port."""
+    address, proc = serving_executor(services)
+    if proc is not None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return int(address.rsplit(":", 1)[1])
+
+
+def replace_executor(services, port: int) -> None:
+    """Starts another executor on `port` (as a supervisor would), under a name of its own."""
+    services.add_executor(f"executor{len(services.procs)}", ["--model", TINY], port=port)
+
+
 def kill_and_replace_executor(services) -> None:
     """SIGKILLs the executor, then starts another on its address (as a supervisor would)."""
-    services.procs["executor"].send_signal(signal.SIGKILL)
-    services.procs["executor"].wait()
-    port = int(services.executor_address.rsplit(":", 1)[1])
-    services.add_executor("executor2", ["--model", TINY], port=port)
+    replace_executor(services, kill_serving_executor(services))
 
 
-def test_executor_sigkill_midway_then_replaced(tmp_path):
-    with start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"]) as services:
-        load = Load(services.scheduler_address, random_prompts(32, seed=11), max_tokens=48,
-                    reference=TINY)
-        load.wait_tokens(200)
-        kill_and_replace_executor(services)
-        load.check_against_reference()
-        assert services.status().resyncs >= 1
-        assert f"executor {services.executor_address} restarted" in services.log_of("scheduler")
-        assert_pools_whole(services)
+@dataclass
+class Shared:
+    services: Services
+    spare: str  # an executor of the same model, outside the scheduler's addresses
+    other: str  # an executor of another model
 
 
-def test_executor_sigkill_with_shared_prefixes_cached(tmp_path):
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One system for the scenarios that leave it serving after an executor is killed and
+    replaced, moved or refused; they assert on how counters and logs changed. The retry
+    interval has the replacement attached as soon as it serves."""
+    services, [spare, other] = start_services_with(
+        tmp_path_factory.mktemp("shared"), ["--model", TINY],
+        ["--max-num-seqs", "8", "--executor-retry-interval", "0.2"],
+        others={"spare": ["--model", TINY], "other": ["--model", "preset:tiny-qwen2"]})
+    yield Shared(services, spare, other)
+    services.stop()
+
+
+@pytest.fixture()
+def services(shared):
+    """The shared system, serving: a scenario that failed midway and left no live executor
+    attached has it replaced first."""
+    try:
+        wait_serving(shared.services.scheduler_address, timeout=30)
+    except TimeoutError:
+        kill_and_replace_executor(shared.services)
+        wait_serving(shared.services.scheduler_address, timeout=60)
+    return shared.services
+
+
+def test_executor_sigkill_midway_then_replaced(services):
+    resyncs = services.status().resyncs
+    restarted = f"executor {serving_executor(services)[0]} restarted"
+    restarts = services.log_of("scheduler").count(restarted)
+    load = Load(services.scheduler_address, random_prompts(32, seed=11), max_tokens=48,
+                reference=TINY)
+    load.wait_tokens(200)
+    kill_and_replace_executor(services)
+    load.check_against_reference()
+    assert services.status().resyncs > resyncs
+    assert services.log_of("scheduler").count(restarted) > restarts
+    assert_pools_whole(services)
+
+
+def test_executor_sigkill_with_shared_prefixes_cached(services):
     """Prefix caching (on by default) across an executor lost: 32 streams share a system
     prompt, so their tables share cached pages when the executor dies; the new executor's cache
     is empty, every hash is dropped, and every stream still gets transformers' tokens."""
-    with start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"]) as services:
-        system = random_prompts(1, seed=13, low=40, high=40)[0]
-        prompts = [system + p for p in random_prompts(32, seed=14, low=1, high=8)]
-        load = Load(services.scheduler_address, prompts, max_tokens=48, reference=TINY)
-        load.wait_tokens(200)
-        assert services.metrics()["pagedserve_prefix_cache_hits_total"] > 0
-        kill_and_replace_executor(services)
-        load.check_against_reference()
-        assert services.status().resyncs >= 1
-        assert_pools_whole(services)
+    resyncs = services.status().resyncs
+    hits = services.metrics()["pagedserve_prefix_cache_hits_total"]
+    system = random_prompts(1, seed=13, low=40, high=40)[0]
+    prompts = [system + p for p in random_prompts(32, seed=14, low=1, high=8)]
+    load = Load(services.scheduler_address, prompts, max_tokens=48, reference=TINY)
+    load.wait_tokens(200)
+    assert services.metrics()["pagedserve_prefix_cache_hits_total"] > hits
+    kill_and_replace_executor(services)
+    load.check_against_reference()
+    assert services.status().resyncs > resyncs
+    assert_pools_whole(services)
 
 
-def test_planned_replacement_fails_no_request(tmp_path):
-    services, [new_address] = start_services_with(tmp_path, ["--model", TINY],
-                                                  ["--max-num-seqs", "8"],
-                                                  others={"executor2": ["--model", TINY]})
-    try:
-        load = Load(services.scheduler_address, random_prompts(32, seed=12), max_tokens=48,
-                    reference=TINY)
-        load.wait_tokens(200)
-        reply = services.set_executors(new_address)
-        assert reply.address == new_address
-        services.procs["executor"].send_signal(signal.SIGTERM)  # the old one is no longer needed
-        load.check_against_reference()
-        status = services.status()
-        assert status.executor_address == new_address and status.resyncs == 0
-        assert_pools_whole(services)
-    finally:
-        services.stop()
+def test_planned_replacement_fails_no_request(shared, services):
+    resyncs = services.status().resyncs
+    _, old = serving_executor(services)
+    load = Load(services.scheduler_address, random_prompts(32, seed=12), max_tokens=48,
+                reference=TINY)
+    load.wait_tokens(200)
+    reply = services.set_executors(shared.spare)
+    assert reply.address == shared.spare
+    old.send_signal(signal.SIGTERM)  # the old one is no longer needed
+    load.check_against_reference()
+    status = services.status()
+    assert status.executor_address == shared.spare and status.resyncs == resyncs
+    assert_pools_whole(services)
 
 
-def test_switch_to_a_different_model_is_refused(tmp_path):
-    services, [other] = start_services_with(tmp_path, ["--model", TINY],
-                                            others={"other": ["--model", "preset:tiny-qwen2"]})
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            services.set_executors(other)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "refusing executor" in services.log_of("scheduler")
-        with grpc.insecure_channel(services.scheduler_address) as channel:
-            ids, _, _ = generate(services.stub(channel), [3, 4, 5], max_tokens=4)
-        assert ids == hf_greedy(TINY, [3, 4, 5], 4)
-    finally:
-        services.stop()
+def test_switch_to_a_different_model_is_refused(shared, services):
+    refusals = services.log_of("scheduler").count("refusing executor")
+    with pytest.raises(grpc.RpcError) as err:
+        services.set_executors(shared.other)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert services.log_of("scheduler").count("refusing executor") > refusals
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        ids, _, _ = generate(services.stub(channel), [3, 4, 5], max_tokens=4)
+    assert ids == hf_greedy(TINY, [3, 4, 5], 4)
+
+
+def test_health_follows_the_executor(services):
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        port = kill_serving_executor(services)
+        # The loss is noticed at the next step: send one.
+        threading.Thread(target=lambda: _try_generate(services), daemon=True).start()
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        replace_executor(services, port)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
 
 
 def test_hung_executor_is_detected_and_next_address_takes_over(tmp_path):
     backup_port = free_port()
-    with start_services(tmp_path, ["--model", TINY], ["--step-timeout", "2"],
+    # The hung executor still accepts connections: its Describe waits out the connect timeout
+    # before the next address is tried.
+    with start_services(tmp_path, ["--model", TINY],
+                        ["--step-timeout", "2", "--executor-connect-timeout", "1"],
                         extra_executor_addresses=(f"127.0.0.1:{backup_port}",)) as services:
         services.add_executor("backup", ["--model", TINY], port=backup_port)
         load = Load(services.scheduler_address, random_prompts(16, seed=13), max_tokens=48,
@@ -225,22 +293,6 @@ def test_sigterm_drains_then_ends_the_rest(tmp_path):
         assert any(final.finish_reason == generate_pb2.FINISH_REASON_ABORTED for _, final in results)
         assert services.procs["scheduler"].wait(timeout=60) == 0
         assert "shutting down" in services.log_of("scheduler")
-
-
-def test_health_follows_the_executor(tmp_path):
-    with start_services(tmp_path, ["--model", TINY]) as services:
-        with grpc.insecure_channel(services.scheduler_address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
-            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-            services.procs["executor"].send_signal(signal.SIGKILL)
-            # The loss is noticed at the next step: send one.
-            threading.Thread(target=lambda: _try_generate(services), daemon=True).start()
-            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-            port = int(services.executor_address.rsplit(":", 1)[1])
-            services.add_executor("executor2", ["--model", TINY], port=port)
-            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-            watch.cancel()
 
 
 def _try_generate(services):

@@ -296,11 +296,8 @@ def paged_few_query_attention(
     each context over CTAs, with up to 64 / group query tokens of one sequence in a CTA (their
     query heads are 16 MMA rows per warp, each warp over all of a stage's keys) sharing one read
     of the context; with a window the splits cover only the window's pages. Launch shapes follow
-    from the tensors' shapes only (capturable). The CUDA backend's prefill attention takes it for
-    packed steps of few tokens (backends/cuda.py, FEW_QUERY_MAX).
-
-    Candidates (benchmarks, tests): key_split (_few_query_kernel); split_keys, the fewest keys of
-    a split when a seq's tokens fill one CTA.
+    from the tensors' shapes only (capturable). Candidates (benchmarks, tests): key_split
+    (_few_query_kernel); split_keys, the fewest keys of a split when a seq's tokens fill one CTA.
     """
     out, num_heads, num_kv_heads, num_seqs = _check_packed(q, out, k_cache, v_cache, block_tables,
                                                            cu_seqlens_q, seq_lens)

@@ -2,11 +2,12 @@
 # Every GPU test file in a pytest process of its own (a device-side assert poisons the CUDA
 # context for the rest of its process, so one bad kernel would fail every later file), one log
 # per file under $OUT (or ./gpu_logs), a summary line per file. Run from the repository root on
-# the GPU machine, with the wheels it lacks on PYTHONPATH ($PYTHON: the interpreter, python3 by
-# default); exits non-zero if any file failed.
+# the GPU machine, with the wheels it lacks on PYTHONPATH (scripts/gpu_wheels.sh builds them;
+# $PYTHON: the interpreter, python3 by default); exits non-zero if any file failed.
 set -u
 out=${OUT:-gpu_logs}
 mkdir -p "$out"
+# GPU_TEST_FILES="a.py b.py": only those (the whole list takes more than one 600 s device call)
 files=(
   tests/executor_svc/test_cuda_backend.py
   tests/executor_svc/test_graph_sampler.py
@@ -21,6 +22,7 @@ files=(
   tests/executor_svc/test_fp8_kv_cache_gpu.py
   tests/integration/test_gpu_end_to_end.py
 )
+[ -n "${GPU_TEST_FILES:-}" ] && read -r -a files <<< "$GPU_TEST_FILES"
 status=0
 for f in "${files[@]}"; do
   name=$(basename "$f" .py)

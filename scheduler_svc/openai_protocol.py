@@ -17,11 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from scheduler_svc.errors import InvalidArgument
 from scheduler_svc.request import MAX_N as MAX_ENGINE_N
 from scheduler_svc.request import FinishEvent, GenerateSpec, TokenEvent
-from scheduler_svc.sampling_params import (MAX_LOGPROBS, SamplingParams, StoppingParams,
-                                           TokenLogprobs)
+from scheduler_svc.sampling_params import (DEFAULTABLE_SAMPLING_FIELDS, MAX_LOGPROBS,
+                                           SamplingParams, StoppingParams, TokenLogprobs)
 from scheduler_svc.sequence import FinishReason
-from scheduler_svc.structured_output import (MAX_SPEC_BYTES, StructuredOutput, structured_output,
-                                             tool_call_output)
+from scheduler_svc.structured_output import (StructuredOutput, check_spec_size, compact_json,
+                                             structured_output, tool_call_output)
 from scheduler_svc.tool_parsers import (PARSER_CLASSES, NamedToolCall, RequiredToolCalls,
                                         ToolCallDelta, ToolCallStream)
 
@@ -321,9 +321,9 @@ def _fan_out(req: _SamplingRequest, request_id: str, prompts: list[dict],
 
 # vLLM's structured_outputs keys: the format (one of them) and options. Options that change
 # nothing here are accepted (the JSON grammar never adds whitespace; there is no fallback engine).
-_SO_FORMATS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
-               "json_object": "json_object"}
-_SO_NEUTRAL = {"disable_fallback": (None, True, False), "disable_any_whitespace": (None, True, False),
+_SO_FORMATS = frozenset(("json", "regex", "choice", "grammar", "json_object"))
+_SO_NEUTRAL = {"disable_fallback": (None, True, False),
+               "disable_any_whitespace": (None, True, False),
                "disable_additional_properties": (None, False), "whitespace_pattern": (None,),
                "structural_tag": (None,), "_backend": (None,), "backend": (None,)}
 # vLLM's names before structured_outputs (removed from vLLM in 0.12, which ignores them since)
@@ -383,7 +383,7 @@ def _structured_outputs(value) -> StructuredOutput | None:
         name = f"structured_outputs.{str(key)[:32]}"
         if key in _SO_FORMATS:
             if item is not None and item is not False:  # an empty value is refused, not off
-                found.append(structured_output(_SO_FORMATS[key], item, name))
+                found.append(structured_output(key, item, name))
         elif key not in _SO_NEUTRAL:
             raise InvalidArgument(name, "unknown; structured_outputs takes json, regex, choice, "
                                   "grammar or json_object")
@@ -462,12 +462,7 @@ def _check_parameters(schema, field: str) -> None:
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         raise InvalidArgument(f"{field}.required", "must be a list of property names")
-    try:
-        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
-    except (ValueError, RecursionError):
-        raise InvalidArgument(field, "is nested too deeply or holds a non-finite number") from None
-    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
-        raise InvalidArgument(field, f"at most {MAX_SPEC_BYTES} bytes")
+    check_spec_size(compact_json(schema, field), field)
 
 
 def _tool_calls_of(calls: list, field: str) -> list[dict]:
@@ -618,8 +613,7 @@ def tool_calling(body: _SamplingRequest, auto_parser: str | None) -> ToolCalling
 def _unset_fields(req: _SamplingRequest, max_tokens: int | None) -> frozenset[str]:
     """The defaultable fields the body leaves out (or null): the model's defaults apply there,
     as vLLM's to_sampling_params takes them for a None."""
-    unset = {name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-             if getattr(req, name) is None}
+    unset = {name for name in DEFAULTABLE_SAMPLING_FIELDS if getattr(req, name) is None}
     if max_tokens is None:
         unset.add("max_tokens")
     return frozenset(unset)

@@ -196,9 +196,10 @@ class StoppingParams:
 
 
 # The request fields a model's generation config may default (vLLM's --generation-config auto:
-# ModelConfig.get_diff_sampling_param, its max_new_tokens as max_tokens).
-DEFAULTABLE_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                "max_tokens"))
+# ModelConfig.get_diff_sampling_param, its max_new_tokens as max_tokens); the sampling ones have
+# the same names in both APIs and in the executor's GenerationConfig.
+DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+DEFAULTABLE_FIELDS = frozenset((*DEFAULTABLE_SAMPLING_FIELDS, "max_tokens"))
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def structured_output(kind: str, value, field: str) -> StructuredOutput:
         value = _schema_text(value, field)
     elif not isinstance(value, str):
         raise InvalidArgument(field, f"must be a string, got {type(value).__name__}")
-    _check_size(value, field)
+    check_spec_size(value, field)
     if not value.strip():
         raise InvalidArgument(field, "must not be empty")
     if kind == "json":
@@ -67,10 +67,7 @@ def structured_output(kind: str, value, field: str) -> StructuredOutput:
 def tool_call_output(schema: dict, field: str) -> StructuredOutput:
     """The JSON schema a tool_choice builds from the tools (openai_protocol): each tool's
     parameters were bounded on their own, so the whole is bounded by MAX_TOOLS_SPEC_BYTES."""
-    try:
-        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
-    except (ValueError, RecursionError):
-        raise InvalidArgument(field, "is nested too deeply or holds a non-finite number") from None
+    text = compact_json(schema, field)
     if len(text.encode("utf-8", "surrogatepass")) > MAX_TOOLS_SPEC_BYTES:
         raise InvalidArgument(field, f"the tools' schemas come to over {MAX_TOOLS_SPEC_BYTES} "
                               "bytes")
@@ -90,15 +87,20 @@ def _json_grammar(schema: str, field: str) -> str:
 def _schema_text(schema, field: str) -> str:
     """A JSON schema as compact JSON text: an object (or true), from a dict or JSON text."""
     if isinstance(schema, str):
-        _check_size(schema, field)
+        check_spec_size(schema, field)
         try:
             schema = json.loads(schema)
         except (ValueError, RecursionError):
             raise InvalidArgument(field, "is not valid JSON") from None
     if not isinstance(schema, (dict, bool)) or schema is False:
         raise InvalidArgument(field, "must be a JSON schema object")
+    return compact_json(schema, field)
+
+
+def compact_json(value, field: str) -> str:
+    """`value` as compact JSON text; InvalidArgument naming `field` if it has none."""
     try:
-        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (ValueError, RecursionError):
         raise InvalidArgument(field, "is nested too deeply or holds a non-finite number") from None
 
@@ -110,13 +112,14 @@ def _choice_grammar(choices, field: str) -> str:
         raise InvalidArgument(field, f"at most {MAX_CHOICES} choices, got {len(choices)}")
     if not all(isinstance(c, str) and c for c in choices):
         raise InvalidArgument(field, "choices must be non-empty strings")
-    _check_size("".join(choices), field)
+    check_spec_size("".join(choices), field)
     return llguidance.LLMatcher.grammar_from_lark(
         "start: " + " | ".join(json.dumps(c) for c in choices))
 
 
-def _check_size(text: str, field: str) -> None:
-    # a str has at least one byte per character: longer ones are refused without encoding them
+def check_spec_size(text: str, field: str) -> None:
+    """InvalidArgument naming `field` if `text` is over MAX_SPEC_BYTES in UTF-8 (a str has at
+    least one byte per character: a longer one is refused without encoding it)."""
     if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise InvalidArgument(field, f"at most {MAX_SPEC_BYTES} bytes")
 
@@ -135,7 +138,7 @@ class GrammarChecker:
     def __init__(self, hf_tokenizer, vocab_size: int, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
-        # ~0.3 s at a 49k vocabulary, 1 s at 150k: built once, off the loop
+        # its build grows with the vocabulary: once, off the loop
         self._tokenizer = self._pool.submit(
             llguidance.LLTokenizer, hf_tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size,
             eos_token=hf_tokenizer.eos_token_id)

@@ -7,8 +7,6 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-# --tool-call-parser choices (vLLM's names): hermes also serves SmolLM2 and Qwen 2.5 / 3
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _TOOL_CALL_TAG = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"  # Llama 3.x's; a special token, so usually not in the text
 _ARGUMENT_KEYS = ("arguments", "parameters")  # Llama 3 writes parameters, Hermes arguments
@@ -412,4 +410,6 @@ class NamedToolCall(ToolCallStream):
         return self._emit()
 
 
+# --tool-call-parser choices (vLLM's names): hermes also serves SmolLM2 and Qwen 2.5 / 3
 PARSER_CLASSES = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls}
+TOOL_CALL_PARSERS = tuple(PARSER_CLASSES)

@@ -11,8 +11,8 @@ from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan, StepResult
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
 from scheduler_svc.request import (FinishEvent, GenerateSpec, RequestLimits, TokenEvent,
                                    check_request_id)
-from scheduler_svc.sampling_params import (GenerationDefaults, SamplingParams, StoppingParams,
-                                           TokenLogprobs)
+from scheduler_svc.sampling_params import (DEFAULTABLE_SAMPLING_FIELDS, GenerationDefaults,
+                                           SamplingParams, StoppingParams, TokenLogprobs)
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.step_limits import StepLimits
 from scheduler_svc.structured_output import StructuredOutput, structured_output
@@ -120,13 +120,10 @@ def _structured_from_proto(req: generate_pb2.GenerateRequest) -> StructuredOutpu
 def _unset_fields(s: generate_pb2.SamplingParams, st: generate_pb2.StoppingCriteria
                   ) -> frozenset[str]:
     """The defaultable fields the request does not set (field presence; 0 set is set)."""
-    unset = {name for name in _DEFAULTABLE_SAMPLING if not s.HasField(name)}
+    unset = {name for name in DEFAULTABLE_SAMPLING_FIELDS if not s.HasField(name)}
     if not st.HasField("max_tokens"):
         unset.add("max_tokens")
     return frozenset(unset)
-
-
-_DEFAULTABLE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def events_to_protos(events: list[TokenEvent | FinishEvent], request_id: str
@@ -223,8 +220,9 @@ def _new_seq(s: NewSeqPlan) -> executor_pb2.NewSeq:
 def first_position(s: NewSeqPlan) -> int:
     """Where a new seq's tokens on the wire start: past its computed ones (a cached prefix's:
     the KV cache holds them and the executor never reads them), unless a penalty counts every
-    token, or a grammar replays the generated ones (then at the prompt's end at the latest). A chat turn over a 2,000-token conversation then sends its new tokens, not 2,000 ids
-    encoded, sent and parsed again."""
+    token, or a grammar replays the generated ones (then at the prompt's end at the latest). A
+    chat turn over a 2,000-token conversation then sends its new tokens, not 2,000 ids encoded,
+    sent and parsed again."""
     if s.sampling.uses_penalties:
         return 0
     if s.sampling.structured is not None:  # the executor replays the generated tokens
@@ -334,7 +332,7 @@ def _step_limits(s: executor_pb2.StepLimits) -> StepLimits:
 
 def _generation_defaults(g: executor_pb2.GenerationConfig) -> GenerationDefaults:
     """The defaults the executor's model sets (range checks are the attach's)."""
-    values = {name: getattr(g, name) for name in _DEFAULTABLE_SAMPLING if g.HasField(name)}
+    values = {name: getattr(g, name) for name in DEFAULTABLE_SAMPLING_FIELDS if g.HasField(name)}
     if g.HasField("max_new_tokens"):
         values["max_tokens"] = g.max_new_tokens
     return GenerationDefaults(**values)

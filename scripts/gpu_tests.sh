@@ -7,7 +7,7 @@
 set -u
 out=${OUT:-gpu_logs}
 mkdir -p "$out"
-# GPU_TEST_FILES="a.py b.py": only those (the whole list takes more than one 600 s device call)
+# GPU_TEST_FILES="a.py b.py": only those (to split the list over several device calls)
 files=(
   tests/executor_svc/test_cuda_backend.py
   tests/executor_svc/test_graph_sampler.py

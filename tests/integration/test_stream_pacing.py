@@ -11,8 +11,8 @@ from protos import generate_pb2
 
 MAX_TOKENS = 32
 PROMPT = [5, 17, 42, 99, 7, 3]
-# Tokens arriving in at least this many separate reads (a quarter of them): as made they come
-# ~1-2 ms apart here; Nagle's algorithm releases them in bursts each ~40 ms, 2-4 in all.
+# Tokens arriving in at least this many separate reads (a quarter of them): made one a step, they
+# arrive nearly one a read; Nagle's algorithm holds them for each delayed ACK, a few bursts in all.
 MIN_READS = MAX_TOKENS // 4
 
 

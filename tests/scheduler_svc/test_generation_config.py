@@ -76,7 +76,7 @@ def test_an_explicit_null_over_http_is_unset():
 
 
 def test_without_model_defaults_each_api_keeps_its_own():
-    """gRPC's unset temperature is greedy, OpenAI's 1.0 (as before a model had defaults)."""
+    """gRPC's unset temperature is greedy, OpenAI's 1.0, when the model sets no defaults."""
     plain = ModelLimits(vocab_size=100, max_model_len=64, eos_token_id=2)
     assert _resolved(_grpc(), plain)[:6] == (0.0, 1.0, -1, 0.0, 1.0, None)
     assert _resolved(_openai(), plain)[:6] == (1.0, 1.0, -1, 0.0, 1.0, None)

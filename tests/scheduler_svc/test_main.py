@@ -131,3 +131,20 @@ def test_a_grammar_timeout_that_is_not_positive_is_one_usage_line(value, capsys)
         main.parse_config(["--grammar-timeout", value])
     assert exited.value.code == 2
     assert f"--grammar-timeout must be > 0 seconds, got {float(value)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,env,says", [
+    (["--max-num-seqs", "0"], {}, "--max-num-seqs must be >= 1, got 0"),
+    (["--max-num-batched-tokens", "-5"], {}, "--max-num-batched-tokens must be >= 1, got -5"),
+    (["--enable-auto-tool-choice"], {}, "--enable-auto-tool-choice needs --tool-call-parser"),
+    ([], {"PAGEDSERVE_SCHEDULER_TOOL_CALL_PARSER": "mistral"},
+     "--tool-call-parser must be one of hermes, llama3_json (from "
+     "PAGEDSERVE_SCHEDULER_TOOL_CALL_PARSER), got 'mistral'"),
+])
+def test_bad_step_limit_and_tool_flags_are_one_usage_line(argv, env, says, monkeypatch, capsys):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        main.parse_config(argv)
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--block-size", "tokens per KV cache page", 16, int)
     _option(p, "--kv-cache-dtype", "KV cache element type: auto (the model's dtype), or fp8 / "
             "fp8_e4m3 (FP8 e4m3 pages with per-layer scales from the checkpoint, else 1.0: twice "
-            "the pages of a 16-bit cache in the same memory; cpu backend only for now)", "auto",
+            "the pages of a 16-bit cache in the same memory)", "auto",
             choices=list(KV_CACHE_DTYPES))
     _option(p, "--num-gpu-blocks", "KV cache pages", None, int,
             shown="1024 on cpu; cuda: sized from free memory")

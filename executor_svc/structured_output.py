@@ -22,16 +22,20 @@ _MAX_CACHED = 256  # compiled grammars kept (a template each; seqs get copies)
 _FAILED = object()  # a row whose matcher could not be made
 
 
-def _load_tokenizer(source: str, vocab_size: int) -> llguidance.LLTokenizer:
-    """The tokenizer of `source` (an HF folder or a .gguf file: what Describe names, and what the
-    scheduler loads) with its EOS, over the model's vocabulary (logits' width)."""
+def hf_tokenizer(source: str):
+    """The transformers tokenizer of `source` (an HF folder or a .gguf file: what Describe names,
+    and what the scheduler loads)."""
     from transformers import PreTrainedTokenizerFast  # the executor's dependency, slow to import
 
     path = Path(source)
     if path.suffix == ".gguf":
-        hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    else:
-        hf = PreTrainedTokenizerFast.from_pretrained(str(path))
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def _load_tokenizer(source: str, vocab_size: int) -> llguidance.LLTokenizer:
+    """hf_tokenizer(source) with its EOS, over the model's vocabulary (logits' width)."""
+    hf = hf_tokenizer(source)
     return llguidance.LLTokenizer(hf.backend_tokenizer.to_str(), n_vocab=vocab_size,
                                   eos_token=hf.eos_token_id)
 

@@ -21,6 +21,7 @@ from executor_svc.model_runner import ModelRunner
 from executor_svc.step import ExecutorInfo
 from executor_svc.step_limits import (choose_step_limits, decode_graph_sizes, device_of,
                                       small_step_graph_sizes)
+from executor_svc.structured_output import hf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +159,11 @@ class Worker:
     def _warn_unscaled_kv_cache(self) -> None:
         """vLLM's warning: an FP8 cache whose layers' scales are 1.0 (the checkpoint has none)
         saturates past 448 and loses small values."""
+        if self.kv_cache_dtype == self.dtype:  # no FP8 cache: no scale read off the device
+            return
         unscaled = [i for i, (k, v) in enumerate(self.model.kv_scales)
                     if float(k) == 1.0 and float(v) == 1.0]
-        if self.kv_cache_dtype != self.dtype and unscaled:
+        if unscaled:
             log.warning("FP8 KV cache with scales 1.0 in %d of %d layers: the checkpoint has no "
                         "k_scale / v_scale for them, which may cost accuracy (a compressed-tensors "
                         "kv_cache_scheme or an fp8 checkpoint's scales set them)", len(unscaled),
@@ -169,11 +172,7 @@ class Worker:
 
 def _check_tokenizer_fits(source: str, vocab_size: int) -> None:
     """--tokenizer's ids must all be rows of the model's logits (grammars mask over them)."""
-    from transformers import PreTrainedTokenizerFast
-
-    path = Path(source)
-    hf = (PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-          if path.suffix == ".gguf" else PreTrainedTokenizerFast.from_pretrained(str(path)))
+    hf = hf_tokenizer(source)
     if len(hf) > vocab_size:
         raise ValueError(f"--tokenizer {source}: its {len(hf)} tokens do not fit the model's "
                          f"vocabulary of {vocab_size}")

@@ -13,9 +13,9 @@ from transformers import GenerationConfig
 
 from executor_svc import wire as executor_wire
 from executor_svc.backends import get_backend
-from executor_svc.cache_engine import CacheEngine
+from executor_svc.cache_engine import CacheEngine, kv_cache_dtype as cache_dtype
 from executor_svc.model_config import ModelConfig
-from executor_svc.model_loader import build_hf_model, model_from_hf
+from executor_svc.model_loader import DTYPES, build_hf_model, model_from_hf
 from executor_svc.model_runner import ModelRunner
 from executor_svc.step import (CachedRow, CachedSeqs, ExecutorInfo, NewSeq, SamplingOptions,
                                StepPlan, StepResult)
@@ -73,6 +73,28 @@ def make_runner(hf, block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_block
     info = ExecutorInfo("test", "fp", "float32", block_size, num_gpu_blocks, num_cpu_blocks,
                         max_model_len, config.vocab_size, "", "cpu")
     return ModelRunner(model, backend, cache, info)
+
+
+def loaded_runner(model, config, backend, dtype_name: str, block_size: int, num_blocks: int,
+                  max_model_len: int, kv_cache_dtype: str = "", graphs: bool = False
+                  ) -> ModelRunner:
+    """A runner of a loaded model on a cache of num_blocks pages of its dtype, or FP8 where
+    kv_cache_dtype is "fp8_e4m3"; `graphs`: the decode ladder captured, every step sampled
+    eagerly (so a RecordingSampler sees the logits)."""
+    from executor_svc.cuda_graphs import CudaGraphs
+
+    cache = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, block_size,
+                        num_blocks, 1, cache_dtype(kv_cache_dtype, DTYPES[dtype_name]), backend)
+    info = ExecutorInfo("test", "fp", dtype_name, block_size, num_blocks, 1, max_model_len,
+                        config.vocab_size, "", backend.name, kv_cache_dtype=kv_cache_dtype)
+    cuda_graphs = None
+    if graphs:
+        cuda_graphs = CudaGraphs(model, cache.kv_caches, max_model_len // block_size,
+                                 token_sizes=(), sample_in_graphs=False)
+    runner = ModelRunner(model, backend, cache, info, cuda_graphs)
+    if cuda_graphs is not None:
+        cuda_graphs.capture(runner.input_batch.token_counts)
+    return runner
 
 
 @torch.inference_mode()
@@ -359,6 +381,13 @@ def compare_bf16_with_transformers(runner: ModelRunner, ref: Bf16Reference, labe
               f"(first differing position: {first_diff})")
         identical[s] = got[:stop] == ref.tokens[s][:stop]
     return within, identical
+
+
+def teacher_forced(runner: ModelRunner, ref: Bf16Reference, device) -> dict:
+    """{seq: [NUM_NEW, vocab] float32 logits} on ref's tokens, on `device`."""
+    logits = _teacher_forced_logits(runner, ref)
+    runner.reset()
+    return {s: logits[row].to(device) for row, s in enumerate(ref.prompts)}
 
 
 def _teacher_forced_logits(runner: ModelRunner, ref: Bf16Reference) -> torch.Tensor:

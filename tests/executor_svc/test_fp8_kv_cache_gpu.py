@@ -14,16 +14,14 @@ import pytest
 import torch
 
 from executor_svc.backends.cuda import CudaBackend
-from executor_svc.cache_engine import CacheEngine
 from executor_svc.config import ExecutorConfig
-from executor_svc.cuda_graphs import CudaGraphs
 from executor_svc.model_loader import load_model
 from executor_svc.model_runner import ModelRunner
-from executor_svc.step import ExecutorInfo
 from pagedserve_kernels import _compile
 from pagedserve_kernels.reference import KV_FP8
-from tests.executor_svc.helpers import (Bf16Reference, PlanDriver, _teacher_forced_logits,
-                                        compare_bf16_with_transformers, decode_all)
+from tests.executor_svc.helpers import (Bf16Reference, PlanDriver,
+                                        compare_bf16_with_transformers, decode_all,
+                                        loaded_runner, teacher_forced)
 from tests.executor_svc.quant_checkpoints import VOCAB, write_base
 from tests.gpu import gpu_ready
 
@@ -67,30 +65,13 @@ def load(path, dtype_name: str, backend=None, scales=SCALES):
 def fp8_runner(model, config, backend, dtype_name: str, graphs: bool = False) -> ModelRunner:
     """A runner on an FP8 cache of NUM_BLOCKS pages; `graphs`: the decode ladder captured,
     every step sampled eagerly (so a RecordingSampler sees the logits)."""
-    cache = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
-                        NUM_BLOCKS, 1, KV_FP8, backend)
-    info = ExecutorInfo("test", "fp", dtype_name, BLOCK_SIZE, NUM_BLOCKS, 1, MAX_MODEL_LEN,
-                        config.vocab_size, "", backend.name, kv_cache_dtype="fp8_e4m3")
-    cuda_graphs = None
-    if graphs:
-        cuda_graphs = CudaGraphs(model, cache.kv_caches, MAX_MODEL_LEN // BLOCK_SIZE,
-                                 token_sizes=(), sample_in_graphs=False)
-    runner = ModelRunner(model, backend, cache, info, cuda_graphs)
-    if cuda_graphs is not None:
-        cuda_graphs.capture(runner.input_batch.token_counts)
-    return runner
+    return loaded_runner(model, config, backend, dtype_name, BLOCK_SIZE, NUM_BLOCKS,
+                         MAX_MODEL_LEN, "fp8_e4m3", graphs)
 
 
 def prompts(lengths) -> dict[int, list[int]]:
     rng = random.Random(29)
     return {s: [rng.randrange(3, VOCAB) for _ in range(n)] for s, n in enumerate(lengths, 1)}
-
-
-def teacher_forced(runner: ModelRunner, ref: Bf16Reference, device) -> dict:
-    """{seq: [NUM_NEW, vocab] float32 logits} on ref's tokens, on `device`."""
-    logits = _teacher_forced_logits(runner, ref)
-    runner.reset()
-    return {s: logits[row].to(device) for row, s in enumerate(ref.prompts)}
 
 
 def twin_reference(path, lengths, device, scales=SCALES) -> Bf16Reference:

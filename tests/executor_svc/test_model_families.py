@@ -258,7 +258,7 @@ def test_family_quirks_are_switched_on(folders):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_cuda_backend_takes_every_family(family):
-    """Windows, soft-capping, partial and interleaved rotary are the kernels' arguments now:
+    """Windows, soft-capping, partial and interleaved rotary are the kernels' arguments:
     nothing about a family is refused at load."""
     from executor_svc.backends.cuda import CudaBackend
 

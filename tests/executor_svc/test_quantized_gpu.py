@@ -14,17 +14,15 @@ import pytest
 import torch
 
 from executor_svc.backends.cuda import CudaBackend, repack_int4
-from executor_svc.cache_engine import CacheEngine
 from executor_svc.config import ExecutorConfig
-from executor_svc.cuda_graphs import CudaGraphs
 from executor_svc.model_loader import DTYPES, ModelSourceError, load_model
 from executor_svc.model_runner import ModelRunner
 from executor_svc.quantization import Int4Weight
 from executor_svc.quantization import config as quant_config
-from executor_svc.step import ExecutorInfo
 from pagedserve_kernels import quant, reference
-from tests.executor_svc.helpers import (Bf16Reference, PlanDriver, _teacher_forced_logits,
-                                        compare_bf16_with_transformers, decode_all)
+from tests.executor_svc.helpers import (Bf16Reference, PlanDriver,
+                                        compare_bf16_with_transformers, decode_all,
+                                        loaded_runner, teacher_forced)
 from tests.executor_svc.quant_checkpoints import VOCAB, write_base, write_fp8, write_int4
 from tests.gpu import gpu_ready
 
@@ -76,25 +74,8 @@ def prompts() -> dict[int, list[int]]:
 def make_runner(model, config, backend, dtype_name: str, graphs: bool = False) -> ModelRunner:
     """A runner on a cache of NUM_BLOCKS pages; `graphs`: the decode ladder captured, every step
     sampled eagerly (so a RecordingSampler sees the logits)."""
-    cache = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
-                        NUM_BLOCKS, 1, DTYPES[dtype_name], backend)
-    info = ExecutorInfo("test", "fp", dtype_name, BLOCK_SIZE, NUM_BLOCKS, 1, MAX_MODEL_LEN,
-                        config.vocab_size, "", backend.name)
-    cuda_graphs = None
-    if graphs:
-        cuda_graphs = CudaGraphs(model, cache.kv_caches, MAX_MODEL_LEN // BLOCK_SIZE,
-                                 token_sizes=(), sample_in_graphs=False)
-    runner = ModelRunner(model, backend, cache, info, cuda_graphs)
-    if cuda_graphs is not None:
-        cuda_graphs.capture(runner.input_batch.token_counts)
-    return runner
-
-
-def teacher_forced(runner: ModelRunner, ref: Bf16Reference, device) -> dict:
-    """{seq: [NUM_NEW, vocab] float32 logits} on ref's tokens, on `device`."""
-    logits = _teacher_forced_logits(runner, ref)
-    runner.reset()
-    return {s: logits[row].to(device) for row, s in enumerate(ref.prompts)}
+    return loaded_runner(model, config, backend, dtype_name, BLOCK_SIZE, NUM_BLOCKS,
+                         MAX_MODEL_LEN, graphs=graphs)
 
 
 def greedy_reference(runner: ModelRunner, fp32_runner: ModelRunner, device) -> Bf16Reference:

@@ -9,12 +9,12 @@ import torch
 
 from pagedserve_kernels import _compile
 from pagedserve_kernels._compile import i32 as _i32, i64 as _i64
+from pagedserve_kernels.reference import KV_FP8
 
 _COPY_THREADS = 256
 _HOST_COPY_CTAS = 32       # saturates PCIe in both directions without taking many SMs
 _DEVICE_COPY_CTAS_PER_SM = 4
 _RESHAPE_THREADS = 256
-KV_FP8 = torch.float8_e4m3fn  # an FP8 cache's element type (reference.KV_FP8)
 _ROW_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 _host_to_device_ptr: dict[int, int] = {}

@@ -435,6 +435,36 @@ def test_unpinned_cpu_pages_are_refused(kern):
         cache_ops.swap_blocks(gpu, gpu, cpu, cpu, torch.tensor([[0, 1]]))
 
 
+def decode_step_buffers(seq_lens, heads, kv_heads, head_dim):
+    """A captured decode step's static inputs, bf16 on the GPU, uninitialised: q, key, value,
+    seq_lens, out (q, out: [num_seqs, heads, head_dim]; key, value: [num_seqs, kv_heads, head_dim];
+    seq_lens: [num_seqs] int32)."""
+    num_seqs = len(seq_lens)
+    q = torch.empty(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    key = torch.empty(num_seqs, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return q, key, torch.empty_like(key), lens, torch.empty_like(q)
+
+
+def last_slots(tables, seq_lens, block_size):
+    """Each sequence's last token's cache slot through its block table: [num_seqs] int64."""
+    return torch.tensor([tables[i, (n - 1) // block_size].item() * block_size + (n - 1) % block_size
+                         for i, n in enumerate(seq_lens)], dtype=torch.int64, device="cuda")
+
+
+def capture(step) -> torch.cuda.CUDAGraph:
+    """step() run once eagerly on a side stream (compiles, sizes the workspaces), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 @pytest.mark.parametrize("features", ["none", "w100_cap50"])
 def test_cuda_graph_capture_decode_and_cache_write(kern, features):
     """Capture cache write + split decode (+ combine) once; replay on new inputs written in place
@@ -447,17 +477,8 @@ def test_cuda_graph_capture_decode_and_cache_write(kern, features):
     k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, torch.bfloat16,
                                            gen, spare=8, width_extra=2)
     num_seqs = len(seq_lens)
-    q = torch.empty(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    key = torch.empty(num_seqs, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    value = torch.empty_like(key)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-
-    def last_slots(lens_list):
-        return torch.tensor([tables[i, (n - 1) // block_size].item() * block_size + (n - 1) % block_size
-                             for i, n in enumerate(lens_list)], dtype=torch.int64, device="cuda")
-
-    slots = last_slots(seq_lens)
+    q, key, value, lens, out = decode_step_buffers(seq_lens, heads, kv_heads, head_dim)
+    slots = last_slots(tables, seq_lens, block_size)
 
     def step():
         cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slots)
@@ -466,20 +487,13 @@ def test_cuda_graph_capture_decode_and_cache_write(kern, features):
 
     for t in (q, key, value):
         t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # eager warm-up: compiles, sizes the workspaces
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for new_lens in ([2990, 5, 1201, 1], [3001, 30, 700, 16]):
         for t in (q, key, value):
             t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
         q.mul_(q_scale)
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        slots.copy_(last_slots(new_lens))
+        slots.copy_(last_slots(tables, new_lens, block_size))
         out.fill_(float("nan"))
         expect_k, expect_v = k_cache.clone(), v_cache.clone()
         ref.reshape_and_cache(key, value, expect_k, expect_v, slots)
@@ -716,14 +730,6 @@ def test_fp8_reshape_and_cache_bit_exact(kern_fp8, row_dtype, head_dim, kv_heads
     assert torch.equal(v_cache.view(torch.uint8), expect_v.view(torch.uint8))
 
 
-def fp8_rope_tables(rotary_dim: int, max_pos: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_pos, rotary_dim] float32 on the GPU, rows cat(f, f)."""
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().cuda(), emb.sin().cuda()
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,rotary_dim,interleaved",
                          [(128, 128, False), (64, 64, True), (128, 64, False), (72, 32, True),
@@ -735,6 +741,8 @@ def test_fp8_rotary_embedding_and_cache(kern_fp8, dtype, head_dim, rotary_dim, i
     the qkv buffer and both caches bit for bit), and its cache against the twin's write of the
     rotated k and v, byte for byte. Partial rotary (k's tail cached by its own units); (72, 72):
     half the span is not whole vectors, so the launcher takes the two launches itself."""
+    from tests.kernels.test_ops_gpu import rope_tables  # here: that module imports this one
+
     _, cache_ops, ops = kern_fp8
     gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_rope", dtype, head_dim,
                                                              rotary_dim, interleaved, slot_dtype))
@@ -749,7 +757,7 @@ def test_fp8_rotary_embedding_and_cache(kern_fp8, dtype, head_dim, rotary_dim, i
     slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
     slots[::5] = -1
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen, device="cuda")
-    cos_table, sin_table = fp8_rope_tables(rotary_dim)
+    cos_table, sin_table = rope_tables(rotary_dim)
 
     def views(buf):
         q, k, v = buf.split([q_size, kv_size, kv_size], dim=-1)
@@ -827,17 +835,8 @@ def test_fp8_cuda_graph_capture_decode_and_cache_write(kern_fp8, features):
                                                                  block_size, gen, spare=8,
                                                                  width_extra=2)
     num_seqs = len(seq_lens)
-    q = torch.empty(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    key = torch.empty(num_seqs, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    value = torch.empty_like(key)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-
-    def last_slots(lens_list):
-        return torch.tensor([tables[i, (n - 1) // block_size].item() * block_size + (n - 1) % block_size
-                             for i, n in enumerate(lens_list)], dtype=torch.int64, device="cuda")
-
-    slots = last_slots(seq_lens)
+    q, key, value, lens, out = decode_step_buffers(seq_lens, heads, kv_heads, head_dim)
+    slots = last_slots(tables, seq_lens, block_size)
 
     def step():
         cache_ops.reshape_and_cache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
@@ -847,14 +846,7 @@ def test_fp8_cuda_graph_capture_decode_and_cache_write(kern_fp8, features):
 
     for t in (q, key, value):
         t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # eager warm-up: compiles, sizes the workspaces
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     for new_lens, scales in (([2990, 5, 1201, 1], None), ([3001, 30, 700, 16], None),
                              ([3002, 31, 701, 17], (0.021, 0.0071))):
         for t in (q, key, value):
@@ -864,7 +856,7 @@ def test_fp8_cuda_graph_capture_decode_and_cache_write(kern_fp8, features):
             k_scale.fill_(scales[0])
             v_scale.fill_(scales[1])
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        slots.copy_(last_slots(new_lens))
+        slots.copy_(last_slots(tables, new_lens, block_size))
         out.fill_(float("nan"))
         expect_k, expect_v = k_cache.clone(), v_cache.clone()
         ref.reshape_and_cache(key, value, expect_k, expect_v, slots, k_scale, v_scale)

@@ -2,22 +2,14 @@
 compiles (the files it includes contribute none of theirs) and warmup() leaves it alone; kernel
 names by cache dtype, candidates with no FP8 kernel refused, shared memory within the launch
 bounds' CTAs per SM; the scale arguments' checks. The kernels themselves: test_kernels_gpu.py."""
-import re
-
 import pytest
 import torch
 
 from pagedserve_kernels import _compile, attention, cache_ops
+from tests.kernels.test_launchers import entry_points
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
-
-
-def _entry_points(src: str) -> list[str]:
-    by_macro = re.findall(r"^PS_\w+\((\w+),", src, re.MULTILINE)
-    written = re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(',
-                         src, re.MULTILINE)
-    return sorted(by_macro + written)
 
 
 def _as_compiled_with(src: str, macro: str) -> str:
@@ -40,7 +32,7 @@ def _as_compiled_with(src: str, macro: str) -> str:
 
 def test_the_fp8_module_lists_every_kernel_it_compiles():
     src = _compile.load_source("kv_fp8.cu")
-    compiled = _entry_points(_as_compiled_with(src, "PS_KV_FP8"))
+    compiled = entry_points(_as_compiled_with(src, "PS_KV_FP8"))
     assert sorted(_compile.MODULES["kv_fp8"][1]) == compiled
     assert len(_compile.MODULES["kv_fp8"][1]) == 26
     # the included sources' own entry points are all behind the guard

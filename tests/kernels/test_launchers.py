@@ -120,7 +120,8 @@ def test_ops_module_lists_every_kernel_of_ops_cu():
     assert len(ops_names) == 5 and dtypes == ["bf16", "fp16"] and len(rope_cache) == 4
 
 
-def _entry_points(src: str) -> list[str]:
+def entry_points(src: str) -> list[str]:
+    """The extern "C" kernels of a CUDA source, instantiated by a PS_ macro or written out."""
     by_macro = re.findall(r"^PS_\w+\((\w+),", src, re.MULTILINE)
     written = re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(',
                          src, re.MULTILINE)
@@ -137,8 +138,8 @@ def test_module_lists_every_entry_point_of_its_source(module):
     nothing else; ON_DEMAND's module lists exactly the candidates of those blocks."""
     filename, listed = _compile.MODULES[module]
     src = _compile.load_source(filename)
-    assert sorted(listed) == _entry_points(_VARIANT_BLOCK.sub("", src))
-    candidates = _entry_points("".join(_VARIANT_BLOCK.findall(src)))
+    assert sorted(listed) == entry_points(_VARIANT_BLOCK.sub("", src))
+    candidates = entry_points("".join(_VARIANT_BLOCK.findall(src)))
     on_demand = [kernels for name, (source, macro, kernels) in _compile.ON_DEMAND.items()
                  if source == filename]
     assert sorted(sum(on_demand, ())) == candidates

@@ -16,7 +16,7 @@ import torch
 
 from pagedserve_kernels import reference as ref
 from tests.gpu import gpu_ready
-from tests.kernels.test_kernels_gpu import FLOOR, seed_of
+from tests.kernels.test_kernels_gpu import FLOOR, capture, seed_of
 
 DEVICE = "cuda"
 DTYPES = [torch.bfloat16, torch.float16]
@@ -430,14 +430,7 @@ def test_cuda_graph_capture_and_replay(ops):
 
     static = buffers()
     fill(static)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(static)  # eager warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(static)
+    graph = capture(lambda: step(static))
     for _ in range(2):
         fill(static)
         eager = {name: t.clone() for name, t in static.items()}

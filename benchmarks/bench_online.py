@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serving import WORKLOADS  # noqa: E402
+from benchmarks.bench_serving import WORKLOADS, draw_requests  # noqa: E402
 from benchmarks.http_stream import Connections, Endpoint, get_json  # noqa: E402
 from benchmarks.json_workload import check_output, grid, schema_for  # noqa: E402
 from benchmarks.online_client import (Record, arrival_offsets, record_row,  # noqa: E402
@@ -73,21 +73,6 @@ def parse_workload(spec: str) -> tuple[tuple[tuple[int, int], tuple[int, int]], 
     return parse_lengths(spec.removesuffix(JSON_SUFFIX) if structured else spec), structured
 
 
-def make_requests(lengths, num_requests: int, vocab: int, ids_seed: int | str
-                  ) -> list[tuple[list[int], int]]:
-    """(prompt ids, output length) pairs: lengths from random.Random(0), prompt then output,
-    request by request; ids from random.Random(ids_seed) in [1, vocab). W1 with 256 requests and
-    ids_seed 1 is bench_serving's W1, request for request."""
-    (p_lo, p_hi), (o_lo, o_hi) = lengths
-    lengths_rng, ids_rng = random.Random(0), random.Random(ids_seed)
-    requests = []
-    for _ in range(num_requests):
-        prompt_len = lengths_rng.randint(p_lo, p_hi)
-        output_len = lengths_rng.randint(o_lo, o_hi)
-        requests.append(([ids_rng.randrange(1, vocab) for _ in range(prompt_len)], output_len))
-    return requests
-
-
 async def ready_check(endpoint: Endpoint, args) -> tuple[str, bool, str | None]:
     """The model's name, whether chunks will carry token ids, and why the server is not ready
     (None once a short request completed), trying until --ready-timeout. `return_token_ids` is
@@ -124,7 +109,7 @@ async def ready_check(endpoint: Endpoint, args) -> tuple[str, bool, str | None]:
 async def warm_up(endpoint: Endpoint, model: str, token_ids: bool, args) -> None:
     """--num-warmups requests of the workload's first lengths at once, as vLLM's client sends
     them (ids of their own: no timed prompt is cached by them); not recorded."""
-    [(prompt, output)] = make_requests(args.lengths, 1, args.vocab_size, ids_seed="warm-up")
+    [(prompt, output)] = draw_requests(args.lengths, 1, args.vocab_size, ids_seed="warm-up")
     name, schema = schema_for(0, output) if args.structured else (None, None)
     records = [Record(len(prompt), output, schema=name) for _ in range(args.num_warmups)]
     body = request_body(model, prompt, output, args.temperature, token_ids, schema)
@@ -138,7 +123,7 @@ async def run_point(endpoint: Endpoint, model: str, token_ids: bool, args, rate:
                     concurrency: int | None, index: int) -> dict:
     """One run of the sweep: its settings, figures and per-request rows (a structured
     workload's outputs checked against their schemas)."""
-    requests = make_requests(args.lengths, args.num_requests, args.vocab_size, ids_seed=1 + index)
+    requests = draw_requests(args.lengths, args.num_requests, args.vocab_size, ids_seed=1 + index)
     offsets = arrival_offsets(len(requests), rate, args.burstiness, args.seed)
     schemas = [schema_for(i, o) if args.structured else (None, None)
                for i, (_, o) in enumerate(requests)]

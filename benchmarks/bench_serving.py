@@ -58,14 +58,21 @@ PREFIX_TTFT_REQUESTS = 50
 
 
 def make_requests(workload: str, vocab: int) -> list[tuple[list[int], int]]:
-    n, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[workload]
-    lengths_rng, ids_rng = random.Random(0), random.Random(1)
+    n, prompt_lengths, output_lengths = WORKLOADS[workload]
+    return draw_requests((prompt_lengths, output_lengths), n, vocab, ids_seed=1)
+
+
+def draw_requests(lengths, num_requests: int, vocab: int, ids_seed: int | str
+                  ) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs: lengths from random.Random(0), prompt then output,
+    request by request; ids from random.Random(ids_seed) in [1, vocab)."""
+    (p_lo, p_hi), (o_lo, o_hi) = lengths
+    lengths_rng, ids_rng = random.Random(0), random.Random(ids_seed)
     requests = []
-    for _ in range(n):
+    for _ in range(num_requests):
         prompt_len = lengths_rng.randint(p_lo, p_hi)
         output_len = lengths_rng.randint(o_lo, o_hi)
-        prompt = [ids_rng.randrange(1, vocab) for _ in range(prompt_len)]
-        requests.append((prompt, output_len))
+        requests.append(([ids_rng.randrange(1, vocab) for _ in range(prompt_len)], output_len))
     return requests
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_serving
-from benchmarks.bench_online import main, make_requests, parse_lengths
+from benchmarks.bench_online import main, parse_lengths
+from benchmarks.bench_serving import draw_requests
 from benchmarks.http_stream import Endpoint, _take_chunks
 from benchmarks.online_client import (Record, arrival_offsets, percentile, request_body, run_load,
                                       summarize)
@@ -54,9 +55,9 @@ def test_percentiles_interpolate_as_numpy_does():
 
 def test_requests_are_w1s_and_each_run_draws_new_ids():
     vocab = 128256
-    assert make_requests(parse_lengths("W1"), 256, vocab, ids_seed=1) == \
+    assert draw_requests(parse_lengths("W1"), 256, vocab, ids_seed=1) == \
         bench_serving.make_requests("W1", vocab)
-    other = make_requests(parse_lengths("W1"), 256, vocab, ids_seed=2)
+    other = draw_requests(parse_lengths("W1"), 256, vocab, ids_seed=2)
     assert [len(p) for p, _ in other] == [len(p) for p, _ in bench_serving.make_requests("W1",
                                                                                           vocab)]
     assert other[0][0] != bench_serving.make_requests("W1", vocab)[0][0]
@@ -156,15 +157,16 @@ def test_a_misbehaving_server_gives_failures_with_reasons():
         "1 of 4 tokens"]
 
 
-# vLLM's API server as the stream looks from outside: the model's folder as its name, a chunk a
-# token with the finish reason on the last, token ids with return_token_ids, then usage.
-FAKE_VLLM = """
+# vLLM's API server as a stand-in: its model folder as the model's name on GET /v1/models, and
+# a POSTed completion streamed as chunked SSE of the events `events(body)` returns.
+FAKE_VLLM_HEAD = """
 import argparse, asyncio, json, os, sys
 p = argparse.ArgumentParser()
 p.add_argument("--model"); p.add_argument("--host"); p.add_argument("--port", type=int)
+p.add_argument("--tokenizer"); p.add_argument("--structured-outputs-config")
 args, _ = p.parse_known_args()
-assert json.load(open(os.path.join(args.model, "config.json")))["model_type"] == "llama"
-assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+"""
+FAKE_VLLM_SERVE = """
 async def handle(reader, writer):
     head = await reader.readuntil(b"\\r\\n\\r\\n")
     length = int(head.lower().partition(b"content-length:")[2].split(b"\\r\\n")[0] or 0)
@@ -173,13 +175,9 @@ async def handle(reader, writer):
         data = json.dumps({"data": [{"id": args.model}]}).encode()
         writer.write(b"HTTP/1.1 200 OK\\r\\ncontent-length: %d\\r\\n\\r\\n%s" % (len(data), data))
     else:
-        n, ids = body["max_tokens"], body.get("return_token_ids")
         writer.write(b"HTTP/1.1 200 OK\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
-        for i in range(n + 2):
+        for event in [*events(body), "[DONE]"]:
             await asyncio.sleep(0.002)
-            event = ({"choices": [{"text": "", "finish_reason": "length" if i == n - 1 else None,
-                                   **({"token_ids": [7]} if ids else {})}]} if i < n else
-                     {"choices": [], "usage": {"completion_tokens": n}} if i == n else "[DONE]")
             text = event if isinstance(event, str) else json.dumps(event)
             data = b"data: %s\\n\\n" % text.encode()
             writer.write(b"%x\\r\\n%s\\r\\n" % (len(data), data))
@@ -192,6 +190,27 @@ async def main():
         await server.serve_forever()
 asyncio.run(main())
 """
+# As vLLM streams a token-id completion: a chunk a token with the finish reason on the last,
+# token ids with return_token_ids, then usage.
+FAKE_VLLM = FAKE_VLLM_HEAD + """
+assert json.load(open(os.path.join(args.model, "config.json")))["model_type"] == "llama"
+assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+def events(body):
+    n, ids = body["max_tokens"], body.get("return_token_ids")
+    chunks = [{"choices": [{"text": "", "finish_reason": "length" if i == n - 1 else None,
+                            **({"token_ids": [7]} if ids else {})}]} for i in range(n)]
+    return [*chunks, {"choices": [], "usage": {"completion_tokens": n}}]
+""" + FAKE_VLLM_SERVE
+
+
+def _vllm_site(tmp_path: Path, server_source: str) -> Path:
+    """A --vllm-site folder whose vllm.entrypoints.openai.api_server is `server_source`."""
+    server = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
+    server.mkdir(parents=True)
+    for folder in (server.parents[1], server.parent, server):
+        (folder / "__init__.py").write_text("")
+    (server / "api_server.py").write_text(server_source)
+    return tmp_path / "site"
 
 
 @pytest.mark.parametrize("token_ids", ["auto", "off"])
@@ -199,13 +218,9 @@ def test_launch_vllm_runs_its_server_and_counts_its_chunks(tmp_path, token_ids):
     """--launch vllm against a stand-in for vLLM's server on --vllm-site: started with the
     config.json of the preset, served until ready, stopped after; its last chunk (finish
     reason, a token) counts, with or without token ids."""
-    server = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
-    server.mkdir(parents=True)
-    for folder in (server.parents[1], server.parent, server):
-        (folder / "__init__.py").write_text("")
-    (server / "api_server.py").write_text(FAKE_VLLM)
+    site = _vllm_site(tmp_path, FAKE_VLLM)
     out = tmp_path / "vllm.json"
-    code = main(["--launch", "vllm", "--vllm-site", str(tmp_path / "site"), "--model",
+    code = main(["--launch", "vllm", "--vllm-site", str(site), "--model",
                  "preset:tiny", "--workload", "8:5", "--num-requests", "4", "--request-rates",
                  "100", "--return-token-ids", token_ids, "--log-dir", str(tmp_path / "logs"),
                  "--out", str(out)])
@@ -289,7 +304,7 @@ def test_json_workloads_size_one_of_the_schemas_to_each_output():
     assert parse_workload("W1") == (parse_lengths("W1"), False)
     with pytest.raises(ValueError, match="--workload"):
         parse_workload("W9-json")
-    requests = make_requests(parse_lengths("W1"), 256, 49152, ids_seed=1)
+    requests = draw_requests(parse_lengths("W1"), 256, 49152, ids_seed=1)
     names = [schema_for(i, output)[0] for i, (_, output) in enumerate(requests)]
     assert all(names.count(name) >= 50 for name in SCHEMAS)  # each schema a quarter or so
     body = request_body("m", [5], 64, 1.0, False, grid(2))
@@ -322,7 +337,7 @@ def _random_pick_lengths(requests: int) -> list[tuple[int, int, str]]:
                                        eos_token=hf.eos_token_id)
     rng, out = random.Random(0), []
     mask = llg_numpy.allocate_token_bitmask(1, len(hf))
-    for i, (_, max_tokens) in enumerate(make_requests(parse_lengths("W1"), requests, 49152, 1)):
+    for i, (_, max_tokens) in enumerate(draw_requests(parse_lengths("W1"), requests, 49152, 1)):
         schema = schema_for(i, max_tokens)[1]
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema), {"whitespace_flexible": False})
@@ -351,12 +366,7 @@ def test_random_outputs_of_the_schemas_end_within_their_max_tokens():
 # vLLM's server as a -json run sees it: launched with a tokenizer and compact JSON, asked for
 # structured_outputs without ignore_eos; it answers each schema's smallest instance, a chunk
 # per few characters, and stops.
-FAKE_VLLM_JSON = """
-import argparse, asyncio, json, sys
-p = argparse.ArgumentParser()
-p.add_argument("--model"); p.add_argument("--host"); p.add_argument("--port", type=int)
-p.add_argument("--tokenizer"); p.add_argument("--structured-outputs-config")
-args, _ = p.parse_known_args()
+FAKE_VLLM_JSON = FAKE_VLLM_HEAD + """
 assert "--skip-tokenizer-init" not in sys.argv
 assert json.load(open(args.tokenizer + "/tokenizer.json"))
 assert json.loads(args.structured_outputs_config) == {"disable_any_whitespace": True}
@@ -366,34 +376,15 @@ def smallest(s):
     if kind == "object": return {k: smallest(v) for k, v in s["properties"].items()}
     if kind == "array": return [smallest(s["items"]) for _ in range(s["minItems"])]
     return {"integer": s.get("minimum", 0), "boolean": True, "string": ""}[kind]
-async def handle(reader, writer):
-    head = await reader.readuntil(b"\\r\\n\\r\\n")
-    length = int(head.lower().partition(b"content-length:")[2].split(b"\\r\\n")[0] or 0)
-    body = json.loads(await reader.readexactly(length)) if length else {}
-    if head.startswith(b"GET"):
-        data = json.dumps({"data": [{"id": args.model}]}).encode()
-        writer.write(b"HTTP/1.1 200 OK\\r\\ncontent-length: %d\\r\\n\\r\\n%s" % (len(data), data))
-    else:
-        assert "ignore_eos" not in body and "min_tokens" not in body
-        text = json.dumps(smallest(body["structured_outputs"]["json"]), separators=(",", ":"))
-        pieces = [text[i:i + 3] for i in range(0, len(text), 3)][:body["max_tokens"]]
-        events = [{"choices": [{"text": t, "token_ids": [7],
-                                "finish_reason": "stop" if i == len(pieces) - 1 else None}]}
-                  for i, t in enumerate(pieces)]
-        events.append({"choices": [], "usage": {"completion_tokens": len(pieces)}})
-        writer.write(b"HTTP/1.1 200 OK\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n")
-        for event in [*map(json.dumps, events), "[DONE]"]:
-            data = b"data: %s\\n\\n" % event.encode()
-            writer.write(b"%x\\r\\n%s\\r\\n" % (len(data), data))
-        writer.write(b"0\\r\\n\\r\\n")
-    await writer.drain()
-    writer.close()
-async def main():
-    server = await asyncio.start_server(handle, args.host, args.port)
-    async with server:
-        await server.serve_forever()
-asyncio.run(main())
-"""
+def events(body):
+    assert "ignore_eos" not in body and "min_tokens" not in body
+    text = json.dumps(smallest(body["structured_outputs"]["json"]), separators=(",", ":"))
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)][:body["max_tokens"]]
+    chunks = [{"choices": [{"text": t, "token_ids": [7],
+                            "finish_reason": "stop" if i == len(pieces) - 1 else None}]}
+              for i, t in enumerate(pieces)]
+    return [*chunks, {"choices": [], "usage": {"completion_tokens": len(pieces)}}]
+""" + FAKE_VLLM_SERVE
 
 
 def test_launch_vllm_for_a_json_workload_gives_it_the_tokenizer(tmp_path):
@@ -401,17 +392,13 @@ def test_launch_vllm_for_a_json_workload_gives_it_the_tokenizer(tmp_path):
     --skip-tokenizer-init; each output's text is gathered and checked against its schema."""
     from benchmarks.json_workload import schema_for
 
-    server = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
-    server.mkdir(parents=True)
-    for folder in (server.parents[1], server.parent, server):
-        (folder / "__init__.py").write_text("")
-    (server / "api_server.py").write_text(FAKE_VLLM_JSON)
+    site = _vllm_site(tmp_path, FAKE_VLLM_JSON)
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text(json.dumps(
         {"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 5}]}))
     out = tmp_path / "vllm.json"
-    code = main(["--launch", "vllm", "--vllm-site", str(tmp_path / "site"), "--model",
+    code = main(["--launch", "vllm", "--vllm-site", str(site), "--model",
                  "preset:tiny", "--workload", "8:40-200-json", "--tokenizer", str(tokenizer),
                  "--num-requests", "4", "--log-dir", str(tmp_path / "logs"), "--out", str(out)])
     result = json.loads(out.read_text())

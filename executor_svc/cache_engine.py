@@ -51,9 +51,13 @@ class CacheEngine:
         self.num_cpu_blocks = num_cpu_blocks
         self.block_bytes = bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
         page = (num_kv_heads, block_size, head_dim)
-        # Unwritten slots are never read (attention stops at seq_len), so no zero fill.
-        self.gpu_k = torch.empty(num_layers, num_gpu_blocks, *page, dtype=dtype, device=backend.device)
-        self.gpu_v = torch.empty_like(self.gpu_k)
+        # Zeroed on a GPU (as vLLM's): a decode graph's pad seqs read one key of a stale block,
+        # and a per-tensor activation scale (FP8) takes their rows in, so garbage there (inf)
+        # would reach every row. The CPU backend has no graphs, and zeroing would commit the
+        # whole cache's pages at start.
+        alloc = torch.empty if torch.device(backend.device).type == "cpu" else torch.zeros
+        self.gpu_k = alloc(num_layers, num_gpu_blocks, *page, dtype=dtype, device=backend.device)
+        self.gpu_v = alloc(num_layers, num_gpu_blocks, *page, dtype=dtype, device=backend.device)
         pin = backend.pin_swap_memory
         self.cpu_k = torch.empty(num_layers, num_cpu_blocks, *page, dtype=dtype, pin_memory=pin)
         self.cpu_v = torch.empty_like(self.cpu_k, pin_memory=pin)

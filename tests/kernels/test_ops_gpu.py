@@ -444,11 +444,12 @@ def test_cuda_graph_capture_and_replay(ops):
 # -- the grammar token mask ----------------------------------------------------------------------
 
 def _mask_case(vocab: int, layout: str, gen: torch.Generator):
-    """(logits [9, vocab] float32 with a row stride past the vocabulary, bitmask [m, words]
-    int32 with a row stride past its words, indices or None): random bits, a row allowing every
-    token and one allowing none; "padded" indices name rows outside the logits too."""
+    """(wide [9, vocab + 3] float32, whose first vocab columns are the logits: a row stride past
+    the vocabulary; bitmask [m, words] int32 with a row stride past its words; indices or None):
+    random bits, a row allowing every token and one allowing none; "padded" indices name rows
+    outside the logits too."""
     n, words = 9, -(-vocab // 32)
-    logits = randn(n, vocab + 3, gen=gen)[:, :vocab]
+    wide_logits = randn(n, vocab + 3, gen=gen)
     indices = {"identity": None, "indices": [7, 0, 3, 8], "padded": [2, -1, 5, 9, -4, 0]}[layout]
     m = n if indices is None else len(indices)
     wide = torch.randint(-2**31, 2**31, (m, words + 2), generator=gen, device=DEVICE,
@@ -458,7 +459,7 @@ def _mask_case(vocab: int, layout: str, gen: torch.Generator):
     bitmask[1] = 0
     if indices is not None:
         indices = torch.tensor(indices, dtype=torch.int64, device=DEVICE)
-    return logits, bitmask, indices
+    return wide_logits, bitmask, indices
 
 
 @pytest.mark.parametrize("vocab", [32, 1000, 49152, 151_937])
@@ -467,8 +468,8 @@ def test_apply_token_bitmask_matches_the_twin_bit_for_bit(ops, vocab, layout):
     """-inf exactly where the twin puts it, every other logit (the columns past the vocabulary,
     rows no index names, padding rows' targets) untouched."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed_of("mask", vocab, layout))
-    logits, bitmask, indices = _mask_case(vocab, layout, gen)
-    want_base, got_base = logits.base.clone(), logits.base.clone()  # [9, vocab + 3]
+    wide_logits, bitmask, indices = _mask_case(vocab, layout, gen)
+    want_base, got_base = wide_logits.clone(), wide_logits.clone()  # [9, vocab + 3]
     ref.apply_token_bitmask(want_base[:, :vocab], bitmask, indices)
     ops.apply_token_bitmask(got_base[:, :vocab], bitmask, indices)
     torch.cuda.synchronize()
@@ -480,20 +481,20 @@ def test_apply_token_bitmask_replays_in_a_cuda_graph_with_new_bits(ops):
     """Captured once over static buffers, replayed with new bits, indices and logits each time,
     as the masked decode graphs replay it."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed_of("mask-graph"))
-    logits, bitmask, indices = _mask_case(49152, "padded", gen)
-    static = [t.clone() for t in (logits.base, bitmask, indices)]
+    wide_logits, bitmask, indices = _mask_case(49152, "padded", gen)
+    static = [t.clone() for t in (wide_logits, bitmask, indices)]
     ops.apply_token_bitmask(static[0][:, :49152], static[1], static[2])  # loads the kernel
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops.apply_token_bitmask(static[0][:, :49152], static[1], static[2])
     for layout in ("padded", "indices", "padded"):
-        logits, bitmask, indices = _mask_case(49152, layout, gen)
+        wide_logits, bitmask, indices = _mask_case(49152, layout, gen)
         indices = torch.cat([indices, torch.full((6 - len(indices),), -1, device=DEVICE)])
-        static[0].copy_(logits.base)
+        static[0].copy_(wide_logits)
         static[1][:len(bitmask)].copy_(bitmask)
         static[2].copy_(indices)
-        want = logits.base.clone()
+        want = wide_logits.clone()
         ref.apply_token_bitmask(want[:, :49152], bitmask, indices[:len(bitmask)])
         graph.replay()
         torch.cuda.synchronize()

@@ -84,6 +84,14 @@ def as_loaded_in_bf16(hf):
     return hf
 
 
+def with_capping_attention(hf):
+    """hf on transformers' eager attention where its config soft-caps attention logits (Gemma
+    2): the SDPA path some transformers releases choose drops the cap without a word."""
+    if getattr(hf.config, "attn_logit_softcapping", None) is not None:
+        hf.config._attn_implementation = "eager"
+    return hf
+
+
 def without_eos(hf):
     """hf with no EOS in its generation config: else hf_generate's min_new_tokens masks the
     EOS logit (VOCAB is small: EOS comes up), which our greedy does not."""
@@ -116,7 +124,7 @@ def test_float32_greedy_identical_to_transformers_on_gpu(family, tmp_path):
     soft-caps included), 64 tokens each, against transformers' generate on the GPU."""
     write_family_folder(family, tmp_path)
     hf = without_eos(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32))
-    hf = hf.to("cuda").eval()
+    hf = with_capping_attention(hf.to("cuda").eval())
     runner = cuda_runner(family, hf, "float32")
     prompts = _prompts(family)
     ours = chunked_greedy(runner, prompts, NUM_NEW)
@@ -133,7 +141,8 @@ def test_float32_greedy_identical_to_transformers_on_gpu(family, tmp_path):
 def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(family, kernel):
     """The bf16 rule of test_cuda_backend's presets, on bf16_config(family): the decode kernel
     in every decode-graph replay, the prefill or few-query kernel in the prompts' step."""
-    hf = as_loaded_in_bf16(without_eos(family_model(bf16_config(family))).to("cuda"))
+    hf = as_loaded_in_bf16(with_capping_attention(without_eos(family_model(bf16_config(family)))))
+    hf = hf.to("cuda")
     rng = random.Random(40)
     prompts = {s: random_prompt(rng, n, hf.config.vocab_size)
                for s, n in enumerate(bf16_lengths(family, kernel), start=1)}

@@ -1,5 +1,6 @@
 """Plain dataclasses of the step protocol as the executor sees it (the gRPC servicer converts
-protobuf to these). Imports numpy only: nothing from protos, torch or the rest of executor_svc.
+protobuf to these). Imports numpy and pagedserve_common only: nothing from protos, torch or the
+rest of executor_svc.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+
+from pagedserve_common.executor_identity import ExecutorIdentity
 
 
 @dataclass(frozen=True)
@@ -215,17 +218,7 @@ class StepLimits:
 
 
 @dataclass(frozen=True)
-class ExecutorInfo:
-    model_name: str
-    fingerprint: str
-    dtype: str
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    max_model_len: int
-    vocab_size: int
-    tokenizer: str
-    backend: str
+class ExecutorInfo(ExecutorIdentity):
     generation_config: ModelGenerationConfig = ModelGenerationConfig()
     step_limits: StepLimits | None = None  # None: unset on the wire (tests' hand-made infos)
     quantization: str = ""  # the checkpoint's scheme (ModelConfig.quantization); "": dense

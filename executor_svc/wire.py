@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedserve_common.executor_identity import identity_fields
 from protos import executor_pb2
 from executor_svc.step import (CachedSeqs, ExecutorInfo, ModelGenerationConfig, NewSeq,
                                PlanMismatch, SampledToken, SamplingOptions, StepLimits, StepPlan,
@@ -106,16 +107,7 @@ def _fill_logprobs(asked: tuple[SampledToken, ...], out: executor_pb2.SampledLog
 
 def info_to_proto(info: ExecutorInfo, instance_id: int) -> executor_pb2.DescribeResponse:
     return executor_pb2.DescribeResponse(
-        model_name=info.model_name,
-        fingerprint=info.fingerprint,
-        dtype=info.dtype,
-        block_size=info.block_size,
-        num_gpu_blocks=info.num_gpu_blocks,
-        num_cpu_blocks=info.num_cpu_blocks,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        tokenizer=info.tokenizer,
-        backend=info.backend,
+        **identity_fields(info),
         instance_id=instance_id,
         protocol_version=executor_pb2.PROTOCOL_VERSION,
         generation_config=_generation_config(info.generation_config),

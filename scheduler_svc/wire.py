@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve_common.executor_identity import ExecutorIdentity, identity_fields
 from protos import executor_pb2, generate_pb2
 from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan, StepResult
 from scheduler_svc.errors import ExecutorDisagreement, InvalidArgument
@@ -31,19 +32,9 @@ PROTOCOL_VERSION = executor_pb2.PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)
-class ExecutorDescription:
+class ExecutorDescription(ExecutorIdentity):
     """Describe's answer, in plain Python."""
 
-    model_name: str
-    fingerprint: str
-    dtype: str
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    max_model_len: int
-    vocab_size: int
-    tokenizer: str
-    backend: str
     instance_id: int
     protocol_version: int = PROTOCOL_VERSION  # what Describe named; 0: none
     eos_token_ids: tuple[int, ...] = ()  # every EOS id of the model's generation config
@@ -303,16 +294,7 @@ def _logprobs(columns: executor_pb2.SampledLogprobs) -> dict[int, TokenLogprobs]
 
 def description_from_proto(d: executor_pb2.DescribeResponse) -> ExecutorDescription:
     return ExecutorDescription(
-        model_name=d.model_name,
-        fingerprint=d.fingerprint,
-        dtype=d.dtype,
-        block_size=d.block_size,
-        num_gpu_blocks=d.num_gpu_blocks,
-        num_cpu_blocks=d.num_cpu_blocks,
-        max_model_len=d.max_model_len,
-        vocab_size=d.vocab_size,
-        tokenizer=d.tokenizer,
-        backend=d.backend,
+        **identity_fields(d),
         instance_id=d.instance_id,
         protocol_version=d.protocol_version,
         eos_token_ids=tuple(d.generation_config.eos_token_ids),

@@ -176,16 +176,18 @@ def start_executor(args: list[str], port: int, log_path: str, env: dict | None =
 def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: list[str] = (),
                    extra_executor_addresses: tuple[str, ...] = (),
                    executor_file=None, admin_token: str | None = None,
-                   wait: bool = True, scheduler_preexec_fn=None) -> Services:
+                   wait: bool = True, scheduler_preexec_fn=None,
+                   executor_address: str | None = None) -> Services:
     """Executor, then scheduler (its Admin API on a port of its own, with `admin_token` if given).
     With `executor_file` the scheduler reads its executor addresses from that file
     (`--executor @FILE`, re-read on SIGHUP); it is written here first. `wait=False` returns as
-    soon as both processes are started; `executor_args=None` starts no executor (the caller
-    starts one at `executor_address` later). `scheduler_preexec_fn` runs in the scheduler's
-    process before it starts (a lower open-file limit, say)."""
-    ex_port, sch_port, metrics_port, admin_port = free_port(), free_port(), free_port(), free_port()
-    services = Services(f"127.0.0.1:{sch_port}", f"127.0.0.1:{ex_port}", metrics_port,
-                        f"127.0.0.1:{admin_port}", admin_token, http_port=free_port())
+    soon as both processes are started; `executor_args=None` starts no executor: the caller
+    starts one at the returned `executor_address` later, or passes `executor_address`, one that
+    runs already. `scheduler_preexec_fn` runs in the scheduler's process before it starts (a
+    lower open-file limit, say)."""
+    sch_port, metrics_port, admin_port = free_port(), free_port(), free_port()
+    services = Services(f"127.0.0.1:{sch_port}", executor_address or f"127.0.0.1:{free_port()}",
+                        metrics_port, f"127.0.0.1:{admin_port}", admin_token, http_port=free_port())
     executors = ",".join((services.executor_address, *extra_executor_addresses))
     if executor_file is not None:
         executor_file.write_text(executors.replace(",", "\n") + "\n")
@@ -193,8 +195,9 @@ def start_services(tmp_path, executor_args: list[str] | None, scheduler_args: li
     services.logs = {"executor": str(tmp_path / "executor.log"),
                      "scheduler": str(tmp_path / "scheduler.log")}
     if executor_args is not None:
-        services.procs["executor"] = start_executor(executor_args, ex_port,
-                                                    services.logs["executor"])
+        services.procs["executor"] = start_executor(
+            executor_args, int(services.executor_address.rsplit(":", 1)[1]),
+            services.logs["executor"])
     cmd = [sys.executable, "-m", "scheduler_svc.main", "--host", "127.0.0.1", "--port",
            str(sch_port), "--admin-port", str(admin_port), "--executor", executors,
            "--metrics-port", str(metrics_port), "--http-port", str(services.http_port),

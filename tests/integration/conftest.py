@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import start_services
+from tests.integration.harness import start_lone_executor, start_services
 
 
 @pytest.fixture(scope="session")
 def tiny_services(tmp_path_factory):
-    """preset:tiny on default flags, for test_end_to_end, test_parallel_sampling and
-    test_sampling_controls (a start and a stop cost ~6 s here)."""
+    """preset:tiny on default flags, for test_end_to_end, test_parallel_sampling,
+    test_sampling_controls, test_poison and test_resilience's cancellation: one start for all."""
     services = start_services(tmp_path_factory.mktemp("tiny"), ["--model", "preset:tiny"])
     yield services
     services.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_executor(tmp_path_factory):
+    """A preset:tiny executor on default flags for the tests and modules that need only a
+    scheduler of their own flags (harness.attach_scheduler), one after another: the executor's
+    start is most of a system's. None of them signals, kills or attacks it."""
+    executor = start_lone_executor(tmp_path_factory.mktemp("tiny_executor"),
+                                   ["--model", "preset:tiny"])
+    yield executor
+    executor.stop()

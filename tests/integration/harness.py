@@ -4,15 +4,58 @@ benchmarks/bench_serving.py, and is re-exported here for the tests.
 """
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 
 from protos import generate_pb2
 from scripts.local_services import (START_TIMEOUT_S, Services, free_port, start_executor,
                                     start_services, wait_serving, wait_started)
 
-__all__ = ["START_TIMEOUT_S", "Services", "StreamedToken", "free_port", "generate",
-           "start_executor", "start_services", "start_services_with", "streamed_tokens",
-           "wait_serving", "wait_started"]
+__all__ = ["START_TIMEOUT_S", "LoneExecutor", "Services", "StreamedToken", "attach_scheduler",
+           "free_port", "generate", "start_executor", "start_lone_executor", "start_services",
+           "start_services_with", "streamed_tokens", "wait_serving", "wait_started"]
+
+
+@dataclass(frozen=True)
+class LoneExecutor:
+    """An executor process started without a scheduler, for schedulers started one after another
+    (each stopped before the next, which frees the lease)."""
+
+    address: str
+    log: str
+    proc: subprocess.Popen
+
+    def wait(self) -> None:
+        """Blocks until it serves (raises at once if it exits)."""
+        wait_serving(self.address, procs={"executor": self.proc})
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def start_lone_executor(tmp_path, args: list[str], wait: bool = True) -> LoneExecutor:
+    """An executor on a free port, once serving unless `wait=False` (then `wait()` before use)."""
+    port, log = free_port(), str(tmp_path / "executor.log")
+    executor = LoneExecutor(f"127.0.0.1:{port}", log, start_executor(args, port, log))
+    if wait:
+        try:
+            executor.wait()
+        except BaseException:
+            executor.proc.kill()
+            raise
+    return executor
+
+
+def attach_scheduler(tmp_path, executor: LoneExecutor, scheduler_args: list[str] = (),
+                     **kwargs) -> Services:
+    """start_services' scheduler alone, attached to `executor` (no other scheduler may hold it):
+    what a test that needs only its own scheduler flags starts. `stop()` ends the scheduler."""
+    services = start_services(tmp_path, None, scheduler_args, wait=False,
+                              executor_address=executor.address, **kwargs)
+    services.logs["executor"] = executor.log
+    wait_started(services)
+    return services
 
 
 def start_services_with(tmp_path, executor_args: list[str], scheduler_args: list[str] = (),

@@ -32,6 +32,13 @@ def _load(source: str, seed: int, device: str):
 def hf_greedy(source: str, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
               stop_at_eos: bool = False, device: str = "cpu") -> list[int]:
     """transformers' greedy continuation; without stop_at_eos it runs the full max_new_tokens."""
+    return list(_greedy(source, tuple(prompt_ids), max_new_tokens, seed, stop_at_eos, device))
+
+
+# Once per arguments: scenarios that differ in flags send the same prompts (the same seeds).
+@functools.lru_cache(maxsize=None)
+def _greedy(source: str, prompt_ids: tuple[int, ...], max_new_tokens: int, seed: int,
+            stop_at_eos: bool, device: str) -> tuple[int, ...]:
     with _lock:
         model = hf_model(source, seed, device)
         eos = model.config.eos_token_id if stop_at_eos else None
@@ -42,7 +49,7 @@ def hf_greedy(source: str, prompt_ids: list[int], max_new_tokens: int, seed: int
                                  attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long,
                                                            device=device),
                                  generation_config=config)
-        return out[0, len(prompt_ids):].tolist()
+        return tuple(out[0, len(prompt_ids):].tolist())
 
 
 def hf_greedy_later(source: str, prompts: list[list[int]],

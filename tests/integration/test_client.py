@@ -15,7 +15,7 @@ import time
 import pytest
 
 from scheduler_svc.cli import DEFAULT_MAX_TOKENS
-from tests.integration.harness import start_services
+from tests.integration.harness import attach_scheduler, start_services
 
 pytestmark = pytest.mark.slow
 
@@ -224,9 +224,9 @@ def test_chat_ctrl_c_cancels_the_answer_and_goes_on(tiny):
     assert cancelled_count(tiny) == before + 1
 
 
-def test_aborted_request_exits_3(tmp_path):
+def test_aborted_request_exits_3(tmp_path, tiny_executor):
     # a drain far shorter than the answer (512 tokens): the request is still running when it ends
-    services = start_services(tmp_path, ["--model", "preset:tiny"], ["--shutdown-timeout", "0.2"])
+    services = attach_scheduler(tmp_path, tiny_executor, ["--shutdown-timeout", "0.2"])
     try:
         proc = client(services.scheduler_address, "--token-ids", "1,2,3", "--ignore-eos",
                       "--show-ids")

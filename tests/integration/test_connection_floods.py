@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 
 from scheduler_svc.connection_gate import PREFACE
 from tests.integration import bystanders as shared
-from tests.integration.harness import start_services
+from tests.integration.harness import attach_scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,9 @@ def _lower_open_files() -> None:
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    s = start_services(tmp_path_factory.mktemp("floods"), ["--model", "preset:tiny"],
-                       scheduler_preexec_fn=_lower_open_files)
+def services(tmp_path_factory, tiny_executor):
+    s = attach_scheduler(tmp_path_factory.mktemp("floods"), tiny_executor,
+                         scheduler_preexec_fn=_lower_open_files)
     try:
         s.grpc_port = int(s.scheduler_address.rsplit(":", 1)[1])
         s.silent = Silent(s.grpc_port)

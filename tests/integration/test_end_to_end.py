@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from protos import generate_pb2
-from tests.integration.harness import generate, start_services
+from tests.integration.harness import (LoneExecutor, attach_scheduler, generate,
+                                       start_lone_executor, start_services)
 from tests.integration.hf_reference import hf_greedy, hf_greedy_later
 
 pytestmark = pytest.mark.slow
@@ -124,18 +125,24 @@ def test_model_info(tiny_services, channel):
     assert info.vocab_size == 49152 and info.max_model_len > 0 and info.num_gpu_blocks > 0
 
 
+def preemption_executor_args(mode: str, executor_args: list[str] = ()) -> list[str]:
+    """A 24-page GPU pool, and CPU swap space only for `mode` swap."""
+    swap_space = "1" if mode == "swap" else "0"
+    return ["--model", TINY, "--num-gpu-blocks", "24", "--swap-space", swap_space, *executor_args]
+
+
 def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
                      device: str = "cpu", shared_prefix: int = 0,
-                     scheduler_args: list[str] = ()) -> str:
+                     scheduler_args: list[str] = (), executor: LoneExecutor | None = None) -> str:
     """Ten requests on a 24-page GPU pool: `mode` preemption must happen and every output stay
     identical to transformers' (weights drawn on `device`); returns the executor's log.
     With `shared_prefix` tokens common to all prompts (a request of the prefix first, so that
     all ten find its pages cached), a swap-out copies those pages only when the CPU holds them
-    nowhere: once, then every other swap-out shares them there."""
-    swap_space = "1" if mode == "swap" else "0"
-    services = start_services(
-        tmp_path, ["--model", TINY, "--num-gpu-blocks", "24", "--swap-space", swap_space,
-                   *executor_args], ["--max-num-seqs", "16", *scheduler_args])
+    nowhere: once, then every other swap-out shares them there. With `executor` (started with
+    preemption_executor_args(mode)) only a scheduler is started, attached to it."""
+    scheduler_args = ["--max-num-seqs", "16", *scheduler_args]
+    services = attach_scheduler(tmp_path, executor, scheduler_args) if executor else \
+        start_services(tmp_path, preemption_executor_args(mode, executor_args), scheduler_args)
     try:
         prompts = random_prompts(10, seed=4, low=30, high=50)
         with grpc.insecure_channel(services.scheduler_address) as ch, ThreadPoolExecutor(10) as pool:
@@ -164,21 +171,38 @@ def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
         services.stop()
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_keeps_outputs_identical(tmp_path, mode):
-    check_preemption(tmp_path, mode)
+@pytest.fixture(scope="module")
+def preemption_executors(tmp_path_factory):
+    """Each mode's executor, both started at once; every scenario of a mode attaches a scheduler
+    of its own flags to it in turn (the scheduler holds all the state under test)."""
+    executors = {mode: start_lone_executor(tmp_path_factory.mktemp(f"preempt-{mode}"),
+                                           preemption_executor_args(mode), wait=False)
+                 for mode in ("swap", "recompute")}
+    try:
+        for executor in executors.values():
+            executor.wait()
+        yield executors
+    finally:
+        for executor in executors.values():
+            executor.stop()
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_three_steps_in_flight_keep_outputs_identical(tmp_path, mode):
+def test_preemption_keeps_outputs_identical(tmp_path, mode, preemption_executors):
+    check_preemption(tmp_path, mode, executor=preemption_executors[mode])
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_three_steps_in_flight_keep_outputs_identical(tmp_path, mode, preemption_executors):
     """--max-steps-in-flight 3: the scheduler plans two steps ahead (a seq may have two tokens
     pending; the executor launches two and holds the third plan), through preemption."""
-    check_preemption(tmp_path, mode, scheduler_args=["--max-steps-in-flight", "3"])
+    check_preemption(tmp_path, mode, scheduler_args=["--max-steps-in-flight", "3"],
+                     executor=preemption_executors[mode])
 
 
-def test_swap_preemption_copies_a_shared_prefix_once(tmp_path):
+def test_swap_preemption_copies_a_shared_prefix_once(tmp_path, preemption_executors):
     """Issue 12: ten prompts that start with the same 32 tokens (two pages, cached)."""
-    check_preemption(tmp_path, "swap", shared_prefix=32)
+    check_preemption(tmp_path, "swap", shared_prefix=32, executor=preemption_executors["swap"])
 
 
 def test_stop_rules_through_the_api(tiny_services, channel):

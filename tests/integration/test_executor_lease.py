@@ -22,8 +22,8 @@ from protos import executor_pb2, executor_pb2_grpc
 from scheduler_svc.executor_client import ExecutorClient
 from scheduler_svc.plan import CachedSeqs, NewSeqPlan, StepPlan
 from scheduler_svc.sampling_params import SamplingParams
-from tests.integration.harness import (free_port, generate, start_executor, start_services,
-                                       wait_serving)
+from tests.integration.harness import (attach_scheduler, free_port, generate, start_executor,
+                                       start_services, wait_serving)
 from tests.integration.hf_reference import hf_greedy
 from tests.integration.test_end_to_end import TINY, random_prompts
 from tests.integration.test_resilience import Load
@@ -124,8 +124,8 @@ def test_rogue_streams_neither_stall_nor_disturb_the_scheduler(tmp_path):
         services.stop()
 
 
-def test_a_second_scheduler_is_refused_until_the_first_is_gone(tmp_path):
-    services = start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "8"])
+def test_a_second_scheduler_is_refused_until_the_first_is_gone(tmp_path, tiny_executor):
+    services = attach_scheduler(tmp_path, tiny_executor, ["--max-num-seqs", "8"])
     second = SecondScheduler(services.executor_address)
     try:
         refusal = second.wait_for_line("refused this scheduler's stream")
@@ -178,8 +178,8 @@ def test_a_scheduler_attaches_past_idle_streams(executor):
 
 
 def test_an_idle_link_outlives_keepalive_pings(executor):
-    """1 s pings through an 8 s idle spell: the executor's default ping policy (one per 5 min,
-    2 strikes) answers the third or so with GOAWAY too_many_pings and the stream breaks."""
+    """1 s pings through a 6 s idle spell: the executor's default ping policy (one per 5 min,
+    2 strikes) answers the fourth with GOAWAY too_many_pings and the stream breaks."""
     address, _, _ = executor
     first = StepPlan(1, new_seqs=[NewSeqPlan(1, [5, 6, 7], [0], 0, 3, SamplingParams(), 0)])
     second = StepPlan(2, cached_seqs=CachedSeqs.of([(1, 1, 3, [])]))
@@ -189,7 +189,7 @@ def test_an_idle_link_outlives_keepalive_pings(executor):
         await client.connect()
         for plan in (first, second):
             if plan is second:
-                await asyncio.sleep(8)  # the idle spell under test: nothing to await
+                await asyncio.sleep(6)  # the idle spell under test: nothing to await
             await client.send(plan)
             assert list((await client.receive(plan)).sampled) == [1]
         assert client.disconnected_since is None

@@ -20,7 +20,7 @@ import pytest
 
 from protos import generate_pb2
 from tests.integration import bystanders as shared
-from tests.integration.harness import start_services
+from tests.integration.harness import attach_scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,8 @@ BYSTANDER_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    s = start_services(tmp_path_factory.mktemp("http_bounds"), ["--model", "preset:tiny"], [
+def services(tmp_path_factory, tiny_executor):
+    s = attach_scheduler(tmp_path_factory.mktemp("http_bounds"), tiny_executor, [
         "--http-max-connections", str(HTTP_CAP), "--grpc-max-connections", str(GRPC_CAP),
         "--http-header-timeout", str(TIMEOUT_S), "--http-body-timeout", str(TIMEOUT_S),
         "--http-keep-alive-timeout", str(TIMEOUT_S)])

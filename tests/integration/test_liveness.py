@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generate_pb2
 from scheduler_svc.drain_rate import MIN_OBSERVED_S
-from tests.integration.harness import free_port, generate, start_services, wait_serving
+from tests.integration.harness import (attach_scheduler, free_port, generate, start_services,
+                                       wait_serving)
 from tests.integration.test_end_to_end import TINY, random_prompts
 
 pytestmark = pytest.mark.slow
@@ -176,14 +177,14 @@ def settled(status, outcomes: list) -> bool:
         admitted + num_refused == len(outcomes) and num_refused > 0
 
 
-def test_a_small_request_beside_a_flood_of_wide_ones_never_starves(tmp_path):
+def test_a_small_request_beside_a_flood_of_wide_ones_never_starves(tmp_path, tiny_executor):
     """16 seqs run, 5 or 6 requests of n = 16 wait (80 or 96 sequences of --max-waiting 100, as
     their samples happened to fork) and the rest of the flood is refused by the bound; a small
     request with a deadline is then refused at once, by the measured drain rate (over HTTP too:
     429 with Retry-After); a stream running before the flood completes unchanged, and a fresh
     client is served at once after it."""
-    services = start_services(tmp_path, ["--model", TINY],
-                              ["--max-num-seqs", "16", "--max-waiting", "100"])
+    services = attach_scheduler(tmp_path, tiny_executor, ["--max-num-seqs", "16", "--max-waiting",
+                                                          "100"])
     try:
         small = random_prompts(2, seed=44)
         with grpc.insecure_channel(services.scheduler_address) as channel:

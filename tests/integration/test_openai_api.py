@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 
 from executor_svc.model_loader import smollm2_gguf_path
 from protos import generate_pb2
-from tests.integration.harness import start_services, streamed_tokens
+from tests.integration.harness import attach_scheduler, start_services, streamed_tokens
 from tests.integration.hf_reference import hf_model
 
 openai = pytest.importorskip("openai")
@@ -38,10 +38,10 @@ MAX_NUM_SEQS = MAX_WAITING = 4
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    s = start_services(tmp_path_factory.mktemp("openai"), ["--model", MODEL],
-                       ["--api-key", KEY, "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--max-waiting", str(MAX_WAITING)])
+def services(tmp_path_factory, tiny_executor):
+    s = attach_scheduler(tmp_path_factory.mktemp("openai"), tiny_executor,
+                         ["--api-key", KEY, "--max-num-seqs", str(MAX_NUM_SEQS),
+                          "--max-waiting", str(MAX_WAITING)])
     yield s
     s.stop()
 

@@ -17,8 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generate_pb2, generate_pb2_grpc
-from tests.integration.harness import (Services, free_port, generate, start_services,
-                                       start_services_with, wait_serving)
+from tests.integration.harness import (Services, attach_scheduler, free_port, generate,
+                                       start_services, start_services_with, wait_serving)
 from tests.integration.hf_reference import hf_greedy, hf_greedy_later
 from tests.integration.test_end_to_end import TINY, assert_pools_whole, random_prompts
 
@@ -229,40 +229,41 @@ def test_hung_executor_is_detected_and_next_address_takes_over(tmp_path):
         assert_pools_whole(services)
 
 
-def test_cancelling_half_the_streams_frees_their_pages(tmp_path):
-    with start_services(tmp_path, ["--model", TINY], ["--max-num-seqs", "128"]) as services:
-        prompts = random_prompts(100, seed=14)
-        cancel_after = 4
-        with grpc.insecure_channel(services.scheduler_address) as channel:
-            stub = services.stub(channel)
-            calls = []
-            for prompt in prompts:
-                req = generate_pb2.GenerateRequest()
-                req.token_ids.ids.extend(prompt)
-                req.stopping.max_tokens = 64
-                req.stopping.ignore_eos = True
-                calls.append(stub.Generate(req, timeout=300))
-            for call in calls[:50]:  # read a few tokens from the first 50, then hang up
-                for _ in range(cancel_after):
-                    next(call)
-                call.cancel()
-            steps_at_cancel = services.status().steps
+def test_cancelling_half_the_streams_frees_their_pages(tiny_services):
+    # Its default --max-num-seqs (128 on CPU, test_step_limits) runs all 100 at once.
+    services = tiny_services
+    prompts = random_prompts(100, seed=14)
+    cancel_after = 4
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        stub = services.stub(channel)
+        calls = []
+        for prompt in prompts:
+            req = generate_pb2.GenerateRequest()
+            req.token_ids.ids.extend(prompt)
+            req.stopping.max_tokens = 64
+            req.stopping.ignore_eos = True
+            calls.append(stub.Generate(req, timeout=300))
+        for call in calls[:50]:  # read a few tokens from the first 50, then hang up
+            for _ in range(cancel_after):
+                next(call)
+            call.cancel()
+        steps_at_cancel = services.status().steps
+        status = services.status()
+        deadline = time.monotonic() + 60  # the server sees each cancellation asynchronously
+        while status.running + status.waiting + status.swapped > 50:
+            assert time.monotonic() < deadline, status
             status = services.status()
-            deadline = time.monotonic() + 60  # the server sees each cancellation asynchronously
-            while status.running + status.waiting + status.swapped > 50:
-                assert time.monotonic() < deadline, status
-                status = services.status()
-            assert status.steps - steps_at_cancel <= 1, (status.steps, steps_at_cancel)
-            # only now: a reference computed in this process could delay the polls above
-            expected = hf_greedy_later(TINY, prompts[50:], 64)
-            kept = [[t for m in call for t in m.token_ids] for call in calls[50:]]
-        assert kept == expected.result(timeout=300)
-        assert_pools_whole(services)
+        assert status.steps - steps_at_cancel <= 1, (status.steps, steps_at_cancel)
+        # only now: a reference computed in this process could delay the polls above
+        expected = hf_greedy_later(TINY, prompts[50:], 64)
+        kept = [[t for m in call for t in m.token_ids] for call in calls[50:]]
+    assert kept == expected.result(timeout=300)
+    assert_pools_whole(services)
 
 
-def test_full_waiting_queue_answers_resource_exhausted(tmp_path):
-    with start_services(tmp_path, ["--model", TINY],
-                        ["--max-num-seqs", "2", "--max-waiting", "3"]) as services:
+def test_full_waiting_queue_answers_resource_exhausted(tmp_path, tiny_executor):
+    with attach_scheduler(tmp_path, tiny_executor,
+                          ["--max-num-seqs", "2", "--max-waiting", "3"]) as services:
         prompts = random_prompts(24, seed=15)
         with grpc.insecure_channel(services.scheduler_address) as channel, ThreadPoolExecutor(24) as pool:
             stub = services.stub(channel)
@@ -281,9 +282,9 @@ def test_full_waiting_queue_answers_resource_exhausted(tmp_path):
         assert_pools_whole(services)
 
 
-def test_sigterm_drains_then_ends_the_rest(tmp_path):
-    with start_services(tmp_path, ["--model", TINY],
-                        ["--shutdown-timeout", "1", "--max-num-seqs", "1"]) as services:
+def test_sigterm_drains_then_ends_the_rest(tmp_path, tiny_executor):
+    with attach_scheduler(tmp_path, tiny_executor,
+                          ["--shutdown-timeout", "1", "--max-num-seqs", "1"]) as services:
         long_prompts = random_prompts(3, seed=16)
         load = Load(services.scheduler_address, long_prompts, max_tokens=1500)
         load.wait_tokens(5)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.integration.harness import generate, start_services
+from tests.integration.harness import attach_scheduler, generate
 
 pytestmark = pytest.mark.slow
 
 
-def test_the_scheduler_takes_unset_limits_from_the_executor_and_its_flag_wins(tmp_path):
-    with start_services(tmp_path, ["--model", "preset:tiny"], ["--max-num-seqs", "8"]) as services:
+def test_the_scheduler_takes_unset_limits_from_the_executor_and_its_flag_wins(tmp_path,
+                                                                               tiny_executor):
+    with attach_scheduler(tmp_path, tiny_executor, ["--max-num-seqs", "8"]) as services:
         with grpc.insecure_channel(services.scheduler_address) as channel:
             ids, _, _ = generate(services.stub(channel), [5, 6, 7], max_tokens=4)
         assert len(ids) == 4

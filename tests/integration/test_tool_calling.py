@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from executor_svc.model_loader import smollm2_gguf_path
-from tests.integration.harness import start_services
+from tests.integration.harness import attach_scheduler
 from tests.integration.test_end_to_end import TINY
 
 openai = pytest.importorskip("openai")
@@ -44,10 +44,10 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    s = start_services(tmp_path_factory.mktemp("tools"), ["--model", TINY],
-                       ["--max-num-seqs", "64", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes"])
+def services(tmp_path_factory, tiny_executor):
+    s = attach_scheduler(tmp_path_factory.mktemp("tools"), tiny_executor,
+                         ["--max-num-seqs", "64", "--enable-auto-tool-choice",
+                          "--tool-call-parser", "hermes"])
     yield s
     s.stop()
 

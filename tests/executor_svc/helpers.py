@@ -283,6 +283,20 @@ def held_num_tokens(runner: ModelRunner, seq_id: int) -> int:
     return int(batch.num_tokens[batch.row(seq_id)])
 
 
+def fork_on_write(driver: PlanDriver, parent: int, child: int) -> tuple[int, int]:
+    """Copy-on-write as the scheduler forks: the child shares the parent's pages but its last,
+    copied (copy_blocks) in the step the child joins to compute its last token beside the
+    parent's decode. Returns (the parent's last page, the child's copy)."""
+    table = driver.tables[parent]
+    child_last = driver.free.pop()
+    driver.tables[child] = table[:-1] + [child_last]
+    tokens = list(driver.tokens[parent])
+    driver.run(copy=[(table[-1], child_last)],
+               new_seqs=[driver.new_seq(child, tokens, 1, num_computed=len(tokens) - 1)],
+               cached_seqs=[driver.cached_seq(parent)])
+    return table[-1], child_last
+
+
 # -- bf16 against transformers (test_cuda_backend, test_families_gpu) -----------------------------
 
 def decode_all(driver: PlanDriver, prompts: dict[int, list[int]], num_new: int) -> None:

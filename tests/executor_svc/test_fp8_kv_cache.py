@@ -25,8 +25,8 @@ from executor_svc.quantization.kv_cache import kv_cache_scales
 from executor_svc.step import ExecutorInfo
 from pagedserve_kernels import reference
 from scheduler_svc import wire as scheduler_wire
-from tests.executor_svc.helpers import (PlanDriver, RunnerLink, ScheduledRun, hf_greedy,
-                                        random_prompt)
+from tests.executor_svc.helpers import (PlanDriver, RunnerLink, ScheduledRun, fork_on_write,
+                                        hf_greedy, random_prompt)
 from tests.executor_svc.test_prefix_caching import (assert_pools_whole, caching_scheduler,
                                                     greedy_seq)
 
@@ -170,15 +170,9 @@ def test_a_copy_on_write_fork_of_fp8_pages_decodes_like_its_parent():
     driver = PlanDriver(runner)
     prompt = random_prompt(random.Random(23), 10)
     driver.run(new_seqs=[driver.new_seq(1, prompt)])
-    parent = driver.tables[1]
-    child_last = driver.free.pop()
-    driver.tables[2] = parent[:-1] + [child_last]
-    tokens = list(driver.tokens[1])
-    driver.run(copy=[(parent[-1], child_last)],
-               new_seqs=[driver.new_seq(2, tokens, 1, num_computed=len(tokens) - 1)],
-               cached_seqs=[driver.cached_seq(1)])
+    parent_last, child_last = fork_on_write(driver, 1, 2)
     k = runner.cache_engine.gpu_k
-    assert torch.equal(bits(k[:, child_last, :, :2]), bits(k[:, parent[-1], :, :2]))
+    assert torch.equal(bits(k[:, child_last, :, :2]), bits(k[:, parent_last, :, :2]))
     for _ in range(5):
         driver.run(cached_seqs=[driver.cached_seq(1), driver.cached_seq(2)])
     assert driver.tokens[2] == driver.tokens[1]

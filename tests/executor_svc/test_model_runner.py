@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from tests.executor_svc.helpers import PlanDriver, hf_greedy, hf_model, make_runner, random_prompt
+from tests.executor_svc.helpers import (PlanDriver, fork_on_write, hf_greedy, hf_model,
+                                        make_runner, random_prompt)
 
 NUM_NEW = 10
 
@@ -69,13 +70,7 @@ def test_copy_on_write_fork_decodes_like_parent():
     driver = PlanDriver(runner)
     prompt = random_prompt(random.Random(12), 10)  # 3 blocks of 4, the last one half full
     driver.run(new_seqs=[driver.new_seq(1, prompt)])
-    parent_table = driver.tables[1]
-    child_last = driver.free.pop()
-    driver.tables[2] = parent_table[:-1] + [child_last]
-    tokens = list(driver.tokens[1])
-    driver.run(copy=[(parent_table[-1], child_last)],
-               new_seqs=[driver.new_seq(2, tokens, 1, num_computed=len(tokens) - 1)],
-               cached_seqs=[driver.cached_seq(1)])
+    fork_on_write(driver, 1, 2)
     for _ in range(5):
         driver.run(cached_seqs=[driver.cached_seq(1), driver.cached_seq(2)])
     expected = hf_greedy(hf, prompt, len(driver.tokens[1]) - len(prompt))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import start_lone_executor, start_services
+from tests.integration.harness import openai_client, start_lone_executor, start_services
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +25,9 @@ def tiny_executor(tmp_path_factory):
                                    ["--model", "preset:tiny"])
     yield executor
     executor.stop()
+
+
+@pytest.fixture()
+def client(services):
+    """The OpenAI SDK on the HTTP API of the module's `services`."""
+    return openai_client(services)

@@ -12,8 +12,18 @@ from scripts.local_services import (START_TIMEOUT_S, Services, free_port, start_
                                     start_services, wait_serving, wait_started)
 
 __all__ = ["START_TIMEOUT_S", "LoneExecutor", "Services", "StreamedToken", "attach_scheduler",
-           "free_port", "generate", "start_executor", "start_lone_executor", "start_services",
-           "start_services_with", "streamed_tokens", "wait_serving", "wait_started"]
+           "free_port", "generate", "openai_client", "start_executor", "start_lone_executor",
+           "start_services", "start_services_with", "streamed_tokens", "wait_serving",
+           "wait_started"]
+
+
+def openai_client(services: Services, api_key: str = "none", asynchronous: bool = False):
+    """The OpenAI SDK's client (AsyncOpenAI with `asynchronous`) on the services' HTTP API, as a
+    user makes one, without the SDK's retries (a test sees every failure)."""
+    import openai
+
+    cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+    return cls(base_url=f"{services.http_url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from transformers import GenerationConfig
 
 from executor_svc.model_loader import smollm2_gguf_path
 from protos import generate_pb2
-from tests.integration.harness import attach_scheduler, start_services, streamed_tokens
+from tests.integration.harness import (attach_scheduler, openai_client, start_services,
+                                       streamed_tokens)
 from tests.integration.hf_reference import hf_model
 
 openai = pytest.importorskip("openai")
@@ -48,8 +49,7 @@ def services(tmp_path_factory, tiny_executor):
 
 @pytest.fixture()
 def client(services):
-    return openai.OpenAI(base_url=f"{services.http_url}/v1", api_key=KEY, max_retries=0,
-                         timeout=120)
+    return openai_client(services, KEY)
 
 
 def grpc_chat(services, max_tokens: int) -> tuple[str, generate_pb2.GenerateResponse]:
@@ -137,8 +137,7 @@ def test_async_sdk_serves_concurrent_requests_alike(services, client):
     expected = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
 
     async def many():
-        async with openai.AsyncOpenAI(base_url=f"{services.http_url}/v1", api_key=KEY,
-                                      max_retries=0, timeout=120) as aclient:
+        async with openai_client(services, KEY, asynchronous=True) as aclient:
             return await asyncio.gather(*(aclient.chat.completions.create(
                 model=MODEL, messages=MESSAGES, **GREEDY) for _ in range(MAX_NUM_SEQS)))
 

@@ -22,7 +22,7 @@ from executor_svc.model_loader import smollm2_gguf_path
 from protos import generate_pb2
 from scheduler_svc.structured_output import structured_output
 from tests.integration.test_end_to_end import TINY
-from tests.integration.harness import start_services
+from tests.integration.harness import openai_client, start_services
 from tests.integration.test_resilience import kill_and_replace_executor
 
 openai = pytest.importorskip("openai")
@@ -39,11 +39,6 @@ def services(tmp_path_factory):
     yield s
     s.stop()
 
-
-@pytest.fixture()
-def client(services):
-    return openai.OpenAI(base_url=f"{services.http_url}/v1", api_key="none", max_retries=0,
-                         timeout=120)
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
@@ -103,8 +98,7 @@ def test_200_json_schemas_all_validate_over_both_apis(services):
         return text
 
     async def over_http():
-        client = openai.AsyncOpenAI(base_url=f"{services.http_url}/v1", api_key="none",
-                                    max_retries=0, timeout=120)
+        client = openai_client(services, asynchronous=True)
         replies = await asyncio.gather(*(client.chat.completions.create(
             model=TINY, messages=[{"role": "user", "content": f"Item {i}"}], seed=i,
             max_tokens=MAX_TOKENS, response_format={"type": "json_schema", "json_schema": {

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from executor_svc.model_loader import smollm2_gguf_path
-from tests.integration.harness import attach_scheduler
+from tests.integration.harness import attach_scheduler, openai_client
 from tests.integration.test_end_to_end import TINY
 
 openai = pytest.importorskip("openai")
@@ -52,11 +52,6 @@ def services(tmp_path_factory, tiny_executor):
     s.stop()
 
 
-@pytest.fixture()
-def client(services):
-    return openai.OpenAI(base_url=f"{services.http_url}/v1", api_key="none", max_retries=0,
-                         timeout=120)
-
 
 def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
@@ -75,8 +70,7 @@ def test_required_and_named_choices_always_call_a_tool_that_validates(services):
     choices = ["required", named("get_weather"), named("add"), named("search")]
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=f"{services.http_url}/v1", api_key="none",
-                                    max_retries=0, timeout=120)
+        client = openai_client(services, asynchronous=True)
         replies = await asyncio.gather(*(client.chat.completions.create(
             model=TINY, messages=USER, tools=TOOLS, tool_choice=choices[i % 4], seed=i,
             temperature=1.0, max_tokens=MAX_TOKENS, parallel_tool_calls=i % 8 == 4)

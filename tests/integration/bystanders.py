@@ -9,7 +9,21 @@ from contextlib import contextmanager
 
 import grpc
 
-from tests.integration.harness import generate
+from tests.integration.harness import attach_scheduler, generate
+
+
+@contextmanager
+def attacked_scheduler(tmp_path, executor, scheduler_args=(), **kwargs):
+    """A scheduler of its own flags attached to `executor`, for a module of attacks; once it is
+    stopped its log must hold no traceback and no ERROR line (an attack is refused, never
+    crashes or errs)."""
+    s = attach_scheduler(tmp_path, executor, scheduler_args, **kwargs)
+    try:
+        yield s
+    finally:
+        s.stop()
+    log = s.log_of("scheduler")
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
 def grpc_tokens(services, prompt: list[int], max_tokens: int, started=None,

@@ -283,6 +283,17 @@ def held_num_tokens(runner: ModelRunner, seq_id: int) -> int:
     return int(batch.num_tokens[batch.row(seq_id)])
 
 
+def two_seqs_decoding(driver: PlanDriver, seed: int) -> dict[int, list[int]]:
+    """Seqs 1 and 2 (random prompts of 9 and 6 tokens) prefilled, then three decode steps: pages
+    of both in the cache, one half full. Returns their prompts."""
+    rng = random.Random(seed)
+    prompts = {1: random_prompt(rng, 9), 2: random_prompt(rng, 6)}
+    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
+    for _ in range(3):
+        driver.run(cached_seqs=[driver.cached_seq(1), driver.cached_seq(2)])
+    return prompts
+
+
 def fork_on_write(driver: PlanDriver, parent: int, child: int) -> tuple[int, int]:
     """Copy-on-write as the scheduler forks: the child shares the parent's pages but its last,
     copied (copy_blocks) in the step the child joins to compute its last token beside the

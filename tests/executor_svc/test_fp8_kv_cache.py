@@ -26,7 +26,7 @@ from executor_svc.step import ExecutorInfo
 from pagedserve_kernels import reference
 from scheduler_svc import wire as scheduler_wire
 from tests.executor_svc.helpers import (PlanDriver, RunnerLink, ScheduledRun, fork_on_write,
-                                        hf_greedy, random_prompt)
+                                        hf_greedy, random_prompt, two_seqs_decoding)
 from tests.executor_svc.test_prefix_caching import (assert_pools_whole, caching_scheduler,
                                                     greedy_seq)
 
@@ -136,11 +136,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_swap_out_and_in_carry_fp8_pages_exactly():
     runner = make_runner("tiny", SCALES)
     cache, driver = runner.cache_engine, PlanDriver(runner)
-    rng = random.Random(22)
-    prompts = {1: random_prompt(rng, 9), 2: random_prompt(rng, 6)}
-    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
-    for _ in range(3):
-        driver.run(cached_seqs=[driver.cached_seq(1), driver.cached_seq(2)])
+    prompts = two_seqs_decoding(driver, 22)
     old_table = driver.tables.pop(1)
     pages = bits(cache.gpu_k[:, old_table]).clone(), bits(cache.gpu_v[:, old_table]).clone()
     cpu_blocks = [20 + i for i in range(len(old_table))]

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from tests.executor_svc.helpers import (PlanDriver, fork_on_write, hf_greedy, hf_model,
-                                        make_runner, random_prompt)
+                                        make_runner, random_prompt, two_seqs_decoding)
 
 NUM_NEW = 10
 
@@ -35,11 +35,7 @@ def test_swap_out_and_in_to_other_blocks_keeps_output():
     hf = hf_model("tiny")
     runner = make_runner(hf)
     driver = PlanDriver(runner)
-    rng = random.Random(11)
-    prompts = {1: random_prompt(rng, 9), 2: random_prompt(rng, 6)}
-    driver.run(new_seqs=[driver.new_seq(s, p) for s, p in prompts.items()])
-    for _ in range(3):
-        driver.run(cached_seqs=[driver.cached_seq(1), driver.cached_seq(2)])
+    prompts = two_seqs_decoding(driver, 11)
     # Preempt seq 1 by swap: its pages go to CPU blocks, the executor forgets it.
     old_table = driver.tables.pop(1)
     cpu_blocks = [20 + i for i in range(len(old_table))]

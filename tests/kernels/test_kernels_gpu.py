@@ -181,19 +181,36 @@ def test_prefill_window_and_soft_cap(kern, variant, dtype, head_dim, heads, kv_h
 
 def _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case, variant,
                    features=(None, None, 1.0)):
+    _check_packed(kern, False, dtype, head_dim, heads, kv_heads, block_size, case, features,
+                  variant=variant)
+
+
+def _check_packed(kern, few_query, dtype, head_dim, heads, kv_heads, block_size, case, features,
+                  **options):
+    """The prefill launcher on PREFILL_CASES[case], or with few_query the few-query one on
+    FEW_QUERY_CASES[case] (q a strided view of a packed qkv, block tables three columns wider
+    than their pages), against check_attention; options go to the launcher."""
     attention, _ = kern
     window, cap, q_scale = features
-    seq_lens, q_lens = WINDOW_PREFILL_CASE if case == "window" else PREFILL_CASES[case]
-    gen = torch.Generator(device="cuda").manual_seed(seed_of(case, dtype, head_dim, heads,
-                                                             block_size, features))
-    k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen)
-    q = (torch.randn(sum(q_lens), heads, head_dim, generator=gen, device="cuda") * q_scale).to(dtype)
+    if few_query:
+        seq_lens, q_lens = WINDOW_FEW_QUERY_CASE if case == "window" else FEW_QUERY_CASES[case]
+        seed = seed_of("few", case, dtype, head_dim, heads, block_size, features)
+    else:
+        seq_lens, q_lens = WINDOW_PREFILL_CASE if case == "window" else PREFILL_CASES[case]
+        seed = seed_of(case, dtype, head_dim, heads, block_size, features)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen,
+                                           width_extra=3 if few_query else 1)
+    width = heads + 2 * kv_heads if few_query else heads
+    q = torch.randn(sum(q_lens), width, head_dim, generator=gen, device="cuda")
+    q = (q * q_scale).to(dtype)[:, :heads]
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
-    out = torch.full_like(q, float("nan"))
-    attention.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out,
-                                      sliding_window=window, soft_cap=cap, variant=variant)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    launch = attention.paged_few_query_attention if few_query else attention.paged_prefill_attention
+    launch(q, k_cache, v_cache, tables, cu, lens, scale, out=out, sliding_window=window,
+           soft_cap=cap, **options)
     check_attention(out, q, k_cache, v_cache, tables, cu, lens, scale, window, cap)
 
 
@@ -256,22 +273,8 @@ def test_few_query_window_and_soft_cap(kern, dtype, head_dim, heads, kv_heads, b
 
 def _check_few_query(kern, dtype, head_dim, heads, kv_heads, block_size, case, key_split,
                      features=(None, None, 1.0)):
-    attention, _ = kern
-    window, cap, q_scale = features
-    seq_lens, q_lens = WINDOW_FEW_QUERY_CASE if case == "window" else FEW_QUERY_CASES[case]
-    gen = torch.Generator(device="cuda").manual_seed(seed_of("few", case, dtype, head_dim, heads,
-                                                             block_size, features))
-    k_cache, v_cache, tables = paged_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen,
-                                           width_extra=3)
-    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim, generator=gen, device="cuda")
-    q = (qkv * q_scale).to(dtype)[:, :heads]
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    scale = head_dim**-0.5
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
-    attention.paged_few_query_attention(q, k_cache, v_cache, tables, cu, lens, scale, out=out,
-                                        sliding_window=window, soft_cap=cap, key_split=key_split)
-    check_attention(out, q, k_cache, v_cache, tables, cu, lens, scale, window, cap)
+    _check_packed(kern, True, dtype, head_dim, heads, kv_heads, block_size, case, features,
+                  key_split=key_split)
 
 
 DECODE_CASES = {
@@ -741,7 +744,7 @@ def test_fp8_rotary_embedding_and_cache(kern_fp8, dtype, head_dim, rotary_dim, i
     the qkv buffer and both caches bit for bit), and its cache against the twin's write of the
     rotated k and v, byte for byte. Partial rotary (k's tail cached by its own units); (72, 72):
     half the span is not whole vectors, so the launcher takes the two launches itself."""
-    from tests.kernels.test_ops_gpu import rope_tables  # here: that module imports this one
+    from tests.kernels.test_ops_gpu import qkv_views, rope_tables  # that module imports this one
 
     _, cache_ops, ops = kern_fp8
     gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_rope", dtype, head_dim,
@@ -760,9 +763,7 @@ def test_fp8_rotary_embedding_and_cache(kern_fp8, dtype, head_dim, rotary_dim, i
     cos_table, sin_table = rope_tables(rotary_dim)
 
     def views(buf):
-        q, k, v = buf.split([q_size, kv_size, kv_size], dim=-1)
-        return (q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
-                v.view(num_tokens, kv_heads, head_dim))
+        return qkv_views(buf, heads, kv_heads, head_dim)
 
     two = qkv.clone(), k_cache.clone(), v_cache.clone()
     q, k, v = views(two[0])

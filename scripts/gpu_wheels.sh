@@ -15,4 +15,7 @@ for w in "$dl"/*.whl; do python3 -m zipfile -e "$w" .whl/site/; done
 site=$(.venv/bin/python -c "import site; print(site.getsitepackages()[0])")
 cp -r "$site"/llguidance "$site"/llguidance-*.dist-info .whl/site/
 rm -rf "$dl"
-du -sh .whl/site
+# SmolLM2's tokenizer as a folder (the GGUF package is too large to carry): the structured-output
+# GPU tests take it through PAGEDSERVE_TEST_TOKENIZER.
+rm -rf .whl/smollm2-tokenizer && .venv/bin/pagedserve-export-tokenizer .whl/smollm2-tokenizer
+du -sh .whl/site .whl/smollm2-tokenizer

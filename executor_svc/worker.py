@@ -131,7 +131,8 @@ class Worker:
             graphs = self.backend.build_graphs(
                 self.model, self.cache_engine.kv_caches, max_blocks_per_seq, self.dtype,
                 decode_graph_sizes(self.step_limits, BATCH_SIZES),
-                small_step_graph_sizes(self.step_limits, TOKEN_SIZES))
+                small_step_graph_sizes(self.step_limits, TOKEN_SIZES),
+                grammars=bool(self.info.tokenizer))
         self.step_limits = replace(
             self.step_limits,
             decode_graph_sizes=graphs.batch_sizes if graphs is not None else (),

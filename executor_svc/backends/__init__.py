@@ -94,11 +94,13 @@ class Backend(Protocol):
         ...
 
     def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
-                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]
-                     ) -> CudaGraphs | None:
+                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...],
+                     grammars: bool = True) -> CudaGraphs | None:
         """The graph runner the model runner replays (decode graphs of `decode_sizes` seqs,
         small-step graphs of `token_sizes` tokens or of none), None when every step runs
-        eagerly. It comes uncaptured: capture(counts) needs the runner's rows."""
+        eagerly; `grammars`: with the grammar-masked twins of the decode graphs (an executor
+        without a tokenizer takes no grammar). It comes uncaptured: capture(counts) needs the
+        runner's rows."""
         ...
 
     def graph_workspaces(self) -> list[torch.Tensor]:

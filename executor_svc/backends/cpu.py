@@ -66,7 +66,8 @@ class CpuBackend:
 
     @staticmethod
     def build_graphs(model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
-                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]) -> None:
+                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...],
+                     grammars: bool = True) -> None:
         return None
 
     @staticmethod

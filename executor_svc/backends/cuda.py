@@ -247,14 +247,17 @@ class CudaBackend:
                                       max_num_batched_tokens, max_num_seqs, self.device)
 
     def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
-                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...]):
+                     decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...],
+                     grammars: bool = True):
         """CudaGraphs, not captured yet: capture(counts) needs the runner's penalty counts. Small
-        steps only where the kernels cover the model: the torch prefill twin is not capturable."""
-        from executor_svc.cuda_graphs import CudaGraphs
+        steps only where the kernels cover the model: the torch prefill twin is not capturable.
+        Without `grammars` no masked twins (up to one per decode graph) are captured."""
+        from executor_svc.cuda_graphs import MAX_MASKED_BATCH, CudaGraphs
 
         if not self.kernels_cover(dtype, model.config.head_dim):
             token_sizes = ()
-        return CudaGraphs(model, kv_caches, max_blocks_per_seq, decode_sizes, token_sizes)
+        return CudaGraphs(model, kv_caches, max_blocks_per_seq, decode_sizes, token_sizes,
+                          max_masked_batch=MAX_MASKED_BATCH if grammars else 0)
 
     def graph_workspaces(self) -> list[torch.Tensor]:
         """The attention launchers' scratch tensors, which a captured graph must keep alive."""

@@ -6,6 +6,7 @@ import torch
 from executor_svc import wire
 from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import BATCH_SIZES, TOKEN_SIZES
+from executor_svc.model_loader import load_model
 from executor_svc.step import ExecutorInfo, StepLimits
 from executor_svc.step_limits import (Device, choose_step_limits, decode_graph_sizes,
                                       device_of, small_step_graph_sizes, vllm_batch_defaults)
@@ -144,8 +145,10 @@ def test_a_gpu_workers_profile_and_graphs_follow_its_step_limits(monkeypatch):
         def profile_num_blocks(self, model, block_size, block_bytes, utilization, tokens, seqs):
             asked["profile"] = (tokens, seqs)
 
-        def build_graphs(self, model, kv_caches, max_blocks_per_seq, dtype, decode, tokens):
+        def build_graphs(self, model, kv_caches, max_blocks_per_seq, dtype, decode, tokens,
+                         grammars=True):
             asked["graphs"] = (decode, tokens)
+            asked["grammars"] = grammars
             return None
 
     monkeypatch.setattr(worker_module, "get_backend", lambda name: RecordingBackend())
@@ -154,7 +157,13 @@ def test_a_gpu_workers_profile_and_graphs_follow_its_step_limits(monkeypatch):
                                  max_num_seqs=100)).info
     assert asked == {"profile": (8192, 100),
                      "graphs": ((1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100),
-                                (16, 32, 64, 128, 200))}
+                                (16, 32, 64, 128, 200)),
+                     "grammars": bool(info.tokenizer)}
+    # A model without a tokenizer takes no grammar: no masked twins of the decode graphs.
+    monkeypatch.setattr(worker_module, "load_model",
+                        lambda *args, **kwargs: (*load_model(*args, **kwargs)[:2], "", "x"))
+    Worker(ExecutorConfig(model="preset:tiny", swap_space_gib=0.001, max_num_seqs=100))
+    assert asked["grammars"] is False
     assert (info.step_limits.max_num_batched_tokens, info.step_limits.max_num_seqs,
             info.step_limits.bounded) == (8192, 100, True)
     assert info.step_limits.decode_graph_sizes == info.step_limits.small_step_graph_sizes == ()

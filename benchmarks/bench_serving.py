@@ -36,20 +36,16 @@ if str(ROOT) not in sys.path:
 from benchmarks.conversations import (ConversationRounds, ConversationsSpec,  # noqa: E402
                                       percentile, spec_from_args, turn_lengths)
 from benchmarks.conversations import add_arguments as add_conversation_arguments  # noqa: E402
+from benchmarks.workloads import WORKLOADS  # noqa: E402
 from scripts.local_services import start_services  # noqa: E402
 
-WORKLOADS = {  # name: (requests, prompt range, output range)
-    "W1": (256, (64, 1024), (32, 512)),
-    "W2": (1000, (64, 1024), (32, 512)),
-    "W3": (1024, (1536, 2048), (256, 1024)),
-}
 # Per-workload defaults of --max-num-seqs and --swap-space. W3 admits up to 512 sequences: at 256,
 # 256 x ~2,400 tokens fit in the ~110 GB cache and nothing would ever be preempted; 512 prompts of
 # ~1,800 tokens fill it, and their growth forces preemption. Its swap space holds ~100 of them.
 # W2 admits vLLM's default of 1,024: on the H200 at 0c081c1, 9,170 output tok/s against 8,517 at
 # 256 in one call (W1's 256 requests are all admitted either way).
 WORKLOAD_DEFAULTS = {"W1": (256, 4.0), "W2": (1024, 4.0), "W3": (512, 32.0), "W4": (256, 4.0),
-                     "prefix-ttft": (256, 4.0)}
+                     "prefix-ttft": (256, 4.0), "decode-heavy": (512, 4.0)}
 CONVERSATION_WORKLOADS = ("W4",)  # run in rounds (conversations.py)
 PREFIX_TTFT = "prefix-ttft"
 # Timed requests per mode. Ten gave medians 10.0-10.8 ms cached between calls on the H200 with the
@@ -260,6 +256,8 @@ def _services(args, name: str, scheduler_extra: tuple[str, ...] = ()):
                      "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.max_model_len:
         executor_args += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_dtype:
+        executor_args += ["--kv-cache-dtype", args.kv_cache_dtype]
     scheduler_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       "--max-num-seqs", str(args.max_num_seqs),
                       "--max-steps-in-flight", str(args.max_steps_in_flight), *scheduler_extra]
@@ -503,7 +501,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="W1",
                    choices=[*sorted(WORKLOADS), *CONVERSATION_WORKLOADS, PREFIX_TTFT])
-    p.add_argument("--model", default="preset:llama3-8b")
+    p.add_argument("--model", default="preset:llama3-8b",
+                   help="preset:NAME or a model folder (its config.json gives the prompts' "
+                        "vocabulary; quant_folder.py writes quantized ones)")
     p.add_argument("--backend", default="cuda", help="executor backend (cpu: a smoke test)")
     p.add_argument("--num-requests", type=int, default=None,
                    help="only the first N requests (prefix-ttft: N timed requests, default "
@@ -520,6 +520,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the executor's --max-model-len; default: its own (the model's length "
                         "up to 4096), or 8192 for a W4 whose turns pass 4096 tokens (the full "
                         "W4 reaches 5,115; vllm_w4.py runs vLLM at 8192)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="the executor's --kv-cache-dtype (default: its own, the model's dtype)")
     p.add_argument("--swap-space", type=float, default=None,
                    help="executor swap space, GiB; default: 4 (W1, W2, W4), 32 (W3)")
     p.add_argument("--no-prefix-caching", action="store_true",
@@ -556,9 +558,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
-    from executor_svc.model_config import preset_hf_config
-
-    vocab = preset_hf_config(args.model.removeprefix("preset:")).vocab_size
+    vocab = model_vocab(args.model)
     hf = None
     if args.workload == PREFIX_TTFT:
         serving = run_prefix_ttft(args, vocab)
@@ -575,6 +575,15 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"== {args.workload} through {args.api}: {args.model} ==")
     print(_fmt_prefix_ttft(serving) if args.workload == PREFIX_TTFT else _fmt(serving, hf))
+
+
+def model_vocab(model: str) -> int:
+    """The vocabulary prompt ids are drawn below: a preset's, or a folder's config.json's."""
+    if model.startswith("preset:"):
+        from executor_svc.model_config import preset_hf_config
+
+        return preset_hf_config(model.removeprefix("preset:")).vocab_size
+    return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
 
 
 def _hf_baseline(args, requests) -> dict | None:

@@ -5,7 +5,10 @@ install_on_gpu.sh, through `vllm_preset.py`; W4 through `vllm_w4.py`, prefix cac
 GPU's ceilings (bf16 matmul rate, copy bandwidth) and the ratio table. `--preset NAME` (default
 llama3-8b; also qwen3-8b, glm4-9b) is the shape both sides run, with random bf16 weights.
 `--prefix-ttft` adds bench_serving's TTFT of a request whose 2,000-token prefix is cached, against
-caching off (pagedserve only).
+caching off (pagedserve only). `--quantization awq|fp8` quantizes that shape on both sides (ours
+loads the folder quant_folder.py writes once into --quant-dir; vLLM runs dummy weights of the
+same layout), `--kv-cache-dtype fp8` puts both KV caches in FP8; workloads.py's decode-heavy is
+the offline workload where weight-only quantization pays.
 
     python3 benchmarks/side_by_side.py --workloads W1,W2,W3,W4 --prefix-ttft --out-dir $OUT
 
@@ -33,6 +36,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -139,16 +143,18 @@ def median_run(runs: list[dict], serving) -> dict:
 
 
 def run_vllm(workloads: list[str], out: Path, vllm_dir: Path, results: dict, report,
-             repeats: dict[str, int] | None = None, preset: str = DEFAULT_PRESET) -> None:
+             repeats: dict[str, int] | None = None, preset: str = DEFAULT_PRESET,
+             vllm_args: list[str] = ()) -> None:
     """vLLM's offline runs on the preset's shape (a repeated workload run again at the end, in
-    the same engine), then W4's, into `results` (load_vllm's layout); report() after each."""
+    the same engine), then W4's, into `results` (load_vllm's layout); report() after each.
+    vllm_args: vllm_preset.py's own flags (--quantization, --kv-cache-dtype)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own site only
     offline = [w for w in workloads if w in WORKLOADS]
     offline += [w for w in offline for _ in range((repeats or {}).get(w, 1) - 1)]
     if offline:
         run([sys.executable, "benchmarks/vllm_preset.py", "--preset", preset, "--vllm-dir",
-             str(vllm_dir), "--workloads", ",".join(offline), "--out", str(out / "vllm.json")],
-            out / "vllm.log", env=env)
+             str(vllm_dir), "--workloads", ",".join(offline), "--out", str(out / "vllm.json"),
+             *vllm_args], out / "vllm.log", env=env)
         results.update(load_vllm(out, workloads))
         report()
     for w in workloads:
@@ -338,12 +344,17 @@ def gather(args, workloads: list[str], out: Path, runs: Path, report
     (runs / "ceilings_summary.json").write_text(json.dumps(ceil, indent=1))
     repeats = {w: args.repeat for w in args.repeat_workloads.split(",") if w in workloads}
     if not args.skip_pagedserve:
+        if args.quantization and not args.quant_folder.exists():
+            run([sys.executable, "benchmarks/quant_folder.py", "--preset", args.preset,
+                 "--method", args.quantization, "--out", str(args.quant_folder)],
+                runs / "quant_folder.log")
         run_pagedserve(workloads, runs, args.pagedserve_args, ours, progress, repeats)
         if args.prefix_ttft:
             prefix = run_prefix_ttft(runs, args.pagedserve_args)
             progress()
     if not args.skip_vllm:
-        run_vllm(workloads, runs, args.vllm_dir, vllm, progress, repeats, args.preset)
+        run_vllm(workloads, runs, args.vllm_dir, vllm, progress, repeats, args.preset,
+                 args.vllm_args)
     return ours, vllm, ceil, prefix
 
 
@@ -359,6 +370,14 @@ def _parser() -> argparse.ArgumentParser:
                         "the floor")
     p.add_argument("--vllm-dir", type=Path, default=Path("/tmp/vllm_parts"),
                    help="where install_on_gpu.sh left offline_bench.py")
+    p.add_argument("--quantization", choices=("awq", "fp8"), default=None,
+                   help="the preset's shape quantized on both sides: ours loads the folder "
+                        "quant_folder.py writes (once) into --quant-dir, vLLM runs dummy weights "
+                        "of the same layout")
+    p.add_argument("--quant-dir", type=Path, default=Path(tempfile.gettempdir()),
+                   help="where the quantized folder is written (not under --out-dir: "
+                        "gigabytes)")
+    p.add_argument("--kv-cache-dtype", default=None, help="fp8: both sides' KV cache in FP8")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each of --repeat-workloads this many times on each side (after the "
                         "others); the table quotes the median run and lists them all")
@@ -398,7 +417,17 @@ def _parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list
     if conversations and args.preset not in W4_PRESETS and not args.skip_vllm:
         p.error(f"--preset {args.preset}: vLLM's {','.join(conversations)} (vllm_w4.py) runs "
                 f"{', '.join(W4_PRESETS)} only; add --skip-vllm")
-    args.pagedserve_args = ["--model", f"preset:{args.preset}", *args.pagedserve_args]
+    if args.quantization and conversations:
+        p.error(f"--quantization: {','.join(conversations)} runs unquantized (vllm_w4.py)")
+    args.quant_folder = args.quant_dir / f"pagedserve-{args.preset}-{args.quantization}"
+    model = str(args.quant_folder) if args.quantization else f"preset:{args.preset}"
+    args.pagedserve_args = ["--model", model, *args.pagedserve_args]
+    args.vllm_args = []
+    if args.quantization:
+        args.vllm_args += ["--quantization", args.quantization]
+    if args.kv_cache_dtype:
+        args.pagedserve_args += ["--kv-cache-dtype", args.kv_cache_dtype]
+        args.vllm_args += ["--kv-cache-dtype", args.kv_cache_dtype]
     return args, workloads, shape
 
 
@@ -415,7 +444,10 @@ def main(argv: list[str] | None = None) -> None:
         text = table(workloads, ours, vllm, ceil, shape)
         if args.prefix_ttft:
             text += "\n\n" + prefix_ttft_line(prefix)
-        header = (f"side by side, {args.preset}, {time.strftime('%Y-%m-%d')}, "
+        quant = " ".join(filter(None, (args.quantization, args.kv_cache_dtype and
+                                       f"KV {args.kv_cache_dtype}")))
+        header = (f"side by side, {args.preset}{' ' + quant if quant else ''}, "
+                  f"{time.strftime('%Y-%m-%d')}, "
                   f"{vllm.get('gpu', 'GPU n/a')}, "
                   f"vLLM {vllm.get('vllm', 'n/a')}; ceilings: "
                   + (f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy "

@@ -7,8 +7,11 @@ Glm4ForCausalLM), then its main() with every other argument.
         --workloads W1 --out vllm.json
 
 Its requests are then bench_serving's for `--model preset:NAME` (lengths from random.Random(0),
-ids from random.Random(1) below the preset's vocab_size). `--print-config` prints the config.json
-and exits (no vLLM, no GPU).
+ids from random.Random(1) below the preset's vocab_size), and the workloads offline_bench lacks
+come from benchmarks/workloads.py. `--quantization awq|fp8` adds quant_folder.py's
+quantization_config (vLLM's dummy weights take that layout: awq_marlin, or compressed-tensors
+FP8), `--kv-cache-dtype fp8` vLLM's FP8 KV cache. `--print-config` prints the config.json and
+exits (no vLLM, no GPU).
 """
 from __future__ import annotations
 
@@ -81,12 +84,19 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama3-8b")
     p.add_argument("--vllm-dir", type=Path, default=Path("/tmp/vllm_parts"))
+    p.add_argument("--quantization", choices=("awq", "fp8"), default=None,
+                   help="the layout of quant_folder.py --method (vLLM runs dummy weights of it)")
+    p.add_argument("--kv-cache-dtype", default=None, help="vLLM's engine argument (fp8)")
     p.add_argument("--print-config", action="store_true", help="print the config.json, run nothing")
     args, rest = p.parse_known_args(argv)
     try:
         config = hub_config(args.preset)
     except ValueError as err:
         p.error(str(err))
+    if args.quantization:
+        from benchmarks.quant_folder import quantization_config
+
+        config["quantization_config"] = quantization_config(args.quantization)
     if args.print_config:
         print(json.dumps(config, indent=1))
         return
@@ -94,9 +104,29 @@ def main(argv: list[str] | None = None) -> None:
         bench = load_offline_bench(args.vllm_dir)
     except FileNotFoundError as err:
         p.error(str(err))
+    from benchmarks.workloads import WORKLOADS
+
     bench.CONFIG, bench.VOCAB = config, config["vocab_size"]  # make_requests reads VOCAB
+    bench.WORKLOADS = {**WORKLOADS, **bench.WORKLOADS}
+    if args.kv_cache_dtype:
+        _add_engine_args(bench, kv_cache_dtype=args.kv_cache_dtype)
     sys.argv = [str(args.vllm_dir / "offline_bench.py"), *rest]
     bench.main()
+
+
+def _add_engine_args(bench: ModuleType, **extra) -> None:
+    """offline_bench builds LLM(**engine_args) from `vllm` once its site is on the path: the
+    engine gets `extra` too."""
+    use_site = bench.use_vllm_site
+
+    def use_site_then_wrap() -> None:
+        use_site()
+        import vllm
+
+        llm = vllm.LLM
+        vllm.LLM = lambda **engine_args: llm(**engine_args, **extra)
+
+    bench.use_vllm_site = use_site_then_wrap
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ SHARED_BENCH = Path(__file__).resolve().parents[3] / "shared" / "bench" / "vllm"
 # What offline_bench's main() sees, written where the test can read it.
 STAND_IN = '''
 import json, sys
+WORKLOADS = {"W1": (256, (64, 1024), (32, 512))}
 CONFIG = {"model_type": "llama"}
 VOCAB = 128256
 
@@ -79,3 +80,42 @@ def test_the_real_offline_bench_then_builds_bench_servings_requests(preset):
     config = vllm_preset.hub_config(preset)
     bench.CONFIG, bench.VOCAB = config, config["vocab_size"]
     assert bench.make_requests("W1") == make_requests("W1", config["vocab_size"])
+
+
+# offline_bench's path to the engine, with its workload table: what the driver wraps and extends.
+ENGINE_STAND_IN = '''
+import json, sys
+WORKLOADS = {"W1": (256, (64, 1024), (32, 512))}
+CONFIG = {}
+VOCAB = 128256
+
+def use_vllm_site():
+    pass
+
+def main():
+    use_vllm_site()
+    from vllm import LLM
+    engine = LLM(model="dummy", load_format="dummy")
+    with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+        json.dump({"engine": engine, "workloads": sorted(WORKLOADS),
+                   "quantization": CONFIG.get("quantization_config")}, f)
+'''
+
+
+def test_quantization_kv_cache_dtype_and_our_workloads_reach_offline_bench(tmp_path, monkeypatch):
+    """--quantization writes quant_folder.py's quantization_config into the config, --kv-cache-dtype
+    joins the engine's arguments, and workloads.py's workloads join offline_bench's table."""
+    import types
+
+    from benchmarks.quant_folder import quantization_config
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: kw))
+    (tmp_path / "offline_bench.py").write_text(ENGINE_STAND_IN)
+    out = tmp_path / "seen.json"
+    vllm_preset.main(["--preset", "llama3-8b", "--vllm-dir", str(tmp_path), "--quantization",
+                      "awq", "--kv-cache-dtype", "fp8", "--out", str(out)])
+    seen = json.loads(out.read_text())
+    assert seen["engine"] == {"model": "dummy", "load_format": "dummy", "kv_cache_dtype": "fp8"}
+    assert seen["quantization"] == quantization_config("awq")
+    assert {"W1", "W2", "W3", "decode-heavy"} <= set(seen["workloads"])

@@ -1,0 +1,12 @@
+"""The offline workloads' shapes, one table for bench_serving and for vLLM's side (vllm_preset.py
+adds those offline_bench lacks to its own); standard library only, so that vLLM's environment
+imports it too."""
+
+WORKLOADS = {  # name: (requests, prompt range, output range)
+    "W1": (256, (64, 1024), (32, 512)),
+    "W2": (1000, (64, 1024), (32, 512)),
+    "W3": (1024, (1536, 2048), (256, 1024)),
+    # Short prompts, long outputs, hundreds of sequences at once: decode steps dominate, where
+    # weight-only quantization pays (bench_online's decode-heavy lengths).
+    "decode-heavy": (512, (64, 256), (512, 1024)),
+}

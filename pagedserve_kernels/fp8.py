@@ -17,12 +17,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x.dtype not in (torch.bfloat16, torch.float16):
         return reference.fp8_linear(x, weight, weight_scale, input_scale, per_token, bias)
     xq, x_scale = reference.quantize_fp8(x.contiguous(), input_scale, per_token)
-    scale_a = x_scale.expand(x.shape[0], 1).contiguous()  # [T, 1]: one per token
+    return fp8_scaled_linear(xq, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_scaled_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                      weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """reference.fp8_scaled_linear's product (activations quantized already: xq [T, K] e4m3
+    contiguous, x_scale [T, 1] or [1, 1] float32) -> [T, N] in out_dtype (bf16 or fp16)."""
+    scale_a = x_scale.expand(xq.shape[0], 1).contiguous()  # [T, 1]: one per token
     scale_b = weight_scale.float().view(1, -1)  # [1, N]
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_b,
                            bias=None if bias is None else bias.to(torch.bfloat16),
                            out_dtype=torch.bfloat16)
-    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
 def supports(weight: torch.Tensor) -> bool:

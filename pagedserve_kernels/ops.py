@@ -67,6 +67,44 @@ def fused_add_rms_norm(
     return x, residual
 
 
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm's rows (with `residual`: fused_add_rms_norm's, residual updated in place)
+    quantized for an FP8 W8A8 product with a dynamic scale per token, in one launch: what
+    reference.quantize_fp8 makes of this module's rms_norm output, bit for bit. The normed rows
+    are never written in x's dtype (x is left as it is).
+
+    x: [num_tokens, hidden] bf16/fp16 on the GPU, last dim contiguous; weight: [hidden]
+    residual: like x, or None
+    returns (e4m3 [num_tokens, hidden] contiguous, float32 scales [num_tokens, 1]). One CTA per
+    row.
+    """
+    from pagedserve_kernels.reference import FP8_MIN_SCALE
+
+    _check_rows("x", x)
+    if residual is not None:
+        _check_rows("residual", residual, like=x)
+    _check_weight(weight, x)
+    num_tokens, hidden = x.shape
+    out = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out, scales
+    rows = (x,) if residual is None else (x, residual)
+    vec = _rows_aligned(hidden, *rows) and weight.data_ptr() % 16 == 0
+    head = (out.data_ptr(), scales.data_ptr(), x.data_ptr(), _i64(x.stride(0)))
+    tail = (weight.data_ptr(), _i32(hidden), _f32(eps), _f32(FP8_MIN_SCALE), _i32(vec))
+    threads = _threads(hidden // _VEC if vec else hidden, _NORM_MAX_THREADS)
+    if residual is None:
+        _launch(f"rms_norm_fp8_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads, head + tail)
+    else:
+        args = head + (residual.data_ptr(), _i64(residual.stride(0))) + tail
+        _launch(f"fused_add_rms_norm_fp8_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads,
+                args)
+    return out, scales
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,

@@ -403,10 +403,31 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if block_size is not None:
         return _fp8_block_linear(x, weight, weight_scale, block_size, bias)
     xq, x_scale = quantize_fp8(x, input_scale, per_token)
+    return fp8_scaled_linear(xq, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_scaled_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                      weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear past its quantization: e4m3 xq [T, K] with x_scale [T, 1] (or [1, 1]) times
+    weight [N, K] e4m3 with weight_scale [N], summed in float32, scales and bias applied there,
+    rounded to out_dtype -> [T, N]."""
     out = (xq.float() @ weight.float().t()) * x_scale * weight_scale.float().view(1, -1)
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm's rows (with `residual`: residual += x first, in place, and its rows normed, as
+    fused_add_rms_norm) quantized per token for an FP8 W8A8 product: quantize_fp8 of the normed
+    rows in x's dtype, which the norm never writes (x is left as it is). Returns (e4m3 [T, H],
+    float32 scales [T, 1])."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    return quantize_fp8(rms_norm(x, weight, eps))
 
 
 def _fp8_block_linear(x, weight, weight_scale, block_size, bias):

@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from executor_svc.cuda_graphs import CudaGraphs
+    from executor_svc.quantization import Fp8Activation
     from executor_svc.memory_profile import MemoryProfile
 
 
@@ -48,9 +49,14 @@ class Backend(Protocol):
 
     def copy_blocks(self, k_cache, v_cache, block_mapping) -> None: ...
 
-    def rms_norm(self, x, weight, eps, out=None) -> torch.Tensor: ...
+    def rms_norm(self, x, weight, eps, out=None, feeds=None) -> torch.Tensor | Fp8Activation:
+        """reference.rms_norm's; `feeds`: the weight the rows go to, which may take them
+        quantized in the norm's pass (quantization.takes_fp8_rows): then an Fp8Activation."""
+        ...
 
-    def fused_add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_add_rms_norm(self, x, residual, weight, eps, feeds=None
+                           ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+        """reference.fused_add_rms_norm's; `feeds` as rms_norm's (then x is left as it is)."""
         ...
 
     def rotary_embedding(self, positions, q, k, cos_table, sin_table, interleaved=False) -> None:
@@ -66,7 +72,8 @@ class Backend(Protocol):
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         """x [T, K] -> [T, N]; weight: a dense [N, K] tensor (F.linear's contract) or a quantized
-        linear (executor_svc.quantization: Int4Weight, Fp8Weight)."""
+        linear (executor_svc.quantization: Int4Weight, Fp8Weight); x an Fp8Activation for an
+        Fp8Weight that takes them."""
         ...
 
     def apply_token_bitmask(self, logits, bitmask, indices=None) -> None:

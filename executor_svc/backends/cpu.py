@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from executor_svc.quantization import Fp8Weight, Int4Weight
+from executor_svc.quantization import Fp8Activation, Fp8Weight, Int4Weight, takes_fp8_rows
 from pagedserve_kernels import reference
 
 
@@ -19,8 +19,6 @@ class CpuBackend:
     paged_decode_attention = staticmethod(reference.paged_decode_attention)
     swap_blocks = staticmethod(reference.swap_blocks)
     copy_blocks = staticmethod(reference.copy_blocks)
-    rms_norm = staticmethod(reference.rms_norm)
-    fused_add_rms_norm = staticmethod(reference.fused_add_rms_norm)
     rotary_embedding = staticmethod(reference.rotary_embedding)
     rotary_embedding_and_cache = staticmethod(reference.rotary_embedding_and_cache)
     silu_and_mul = staticmethod(reference.silu_and_mul)
@@ -28,8 +26,25 @@ class CpuBackend:
     apply_token_bitmask = staticmethod(reference.apply_token_bitmask)
 
     @staticmethod
+    def rms_norm(x, weight, eps, out=None, feeds=None):
+        """The twin; rows for a weight that takes FP8 ones quantized as the CUDA kernel does."""
+        if takes_fp8_rows(feeds):
+            return Fp8Activation(*reference.rms_norm_fp8(x, weight, eps), x.dtype)
+        return reference.rms_norm(x, weight, eps, out)
+
+    @staticmethod
+    def fused_add_rms_norm(x, residual, weight, eps, feeds=None):
+        if takes_fp8_rows(feeds):
+            return Fp8Activation(*reference.rms_norm_fp8(x, weight, eps, residual),
+                                 x.dtype), residual
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+    @staticmethod
     def linear(x, weight, bias=None) -> torch.Tensor:
         """F.linear for a dense weight; a quantized one through its kernel's twin."""
+        if isinstance(x, Fp8Activation):  # the norm quantized the rows for this Fp8Weight
+            return reference.fp8_scaled_linear(x.values, x.scale, weight.weight,
+                                               weight.weight_scale, bias, x.dtype)
         if isinstance(weight, Int4Weight):
             return reference.int4_linear(x, weight.qweight, weight.scales, weight.zeros,
                                          weight.group_size, weight.perm, bias)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from executor_svc.quantization import Fp8Weight, Int4Weight
+from executor_svc.quantization import Fp8Activation, Fp8Weight, Int4Weight, takes_fp8_rows
 from pagedserve_kernels import fp8, reference
 
 log = logging.getLogger(__name__)
@@ -138,11 +138,24 @@ class CudaBackend:
 
     # -- elementwise ops of the forward -----------------------------------------------------------
 
-    def rms_norm(self, x, weight, eps, out=None) -> torch.Tensor:
+    def rms_norm(self, x, weight, eps, out=None, feeds=None):
+        """`feeds` an Fp8Weight with per-token dynamic scales: the rows quantized for it in the
+        norm's own launch (no pass over them in the model's dtype)."""
+        if self._quantizes_for(feeds, x.dtype):
+            return Fp8Activation(*self._ops.rms_norm_fp8(x, weight, eps), x.dtype)
         return self._elementwise(x.dtype).rms_norm(x, weight, eps, out)
 
-    def fused_add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_add_rms_norm(self, x, residual, weight, eps, feeds=None):
+        if self._quantizes_for(feeds, x.dtype):
+            return Fp8Activation(*self._ops.rms_norm_fp8(x, weight, eps, residual),
+                                 x.dtype), residual
         return self._elementwise(x.dtype).fused_add_rms_norm(x, residual, weight, eps)
+
+    def _quantizes_for(self, weight, dtype: torch.dtype) -> bool:
+        """Whether the norm hands `weight` FP8 rows: the fused kernel for the dtype, and
+        cuBLASLt's FP8 product for the weight (else the product quantizes, or its twin runs)."""
+        return (takes_fp8_rows(weight) and self.elementwise_impl(dtype) == "cupy"
+                and fp8.supports(weight.weight))
 
     def rotary_embedding(self, positions, q, k, cos_table, sin_table, interleaved=False) -> None:
         """Partial rotary from the tables' width (rotary_dim = cos_table.shape[1])."""
@@ -183,6 +196,9 @@ class CudaBackend:
         """Dense: the tuned GEMM; int4 in the W4A16 kernel's layout (prepare_model repacks a
         bf16/fp16 model's): the kernel, bias fused; an Int4Weight (float32 models): its twin;
         FP8 W8A8: cuBLASLt's scaled product (pagedserve_kernels.fp8)."""
+        if isinstance(x, Fp8Activation):  # the norm quantized the rows for this Fp8Weight
+            return fp8.fp8_scaled_linear(x.values, x.scale, weight.weight, weight.weight_scale,
+                                         bias, x.dtype)
         if isinstance(weight, torch.Tensor):
             return self.gemm.linear(x, weight, bias)
         if isinstance(weight, Int4Weight):

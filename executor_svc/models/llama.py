@@ -81,15 +81,19 @@ class LlamaModel:
         residual = self.embed_tokens[input_ids]  # [T, hidden]: a gather, ours to update in place
         if self.embed_scale is not None:
             residual = residual * self.embed_scale
-        x = ops.rms_norm(residual, self.layers[0].input_norm, eps)  # [T, hidden]
+        # feeds: FP8 W8A8 products with per-token scales take their rows quantized by the norm.
+        x = ops.rms_norm(residual, self.layers[0].input_norm, eps,
+                         feeds=self.layers[0].qkv_proj)  # [T, hidden]
         for i, layer in enumerate(self.layers):
             if i > 0:
-                x, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, eps)
+                x, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, eps,
+                                                     feeds=layer.qkv_proj)
             x = self._attention(x, layer, positions, attn_metadata, k_cache[i], v_cache[i],
                                 self.kv_scales[i])
             if layer.attn_out_norm is not None:  # GLM-4, Gemma: normed before the residual add
                 x = ops.rms_norm(x, layer.attn_out_norm, eps)
-            x, residual = ops.fused_add_rms_norm(x, residual, layer.post_attention_norm, eps)
+            x, residual = ops.fused_add_rms_norm(x, residual, layer.post_attention_norm, eps,
+                                                 feeds=layer.gate_up_proj)
             x = self._mlp(x, layer)
             if layer.mlp_out_norm is not None:
                 x = ops.rms_norm(x, layer.mlp_out_norm, eps)

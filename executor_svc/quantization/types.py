@@ -1,5 +1,6 @@
 """The quantized weights a linear can hold (Int4Weight, Fp8Weight), the one form each family of
-methods loads into, and fusing the parts of a fused product (q|k|v, gate|up). Imports torch only.
+methods loads into, and fusing the parts of a fused product (q|k|v, gate|up); the FP8 rows a norm
+hands such a product (Fp8Activation). Imports torch only.
 """
 from __future__ import annotations
 
@@ -58,6 +59,27 @@ class Fp8Weight:
         return replace(self, weight=self.weight.to(device),
                        weight_scale=self.weight_scale.to(device),
                        input_scale=_to(self.input_scale, device))
+
+
+@dataclass(frozen=True)
+class Fp8Activation:
+    """Rows quantized for an Fp8Weight with dynamic per-token scales by the norm before the
+    product, in the norm's own pass (the backends' rms_norm with `feeds`): x ~ values * scale."""
+
+    values: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype  # the rows' dtype before quantization: the product's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
+def takes_fp8_rows(weight) -> bool:
+    """Whether `weight`'s input may come quantized from the norm before it: FP8 W8A8 with a
+    dynamic scale per token (a per-tensor or static scale needs the whole step's rows first)."""
+    return (isinstance(weight, Fp8Weight) and weight.per_token and weight.input_scale is None
+            and weight.block_size is None)
 
 
 def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -1,5 +1,5 @@
 // The elementwise ops of the Llama forward, one launch each: RMSNorm (alone, or fused with the
-// residual add, in place), RoPE (rotate-half or interleaved pairs, over the leading rotary_dim
+// residual add, in place; or its output quantized for an FP8 W8A8 product), RoPE (rotate-half or interleaved pairs, over the leading rotary_dim
 // of each head) applied in place to the strided q/k views of the fused qkv output, and
 // SiLU-and-mul. bf16/fp16 storage, fp32 math, one rounding per stored value
 // (the residual sum and the normalised value before the weight are rounded where torch rounds).
@@ -69,19 +69,25 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
-// One CTA per token row. ADD: residual = round(residual + x), then out = weight * round(residual *
-// rsqrt(mean(residual^2) + eps)); else the same on x. The second pass re-reads the row (each
-// thread only its own elements, so its own writes of the first pass; L1/L2 hits).
+// Max over the CTA, as block_sum (its own shared slots, so a kernel may call both once).
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float warp_maxes[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_maxes[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? warp_maxes[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// A token row's first pass: rsqrt(mean(v^2) + eps) of v = x, or with ADD of v = residual =
+// round(residual + x), which it stores. The passes after it re-read v (each thread only its own
+// elements, so its own writes; L1/L2 hits).
 template <typename T, bool ADD>
-__device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const T* in,
-                                             long long in_stride, T* residual,
-                                             long long residual_stride,
-                                             const T* __restrict__ weight, int hidden, float eps,
-                                             int vec) {
-  const long long row = blockIdx.x;
-  const T* x = in + row * in_stride;
-  T* r = ADD ? residual + row * residual_stride : nullptr;
-  T* y = out + row * out_stride;
+__device__ __forceinline__ float row_inv_rms(const T* x, T* r, int hidden, float eps, int vec) {
   float sumsq = 0.f;
   if (vec) {
     for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
@@ -107,7 +113,22 @@ __device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const
       sumsq += a * a;
     }
   }
-  const float inv = rsqrtf(block_sum(sumsq) / (float)hidden + eps);
+  return rsqrtf(block_sum(sumsq) / (float)hidden + eps);
+}
+
+// One CTA per token row. ADD: residual = round(residual + x), then out = weight * round(residual *
+// rsqrt(mean(residual^2) + eps)); else the same on x.
+template <typename T, bool ADD>
+__device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const T* in,
+                                             long long in_stride, T* residual,
+                                             long long residual_stride,
+                                             const T* __restrict__ weight, int hidden, float eps,
+                                             int vec) {
+  const long long row = blockIdx.x;
+  const T* x = in + row * in_stride;
+  T* r = ADD ? residual + row * residual_stride : nullptr;
+  T* y = out + row * out_stride;
+  const float inv = row_inv_rms<T, ADD>(x, r, hidden, eps, vec);
   const T* src = ADD ? r : x;
   if (vec) {
     for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
@@ -121,6 +142,66 @@ __device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const
   } else {
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
       y[i] = from_float<T>(to_float<T>(weight[i]) * round_to<T>(to_float<T>(src[i]) * inv));
+    }
+  }
+}
+
+// rms_norm_row's output for an FP8 W8A8 product with a dynamic scale per token, never stored in
+// T: its values rounded to T as rms_norm_row stores them, then quantized as
+// reference.quantize_fp8 does, scale = max(amax / 448, min_scale) into scales[row] and out =
+// e4m3(clamp(y * (1 / scale), +-448)), ties to even. One CTA per row: a second pass finds amax,
+// a third recomputes y and stores its e4m3 bytes (out rows of `hidden` bytes, contiguous).
+template <typename T, bool ADD>
+__device__ __forceinline__ void rms_norm_fp8_row(unsigned char* out, float* scales, const T* in,
+                                                 long long in_stride, T* residual,
+                                                 long long residual_stride,
+                                                 const T* __restrict__ weight, int hidden,
+                                                 float eps, float min_scale, int vec) {
+  const long long row = blockIdx.x;
+  const T* x = in + row * in_stride;
+  T* r = ADD ? residual + row * residual_stride : nullptr;
+  const float inv = row_inv_rms<T, ADD>(x, r, hidden, eps, vec);
+  const T* src = ADD ? r : x;
+  float amax = 0.f;
+  if (vec) {
+    for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
+      float a[kVec], w[kVec];
+      unpack8<T>(reinterpret_cast<const uint4*>(src)[i], a);
+      unpack8<T>(reinterpret_cast<const uint4*>(weight)[i], w);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        amax = fmaxf(amax, fabsf(round_to<T>(w[e] * round_to<T>(a[e] * inv))));
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+      const float w = to_float<T>(weight[i]);
+      amax = fmaxf(amax, fabsf(round_to<T>(w * round_to<T>(to_float<T>(src[i]) * inv))));
+    }
+  }
+  const float scale = fmaxf(__fdiv_rn(block_max(amax), 448.f), min_scale);
+  const float inv_scale = __frcp_rn(scale);
+  if (threadIdx.x == 0) scales[row] = scale;
+  unsigned char* q = out + row * (long long)hidden;
+  if (vec) {
+    for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
+      float a[kVec], w[kVec];
+      unpack8<T>(reinterpret_cast<const uint4*>(src)[i], a);
+      unpack8<T>(reinterpret_cast<const uint4*>(weight)[i], w);
+      unsigned int b[kVec / 2];
+#pragma unroll
+      for (int e = 0; e < kVec; e += 2) {
+        const float lo = round_to<T>(w[e] * round_to<T>(a[e] * inv)) * inv_scale;
+        const float hi = round_to<T>(w[e + 1] * round_to<T>(a[e + 1] * inv)) * inv_scale;
+        b[e / 2] = ps::e4m3x2_from_float(fminf(fmaxf(lo, -448.f), 448.f),
+                                         fminf(fmaxf(hi, -448.f), 448.f));
+      }
+      reinterpret_cast<uint2*>(q)[i] = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+      const float w = to_float<T>(weight[i]);
+      const float v = round_to<T>(w * round_to<T>(to_float<T>(src[i]) * inv)) * inv_scale;
+      q[i] = (unsigned char)ps::e4m3_from_float(fminf(fmaxf(v, -448.f), 448.f));
     }
   }
 }
@@ -343,6 +424,20 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
                                 float eps, int vec) {                                            \
     ps_ops::rms_norm_row<T, true>(x, x_stride, x, x_stride, residual, residual_stride, weight,   \
                                   hidden, eps, vec);                                             \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      rms_norm_fp8_##NAME(unsigned char* out, float* scales, const T* x, long long x_stride,     \
+                          const T* weight, int hidden, float eps, float min_scale, int vec) {    \
+    ps_ops::rms_norm_fp8_row<T, false>(out, scales, x, x_stride, nullptr, 0, weight, hidden,     \
+                                       eps, min_scale, vec);                                     \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      fused_add_rms_norm_fp8_##NAME(unsigned char* out, float* scales, const T* x,               \
+                                    long long x_stride, T* residual, long long residual_stride,  \
+                                    const T* weight, int hidden, float eps, float min_scale,     \
+                                    int vec) {                                                   \
+    ps_ops::rms_norm_fp8_row<T, true>(out, scales, x, x_stride, residual, residual_stride,       \
+                                      weight, hidden, eps, min_scale, vec);                      \
   }                                                                                              \
   extern "C" __global__ void __launch_bounds__(512)                                              \
       rotary_embedding_##NAME(const long long* positions, T* q, long long q_stride_tok,          \

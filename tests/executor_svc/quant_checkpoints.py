@@ -156,6 +156,23 @@ def write_fp8(base, folder, static, block=None):
     return expected
 
 
+def write_ct_fp8(base, folder):
+    """llm-compressor's FP8_DYNAMIC layout (compressed-tensors: per-channel e4m3 weights, dynamic
+    per-token activations) packed by benchmarks/quant_folder.py, without llm-compressor (which
+    the GPU machine lacks). Returns {module: dequantized weight}."""
+    from benchmarks.quant_folder import fp8_tensors, quantization_config
+
+    tensors, expected = dict(load_file(base / "model.safetensors")), {}
+    for name in [n[:-len(".weight")] for n in list(tensors) if n[:-len(".weight")].endswith(
+            LINEARS)]:
+        parts = fp8_tensors(tensors.pop(name + ".weight"))
+        tensors[name + ".weight"] = parts["weight"]
+        tensors[name + ".weight_scale"] = parts["weight_scale"]
+        expected[name] = parts["weight"].float() * parts["weight_scale"]
+    _save(base, folder, tensors, quantization_config("fp8"))
+    return expected
+
+
 def _save(base, folder, tensors, quant):
     folder.mkdir()
     config = json.loads((base / "config.json").read_text())

@@ -241,3 +241,36 @@ def test_fp8_activation_scales_follow_vllms_rule():
     assert scale.shape == (1, 1) and scale.item() == 3.0 and not q[0].float().any()
     q, scale = reference.quantize_fp8(x, torch.tensor(1.0))  # static: clamped at +-448
     assert scale.item() == 1.0 and q[1, 1].item() == -448.0
+
+
+def test_per_token_fp8_rows_come_quantized_from_the_norm_and_change_nothing(folders,
+                                                                             monkeypatch):
+    """llm-compressor's FP8 dynamic folder: every input norm and post-attention norm hands its
+    product the rows quantized (an Fp8Activation), and a step's hidden states equal those of
+    the products quantizing their own rows, bit for bit."""
+    from executor_svc.backends import cpu
+    from executor_svc.quantization import Fp8Activation
+
+    path, _, _ = folders("ct-fp8")
+    model, config, _, _ = load_model(str(path), "float32")
+    handed = []
+    linear = model.backend.linear
+
+    def spying_linear(x, weight, bias=None):
+        handed.append(isinstance(x, Fp8Activation))
+        return linear(x, weight, bias)
+
+    def step():
+        cache = CacheEngine(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE,
+                            8, 1, torch.float32, model.backend)
+        positions, md = build_attention_metadata([[0, 1, 2, 3]], [0], [13], BLOCK_SIZE,
+                                                 torch.device("cpu"))
+        ids = torch.randint(3, VOCAB, (13,), generator=torch.Generator().manual_seed(3))
+        return model.forward(ids, positions, md, cache.kv_caches)
+
+    monkeypatch.setattr(model.backend, "linear", spying_linear)
+    fused = step()
+    assert handed.count(True) == 2 * config.num_layers  # qkv and gate|up of every layer
+    monkeypatch.setattr(cpu, "takes_fp8_rows", lambda weight: False)
+    handed.clear()
+    assert torch.equal(step(), fused) and not any(handed)

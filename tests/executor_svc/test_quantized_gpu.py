@@ -23,7 +23,8 @@ from pagedserve_kernels import quant, reference
 from tests.executor_svc.helpers import (Bf16Reference, PlanDriver,
                                         compare_bf16_with_transformers, decode_all,
                                         loaded_runner, teacher_forced)
-from tests.executor_svc.quant_checkpoints import VOCAB, write_base, write_fp8, write_int4
+from tests.executor_svc.quant_checkpoints import (VOCAB, write_base, write_ct_fp8, write_fp8,
+                                                  write_int4)
 from tests.gpu import gpu_ready
 
 # head_dim 64 (4 heads): the attention kernels; down_proj's 1,024 inputs split K on decode rows.
@@ -168,20 +169,24 @@ def test_int4_on_the_gpu_within_tolerance_of_its_twins(folders, kind, dtype_name
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_fp8_on_the_gpu_within_tolerance_of_its_twin(folders, tmp_path, static):
+@pytest.mark.parametrize("scheme", ["dynamic", "static", "per-token"])
+def test_fp8_on_the_gpu_within_tolerance_of_its_twin(folders, tmp_path, scheme):
     """AutoFP8's fp8 folder (per-tensor weight scales; dynamic per-tensor or static activation
-    scales) through cuBLASLt's scaled product, decode graphs replayed, against the CPU twin in
-    bf16 by compare_bf16_with_transformers' rule."""
+    scales), or llm-compressor's FP8 dynamic layout (per-channel weights, per-token activations,
+    quantized by the norm kernel before each product), through cuBLASLt's scaled product, decode
+    graphs replayed, against the CPU twin in bf16 by compare_bf16_with_transformers' rule."""
     path = tmp_path / "fp8"
-    write_fp8(folders.base("llama"), path, static)
+    if scheme == "per-token":
+        write_ct_fp8(folders.base("llama"), path)
+    else:
+        write_fp8(folders.base("llama"), path, scheme == "static")
     backend = cuda_backend()
     fp32 = cpu_runner(path, "float32")
     twin = greedy_reference(cpu_runner(path, "bfloat16"), fp32, backend.device)
     model, config, _, _ = load_model(str(path), "bfloat16", backend.device, 0, backend)
     backend.prepare_model(model, None, 512)
     runner = make_runner(model, config, backend, "bfloat16", graphs=True)
-    within, identical = compare_bf16_with_transformers(runner, twin, f"fp8 static={static}")
+    within, identical = compare_bf16_with_transformers(runner, twin, f"fp8 {scheme}")
     del runner, twin
     torch.cuda.empty_cache()
     assert all(within.values()), within

@@ -69,3 +69,59 @@ def test_the_scaled_product_replays_from_a_graph_as_eagerly():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fp8.fp8_linear(x, w, w_scale)) and not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [4096, 576, 100])  # vectors; 72 vectors; the scalar path
+@pytest.mark.parametrize("add", [False, True], ids=["norm", "add-norm"])
+def test_the_norm_quantizes_its_rows_as_quantize_fp8_does(dtype, hidden, add):
+    """ops.rms_norm_fp8 against ops' own norm (rms_norm, or fused_add_rms_norm on copies)
+    followed by the twin's quantize_fp8: e4m3 bytes and per-token scales bit for bit, the
+    residual as fused_add_rms_norm leaves it, x untouched; a zero row takes the floor scale, a
+    row with an outlier quantizes it to 448."""
+    from pagedserve_kernels import ops
+
+    g = torch.Generator(device="cuda").manual_seed(hidden * 2 + add)
+    x = (torch.randn(37, hidden, generator=g, device="cuda") * 3).to(dtype)
+    residual = torch.randn(37, hidden, generator=g, device="cuda").to(dtype)
+    weight = (torch.rand(hidden, generator=g, device="cuda") + 0.5).to(dtype)
+    x[3] = 0
+    residual[3] = 0
+    x[5, 7] = 80
+    x_in, residual_in = x.clone(), residual.clone()
+    if add:
+        normed, want_residual = ops.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+        got, scales = ops.rms_norm_fp8(x, weight, 1e-5, residual)
+        assert torch.equal(residual, want_residual) and torch.equal(x, x_in)
+    else:
+        normed = ops.rms_norm(x, weight, 1e-5)
+        got, scales = ops.rms_norm_fp8(x, weight, 1e-5)
+        assert torch.equal(x, x_in) and torch.equal(residual, residual_in)
+    want, want_scales = reference.quantize_fp8(normed)
+    torch.cuda.synchronize()
+    assert got.dtype == torch.float8_e4m3fn and got.shape == (37, hidden)
+    assert torch.equal(scales, want_scales) and scales.shape == (37, 1)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert scales[3].item() == reference.FP8_MIN_SCALE and not got[3].float().any()
+    assert got[5].float().abs().max().item() == 448.0
+
+
+def test_the_norm_quantizes_in_a_graph_as_eagerly():
+    from pagedserve_kernels import ops
+
+    x = torch.randn(16, 4096, device="cuda").bfloat16()
+    residual = torch.randn_like(x)
+    weight = torch.rand(4096, device="cuda").bfloat16() + 0.5
+    ops.rms_norm_fp8(x, weight, 1e-5, residual.clone())  # loads the kernel outside the capture
+    torch.cuda.synchronize()
+    start = residual.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got, scales = ops.rms_norm_fp8(x, weight, 1e-5, residual)
+    residual.copy_(start)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    want, want_scales = ops.rms_norm_fp8(x, weight, 1e-5, start.clone())
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(scales, want_scales)

@@ -109,15 +109,15 @@ def test_vector_path_needs_aligned_rows_of_whole_vectors():
 
 def test_ops_module_lists_every_kernel_of_ops_cu():
     src = _compile.load_source("ops.cu")
-    ops_names = re.findall(r"\b(\w+)_##NAME\(", src)  # PS_OPS's four, PS_ROPE_CACHE's one
+    ops_names = re.findall(r"\b(\w+)_##NAME\(", src)  # PS_OPS's six, then PS_ROPE_CACHE's one
     dtypes = re.findall(r"^PS_OPS\((\w+),", src, re.MULTILINE)
     rope_cache = re.findall(r"^PS_ROPE_CACHE\((\w+),", src, re.MULTILINE)
-    expect = [f"{o}_{d}" for o in ops_names[:4] for d in dtypes]
-    expect += [f"{ops_names[4]}_{n}" for n in rope_cache]
+    expect = [f"{o}_{d}" for o in ops_names[:-1] for d in dtypes]
+    expect += [f"{ops_names[-1]}_{n}" for n in rope_cache]
     expect += re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(',
                          src, re.MULTILINE)  # written out: the token mask
     assert sorted(_compile.MODULES["ops"][1]) == sorted(expect)
-    assert len(ops_names) == 5 and dtypes == ["bf16", "fp16"] and len(rope_cache) == 4
+    assert len(ops_names) == 7 and dtypes == ["bf16", "fp16"] and len(rope_cache) == 4
 
 
 def entry_points(src: str) -> list[str]:

@@ -4,6 +4,7 @@ benchmarks/bench_serving.py, and is re-exported here for the tests.
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -12,9 +13,16 @@ from scripts.local_services import (START_TIMEOUT_S, Services, free_port, start_
                                     start_services, wait_serving, wait_started)
 
 __all__ = ["START_TIMEOUT_S", "LoneExecutor", "Services", "StreamedToken", "attach_scheduler",
-           "free_port", "generate", "openai_client", "start_executor", "start_lone_executor",
+           "default_sigint", "free_port", "generate", "openai_client", "start_executor",
+           "start_lone_executor",
            "start_services", "start_services_with", "streamed_tokens", "wait_serving",
            "wait_started"]
+
+
+def default_sigint() -> None:
+    """A Popen preexec_fn for a child that must see Ctrl-C: a child inherits an ignored SIGINT
+    (a test run in the background, nohup), and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def openai_client(services: Services, api_key: str = "none", asynchronous: bool = False):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from scheduler_svc.cli import DEFAULT_MAX_TOKENS
-from tests.integration.harness import attach_scheduler, start_services
+from tests.integration.harness import attach_scheduler, default_sigint, start_services
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,6 @@ def tiny(tmp_path_factory):
     services.stop()
 
 
-def _default_sigint() -> None:
-    # A child inherits an ignored SIGINT (a test run in the background); Python then never
-    # raises KeyboardInterrupt. Restore the default so that the client sees Ctrl-C.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def client(address: str | None, *args: str, **kwargs) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "scheduler_svc.cli", *args]
     if address:
@@ -47,7 +41,7 @@ def client(address: str | None, *args: str, **kwargs) -> subprocess.Popen:
     # faulthandler: SIGABRT makes a hung client print every thread's stack (communicate)
     return subprocess.Popen(cmd, stdin=kwargs.pop("stdin", subprocess.DEVNULL),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=_default_sigint,
+                            preexec_fn=default_sigint,
                             env={**os.environ, "PYTHONFAULTHANDLER": "1"}, **kwargs)
 
 

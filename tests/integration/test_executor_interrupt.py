@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.integration.harness import free_port
+from tests.integration.harness import default_sigint, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -17,15 +17,23 @@ pytestmark = pytest.mark.slow
 def interrupted(model: str, when: str) -> tuple[int, list[str]]:
     """Starts an executor, sends SIGINT once a line containing `when` is out; (exit status, the
     lines from that one on)."""
-    proc = subprocess.Popen([sys.executable, "-m", "executor_svc.main", "--backend", "cpu",
-                             "--model", model, "--port", str(free_port())],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # faulthandler: an executor that outlives the signal is aborted with every thread's stack
+    # in its output, so a hang says where it hung.
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "executor_svc.main",
+                             "--backend", "cpu", "--model", model, "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=default_sigint)
     try:
         for line in proc.stdout:
             if when in line:
                 proc.send_signal(signal.SIGINT)
                 break
-        rest, _ = proc.communicate(timeout=60)
+        try:
+            rest, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            rest, _ = proc.communicate(timeout=30)
+            pytest.fail(f"still running 60 s after SIGINT; its stacks:\n{rest[-6000:]}")
     finally:
         proc.kill()
     return proc.returncode, [line, *rest.splitlines()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from contextlib import contextmanager
 
 import grpc
@@ -74,3 +75,18 @@ def bystanders(services, prompt: list[int], max_tokens: int, grpc_options=()):
     for thread in threads:
         thread.join(60)
     assert (results.get("grpc"), results.get("http")) == services.reference
+
+
+def assert_fresh_clients_served(services, prompt: list[int], within_s: float = 1.0,
+                                grpc_options=()) -> None:
+    """A new HTTP connection and a new gRPC channel, each answered within `within_s`."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=5)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}),
+                 {"content-type": "application/json"})
+    assert conn.getresponse().status == 200
+    conn.close()
+    assert time.monotonic() - started < within_s
+    started = time.monotonic()
+    assert len(grpc_tokens(services, prompt, 2, options=grpc_options)) == 2
+    assert time.monotonic() - started < within_s

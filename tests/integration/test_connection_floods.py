@@ -8,7 +8,6 @@ connection that never sends the HTTP/2 preface is closed at its 5 s deadline."""
 from __future__ import annotations
 
 import collections
-import http.client
 import json
 import re
 import resource
@@ -128,17 +127,7 @@ def bystanders(services):
 
 
 def assert_fresh_clients_served(services, within_s: float = 1.0) -> None:
-    """A new HTTP connection and a new gRPC connection, each answered within `within_s`."""
-    started = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=5)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}),
-                 {"content-type": "application/json"})
-    assert conn.getresponse().status == 200
-    conn.close()
-    assert time.monotonic() - started < within_s
-    started = time.monotonic()
-    assert len(grpc_tokens(services, max_tokens=2)) == 2
-    assert time.monotonic() - started < within_s
+    shared.assert_fresh_clients_served(services, PROMPT, within_s, OWN_CONNECTION)
 
 
 def test_a_grpc_connection_flood_locks_no_client_out(services):

@@ -52,17 +52,7 @@ def bystanders(services):
 
 
 def assert_fresh_clients_served(services) -> None:
-    """A new HTTP connection and a new gRPC channel, each answered within 1 s."""
-    started = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", services.http_port, timeout=5)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}),
-                 {"content-type": "application/json; charset=utf-8"})
-    assert conn.getresponse().status == 200
-    conn.close()
-    assert time.monotonic() - started < 1.0
-    started = time.monotonic()
-    assert len(grpc_tokens(services, max_tokens=2)) == 2
-    assert time.monotonic() - started < 1.0
+    shared.assert_fresh_clients_served(services, PROMPT)
 
 
 def connect(port: int) -> socket.socket:

@@ -140,6 +140,7 @@ FEATURES = {
     "w20000": (20000, None, 1.0), "cap5": (None, 5.0, 1.0), "cap50": (None, 50.0, 4.0),
     "w33_cap5": (33, 5.0, 1.0), "w100_cap50": (100, 50.0, 4.0),
 }
+NO_FEATURES = (None, None, 1.0)  # full causal attention, no cap, q as drawn
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -150,7 +151,8 @@ FEATURES = {
 @pytest.mark.parametrize("variant", PREFILL_VARIANTS)
 def test_prefill_matches_reference(kern, variant, dtype, head_dim, heads, kv_heads, block_size,
                                    case):
-    _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case, variant)
+    _check_packed(kern, False, dtype, head_dim, heads, kv_heads, block_size, case, NO_FEATURES,
+                  variant=variant)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (16, 2)])
@@ -159,8 +161,8 @@ def test_prefill_matches_reference(kern, variant, dtype, head_dim, heads, kv_hea
 @pytest.mark.parametrize("features", ["none", "w33_cap5"])
 def test_prefill_candidate_wg1_hd64(kern, heads, kv_heads, block_size, case, features):
     """The benchmark's comparison variant (wgmma hd64 at 1 CTA/SM), and block size 8."""
-    _check_prefill(kern, torch.bfloat16, 64, heads, kv_heads, block_size, case, "wg1",
-                   FEATURES.get(features, (None, None, 1.0)))
+    _check_packed(kern, False, torch.bfloat16, 64, heads, kv_heads, block_size, case,
+                  FEATURES.get(features, NO_FEATURES), variant="wg1")
 
 
 # A full prefill of a few tiles, chunks over longer contexts (the last one's first tiles wholly
@@ -175,14 +177,8 @@ WINDOW_PREFILL_CASE = ([7, 129, 300, 1000, 640, 77, 2048], [7, 129, 300, 129, 1,
 @pytest.mark.parametrize("variant", PREFILL_VARIANTS)
 def test_prefill_window_and_soft_cap(kern, variant, dtype, head_dim, heads, kv_heads, block_size,
                                      features):
-    _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, "window", variant,
-                   FEATURES[features])
-
-
-def _check_prefill(kern, dtype, head_dim, heads, kv_heads, block_size, case, variant,
-                   features=(None, None, 1.0)):
-    _check_packed(kern, False, dtype, head_dim, heads, kv_heads, block_size, case, features,
-                  variant=variant)
+    _check_packed(kern, False, dtype, head_dim, heads, kv_heads, block_size, "window",
+                  FEATURES[features], variant=variant)
 
 
 def _check_packed(kern, few_query, dtype, head_dim, heads, kv_heads, block_size, case, features,
@@ -251,7 +247,8 @@ def test_few_query_attention_matches_reference(kern, dtype, head_dim, heads, kv_
                                               case, key_split):
     """paged_few_query_attention against float64 with paged_prefill_attention's semantics, q as a
     strided view (as the model passes it), outputs poisoned with NaN."""
-    _check_few_query(kern, dtype, head_dim, heads, kv_heads, block_size, case, key_split)
+    _check_packed(kern, True, dtype, head_dim, heads, kv_heads, block_size, case, NO_FEATURES,
+                  key_split=key_split)
 
 
 # Entries of one token to several tiles a seq, at both ends of a page; a padded seq.
@@ -267,14 +264,10 @@ WINDOW_FEW_QUERY_CASE = ([300, 1, 57, 2016, 129, 5000, 3000, 90, 0],
 def test_few_query_window_and_soft_cap(kern, dtype, head_dim, heads, kv_heads, block_size,
                                        features, key_split):
     """64, 16 and 4 tokens a CTA, each row masked at its own window."""
-    _check_few_query(kern, dtype, head_dim, heads, kv_heads, block_size, "window", key_split,
-                     FEATURES[features])
+    _check_packed(kern, True, dtype, head_dim, heads, kv_heads, block_size, "window",
+                  FEATURES[features], key_split=key_split)
 
 
-def _check_few_query(kern, dtype, head_dim, heads, kv_heads, block_size, case, key_split,
-                     features=(None, None, 1.0)):
-    _check_packed(kern, True, dtype, head_dim, heads, kv_heads, block_size, case, features,
-                  key_split=key_split)
 
 
 DECODE_CASES = {

@@ -27,7 +27,6 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 AWQ_GROUP = 128
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i of a word holds column order[i]
-FP8_MAX = 448.0
 SHARD_BYTES = 2 << 30
 
 
@@ -74,6 +73,8 @@ def _pack_awq(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_tensors(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """w [N, K] -> e4m3 weight [N, K] and its float32 weight_scale [N, 1], one per output row."""
+    from pagedserve_kernels.reference import FP8_MAX
+
     wf = w.float()
     scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     weight = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

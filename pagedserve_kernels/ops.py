@@ -8,6 +8,7 @@ import torch
 
 from pagedserve_kernels import _compile
 from pagedserve_kernels._compile import f32 as _f32, i32 as _i32, i64 as _i64
+from pagedserve_kernels.reference import FP8_MIN_SCALE
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _VEC = 8  # 2-byte elements per 16-byte vector: the kernels' vector width
@@ -80,8 +81,6 @@ def rms_norm_fp8(
     returns (e4m3 [num_tokens, hidden] contiguous, float32 scales [num_tokens, 1]). One CTA per
     row.
     """
-    from pagedserve_kernels.reference import FP8_MIN_SCALE
-
     _check_rows("x", x)
     if residual is not None:
         _check_rows("residual", residual, like=x)

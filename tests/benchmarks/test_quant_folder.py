@@ -69,7 +69,7 @@ def test_bench_serving_serves_a_folder_on_its_own_vocabulary(tmp_path):
     assert serving["output_tokens"] == serving["expected_output_tokens"] >= 2 * 512
 
 
-def test_a_shape_it_cannot_write_is_one_usage_line(tmp_path, capsys):
+def test_an_existing_out_folder_is_one_usage_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quant_folder.main(["--preset", "tiny", "--method", "awq", "--out", str(tmp_path)])
     assert "exists" in capsys.readouterr().err

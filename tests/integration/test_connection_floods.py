@@ -16,7 +16,6 @@ import struct
 import threading
 import time
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 

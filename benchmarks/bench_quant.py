@@ -137,7 +137,7 @@ def table(results: dict, rows_list) -> None:
     print("| product | rows | bf16 µs | int4 µs | int4 vs bf16 | dequant+cuBLAS µs | Marlin µs "
           "| int4 vs Marlin |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, _, _ in SHAPES + [("layer", 0, 0)]:
+    for name, _, _ in list(SHAPES) + [("layer", 0, 0)]:
         for rows in rows_list:
             if name == "layer":  # the four products of one decoder layer
                 parts = [results[f"{s} {rows}"] for s, _, _ in SHAPES]

@@ -60,7 +60,7 @@ def launch_vllm(model: str, log_dir: Path, site: str, server_args: list[str] = (
     env["PYTHONPATH"] = site
     env.update({k: v for k, v in VLLM_ENV.items() if k not in os.environ})
     tokens = (["--tokenizer", tokenizer, "--structured-outputs-config",
-               json.dumps({"disable_any_whitespace": True})] if tokenizer
+               json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})] if tokenizer
               else ["--skip-tokenizer-init"])
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", *tokens, "--seed", "0",

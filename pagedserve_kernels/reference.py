@@ -384,7 +384,9 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None,
     xf = x.float()
     if scale is None:
         amax = xf.abs().amax(dim=-1, keepdim=True) if per_token else xf.abs().amax().view(1, 1)
-        scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+        # A true division (a tensor divisor): by a Python number torch's CUDA kernel multiplies
+        # by its reciprocal, which differs in the last bit from vLLM's and our kernels' division.
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
     else:
         scale = scale.float().view(1, 1)
     q = (xf * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

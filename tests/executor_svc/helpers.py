@@ -379,9 +379,10 @@ def compare_bf16_with_transformers(runner: ModelRunner, ref: Bf16Reference, labe
     """The bf16 tolerance, measured rather than guessed: transformers' own bf16 logits against
     the same model in float32. Ours may be at most twice that far from transformers' bf16 logits
     (plus 0.5%), position by position, on the teacher-forced sequence (every decode step a graph
-    replay). Then free-running greedy (new seqs) must be identical until transformers' top-2
-    margin is within twice the largest logit difference seen at that position. Returns
-    ({seq: within}, {seq: identical}) for the caller to assert once it has freed the GPU."""
+    replay); a position's own bf16 error can fall well below its sequence's by chance, so the
+    bound takes the larger of the two. Then free-running greedy (new seqs) must be identical
+    until transformers' top-2 margin is within twice the largest logit difference seen at that
+    position. Returns ({seq: within}, {seq: identical}) for the caller to assert once it has freed the GPU."""
     ours = _teacher_forced_logits(runner, ref)  # [seqs, num_new, vocab]
     tolerance, within = {}, {}
     for row, (s, hf_logits) in enumerate(ref.logits.items()):
@@ -390,7 +391,7 @@ def compare_bf16_with_transformers(runner: ModelRunner, ref: Bf16Reference, labe
         print(f"{label} seq {s}: ||ours-hf||/||hf|| max {ours_vs_hf.max():.4f} mean "
               f"{ours_vs_hf.mean():.4f}; transformers bf16 vs fp32 mean {hf_vs_fp32.mean():.4f}; "
               f"ours vs fp32 mean {rel_error(ours[row], ref.fp32_logits[s]).mean():.4f}")
-        within[s] = bool((ours_vs_hf <= 2 * hf_vs_fp32 + 0.005).all())
+        within[s] = bool((ours_vs_hf <= 2 * hf_vs_fp32.clamp(min=hf_vs_fp32.mean()) + 0.005).all())
         tolerance[s] = (ours[row] - hf_logits).abs().max(dim=-1).values  # [num_new]
     runner.reset()
     driver = PlanDriver(runner, seed=1)

@@ -104,6 +104,40 @@ def rms_norm_fp8(
     return out, scales
 
 
+def head_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float) -> None:
+    """reference.head_rms_norm in place, bit for bit rms_norm on the heads' rows, in one launch
+    (one CTA per token, head_dim / 8 threads a head) where head_dim is 64, 128 or 256 and every
+    head row is 16-byte aligned; else rms_norm over copies of q and k, written back.
+
+    q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], bf16/fp16, last
+        dim contiguous, any token/head strides (views of a fused qkv output)
+    q_weight, k_weight: [head_dim] of q's dtype, contiguous
+    """
+    _check_qk(q, k)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if (w.shape != (head_dim,) or w.dtype != q.dtype or w.device != q.device
+                or not w.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous [{head_dim}] of {q.dtype} on "
+                             f"{q.device}, got {tuple(w.shape)} {w.dtype} on {w.device}")
+    if num_tokens == 0:
+        return
+    es = q.element_size()
+    if head_dim not in (64, 128, 256) or not all(
+            t.data_ptr() % 16 == 0 and all(t.stride(d) * es % 16 == 0 for d in range(t.dim() - 1))
+            for t in (q, k, q_weight.view(1, -1), k_weight.view(1, -1))):
+        for x, weight in ((q, q_weight), (k, k_weight)):
+            x.copy_(rms_norm(x.reshape(-1, head_dim), weight, eps).view(x.shape))
+        return
+    threads = _threads((num_heads + num_kv_heads) * (head_dim // _VEC), _NORM_MAX_THREADS)
+    args = (q.data_ptr(), _i64(q.stride(0)), _i64(q.stride(1)), k.data_ptr(), _i64(k.stride(0)),
+            _i64(k.stride(1)), q_weight.data_ptr(), k_weight.data_ptr(), _i32(num_heads),
+            _i32(num_kv_heads), _i32(head_dim), _f32(eps))
+    _launch(f"head_rms_norm_{_DTYPES[q.dtype]}", q, (num_tokens, 1, 1), threads, args)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,

@@ -257,6 +257,15 @@ def rms_norm(
     return out.copy_(result)
 
 
+def head_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float) -> None:
+    """In place: rms_norm over every head's row of q [T, heads, hd] and k [T, kv_heads, hd]
+    (views of a fused qkv output allowed) with the per-head weights [hd]: Qwen3's and Gemma 3's
+    q_norm / k_norm."""
+    for x, weight in ((q, q_weight), (k, k_weight)):
+        x.copy_(rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape))
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,6 +59,10 @@ class Backend(Protocol):
         """reference.fused_add_rms_norm's; `feeds` as rms_norm's (then x is left as it is)."""
         ...
 
+    def head_rms_norm(self, q, k, q_weight, k_weight, eps) -> None:
+        """reference.head_rms_norm's: in place on q's and k's head rows."""
+        ...
+
     def rotary_embedding(self, positions, q, k, cos_table, sin_table, interleaved=False) -> None:
         ...
 

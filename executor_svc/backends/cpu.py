@@ -19,6 +19,7 @@ class CpuBackend:
     paged_decode_attention = staticmethod(reference.paged_decode_attention)
     swap_blocks = staticmethod(reference.swap_blocks)
     copy_blocks = staticmethod(reference.copy_blocks)
+    head_rms_norm = staticmethod(reference.head_rms_norm)
     rotary_embedding = staticmethod(reference.rotary_embedding)
     rotary_embedding_and_cache = staticmethod(reference.rotary_embedding_and_cache)
     silu_and_mul = staticmethod(reference.silu_and_mul)

@@ -157,6 +157,9 @@ class CudaBackend:
         return (takes_fp8_rows(weight) and self.elementwise_impl(dtype) == "cupy"
                 and fp8.supports(weight.weight))
 
+    def head_rms_norm(self, q, k, q_weight, k_weight, eps) -> None:
+        self._elementwise(q.dtype).head_rms_norm(q, k, q_weight, k_weight, eps)
+
     def rotary_embedding(self, positions, q, k, cos_table, sin_table, interleaved=False) -> None:
         """Partial rotary from the tables' width (rotary_dim = cos_table.shape[1])."""
         self._elementwise(q.dtype).rotary_embedding(positions, q, k, cos_table, sin_table,

@@ -121,11 +121,8 @@ class LlamaModel:
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, heads, hd]
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
-        if layer.q_norm is not None:  # per-head RMSNorm (Qwen3, Gemma 3): rows of head_dim
-            q = ops.rms_norm(q.reshape(-1, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
-            k = ops.rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:  # per-head RMSNorm (Qwen3, Gemma 3), in place in qkv
+            ops.head_rms_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
         local = layer.window is not None
         cos = self.local_rope_cos if local else self.rope_cos
         sin = self.local_rope_sin if local else self.rope_sin

@@ -233,6 +233,42 @@ __device__ __forceinline__ void rms_norm_fp8_row(unsigned char* out, float* scal
   }
 }
 
+// Per-head RMSNorm in place on one token's q and k heads (Qwen3's and Gemma 3's q_norm / k_norm):
+// `lanes` = head_dim / 8 threads a head (8, 16 or 32: aligned groups of a warp), one 16-byte
+// vector each. A thread sums its 8 squares in turn and the head's lanes reduce by xor offsets
+// lanes / 2 .. 1: rms_norm_row's order on a row of head_dim (its other lanes add zeros), so the
+// result equals rms_norm on the heads' rows bit for bit.
+template <typename T>
+__device__ __forceinline__ void head_rms_norm_row(T* q, long long q_stride_tok,
+                                                  long long q_stride_head, T* k,
+                                                  long long k_stride_tok, long long k_stride_head,
+                                                  const T* __restrict__ q_weight,
+                                                  const T* __restrict__ k_weight, int num_heads,
+                                                  int num_kv_heads, int head_dim, float eps) {
+  const long long tok = blockIdx.x;
+  const int lanes = head_dim / kVec;
+  const int lane = threadIdx.x % lanes;  // which of the head's vectors this thread holds
+  const unsigned group = lanes == 32 ? 0xffffffffu
+                                     : ((1u << lanes) - 1u) << ((threadIdx.x & 31) & ~(lanes - 1));
+  for (int h = threadIdx.x / lanes; h < num_heads + num_kv_heads; h += blockDim.x / lanes) {
+    const bool is_k = h >= num_heads;
+    T* row = is_k ? k + tok * k_stride_tok + (long long)(h - num_heads) * k_stride_head
+                  : q + tok * q_stride_tok + (long long)h * q_stride_head;
+    uint4* p = reinterpret_cast<uint4*>(row) + lane;
+    float a[kVec], w[kVec];
+    unpack8<T>(*p, a);
+    unpack8<T>(reinterpret_cast<const uint4*>(is_k ? k_weight : q_weight)[lane], w);
+    float sumsq = 0.f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sumsq += a[e] * a[e];
+    for (int o = lanes / 2; o > 0; o >>= 1) sumsq += __shfl_xor_sync(group, sumsq, o);
+    const float inv = rsqrtf(sumsq / (float)head_dim + eps);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) a[e] = w[e] * round_to<T>(a[e] * inv);
+    *p = pack8<T>(a);
+  }
+}
+
 // Where a RoPE unit's two members lie in a head row (`width` 8 for vectors, 1 for scalars), from
 // its first frequency j: rotate-half pairs (j, j + half); interleaved ones the neighbours
 // (2j, 2j + 1), so a vector unit is the two adjacent vectors at 2j and 2j + 8.
@@ -465,6 +501,14 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
                                     int vec) {                                                   \
     ps_ops::rms_norm_fp8_row<T, true>(out, scales, x, x_stride, residual, residual_stride,       \
                                       weight, hidden, eps, min_scale, vec);                      \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      head_rms_norm_##NAME(T* q, long long q_stride_tok, long long q_stride_head, T* k,          \
+                           long long k_stride_tok, long long k_stride_head, const T* q_weight,   \
+                           const T* k_weight, int num_heads, int num_kv_heads, int head_dim,     \
+                           float eps) {                                                          \
+    ps_ops::head_rms_norm_row<T>(q, q_stride_tok, q_stride_head, k, k_stride_tok, k_stride_head, \
+                                 q_weight, k_weight, num_heads, num_kv_heads, head_dim, eps);    \
   }                                                                                              \
   extern "C" __global__ void __launch_bounds__(512)                                              \
       rotary_embedding_##NAME(const long long* positions, T* q, long long q_stride_tok,          \

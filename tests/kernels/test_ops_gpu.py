@@ -135,6 +135,53 @@ def check_fused_add_rms_norm(ops, dtype, num_tokens, hidden, offset=0):
                 "fused_add_rms_norm")
 
 
+# -- per-head RMSNorm (Qwen3's q_norm / k_norm) ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])  # 80: rms_norm over copies
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (32, 8), (64, 8)])  # (64, 8) at 256: a loop
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("offset", [0, 8, 1])  # 1: rows not 16-byte aligned, rms_norm over copies
+def test_head_rms_norm_is_rms_norm_on_the_head_rows(ops, dtype, head_dim, heads, kv_heads,
+                                                    num_tokens, offset):
+    """In place on q and k as views of one fused qkv output (after `offset` leading columns):
+    bit for bit ops.rms_norm on the heads' rows (its sum order, so the same rounding; rms_norm
+    itself is checked against float64 above), v and the leading columns untouched."""
+    gen = torch.Generator(device=DEVICE).manual_seed(
+        seed_of("head_norm", dtype, num_tokens, heads, head_dim, offset))
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    buf = randn(num_tokens, offset + q_size + 2 * kv_size, gen=gen, dtype=dtype) * 3
+    q, k, _ = buf[:, offset:].split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(num_tokens, heads, head_dim)
+    k = k.view(num_tokens, kv_heads, head_dim)
+    q_weight = (torch.rand(head_dim, generator=gen, device=DEVICE) + 0.5).to(dtype)
+    k_weight = (torch.rand(head_dim, generator=gen, device=DEVICE) + 0.5).to(dtype)
+    want_q = ops.rms_norm(q.reshape(-1, head_dim), q_weight, EPS).view(q.shape)
+    want_k = ops.rms_norm(k.reshape(-1, head_dim), k_weight, EPS).view(k.shape)
+    before = buf.clone()
+    ops.head_rms_norm(q, k, q_weight, k_weight, EPS)
+    untouched = torch.ones_like(buf, dtype=torch.bool)
+    untouched[:, offset:offset + q_size + kv_size] = False
+    assert torch.equal(buf[untouched], before[untouched]), "wrote outside q and k"
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_head_rms_norm_captures_in_a_graph(ops):
+    """The one launch replays from a CUDA graph on new values in place."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed_of("head_norm_graph"))
+    buf = randn(5, 48 * 128, gen=gen, dtype=torch.bfloat16)
+    q, k, _ = buf.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
+    q, k = q.view(5, 32, 128), k.view(5, 8, 128)
+    w = (torch.rand(128, generator=gen, device=DEVICE) + 0.5).to(torch.bfloat16)
+    fresh = randn(5, 48 * 128, gen=gen, dtype=torch.bfloat16)
+    graph = capture(lambda: ops.head_rms_norm(q, k, w, w, EPS))
+    buf.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fresh[:, :32 * 128].reshape(-1, 128)
+    assert torch.equal(q.reshape(-1, 128), ops.rms_norm(want, w, EPS))
+
+
 # -- RoPE -----------------------------------------------------------------------------------------
 
 def check_rotary(ops, dtype, num_tokens, heads, kv_heads, head_dim, offset=0, rotary_dim=None,

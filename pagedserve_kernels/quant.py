@@ -26,9 +26,14 @@ _STAGES = {1: 6, 2: 5, 4: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in qua
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
 WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
 MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
+# From this many rows a product dequantizes its weight into the device's scratch and runs
+# cuBLAS: the kernel re-reads and re-dequantizes the weight for every 64-row tile, which from
+# here costs more than one dequantizing pass (benchmarks/bench_quant.py, dequant + cuBLAS).
+DEQUANT_ROWS = 384
 
 _lock = threading.Lock()
 _workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> flat weight
 _resident: dict[tuple[str, int], int] = {}
 
 
@@ -110,7 +115,8 @@ def unpack(packed: PackedInt4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x[:, perm] @ W^T (+ bias), W = (q - zero) * scale as reference.int4_linear computes it,
-    fp32 accumulation, one rounding.
+    fp32 accumulation, one rounding. From DEQUANT_ROWS rows, where `prepare` gave the device a
+    scratch weight, the weight is dequantized there and cuBLAS multiplies (fp32 accumulation).
 
     x: [num_tokens, K] packed.dtype (bf16/fp16) on packed's GPU; any strides (copied when the
        kernel cannot read them: last dim not contiguous, row stride or start not 16-byte aligned)
@@ -129,6 +135,12 @@ def int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None =
         x = x.contiguous()
     if bias is not None:
         bias = _check_bias(bias, n, x)
+    scratch = _scratch.get((_index(x.device), x.dtype)) if num_tokens >= DEQUANT_ROWS else None
+    if scratch is not None and scratch.numel() >= n * packed.k:
+        weight = dequantize(packed, scratch[:n * packed.k].view(n, packed.k))
+        if bias is None:
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(bias, x, weight.t(), out=out)
     mt = 1 if num_tokens <= 16 else 2 if num_tokens <= 32 else 4
     kernel = f"w4a16_{_DTYPES[x.dtype]}_m{16 * mt}"
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
@@ -169,13 +181,20 @@ def dequantize(packed: PackedInt4, out: torch.Tensor | None = None) -> torch.Ten
     return out
 
 
-def prepare(device: torch.device | int | None = None) -> None:
-    """Compile the kernels and allocate the device's split-K workspace: before a CUDA-graph
-    capture (nothing is allocated while capturing)."""
+def prepare(device: torch.device | int | None = None, scratch_elements: int = 0,
+            dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile the kernels and allocate the device's split-K workspace, and with
+    `scratch_elements` (the largest N x K of the weights it will multiply) the scratch weight
+    of `dtype` that int4_linear dequantizes into for large row counts: before a CUDA-graph
+    capture (nothing is allocated while capturing), and before the KV cache is sized."""
     device = torch.device("cuda", _index(device))
     for name in _compile.MODULES["quant"][1]:
         _compile.get_function("quant", name, device)
     _workspace(device)
+    key = (device.index, dtype)
+    with _lock:
+        if scratch_elements and (key not in _scratch or _scratch[key].numel() < scratch_elements):
+            _scratch[key] = torch.empty(scratch_elements, dtype=dtype, device=device)
 
 
 # ---- layout helpers (torch only) ----

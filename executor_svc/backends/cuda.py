@@ -245,7 +245,9 @@ class CudaBackend:
 
         if model.embed_tokens.dtype in _KERNEL_DTYPES and repack_int4(model):
             start = time.perf_counter()
-            self._quant.prepare(self.device)
+            largest = max(w.n * w.k for layer in model.layers for field in _PROJECTIONS
+                          if isinstance(w := getattr(layer, field), self._quant.PackedInt4))
+            self._quant.prepare(self.device, largest, model.embed_tokens.dtype)
             log.info("int4 kernels ready in %.2fs", time.perf_counter() - start)
         groups = {name: weights for name, weights in model.linear_groups().items()
                   if all(isinstance(w, torch.Tensor) for w in weights)}  # dense products

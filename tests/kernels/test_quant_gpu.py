@@ -150,3 +150,33 @@ def test_refuses_inputs_it_cannot_multiply(quant):
     with pytest.raises(ValueError, match="bias"):
         quant.int4_linear(x.to(torch.bfloat16), packed, torch.zeros(3, device="cuda"))
     assert quant.int4_linear(x[:0].to(torch.bfloat16), packed).shape == (0, 256)
+
+
+@pytest.fixture
+def scratch(quant):
+    """The executor's arrangement: prepare() given the largest weight, both dtypes; dropped after
+    the test so that the others keep running the kernel at every row count."""
+    largest = max(n * k for n, k in LLAMA)
+    for dtype in (torch.bfloat16, torch.float16):
+        quant.prepare(torch.device("cuda"), largest, dtype)
+    for held in quant._scratch.values():
+        held.fill_(float("nan"))  # a product that used it leaves its weight there
+    yield quant
+    quant._scratch.clear()
+
+
+@pytest.mark.parametrize("m", [383, 384, 4096])
+@pytest.mark.parametrize("n,k", LLAMA)
+@pytest.mark.parametrize("group,asym,act_order,dtype", LLAMA_CASES[:2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_large_row_counts_dequantize_then_multiply(scratch, m, n, k, group, asym, act_order,
+                                                   dtype, bias):
+    """From DEQUANT_ROWS rows the product is cuBLAS's on the dequantized weight (within the same
+    bound as the kernel), which the scratch then holds; below it the kernel runs."""
+    assert scratch.DEQUANT_ROWS == 384
+    _check(scratch, m, n, k, group, asym, act_order, dtype, bias)
+    seed = m * 7 + n * 3 + k + group + 11 * asym + 5 * act_order
+    qweight, scales, zeros, group, perm = _int4(n, k, group, asym, act_order, dtype, seed)
+    weight = scratch.dequantize(scratch.repack(qweight, scales, zeros, group, perm))
+    held = scratch._scratch[(torch.cuda.current_device(), dtype)][:n * k].view(n, k)
+    assert torch.equal(held, weight) == (m >= 384)

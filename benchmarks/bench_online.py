@@ -49,6 +49,9 @@ LENGTHS = {
 LLAMA3_VOCAB = 128256  # the vocabulary of preset:llama3-8b, W1's model
 JSON_SUFFIX = "-json"  # after a workload: each output constrained by a JSON schema
 READY_PROMPT_LEN, READY_MAX_TOKENS = 32, 4
+# A -json run with more of its outputs ending at max_tokens is flagged: the schemas' sizes leave
+# headroom, so such a server's outputs outrun them and its figures are not the workload's.
+MAX_LENGTH_SHARE = 0.1
 
 
 def parse_lengths(spec: str) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -156,11 +159,26 @@ async def sweep(url: str, args, info: dict) -> dict:
         print(format_run(result["label"], run), flush=True)
         if args.structured:
             s = run["summary"]
-            print(f"  JSON outputs: {s.get('json_outputs')}; finish reasons: "
-                  f"{s['finish_reasons']}", flush=True)
+            fill = "-" if s["json_fill"] is None else f"{s['json_fill']:.0%}"
+            print(f"  JSON outputs: {s['json_outputs']}; finish reasons: "
+                  f"{s['finish_reasons']}; mean output {fill} of max_tokens", flush=True)
+            run["warning"] = length_warning(result["label"], s)
+            if run["warning"]:
+                print(run["warning"], flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     return result
+
+
+def length_warning(label: str, summary: dict) -> str | None:
+    """A warning when over MAX_LENGTH_SHARE of a -json run's completed outputs ended at
+    max_tokens rather than with their JSON; None otherwise."""
+    done, cut = summary["completed"], summary["finish_reasons"].get("length", 0)
+    if cut <= MAX_LENGTH_SHARE * done:
+        return None
+    return (f"WARNING {label}: {cut} of {done} outputs ended at max_tokens (finish reason "
+            "length), not with their JSON: its figures are of cut-off outputs, not comparable "
+            "with a server whose outputs end with their JSON")
 
 
 def _workload(text: str) -> str:
@@ -204,7 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"one of {sorted(LENGTHS)}, or PROMPT:OUTPUT lengths, each N or LO-HI; "
                         f"{JSON_SUFFIX} after it (W1-json): each output constrained by a JSON "
                         "schema sized to its length (json_workload.py), ending where the JSON "
-                        "does, and checked")
+                        "does, and checked; a run with over a tenth of its outputs cut at "
+                        "max_tokens is flagged. --launch vllm runs vLLM's guidance backend "
+                        "with compact JSON, pagedserve's grammar (online_servers.py says why; "
+                        "--server-args '--structured-outputs-config JSON' overrides it)")
     p.add_argument("--tokenizer", default=None,
                    help="-json with --launch: the tokenizer folder both servers load (ours: "
                         "the executor's --tokenizer; vLLM: its --tokenizer); default: "
@@ -337,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = asyncio.run(sweep(args.url.rstrip("/"), args, info))
     print("\n" + table([result]), flush=True)
+    for run in result["runs"]:
+        if run.get("warning"):  # again under the table, where the figures are read
+            print(run["warning"], flush=True)
     return 0 if all(run["summary"]["failed"] == 0 for run in result["runs"]) else 1
 
 

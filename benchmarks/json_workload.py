@@ -52,8 +52,9 @@ def grid(count: int) -> dict:
 
 SCHEMAS = {"inventory": inventory, "events": events, "profile": profile, "grid": grid}
 # name: (tokens of the schema's fixed part, tokens each item adds), mean over random picks among
-# the allowed tokens at each step with SmolLM2's tokenizer (compact JSON); within 10% of it at
-# 16 items. Another tokenizer's outputs run shorter or longer; the run reports how they ended.
+# the tokens llguidance's compact JSON grammar allows at each step with SmolLM2's tokenizer;
+# within 10% of it at 16 items. Another tokenizer or grammar engine (xgrammar writes ", " and
+# allows more splits) runs shorter or longer; the run reports how outputs ended.
 CALIBRATION = {"inventory": (17.0, 3.7), "events": (12.0, 17.2), "profile": (36.0, 2.9),
                "grid": (5.0, 11.2)}
 FILL = 0.85  # of max_tokens that a schema's outputs take on average: the rest is headroom

@@ -230,7 +230,7 @@ def request_figures(record: Record) -> dict:
 def summarize(records: list[Record], wall_s: float) -> dict:
     """The run's figures: counts, throughputs, and mean and p50/p90/p99 (ms) of TTFT, TPOT,
     ITL and e2e over the completed requests; failures by reason; how many constrained outputs
-    parse and validate."""
+    parse and validate, and their mean share of max_tokens."""
     done = [r for r in records if r.error is None]
     figures = [request_figures(r) for r in done]
     output_tokens = sum(r.output_tokens for r in done)
@@ -252,6 +252,9 @@ def summarize(records: list[Record], wall_s: float) -> dict:
     if any(r.schema is not None for r in records):  # how the constrained outputs ended
         out["json_outputs"] = dict(collections.Counter(
             r.check or "not completed" for r in records if r.schema is not None))
+        # Two servers' figures compare like for like only where their outputs fill max_tokens alike
+        fills = [r.output_tokens / r.max_tokens for r in done if r.schema is not None]
+        out["json_fill"] = sum(fills) / len(fills) if fills else None
     for name, values in series.items():
         out[f"mean_{name}_ms"] = _ms(sum(values) / len(values) if values else None)
         for q in PERCENTILES:

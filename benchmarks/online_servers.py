@@ -24,6 +24,10 @@ if str(ROOT) not in sys.path:
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 VLLM_START_TIMEOUT_S = 300  # engine start, torch.compile and graph capture
+# pagedserve's JSON grammar exactly (llguidance, compact), so a schema costs both servers the same
+# tokens. vLLM's default backend, xgrammar for these schemas, lets a random-weight model pad
+# whitespace without end, and without it writes ", " / ": " and any split of fixed text: longer.
+VLLM_STRUCTURED_OUTPUTS = {"backend": "guidance", "disable_any_whitespace": True}
 
 
 @contextlib.contextmanager
@@ -45,9 +49,8 @@ def launch_vllm(model: str, log_dir: Path, site: str, server_args: list[str] = (
                 tokenizer: str | None = None):
     """vLLM's OpenAI API server on dummy weights of `model`'s shape (a preset), token ids in and
     out (no tokenizer), with vLLM's defaults; yields its URL once /v1/models answers. With a
-    tokenizer folder (structured output needs one), that tokenizer, and JSON without the
-    whitespace vLLM's grammars otherwise allow between tokens, as pagedserve writes it (a
-    random-weight model could pad an output with whitespace until max_tokens)."""
+    tokenizer folder (structured output needs one), that tokenizer, and VLLM_STRUCTURED_OUTPUTS:
+    JSON grammars as pagedserve compiles them."""
     from benchmarks.vllm_preset import hub_config
     from scripts.local_services import free_port
 
@@ -60,7 +63,7 @@ def launch_vllm(model: str, log_dir: Path, site: str, server_args: list[str] = (
     env["PYTHONPATH"] = site
     env.update({k: v for k, v in VLLM_ENV.items() if k not in os.environ})
     tokens = (["--tokenizer", tokenizer, "--structured-outputs-config",
-               json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})] if tokenizer
+               json.dumps(VLLM_STRUCTURED_OUTPUTS)] if tokenizer
               else ["--skip-tokenizer-init"])
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--load-format", "dummy", *tokens, "--seed", "0",

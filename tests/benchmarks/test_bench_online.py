@@ -363,13 +363,16 @@ def test_random_outputs_of_the_schemas_end_within_their_max_tokens():
     assert 0.75 <= fill <= 0.92, fill
 
 
-# vLLM's server as a -json run sees it: launched with a tokenizer and compact JSON, asked for
-# structured_outputs without ignore_eos; it answers each schema's smallest instance, a chunk
-# per few characters, and stops.
+# vLLM's server as a -json run sees it: launched with a tokenizer and llguidance's compact JSON,
+# asked for structured_outputs without ignore_eos; it answers each schema's smallest instance, a
+# chunk per few characters, and stops (with FAKE_VLLM_CUT set: cut after two chunks, as
+# max_tokens cuts an output that outruns its schema's size).
 FAKE_VLLM_JSON = FAKE_VLLM_HEAD + """
 assert "--skip-tokenizer-init" not in sys.argv
 assert json.load(open(args.tokenizer + "/tokenizer.json"))
-assert json.loads(args.structured_outputs_config) == {"disable_any_whitespace": True}
+assert json.loads(args.structured_outputs_config) == {"backend": "guidance",
+                                                      "disable_any_whitespace": True}
+CUT = "FAKE_VLLM_CUT" in os.environ
 def smallest(s):
     if "enum" in s: return s["enum"][0]
     kind = s["type"]
@@ -379,19 +382,17 @@ def smallest(s):
 def events(body):
     assert "ignore_eos" not in body and "min_tokens" not in body
     text = json.dumps(smallest(body["structured_outputs"]["json"]), separators=(",", ":"))
-    pieces = [text[i:i + 3] for i in range(0, len(text), 3)][:body["max_tokens"]]
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)][:2 if CUT else body["max_tokens"]]
+    end = "length" if CUT else "stop"
     chunks = [{"choices": [{"text": t, "token_ids": [7],
-                            "finish_reason": "stop" if i == len(pieces) - 1 else None}]}
+                            "finish_reason": end if i == len(pieces) - 1 else None}]}
               for i, t in enumerate(pieces)]
     return [*chunks, {"choices": [], "usage": {"completion_tokens": len(pieces)}}]
 """ + FAKE_VLLM_SERVE
 
 
-def test_launch_vllm_for_a_json_workload_gives_it_the_tokenizer(tmp_path):
-    """--launch vllm with -json: vLLM gets the tokenizer folder and compact JSON instead of
-    --skip-tokenizer-init; each output's text is gathered and checked against its schema."""
-    from benchmarks.json_workload import schema_for
-
+def _launch_fake_vllm_json(tmp_path: Path) -> tuple[int, dict]:
+    """bench_online's exit status and results against FAKE_VLLM_JSON, 4 requests of -json."""
     site = _vllm_site(tmp_path, FAKE_VLLM_JSON)
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
@@ -401,9 +402,19 @@ def test_launch_vllm_for_a_json_workload_gives_it_the_tokenizer(tmp_path):
     code = main(["--launch", "vllm", "--vllm-site", str(site), "--model",
                  "preset:tiny", "--workload", "8:40-200-json", "--tokenizer", str(tokenizer),
                  "--num-requests", "4", "--log-dir", str(tmp_path / "logs"), "--out", str(out)])
-    result = json.loads(out.read_text())
+    return code, json.loads(out.read_text())
+
+
+def test_launch_vllm_for_a_json_workload_gives_it_the_tokenizer(tmp_path, capsys):
+    """--launch vllm with -json: vLLM gets the tokenizer folder and llguidance's compact JSON
+    instead of --skip-tokenizer-init; each output's text is gathered and checked against its
+    schema; outputs ended by their JSON raise no warning."""
+    from benchmarks.json_workload import schema_for
+
+    code, result = _launch_fake_vllm_json(tmp_path)
     s = result["runs"][0]["summary"]
     assert code == 0, s["failure_reasons"]
+    assert result["runs"][0]["warning"] is None and "WARNING" not in capsys.readouterr().out
     assert result["structured"] is True and result["args"]["vocab_size"] == 6
     assert result["args"]["temperature"] == 1.0
     assert (s["completed"], s["json_outputs"], s["finish_reasons"]) == (
@@ -412,6 +423,53 @@ def test_launch_vllm_for_a_json_workload_gives_it_the_tokenizer(tmp_path):
     assert [r["schema"] for r in rows] == [schema_for(i, r["max_tokens"])[0]
                                            for i, r in enumerate(rows)]
     assert all(r["completion_tokens"] < r["max_tokens"] and json.loads(r["text"]) for r in rows)
+    assert s["json_fill"] == statistics.mean(r["completion_tokens"] / r["max_tokens"]
+                                             for r in rows)
+
+
+def test_outputs_cut_at_max_tokens_are_flagged(tmp_path, capsys, monkeypatch):
+    """A server whose outputs end by length, not with their JSON: counted, and a warning after
+    the run and again under the table, saved with the run (its figures are not comparable)."""
+    monkeypatch.setenv("FAKE_VLLM_CUT", "1")
+    code, result = _launch_fake_vllm_json(tmp_path)
+    run = result["runs"][0]
+    s = run["summary"]
+    assert (s["completed"], s["finish_reasons"], s["json_outputs"]) == (
+        4, {"length": 4}, {"unparsable": 4})
+    assert run["warning"] == ("WARNING vllm: 4 of 4 outputs ended at max_tokens (finish reason "
+                              "length), not with their JSON: its figures are of cut-off outputs, "
+                              "not comparable with a server whose outputs end with their JSON")
+    assert capsys.readouterr().out.count(run["warning"]) == 2
+    assert code == 0  # a cut output is a result, not a failed request
+
+
+def test_length_warning_allows_a_tenth_of_outputs_cut():
+    from benchmarks.bench_online import length_warning
+
+    def summary(length, stop):
+        return {"completed": length + stop, "finish_reasons": {"length": length, "stop": stop}}
+
+    assert length_warning("s", summary(10, 90)) is None
+    assert length_warning("s", summary(11, 89)).startswith("WARNING s: 11 of 100 outputs")
+    assert length_warning("s", {"completed": 0, "finish_reasons": {}}) is None
+
+
+def test_vllm_compiles_the_schemas_as_pagedserve_does():
+    """vLLM's structured-output config in a -json launch gives each schema the grammar text
+    pagedserve's scheduler compiles: vLLM's guidance backend (serialize_guidance_grammar) calls
+    llguidance with the schema as json.dumps writes it and whitespace_flexible set to the
+    opposite of disable_any_whitespace."""
+    import llguidance
+
+    from benchmarks.json_workload import SCHEMAS
+    from benchmarks.online_servers import VLLM_STRUCTURED_OUTPUTS
+    from scheduler_svc.structured_output import structured_output
+
+    assert VLLM_STRUCTURED_OUTPUTS["backend"] == "guidance"
+    defaults = {"whitespace_flexible": not VLLM_STRUCTURED_OUTPUTS["disable_any_whitespace"]}
+    for name, schema in SCHEMAS.items():
+        vllm = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema(3)), defaults)
+        assert structured_output("json", schema(3), "json").grammar == vllm, name
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ BLOCK_SIZE = 16
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("decode_", "prefill_", "query_tiles")),
     ("cache write", ("reshape_and_cache",)),
-    ("fused elementwise", ("rms_norm", "rotary", "silu_and_mul")),
+    ("fused elementwise", ("rms_norm", "rotary", "silu_and_mul", "quantize_fp8")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "splitk", "sm90")),
 )
 

@@ -35,7 +35,9 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
         (
             "rms_norm_bf16", "rms_norm_fp16", "fused_add_rms_norm_bf16", "fused_add_rms_norm_fp16",
             "rms_norm_fp8_bf16", "rms_norm_fp8_fp16", "fused_add_rms_norm_fp8_bf16",
-            "fused_add_rms_norm_fp8_fp16", "head_rms_norm_bf16", "head_rms_norm_fp16",
+            "fused_add_rms_norm_fp8_fp16", "quantize_fp8_bf16", "quantize_fp8_fp16",
+            "silu_and_mul_fp8_bf16", "silu_and_mul_fp8_fp16", "head_rms_norm_bf16",
+            "head_rms_norm_fp16",
             "rotary_embedding_bf16", "rotary_embedding_fp16", "silu_and_mul_bf16",
             "silu_and_mul_fp16", "rotary_embedding_cache_bf16_i64",
             "rotary_embedding_cache_bf16_i32", "rotary_embedding_cache_fp16_i64",

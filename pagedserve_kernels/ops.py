@@ -138,6 +138,28 @@ def head_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     _launch(f"head_rms_norm_{_DTYPES[q.dtype]}", q, (num_tokens, 1, 1), threads, args)
 
 
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.quantize_fp8(x) with a dynamic scale per token, bit for bit, in one launch (the
+    rows of an FP8 W8A8 product no kernel before it quantized).
+
+    x: [num_tokens, width] bf16/fp16 on the GPU, last dim contiguous (any row stride)
+    returns (e4m3 [num_tokens, width] contiguous, float32 scales [num_tokens, 1]). One CTA per
+    row: its amax, then its bytes.
+    """
+    _check_rows("x", x)
+    num_tokens, width = x.shape
+    out = torch.empty(num_tokens, width, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out, scales
+    vec = _rows_aligned(width, x)
+    args = (out.data_ptr(), scales.data_ptr(), x.data_ptr(), _i64(x.stride(0)), _i32(width),
+            _f32(FP8_MIN_SCALE), _i32(vec))
+    threads = _threads(width // _VEC if vec else width, _NORM_MAX_THREADS)
+    _launch(f"quantize_fp8_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads, args)
+    return out, scales
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -261,6 +283,31 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
             _i32(vec))
     _launch(f"silu_and_mul_{_DTYPES[x.dtype]}", x, (num_tokens, chunks, 1), threads, args)
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul's rows quantized for an FP8 W8A8 product with a dynamic scale per token, in
+    one launch: reference.quantize_fp8 of this module's silu_and_mul(x), bit for bit, the rows
+    never written in x's dtype.
+
+    x: [num_tokens, 2 * d] bf16/fp16 on the GPU (gate | up), last dim contiguous (any row stride)
+    returns (e4m3 [num_tokens, d] contiguous, float32 scales [num_tokens, 1]). One CTA per row.
+    """
+    _check_rows("x", x)
+    num_tokens, width = x.shape
+    if width % 2:
+        raise ValueError(f"x must be [num_tokens, 2 * d] (gate | up), got width {width}")
+    d = width // 2
+    out = torch.empty(num_tokens, d, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out, scales
+    vec = _rows_aligned(d, x)  # gate's and up's rows: up starts 2 * d bytes into each row
+    args = (out.data_ptr(), scales.data_ptr(), x.data_ptr(), _i64(x.stride(0)), _i32(d),
+            _f32(FP8_MIN_SCALE), _i32(vec))
+    threads = _threads(d // _VEC if vec else d, _NORM_MAX_THREADS)
+    _launch(f"silu_and_mul_fp8_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads, args)
+    return out, scales
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,

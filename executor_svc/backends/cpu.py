@@ -22,7 +22,6 @@ class CpuBackend:
     head_rms_norm = staticmethod(reference.head_rms_norm)
     rotary_embedding = staticmethod(reference.rotary_embedding)
     rotary_embedding_and_cache = staticmethod(reference.rotary_embedding_and_cache)
-    silu_and_mul = staticmethod(reference.silu_and_mul)
     gelu_tanh_and_mul = staticmethod(reference.gelu_tanh_and_mul)
     apply_token_bitmask = staticmethod(reference.apply_token_bitmask)
 
@@ -41,9 +40,16 @@ class CpuBackend:
         return reference.fused_add_rms_norm(x, residual, weight, eps)
 
     @staticmethod
+    def silu_and_mul(x, out=None, feeds=None):
+        """The twin; `feeds` as rms_norm's."""
+        if takes_fp8_rows(feeds):
+            return Fp8Activation(*reference.quantize_fp8(reference.silu_and_mul(x)), x.dtype)
+        return reference.silu_and_mul(x, out)
+
+    @staticmethod
     def linear(x, weight, bias=None) -> torch.Tensor:
         """F.linear for a dense weight; a quantized one through its kernel's twin."""
-        if isinstance(x, Fp8Activation):  # the norm quantized the rows for this Fp8Weight
+        if isinstance(x, Fp8Activation):  # the op before it quantized the rows for this weight
             return reference.fp8_scaled_linear(x.values, x.scale, weight.weight,
                                                weight.weight_scale, bias, x.dtype)
         if isinstance(weight, Int4Weight):

@@ -152,8 +152,9 @@ class CudaBackend:
         return self._elementwise(x.dtype).fused_add_rms_norm(x, residual, weight, eps)
 
     def _quantizes_for(self, weight, dtype: torch.dtype) -> bool:
-        """Whether the norm hands `weight` FP8 rows: the fused kernel for the dtype, and
-        cuBLASLt's FP8 product for the weight (else the product quantizes, or its twin runs)."""
+        """Whether `weight` takes its rows quantized by a kernel (the norm's, SiLU-and-mul's or
+        ops.quantize_fp8): the kernels for the dtype, and cuBLASLt's FP8 product for the weight
+        (else the product quantizes in torch, or its twin runs)."""
         return (takes_fp8_rows(weight) and self.elementwise_impl(dtype) == "cupy"
                 and fp8.supports(weight.weight))
 
@@ -178,7 +179,10 @@ class CudaBackend:
             self.rotary_embedding(positions, q, k, cos_table, sin_table, interleaved)
             self.reshape_and_cache(k, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def silu_and_mul(self, x, out=None) -> torch.Tensor:
+    def silu_and_mul(self, x, out=None, feeds=None):
+        """`feeds` as rms_norm's: the rows quantized for it in SiLU-and-mul's own launch."""
+        if self._quantizes_for(feeds, x.dtype):
+            return Fp8Activation(*self._ops.silu_and_mul_fp8(x), x.dtype)
         return self._elementwise(x.dtype).silu_and_mul(x, out)
 
     def gelu_tanh_and_mul(self, x, out=None) -> torch.Tensor:
@@ -198,22 +202,30 @@ class CudaBackend:
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         """Dense: the tuned GEMM; int4 in the W4A16 kernel's layout (prepare_model repacks a
         bf16/fp16 model's): the kernel, bias fused; an Int4Weight (float32 models): its twin;
-        FP8 W8A8: cuBLASLt's scaled product (pagedserve_kernels.fp8)."""
-        if isinstance(x, Fp8Activation):  # the norm quantized the rows for this Fp8Weight
-            return fp8.fp8_scaled_linear(x.values, x.scale, weight.weight, weight.weight_scale,
-                                         bias, x.dtype)
+        FP8 W8A8: cuBLASLt's scaled product (_fp8_linear)."""
         if isinstance(weight, torch.Tensor):
             return self.gemm.linear(x, weight, bias)
         if isinstance(weight, Int4Weight):
             return reference.int4_linear(x, weight.qweight, weight.scales, weight.zeros,
                                          weight.group_size, weight.perm, bias)
         if isinstance(weight, Fp8Weight):
-            if not fp8.supports(weight.weight):  # cuBLASLt's FP8 shapes: the twin
-                return reference.fp8_linear(x, weight.weight, weight.weight_scale,
-                                            weight.input_scale, weight.per_token, bias)
-            return fp8.fp8_linear(x, weight.weight, weight.weight_scale, weight.input_scale,
-                                  weight.per_token, bias)
+            return self._fp8_linear(x, weight, bias)
         return self._quant.int4_linear(x, weight, bias)
+
+    def _fp8_linear(self, x, weight: Fp8Weight, bias) -> torch.Tensor:
+        """cuBLASLt's scaled product (pagedserve_kernels.fp8) of rows quantized per token by a
+        kernel: the op before it (x an Fp8Activation) or ops.quantize_fp8 here; else quantized
+        in torch (fp8.fp8_linear); the twin for shapes cuBLASLt's FP8 products do not take."""
+        if not isinstance(x, Fp8Activation) and self._quantizes_for(weight, x.dtype):
+            x = Fp8Activation(*self._ops.quantize_fp8(x), x.dtype)
+        if isinstance(x, Fp8Activation):
+            return fp8.fp8_scaled_linear(x.values, x.scale, weight.weight, weight.weight_scale,
+                                         bias, x.dtype)
+        if not fp8.supports(weight.weight):
+            return reference.fp8_linear(x, weight.weight, weight.weight_scale,
+                                        weight.input_scale, weight.per_token, bias)
+        return fp8.fp8_linear(x, weight.weight, weight.weight_scale, weight.input_scale,
+                              weight.per_token, bias)
 
     def tune_linears(self, groups: dict[str, list[torch.Tensor]], rows: list[int],
                      force_lt: bool = False) -> list[dict]:
@@ -242,11 +254,12 @@ class CudaBackend:
         step under enforce_eager) run the algorithm of the next tuned count up (its rung), whose
         kernel has run: a kernel's first run waits for the GPU (pagedserve_kernels/gemm.py)."""
         from executor_svc.cuda_graphs import BATCH_SIZES
+        from pagedserve_kernels.quant import PackedInt4
 
         if model.embed_tokens.dtype in _KERNEL_DTYPES and repack_int4(model):
             start = time.perf_counter()
             largest = max(w.n * w.k for layer in model.layers for field in _PROJECTIONS
-                          if isinstance(w := getattr(layer, field), self._quant.PackedInt4))
+                          if isinstance(w := getattr(layer, field), PackedInt4))
             self._quant.prepare(self.device, largest, model.embed_tokens.dtype)
             log.info("int4 kernels ready in %.2fs", time.perf_counter() - start)
         groups = {name: weights for name, weights in model.linear_groups().items()

@@ -160,7 +160,7 @@ class LlamaModel:
         if self.config.hidden_act == "gelu_tanh":  # GeGLU (Gemma)
             act = self.backend.gelu_tanh_and_mul(gate_up)  # [T, intermediate]
         else:
-            act = self.backend.silu_and_mul(gate_up)  # [T, intermediate]
+            act = self.backend.silu_and_mul(gate_up, feeds=layer.down_proj)  # [T, intermediate]
         return self.backend.linear(act, layer.down_proj)  # [T, hidden]
 
     def linear_groups(self) -> dict[str, list[torch.Tensor]]:

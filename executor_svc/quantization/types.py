@@ -63,8 +63,9 @@ class Fp8Weight:
 
 @dataclass(frozen=True)
 class Fp8Activation:
-    """Rows quantized for an Fp8Weight with dynamic per-token scales by the norm before the
-    product, in the norm's own pass (the backends' rms_norm with `feeds`): x ~ values * scale."""
+    """Rows quantized for an Fp8Weight with dynamic per-token scales by the op before the
+    product, in that op's own pass (the backends' rms_norm or silu_and_mul with `feeds`): x ~
+    values * scale."""
 
     values: torch.Tensor  # [T, K] float8_e4m3fn
     scale: torch.Tensor  # [T, 1] float32
@@ -76,7 +77,7 @@ class Fp8Activation:
 
 
 def takes_fp8_rows(weight) -> bool:
-    """Whether `weight`'s input may come quantized from the norm before it: FP8 W8A8 with a
+    """Whether `weight`'s input may come quantized from the op before it: FP8 W8A8 with a
     dynamic scale per token (a per-tensor or static scale needs the whole step's rows first)."""
     return (isinstance(weight, Fp8Weight) and weight.per_token and weight.input_scale is None
             and weight.block_size is None)

@@ -1,8 +1,10 @@
 // The elementwise ops of the Llama forward, one launch each: RMSNorm (alone, or fused with the
-// residual add, in place; or its output quantized for an FP8 W8A8 product), RoPE (rotate-half or interleaved pairs, over the leading rotary_dim
+// residual add, in place), RoPE (rotate-half or interleaved pairs, over the leading rotary_dim
 // of each head) applied in place to the strided q/k views of the fused qkv output, and
-// SiLU-and-mul. bf16/fp16 storage, fp32 math, one rounding per stored value
-// (the residual sum and the normalised value before the weight are rounded where torch rounds).
+// SiLU-and-mul; for an FP8 W8A8 product, the norm's or SiLU-and-mul's output (or any row)
+// quantized per token instead of stored. bf16/fp16 storage, fp32 math, one rounding per stored
+// value (the residual sum and the normalised value before the weight are rounded where torch
+// rounds).
 //
 // Every kernel has a 16-byte vector path (8 elements per load) and a scalar path; the launcher
 // picks the vector one (`vec` = 1) only when every row start it touches is 16-byte aligned and
@@ -173,11 +175,81 @@ __device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const
   }
 }
 
+// Sources of a row's values for quantize_row_fp8, each value in float as the op would store it
+// in T: eight(i, f) gives elements 8i..8i+7 (the 16-byte vector path), one(i) element i.
+// The row as it is (quantize_fp8).
+template <typename T> struct PlainRow {
+  const T* x;
+  __device__ __forceinline__ void eight(int i, float (&f)[kVec]) const {
+    unpack8<T>(reinterpret_cast<const uint4*>(x)[i], f);
+  }
+  __device__ __forceinline__ float one(int i) const { return to_float<T>(x[i]); }
+};
+
+// rms_norm_row's stored values: round(w * round(x * inv)), from the row's inv (row_inv_rms).
+template <typename T> struct NormedRow {
+  const T* x;
+  const T* w;  // the norm's weight, read-only for the kernel's life
+  float inv;
+  __device__ __forceinline__ void eight(int i, float (&f)[kVec]) const {
+    float w8[kVec];
+    unpack8<T>(reinterpret_cast<const uint4*>(x)[i], f);
+    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(w) + i), w8);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) f[e] = round_to<T>(w8[e] * round_to<T>(f[e] * inv));
+  }
+  __device__ __forceinline__ float one(int i) const {
+    return round_to<T>(to_float<T>(w[i]) * round_to<T>(to_float<T>(x[i]) * inv));
+  }
+};
+
+// A row's `width` values (src, as above) quantized for an FP8 W8A8 product with a dynamic
+// scale per token, as reference.quantize_fp8 does: scale = max(amax / 448, min_scale) into
+// *scale_out and q = e4m3(clamp(v * (1 / scale), +-448)), ties to even. Two passes over src
+// (amax, then the bytes), so a source recomputes its values rather than holding the row;
+// q: the row's `width` bytes, 8-byte aligned where vec. Called once per kernel (block_max).
+template <typename Src>
+__device__ __forceinline__ void quantize_row_fp8(const Src& src, unsigned char* q,
+                                                 float* scale_out, int width, float min_scale,
+                                                 int vec) {
+  float amax = 0.f;
+  if (vec) {
+    for (int i = threadIdx.x; i < width / kVec; i += blockDim.x) {
+      float f[kVec];
+      src.eight(i, f);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(f[e]));
+    }
+  } else {
+    for (int i = threadIdx.x; i < width; i += blockDim.x) amax = fmaxf(amax, fabsf(src.one(i)));
+  }
+  const float scale = fmaxf(__fdiv_rn(block_max(amax), 448.f), min_scale);
+  const float inv_scale = __frcp_rn(scale);
+  if (threadIdx.x == 0) *scale_out = scale;
+  if (vec) {
+    for (int i = threadIdx.x; i < width / kVec; i += blockDim.x) {
+      float f[kVec];
+      src.eight(i, f);
+      unsigned int b[kVec / 2];
+#pragma unroll
+      for (int e = 0; e < kVec; e += 2) {
+        b[e / 2] = ps::e4m3x2_from_float(fminf(fmaxf(f[e] * inv_scale, -448.f), 448.f),
+                                         fminf(fmaxf(f[e + 1] * inv_scale, -448.f), 448.f));
+      }
+      reinterpret_cast<uint2*>(q)[i] = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+    }
+  } else {
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+      const float v = src.one(i) * inv_scale;
+      q[i] = (unsigned char)ps::e4m3_from_float(fminf(fmaxf(v, -448.f), 448.f));
+    }
+  }
+}
+
 // rms_norm_row's output for an FP8 W8A8 product with a dynamic scale per token, never stored in
 // T: its values rounded to T as rms_norm_row stores them, then quantized as
-// reference.quantize_fp8 does, scale = max(amax / 448, min_scale) into scales[row] and out =
-// e4m3(clamp(y * (1 / scale), +-448)), ties to even. One CTA per row: a second pass finds amax,
-// a third recomputes y and stores its e4m3 bytes (out rows of `hidden` bytes, contiguous).
+// reference.quantize_fp8 does (quantize_row_fp8). One CTA per row: row_inv_rms's pass, then
+// quantize_row_fp8's two, which recompute y (out rows of `hidden` bytes, contiguous).
 template <typename T, bool ADD>
 __device__ __forceinline__ void rms_norm_fp8_row(unsigned char* out, float* scales, const T* in,
                                                  long long in_stride, T* residual,
@@ -188,49 +260,19 @@ __device__ __forceinline__ void rms_norm_fp8_row(unsigned char* out, float* scal
   const T* x = in + row * in_stride;
   T* r = ADD ? residual + row * residual_stride : nullptr;
   const float inv = row_inv_rms<T, ADD>(x, r, hidden, eps, vec);
-  const T* src = ADD ? r : x;
-  float amax = 0.f;
-  if (vec) {
-    for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
-      float a[kVec], w[kVec];
-      unpack8<T>(reinterpret_cast<const uint4*>(src)[i], a);
-      unpack8<T>(reinterpret_cast<const uint4*>(weight)[i], w);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e)
-        amax = fmaxf(amax, fabsf(round_to<T>(w[e] * round_to<T>(a[e] * inv))));
-    }
-  } else {
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-      const float w = to_float<T>(weight[i]);
-      amax = fmaxf(amax, fabsf(round_to<T>(w * round_to<T>(to_float<T>(src[i]) * inv))));
-    }
-  }
-  const float scale = fmaxf(__fdiv_rn(block_max(amax), 448.f), min_scale);
-  const float inv_scale = __frcp_rn(scale);
-  if (threadIdx.x == 0) scales[row] = scale;
-  unsigned char* q = out + row * (long long)hidden;
-  if (vec) {
-    for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
-      float a[kVec], w[kVec];
-      unpack8<T>(reinterpret_cast<const uint4*>(src)[i], a);
-      unpack8<T>(reinterpret_cast<const uint4*>(weight)[i], w);
-      unsigned int b[kVec / 2];
-#pragma unroll
-      for (int e = 0; e < kVec; e += 2) {
-        const float lo = round_to<T>(w[e] * round_to<T>(a[e] * inv)) * inv_scale;
-        const float hi = round_to<T>(w[e + 1] * round_to<T>(a[e + 1] * inv)) * inv_scale;
-        b[e / 2] = ps::e4m3x2_from_float(fminf(fmaxf(lo, -448.f), 448.f),
-                                         fminf(fmaxf(hi, -448.f), 448.f));
-      }
-      reinterpret_cast<uint2*>(q)[i] = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
-    }
-  } else {
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-      const float w = to_float<T>(weight[i]);
-      const float v = round_to<T>(w * round_to<T>(to_float<T>(src[i]) * inv)) * inv_scale;
-      q[i] = (unsigned char)ps::e4m3_from_float(fminf(fmaxf(v, -448.f), 448.f));
-    }
-  }
+  const NormedRow<T> src{ADD ? r : x, weight, inv};
+  quantize_row_fp8(src, out + row * (long long)hidden, scales + row, hidden, min_scale, vec);
+}
+
+// reference.quantize_fp8 of a row of T, dynamic per token (quantize_row_fp8): one CTA per row
+// of x (any row stride), out rows of `width` bytes, contiguous.
+template <typename T>
+__device__ __forceinline__ void quantize_fp8_row(unsigned char* out, float* scales, const T* x,
+                                                 long long x_stride, int width, float min_scale,
+                                                 int vec) {
+  const long long row = blockIdx.x;
+  const PlainRow<T> src{x + row * x_stride};
+  quantize_row_fp8(src, out + row * (long long)width, scales + row, width, min_scale, vec);
 }
 
 // Per-head RMSNorm in place on one token's q and k heads (Qwen3's and Gemma 3's q_norm / k_norm):
@@ -471,6 +513,37 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
   }
 }
 
+// silu_and_mul_row's stored values, round(silu(gate) * up), for quantize_row_fp8.
+template <typename T> struct SiluMulRow {
+  const T* gate;
+  const T* up;
+  __device__ __forceinline__ void eight(int i, float (&f)[kVec]) const {
+    float u[kVec];
+    unpack8<T>(reinterpret_cast<const uint4*>(gate)[i], f);
+    unpack8<T>(reinterpret_cast<const uint4*>(up)[i], u);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) f[e] = round_to<T>(silu(f[e]) * u[e]);
+  }
+  __device__ __forceinline__ float one(int i) const {
+    return round_to<T>(silu(to_float<T>(gate[i])) * to_float<T>(up[i]));
+  }
+};
+
+// silu_and_mul_row's output for an FP8 W8A8 product with a dynamic scale per token, never
+// stored in T: reference.quantize_fp8 of it (quantize_row_fp8). One CTA per row of x (gate | up,
+// any row stride); out rows of d bytes, contiguous. The second pass recomputes the product from
+// gate and up (its own loads of the first pass, L1/L2 hits) rather than holding the row, so
+// any width runs without a register or shared-memory bound; silu is cheap beside the loads.
+template <typename T>
+__device__ __forceinline__ void silu_and_mul_fp8_row(unsigned char* out, float* scales,
+                                                     const T* x, long long x_stride, int d,
+                                                     float min_scale, int vec) {
+  const long long row = blockIdx.x;
+  const T* gate = x + row * x_stride;
+  const SiluMulRow<T> src{gate, gate + d};
+  quantize_row_fp8(src, out + row * (long long)d, scales + row, d, min_scale, vec);
+}
+
 }  // namespace ps_ops
 
 #ifndef PS_KV_FP8  // kv_fp8.cu defines the FP8 cache's entry points, not these
@@ -501,6 +574,16 @@ __device__ __forceinline__ void silu_and_mul_row(T* __restrict__ out, long long 
                                     int vec) {                                                   \
     ps_ops::rms_norm_fp8_row<T, true>(out, scales, x, x_stride, residual, residual_stride,       \
                                       weight, hidden, eps, min_scale, vec);                      \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      quantize_fp8_##NAME(unsigned char* out, float* scales, const T* x, long long x_stride,     \
+                          int width, float min_scale, int vec) {                                 \
+    ps_ops::quantize_fp8_row<T>(out, scales, x, x_stride, width, min_scale, vec);                \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      silu_and_mul_fp8_##NAME(unsigned char* out, float* scales, const T* x, long long x_stride, \
+                              int d, float min_scale, int vec) {                                 \
+    ps_ops::silu_and_mul_fp8_row<T>(out, scales, x, x_stride, d, min_scale, vec);                \
   }                                                                                              \
   extern "C" __global__ void __launch_bounds__(1024)                                             \
       head_rms_norm_##NAME(T* q, long long q_stride_tok, long long q_stride_head, T* k,          \

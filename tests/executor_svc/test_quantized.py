@@ -243,11 +243,11 @@ def test_fp8_activation_scales_follow_vllms_rule():
     assert scale.item() == 1.0 and q[1, 1].item() == -448.0
 
 
-def test_per_token_fp8_rows_come_quantized_from_the_norm_and_change_nothing(folders,
-                                                                             monkeypatch):
-    """llm-compressor's FP8 dynamic folder: every input norm and post-attention norm hands its
-    product the rows quantized (an Fp8Activation), and a step's hidden states equal those of
-    the products quantizing their own rows, bit for bit."""
+def test_per_token_fp8_rows_come_quantized_from_the_op_before_and_change_nothing(
+        folders, monkeypatch):
+    """llm-compressor's FP8 dynamic folder: every input norm, post-attention norm and
+    SiLU-and-mul hands its product the rows quantized (an Fp8Activation), and a step's hidden
+    states equal those of the products quantizing their own rows, bit for bit."""
     from executor_svc.backends import cpu
     from executor_svc.quantization import Fp8Activation
 
@@ -270,7 +270,7 @@ def test_per_token_fp8_rows_come_quantized_from_the_norm_and_change_nothing(fold
 
     monkeypatch.setattr(model.backend, "linear", spying_linear)
     fused = step()
-    assert handed.count(True) == 2 * config.num_layers  # qkv and gate|up of every layer
+    assert handed.count(True) == 3 * config.num_layers  # qkv, gate|up and down of every layer
     monkeypatch.setattr(cpu, "takes_fp8_rows", lambda weight: False)
     handed.clear()
     assert torch.equal(step(), fused) and not any(handed)

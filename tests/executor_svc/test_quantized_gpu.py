@@ -271,7 +271,7 @@ def _offline_backend() -> tuple[CudaBackend, list]:
     backend = object.__new__(CudaBackend)
     backend.device, backend.gemm, calls = torch.device("cpu"), _Tuner(), []
     backend._quant = SimpleNamespace(
-        prepare=lambda device: calls.append(("prepare", device)),
+        prepare=lambda *args: calls.append(("prepare", *args)),
         int4_linear=lambda x, w, bias=None: calls.append(("int4_linear", x, w, bias)) or "kernel")
     return backend, calls
 
@@ -283,7 +283,8 @@ def test_prepare_model_repacks_int4_once_and_tunes_only_dense_products(folders, 
     loaded = [[getattr(layer, f) for f in PROJECTIONS] for layer in model.layers]
     backend, calls = _offline_backend()
     backend.prepare_model(model, None, 512)
-    assert calls == [("prepare", torch.device("cpu"))]
+    largest = max(w.shape[0] * w.shape[1] for row in loaded for w in row)  # the scratch's size
+    assert calls == [("prepare", torch.device("cpu"), largest, torch.bfloat16)]
     assert backend.gemm.groups == [["lm_head"], []]  # decode rows, then step rows (no lm_head)
     for layer, weights in zip(model.layers, loaded):
         for field, weight in zip(PROJECTIONS, weights):
@@ -316,6 +317,49 @@ def test_linear_dispatches_by_weight_kind(folders):
     assert calls[-1][2] is packed and calls[-1][3] is bias
     backend.gemm.linear = lambda x, w, bias=None: "gemm"
     assert backend.linear(x, model.lm_head) == "gemm"
+
+
+def test_per_token_fp8_rows_are_quantized_by_a_kernel_where_the_kernels_run(monkeypatch):
+    """FP8 dispatch without a device: a per-token dynamic weight takes SiLU-and-mul's rows from
+    ops.silu_and_mul_fp8 and a plain bf16 x's from ops.quantize_fp8, into the scaled product;
+    per-tensor scales, float32 rows or fused_ops off keep torch's quantization (fp8_linear), a
+    shape cuBLASLt refuses the twin."""
+    from executor_svc.quantization import Fp8Activation, Fp8Weight
+    from pagedserve_kernels import fp8
+
+    backend, calls = _offline_backend()
+    backend.fused_ops = True
+
+    def record(name, result):
+        return lambda x, *args: calls.append((name, x)) or result
+    backend._ops = SimpleNamespace(silu_and_mul_fp8=record("silu_and_mul_fp8", ("q", "s")),
+                                   quantize_fp8=record("quantize_fp8", ("q", "s")),
+                                   silu_and_mul=record("silu_and_mul", "act"))
+    monkeypatch.setattr(fp8, "fp8_scaled_linear", record("scaled", "out"))
+    monkeypatch.setattr(fp8, "fp8_linear", record("fp8_linear", "out"))
+    monkeypatch.setattr(reference, "fp8_linear", record("twin", "out"))
+    e4m3, ones = torch.zeros(32, 64, dtype=torch.float8_e4m3fn), torch.ones(32)
+    per_token, per_tensor = Fp8Weight(e4m3, ones, None, True), Fp8Weight(e4m3, ones, None, False)
+    odd = Fp8Weight(torch.zeros(32, 72, dtype=torch.float8_e4m3fn), ones, None, True)
+    x, gate_up = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3, 128, dtype=torch.bfloat16)
+
+    act = backend.silu_and_mul(gate_up, feeds=per_token)
+    assert act == Fp8Activation("q", "s", torch.bfloat16)
+    assert backend.linear(act, per_token) == backend.linear(x, per_token) == "out"
+    assert calls == [("silu_and_mul_fp8", gate_up), ("scaled", "q"), ("quantize_fp8", x),
+                     ("scaled", "q")]
+    calls.clear()
+    assert backend.silu_and_mul(gate_up) == backend.silu_and_mul(gate_up, feeds=per_tensor)
+    backend.linear(x, per_tensor)
+    backend.linear(x.float(), per_token)
+    backend.linear(x[:, :8].repeat(1, 9), odd)
+    assert [name for name, _ in calls] == ["silu_and_mul", "silu_and_mul", "fp8_linear",
+                                           "fp8_linear", "twin"]
+    calls.clear()
+    backend.fused_ops = False
+    assert torch.equal(backend.silu_and_mul(gate_up, feeds=per_token), x)  # the twin: zeros
+    backend.linear(x, per_token)
+    assert [name for name, _ in calls] == ["fp8_linear"]
 
 
 def test_check_model_takes_int4_and_per_channel_fp8_and_refuses_block_wise_fp8(folders):

@@ -88,7 +88,8 @@ def test_elementwise_ops_reject_cpu_tensors():
     q, k = torch.zeros(4, 8, 64, dtype=torch.bfloat16), torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     table = torch.zeros(16, 64)
     for call in (lambda: ops.rms_norm(x, w, 1e-5), lambda: ops.fused_add_rms_norm(x, x, w, 1e-5),
-                 lambda: ops.silu_and_mul(x),
+                 lambda: ops.silu_and_mul(x), lambda: ops.quantize_fp8(x),
+                 lambda: ops.silu_and_mul_fp8(x),
                  lambda: ops.rotary_embedding(torch.zeros(4, dtype=torch.int64), q, k, table, table),
                  lambda: ops.rotary_embedding_and_cache(
                      torch.zeros(4, dtype=torch.int64), q, k, k, table, table,
@@ -107,9 +108,56 @@ def test_vector_path_needs_aligned_rows_of_whole_vectors():
     assert [ops._threads(n, 1024) for n in (1, 72, 512, 5000)] == [32, 96, 512, 1024]
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """ops' launches recorded instead of run, CPU tensors taken for the GPU's (the launchers'
+    choices of kernel, grid, threads and arguments, without a device)."""
+    recorded = []
+    monkeypatch.setattr(ops, "_check_device", lambda name, t: None)
+    monkeypatch.setattr(ops, "_launch", lambda kernel, like, grid, threads, args: recorded.append(
+        (kernel, grid, threads, tuple(a if isinstance(a, int) else a.item() for a in args[2:]))))
+    return recorded
+
+
+def test_quantize_fp8_launches_a_cta_per_row_vectors_only_where_aligned(launches):
+    """Args after (out, scales): x, its row stride, width, the scale floor, vec."""
+    from pagedserve_kernels.reference import FP8_MIN_SCALE
+
+    wide = torch.zeros(7, 4200, dtype=torch.bfloat16)
+    floor = float(torch.tensor(FP8_MIN_SCALE, dtype=torch.float32))
+    out, scales = ops.quantize_fp8(wide[:, :4096])  # rows 8,400 B apart: 16-byte aligned
+    assert out.shape == (7, 4096) and out.dtype == torch.float8_e4m3fn
+    assert scales.shape == (7, 1) and scales.dtype == torch.float32
+    ops.quantize_fp8(wide[:, 1:4097])  # every row 2 bytes in: scalar
+    ops.quantize_fp8(wide[:, :100].half())  # 100 is not whole vectors: scalar
+    ops.quantize_fp8(wide[:0, :64])  # no rows: no launch
+    ptr = wide.data_ptr()
+    assert launches == [
+        ("quantize_fp8_bf16", (7, 1, 1), 512, (ptr, 4200, 4096, floor, 1)),
+        ("quantize_fp8_bf16", (7, 1, 1), 1024, (ptr + 2, 4200, 4096, floor, 0)),
+        ("quantize_fp8_fp16", (7, 1, 1), 128, (launches[2][3][0], 100, 100, floor, 0)),
+    ]
+
+
+def test_silu_and_mul_fp8_launches_a_cta_per_row_of_gate_and_up(launches):
+    """d = width / 2 outputs a row, vectors where gate's and up's rows are aligned; an odd width
+    is a ValueError naming the layout."""
+    x = torch.zeros(3, 2 * 14336, dtype=torch.bfloat16)
+    out, scales = ops.silu_and_mul_fp8(x)
+    assert out.shape == (3, 14336) and out.dtype == torch.float8_e4m3fn and scales.shape == (3, 1)
+    ops.silu_and_mul_fp8(torch.zeros(5, 2 * 1003, dtype=torch.float16))  # up 2,006 B in: scalar
+    assert [(k, grid, threads, args[1:3] + args[4:]) for k, grid, threads, args in launches] == [
+        ("silu_and_mul_fp8_bf16", (3, 1, 1), 1024, (2 * 14336, 14336, 1)),
+        ("silu_and_mul_fp8_fp16", (5, 1, 1), 1024, (2 * 1003, 1003, 0)),
+    ]
+    assert ops.silu_and_mul_fp8(x[:0])[0].shape == (0, 14336) and len(launches) == 2
+    with pytest.raises(ValueError, match=r"\(gate \| up\)"):
+        ops.silu_and_mul_fp8(torch.zeros(2, 7, dtype=torch.bfloat16))
+
+
 def test_ops_module_lists_every_kernel_of_ops_cu():
     src = _compile.load_source("ops.cu")
-    ops_names = re.findall(r"\b(\w+)_##NAME\(", src)  # PS_OPS's six, then PS_ROPE_CACHE's one
+    ops_names = re.findall(r"\b(\w+)_##NAME\(", src)  # PS_OPS's nine, then PS_ROPE_CACHE's one
     dtypes = re.findall(r"^PS_OPS\((\w+),", src, re.MULTILINE)
     rope_cache = re.findall(r"^PS_ROPE_CACHE\((\w+),", src, re.MULTILINE)
     expect = [f"{o}_{d}" for o in ops_names[:-1] for d in dtypes]
@@ -117,7 +165,7 @@ def test_ops_module_lists_every_kernel_of_ops_cu():
     expect += re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(',
                          src, re.MULTILINE)  # written out: the token mask
     assert sorted(_compile.MODULES["ops"][1]) == sorted(expect)
-    assert len(ops_names) == 7 and dtypes == ["bf16", "fp16"] and len(rope_cache) == 4
+    assert len(ops_names) == 10 and dtypes == ["bf16", "fp16"] and len(rope_cache) == 4
 
 
 def entry_points(src: str) -> list[str]:

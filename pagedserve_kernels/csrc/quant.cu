@@ -11,6 +11,15 @@ constexpr int THREADS = 256;  // 8 warps: 4 along N (32 columns each) x 2 along 
 constexpr int CTA_N = 128;
 constexpr int STAGE_K = 64;   // one k32 chunk per K warp
 
+// (q & mask) | base in one instruction (the compiler emits an AND and an OR, and this runs
+// for every pair of weights: the loop is bound by instruction issue at small row counts).
+template <unsigned int BASE>
+__device__ __forceinline__ unsigned int nibbles_into(unsigned int q) {
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(q), "n"(0x000f000fu), "n"(BASE));
+  return r;
+}
+
 // Packed weight tile (n32 block b, k32 chunk c): 32 lanes x uint4, at ((b * KC + c) * 32 + lane).
 // Word j of lane (g = lane / 4, t = lane % 4) holds column 32b + 8j + g; its nibble p (bits 4p..)
 // holds pair i = p % 4, element p / 4 of that pair, pair i being rows 32c + 16(i / 2) + 8(i % 2)
@@ -21,7 +30,7 @@ template <> struct Int4<__nv_bfloat16> {
   static constexpr unsigned int SYM_ZERO = 0x43084308u;   // 136.0 = 128 + 8
   static __device__ __forceinline__ unsigned int pair(unsigned int q, unsigned int z2,
                                                       unsigned int s2) {
-    unsigned int v = (q & 0x000f000fu) | BASE;
+    unsigned int v = nibbles_into<BASE>(q);
     __nv_bfloat162 d = __hmul2(__hsub2(*reinterpret_cast<__nv_bfloat162*>(&v),
                                        *reinterpret_cast<__nv_bfloat162*>(&z2)),
                                *reinterpret_cast<__nv_bfloat162*>(&s2));
@@ -33,7 +42,7 @@ template <> struct Int4<__half> {
   static constexpr unsigned int SYM_ZERO = 0x64086408u;   // 1032.0 = 1024 + 8
   static __device__ __forceinline__ unsigned int pair(unsigned int q, unsigned int z2,
                                                       unsigned int s2) {
-    unsigned int v = (q & 0x000f000fu) | BASE;
+    unsigned int v = nibbles_into<BASE>(q);
     __half2 d = __hmul2(__hsub2(*reinterpret_cast<__half2*>(&v), *reinterpret_cast<__half2*>(&z2)),
                         *reinterpret_cast<__half2*>(&s2));
     return *reinterpret_cast<unsigned int*>(&d);
@@ -97,6 +106,11 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
   const int nb = ncta * 4 + wn;
   const uint4* wsrc = qw + ((size_t)nb * KC + wk) * 32 + lane;  // + 64 per stage
   const unsigned int smem0 = ps::smem_addr(smem);
+  // A power-of-two number of k32 chunks per group (32, 64, 128): the group by a shift, not a
+  // division in every stage (the loop is bound by instruction issue at small row counts).
+  const int cpg = group >> 5;
+  const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
+  constexpr int X_CHUNKS = C::ROWS * 8;  // a stage's 16-byte chunks of activations
 
   auto load_stage = [&](int i) {
     const int s = s0 + i;
@@ -104,17 +118,23 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
     ps::cp_async16(st + tid * 16, wsrc + (size_t)s * 64, 16);
     const unsigned int xs = st + C::W_BYTES;
 #pragma unroll
-    for (int c = tid; c < C::ROWS * 8; c += THREADS) {
+    for (int r = 0; r < (X_CHUNKS + THREADS - 1) / THREADS; ++r) {
+      const int c = tid + r * THREADS;
       const int row = c >> 3, ch = c & 7, k = s * STAGE_K + ch * 8, m = m0 + row;
-      const bool ok = m < M && k < K;  // zero-filled past the rows and K (padding reads 0)
-      const T* src = ok ? x + (long long)m * x_stride + k : x;
-      ps::cp_async16(xs + row * 128 + ((ch ^ (row & 7)) << 4), src, ok ? 16 : 0);
+      // Rows past M are not loaded: their stale shared memory reaches only their own output
+      // rows (a product's rows are independent), which are never stored. Past K: zeros.
+      if ((X_CHUNKS % THREADS == 0 || c < X_CHUNKS) && m < M) {
+        const bool ok = k < K;
+        ps::cp_async16(xs + row * 128 + ((ch ^ (row & 7)) << 4),
+                       ok ? x + (long long)m * x_stride + k : x, ok ? 16 : 0);
+      }
     }
     if (tid < 64) {  // 32 threads copy the scales, 32 the zeros: 2 chunks x 256 bytes each
       const T* base = tid < 32 ? scales : zeros;
       if (base != nullptr) {
         const int c = tid & 31, half = c >> 4, part = c & 15;
-        const int grp = (s * STAGE_K + half * 32) / group;
+        const int grp =
+            gshift >= 0 ? (2 * s + half) >> gshift : (s * STAGE_K + half * 32) / group;
         const T* src = base + ((size_t)grp * NB + ncta * 4) * 32 + part * 8;
         ps::cp_async16(st + C::W_BYTES + C::X_BYTES + (tid < 32 ? 0 : C::S_BYTES) + half * 256 +
                            part * 16,

@@ -22,6 +22,7 @@ CHUNK = 32  # input rows per packed tile (and the finest group size the kernel r
 CTA_N = 128  # output columns per thread block (the padded N is a multiple)
 STAGE_K = 64  # input rows per pipeline stage (the padded K is a multiple)
 _THREADS = 256
+DEQUANT_CHUNKS = 8  # k32 chunks a dequantize CTA takes (quant.cu's DQ_CHUNKS)
 _STAGES = {1: 6, 2: 5, 4: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
 WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
@@ -169,15 +170,15 @@ def dequantize(packed: PackedInt4, out: torch.Tensor | None = None) -> torch.Ten
     if out is None:
         out = torch.empty(n, k, dtype=packed.dtype, device=device)
     if out.shape != (n, k) or out.dtype != packed.dtype or not out.is_contiguous() \
-            or out.device != device:
-        raise ValueError(f"out must be a contiguous [{n}, {k}] {packed.dtype} tensor on {device}, "
-                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
-    words = packed.qweight.numel() // 4
+            or out.device != device or out.data_ptr() % 16:
+        raise ValueError(f"out must be a contiguous, 16-byte aligned [{n}, {k}] {packed.dtype} "
+                         f"tensor on {device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     args = (out.data_ptr(), packed.qweight.data_ptr(), packed.scales.data_ptr(),
             _ptr(packed.zeros), _i32(n), _i32(k), _i32(kp), _i32(np_), _i32(packed.group_size))
-    _compile.launch("quant", f"w4_dequant_{_DTYPES[packed.dtype]}", device,
-                    (-(-words // 256), 1, 1), (256, 1, 1), args)
+    tiles = (np_ // CHUNK) * -(-(kp // CHUNK) // DEQUANT_CHUNKS)  # n32 blocks x chunk groups
+    _compile.launch("quant", f"w4_dequant_{_DTYPES[packed.dtype]}", device, (tiles, 1, 1),
+                    (_THREADS, 1, 1), args)
     return out
 
 

@@ -276,36 +276,50 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
 }
 
 // W[N, K] (row-major, F.linear's layout) from the packed form, exactly the values the product
-// multiplies: one thread per packed uint4 (32 weights).
+// multiplies. A CTA of 256 threads takes one n32 block x DQ_CHUNKS k32 chunks: each thread
+// dequantizes one packed uint4 (32 weights, as the product's lanes hold them) into a shared
+// tile, then the tile's rows go out as 16-byte vectors, whole rows of the tile per warp (K is a
+// multiple of 8: eight nibbles a word along K).
+constexpr int DQ_CHUNKS = 8;
+constexpr int DQ_STRIDE = DQ_CHUNKS * 32 + 8;  // a tile row, padded: its 8 rows' stores hit
+                                               // distinct banks
 template <typename T>
 __device__ __forceinline__ void dequant(T* __restrict__ w, const uint4* __restrict__ qw,
                                         const T* __restrict__ scales, const T* __restrict__ zeros,
                                         int N, int K, int Kp, int Np, int group) {
+  __shared__ __align__(16) T tile[32 * DQ_STRIDE];
   const int KC = Kp >> 5, NB = Np >> 5;
-  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= (long long)NB * KC * 32) return;
-  const int lane = (int)(idx & 31), g = lane >> 2, t = lane & 3;
-  const long long tile = idx >> 5;
-  const int kc = (int)(tile % KC), nb = (int)(tile / KC);
-  const uint4 wq = qw[idx];
-  const unsigned int qv[4] = {wq.x, wq.y, wq.z, wq.w};
-  const size_t sbase = ((size_t)(kc * 32 / group) * NB + nb) * 32 + g * 4;
+  const int kblocks = (KC + DQ_CHUNKS - 1) / DQ_CHUNKS;
+  const int nb = blockIdx.x / kblocks, kc0 = (blockIdx.x - nb * kblocks) * DQ_CHUNKS;
+  const int c = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int kc = kc0 + c;
+  if (kc < KC) {
+    const uint4 wq = qw[((size_t)nb * KC + kc) * 32 + lane];
+    const unsigned int qv[4] = {wq.x, wq.y, wq.z, wq.w};
+    const size_t sbase = ((size_t)(kc * 32 / group) * NB + nb) * 32 + g * 4;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int n = nb * 32 + j * 8 + g;
-    if (n >= N) continue;
-    const unsigned short sv = *reinterpret_cast<const unsigned short*>(scales + sbase + j);
-    const unsigned int s2 = (unsigned int)sv * 0x10001u;
-    unsigned int z2 = Int4<T>::SYM_ZERO;
-    if (zeros != nullptr)
-      z2 = (unsigned int)(*reinterpret_cast<const unsigned short*>(zeros + sbase + j)) * 0x10001u;
+    for (int j = 0; j < 4; ++j) {
+      const unsigned short sv = *reinterpret_cast<const unsigned short*>(scales + sbase + j);
+      const unsigned int s2 = (unsigned int)sv * 0x10001u;
+      unsigned int z2 = Int4<T>::SYM_ZERO;
+      if (zeros != nullptr)
+        z2 = (unsigned int)(*reinterpret_cast<const unsigned short*>(zeros + sbase + j)) * 0x10001u;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int k = kc * 32 + (p >> 1) * 16 + (p & 1) * 8 + 2 * t;
-      if (k < K)
-        *reinterpret_cast<unsigned int*>(w + (size_t)n * K + k) =
+      for (int p = 0; p < 4; ++p) {
+        const int col = c * 32 + (p >> 1) * 16 + (p & 1) * 8 + 2 * t;
+        *reinterpret_cast<unsigned int*>(&tile[(8 * j + g) * DQ_STRIDE + col]) =
             Int4<T>::pair(qv[j] >> (4 * p), z2, s2);
+      }
     }
+  }
+  __syncthreads();
+  constexpr int VECS = DQ_CHUNKS * 4;  // 16-byte vectors of a tile row
+  for (int v = threadIdx.x; v < 32 * VECS; v += blockDim.x) {
+    const int row = v / VECS, col = (v - row * VECS) * 8;
+    const int n = nb * 32 + row, k = kc0 * 32 + col;
+    if (n < N && k < K)  // past N or K: the padding's columns and rows, not stored
+      *reinterpret_cast<uint4*>(w + (size_t)n * K + k) =
+          *reinterpret_cast<const uint4*>(&tile[row * DQ_STRIDE + col]);
   }
 }
 

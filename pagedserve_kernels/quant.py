@@ -29,12 +29,16 @@ WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
 MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
 # From this many rows a product dequantizes its weight into the device's scratch and runs
 # cuBLAS: the kernel re-reads and re-dequantizes the weight for every 64-row tile, which from
-# here costs more than one dequantizing pass (benchmarks/bench_quant.py, dequant + cuBLAS).
+# some row count costs more than one dequantizing pass. tune_dequant_rows measures where on the
+# device; this is the threshold without it (benchmarks/bench_quant.py, dequant + cuBLAS).
 DEQUANT_ROWS = 384
+DEQUANT_CANDIDATES = (128, 256, 384, 512, 768, 1024, 2048)  # the row counts tuning times
+NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 
 _lock = threading.Lock()
 _workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> flat weight
+_dequant_rows: dict[int, int] = {}  # device -> its measured threshold (tune_dequant_rows)
 _resident: dict[tuple[str, int], int] = {}
 
 
@@ -116,8 +120,9 @@ def unpack(packed: PackedInt4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x[:, perm] @ W^T (+ bias), W = (q - zero) * scale as reference.int4_linear computes it,
-    fp32 accumulation, one rounding. From DEQUANT_ROWS rows, where `prepare` gave the device a
-    scratch weight, the weight is dequantized there and cuBLAS multiplies (fp32 accumulation).
+    fp32 accumulation, one rounding. From the device's threshold (tune_dequant_rows, else
+    DEQUANT_ROWS) rows, where `prepare` gave the device a scratch weight, the weight is
+    dequantized there and cuBLAS multiplies (fp32 accumulation).
 
     x: [num_tokens, K] packed.dtype (bf16/fp16) on packed's GPU; any strides (copied when the
        kernel cannot read them: last dim not contiguous, row stride or start not 16-byte aligned)
@@ -136,12 +141,25 @@ def int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None =
         x = x.contiguous()
     if bias is not None:
         bias = _check_bias(bias, n, x)
-    scratch = _scratch.get((_index(x.device), x.dtype)) if num_tokens >= DEQUANT_ROWS else None
-    if scratch is not None and scratch.numel() >= n * packed.k:
-        weight = dequantize(packed, scratch[:n * packed.k].view(n, packed.k))
-        if bias is None:
-            return torch.mm(x, weight.t(), out=out)
-        return torch.addmm(bias, x, weight.t(), out=out)
+    index = _index(x.device)
+    if num_tokens >= _dequant_rows.get(index, DEQUANT_ROWS):
+        scratch = _scratch.get((index, x.dtype))
+        if scratch is not None and scratch.numel() >= n * packed.k:
+            return _dequantized_product(x, packed, bias, out, scratch)
+    return _kernel_product(x, packed, bias, out)
+
+
+def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Tensor:
+    """out = x @ W^T (+ bias) with W dequantized into the scratch (x permuted and checked)."""
+    weight = dequantize(packed, scratch[:packed.n * packed.k].view(packed.n, packed.k))
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _kernel_product(x, packed: PackedInt4, bias, out) -> torch.Tensor:
+    """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked)."""
+    num_tokens, n = x.shape[0], packed.n
     mt = 1 if num_tokens <= 16 else 2 if num_tokens <= 32 else 4
     kernel = f"w4a16_{_DTYPES[x.dtype]}_m{16 * mt}"
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
@@ -159,6 +177,44 @@ def int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None =
     _compile.launch("quant", kernel, x.device, (np_ // CTA_N, splits, m_tiles), (_THREADS, 1, 1),
                     args, shared_mem=_smem_bytes(mt))
     return out
+
+
+def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None
+                      ) -> dict[int, tuple[float, float]]:
+    """Times one layer's products (`weights`, one of each shape) in the kernel and dequantized
+    into prepare's scratch then multiplied by cuBLAS, at each of DEQUANT_CANDIDATES rows, in
+    CUDA graphs; the device's threshold becomes the smallest candidate from which the
+    dequantized products are faster at every larger candidate too (none: NEVER). Before any
+    capture. Returns {rows: (kernel µs, dequantized µs)}."""
+    from pagedserve_kernels.gemm import graph_us
+
+    index = _index(device)
+    dev, dtype = torch.device("cuda", index), weights[0].dtype
+    scratch = _scratch.get((index, dtype))
+    if scratch is None or scratch.numel() < max(w.n * w.k for w in weights):
+        raise RuntimeError("tune_dequant_rows needs prepare(device, scratch_elements, dtype)")
+    times = {}
+    for rows in DEQUANT_CANDIDATES:
+        xs = [torch.randn(rows, w.k, dtype=dtype, device=dev) for w in weights]
+        outs = [torch.empty(rows, w.n, dtype=dtype, device=dev) for w in weights]
+        work = list(zip(xs, weights, outs))
+        times[rows] = (graph_us(lambda: [_kernel_product(x, w, None, o) for x, w, o in work]),
+                       graph_us(lambda: [_dequantized_product(x, w, None, o, scratch)
+                                         for x, w, o in work]))
+    _dequant_rows[index] = dequant_threshold(times)
+    return times
+
+
+def dequant_threshold(times: dict[int, tuple[float, float]]) -> int:
+    """The smallest row count of `times` ({rows: (kernel, dequantized)}) from which the
+    dequantized products are faster at it and every larger one; NEVER if not at the largest."""
+    threshold = NEVER
+    for rows in sorted(times, reverse=True):
+        kernel, dequantized = times[rows]
+        if dequantized >= kernel:
+            break
+        threshold = rows
+    return threshold
 
 
 def dequantize(packed: PackedInt4, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -272,6 +272,8 @@ def _offline_backend() -> tuple[CudaBackend, list]:
     backend.device, backend.gemm, calls = torch.device("cpu"), _Tuner(), []
     backend._quant = SimpleNamespace(
         prepare=lambda *args: calls.append(("prepare", *args)),
+        tune_dequant_rows=lambda weights, device: calls.append(("tune", len(weights))) or {},
+        dequant_threshold=lambda times: None,
         int4_linear=lambda x, w, bias=None: calls.append(("int4_linear", x, w, bias)) or "kernel")
     return backend, calls
 
@@ -284,7 +286,8 @@ def test_prepare_model_repacks_int4_once_and_tunes_only_dense_products(folders, 
     backend, calls = _offline_backend()
     backend.prepare_model(model, None, 512)
     largest = max(w.shape[0] * w.shape[1] for row in loaded for w in row)  # the scratch's size
-    assert calls == [("prepare", torch.device("cpu"), largest, torch.bfloat16)]
+    assert calls == [("prepare", torch.device("cpu"), largest, torch.bfloat16),
+                     ("tune", len(PROJECTIONS))]  # one layer's four products
     assert backend.gemm.groups == [["lm_head"], []]  # decode rows, then step rows (no lm_head)
     for layer, weights in zip(model.layers, loaded):
         for field, weight in zip(PROJECTIONS, weights):
@@ -296,7 +299,7 @@ def test_prepare_model_repacks_int4_once_and_tunes_only_dense_products(folders, 
             assert (packed.perm is None) == (weight.perm is None) == ("act-order" not in kind)
             assert packed.perm is None or torch.equal(packed.perm, weight.perm)
     backend.prepare_model(model, None, 512)  # nothing left to repack: no second prepare
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_linear_dispatches_by_weight_kind(folders):

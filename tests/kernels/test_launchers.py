@@ -325,3 +325,15 @@ def test_shared_memory_limit_is_only_raised(monkeypatch):
                         (100 << 10, 100 << 10), (101 << 10, 101 << 10)):
         assert _compile.get_function("attention", "k", 0, size) is fn
         assert fn.max_dynamic_shared_size_bytes == limit
+
+
+def test_dequant_threshold_is_where_dequantizing_wins_from_there_up():
+    """{rows: (kernel µs, dequantized µs)}: the smallest row count from which the dequantized
+    products are faster at every larger count; a win below a loss does not count."""
+    from pagedserve_kernels import quant
+
+    times = {128: (10, 20), 256: (20, 19), 384: (30, 31), 512: (40, 30), 1024: (80, 50)}
+    assert quant.dequant_threshold(times) == 512
+    assert quant.dequant_threshold({128: (2, 1), 2048: (6, 5)}) == 128
+    assert quant.dequant_threshold({128: (2, 1), 2048: (5, 6)}) == quant.NEVER
+    assert quant.dequant_threshold({}) == quant.NEVER

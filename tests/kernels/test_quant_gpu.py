@@ -163,6 +163,7 @@ def scratch(quant):
         held.fill_(float("nan"))  # a product that used it leaves its weight there
     yield quant
     quant._scratch.clear()
+    quant._dequant_rows.clear()
 
 
 @pytest.mark.parametrize("m", [383, 384, 4096])
@@ -180,3 +181,26 @@ def test_large_row_counts_dequantize_then_multiply(scratch, m, n, k, group, asym
     weight = scratch.dequantize(scratch.repack(qweight, scales, zeros, group, perm))
     held = scratch._scratch[(torch.cuda.current_device(), dtype)][:n * k].view(n, k)
     assert torch.equal(held, weight) == (m >= 384)
+
+
+def test_tuning_sets_the_threshold_the_products_follow(scratch):
+    """tune_dequant_rows times Llama-3-8B's four products both ways at every candidate row
+    count and sets the device's threshold to dequant_threshold of those times; a product at the
+    threshold then runs dequantized (the scratch holds its weight), one below it the kernel."""
+    packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k))
+              for n, k in LLAMA]
+    times = scratch.tune_dequant_rows(packed)
+    print({rows: (round(k), round(d)) for rows, (k, d) in times.items()})
+    assert sorted(times) == list(scratch.DEQUANT_CANDIDATES)
+    assert all(k > 0 and d > 0 for k, d in times.values())
+    threshold = scratch._dequant_rows[torch.cuda.current_device()]
+    assert threshold == scratch.dequant_threshold(times)
+    if threshold == scratch.NEVER:
+        return
+    held = scratch._scratch[(torch.cuda.current_device(), torch.bfloat16)]
+    for rows, dequantized in ((threshold - 1, False), (threshold, True)):
+        held.fill_(float("nan"))
+        x = torch.randn(rows, packed[1].k, device="cuda").to(torch.bfloat16)
+        scratch.int4_linear(x, packed[1])
+        weight = held[:packed[1].n * packed[1].k].view(packed[1].n, packed[1].k)
+        assert torch.equal(weight, scratch.dequantize(packed[1])) == dequantized, rows

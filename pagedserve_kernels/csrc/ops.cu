@@ -120,8 +120,7 @@ __device__ __forceinline__ float row_inv_rms(const T* x, T* r, int hidden, float
 
 // One CTA per token row. ADD: residual = round(residual + x), then out = weight * round(residual *
 // rsqrt(mean(residual^2) + eps)); else the same on x. The second pass re-reads the row (each
-// thread only its own elements, so its own writes of the first pass; L1/L2 hits). Its first
-// pass is row_inv_rms's, written out.
+// thread only its own elements, so its own writes of the first pass; L1/L2 hits).
 template <typename T, bool ADD>
 __device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const T* in,
                                              long long in_stride, T* residual,
@@ -132,32 +131,7 @@ __device__ __forceinline__ void rms_norm_row(T* out, long long out_stride, const
   const T* x = in + row * in_stride;
   T* r = ADD ? residual + row * residual_stride : nullptr;
   T* y = out + row * out_stride;
-  float sumsq = 0.f;
-  if (vec) {
-    for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {
-      float a[kVec];
-      unpack8<T>(reinterpret_cast<const uint4*>(x)[i], a);
-      if (ADD) {
-        float b[kVec];
-        unpack8<T>(reinterpret_cast<const uint4*>(r)[i], b);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) a[e] = round_to<T>(b[e] + a[e]);
-        reinterpret_cast<uint4*>(r)[i] = pack8<T>(a);
-      }
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) sumsq += a[e] * a[e];
-    }
-  } else {
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-      float a = to_float<T>(x[i]);
-      if (ADD) {
-        a = round_to<T>(to_float<T>(r[i]) + a);
-        r[i] = from_float<T>(a);
-      }
-      sumsq += a * a;
-    }
-  }
-  const float inv = rsqrtf(block_sum(sumsq) / (float)hidden + eps);
+  const float inv = row_inv_rms<T, ADD>(x, r, hidden, eps, vec);
   const T* src = ADD ? r : x;
   if (vec) {
     for (int i = threadIdx.x; i < hidden / kVec; i += blockDim.x) {

@@ -147,17 +147,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     row: its amax, then its bytes.
     """
     _check_rows("x", x)
-    num_tokens, width = x.shape
-    out = torch.empty(num_tokens, width, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
-    if num_tokens == 0:
-        return out, scales
-    vec = _rows_aligned(width, x)
-    args = (out.data_ptr(), scales.data_ptr(), x.data_ptr(), _i64(x.stride(0)), _i32(width),
-            _f32(FP8_MIN_SCALE), _i32(vec))
-    threads = _threads(width // _VEC if vec else width, _NORM_MAX_THREADS)
-    _launch(f"quantize_fp8_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads, args)
-    return out, scales
+    return _quantized_rows("quantize_fp8", x, x.shape[1])
 
 
 def rotary_embedding(
@@ -294,19 +284,25 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     returns (e4m3 [num_tokens, d] contiguous, float32 scales [num_tokens, 1]). One CTA per row.
     """
     _check_rows("x", x)
-    num_tokens, width = x.shape
-    if width % 2:
-        raise ValueError(f"x must be [num_tokens, 2 * d] (gate | up), got width {width}")
-    d = width // 2
-    out = torch.empty(num_tokens, d, dtype=torch.float8_e4m3fn, device=x.device)
+    if x.shape[1] % 2:
+        raise ValueError(f"x must be [num_tokens, 2 * d] (gate | up), got width {x.shape[1]}")
+    # vectors where d is whole ones: up's rows start 2 * d bytes into x's
+    return _quantized_rows("silu_and_mul_fp8", x, x.shape[1] // 2)
+
+
+def _quantized_rows(kernel: str, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [num_tokens, width], float32 scales [num_tokens, 1]) from `kernel`, one CTA per row
+    of x quantizing `width` values (x's own, or made from them) per token."""
+    num_tokens = x.shape[0]
+    out = torch.empty(num_tokens, width, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out, scales
-    vec = _rows_aligned(d, x)  # gate's and up's rows: up starts 2 * d bytes into each row
-    args = (out.data_ptr(), scales.data_ptr(), x.data_ptr(), _i64(x.stride(0)), _i32(d),
+    vec = _rows_aligned(width, x)
+    args = (out.data_ptr(), scales.data_ptr(), x.data_ptr(), _i64(x.stride(0)), _i32(width),
             _f32(FP8_MIN_SCALE), _i32(vec))
-    threads = _threads(d // _VEC if vec else d, _NORM_MAX_THREADS)
-    _launch(f"silu_and_mul_fp8_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads, args)
+    threads = _threads(width // _VEC if vec else width, _NORM_MAX_THREADS)
+    _launch(f"{kernel}_{_DTYPES[x.dtype]}", x, (num_tokens, 1, 1), threads, args)
     return out, scales
 
 

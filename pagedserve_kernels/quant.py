@@ -180,12 +180,12 @@ def _kernel_product(x, packed: PackedInt4, bias, out) -> torch.Tensor:
 
 
 def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None
-                      ) -> dict[int, tuple[float, float]]:
+                      ) -> tuple[int, dict[int, tuple[float, float]]]:
     """Times one layer's products (`weights`, one of each shape) in the kernel and dequantized
     into prepare's scratch then multiplied by cuBLAS, at each of DEQUANT_CANDIDATES rows, in
     CUDA graphs; the device's threshold becomes the smallest candidate from which the
     dequantized products are faster at every larger candidate too (none: NEVER). Before any
-    capture. Returns {rows: (kernel µs, dequantized µs)}."""
+    capture. Returns (the threshold, {rows: (kernel µs, dequantized µs)})."""
     from pagedserve_kernels.gemm import graph_us
 
     index = _index(device)
@@ -202,7 +202,7 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
                        graph_us(lambda: [_dequantized_product(x, w, None, o, scratch)
                                          for x, w, o in work]))
     _dequant_rows[index] = dequant_threshold(times)
-    return times
+    return _dequant_rows[index], times
 
 
 def dequant_threshold(times: dict[int, tuple[float, float]]) -> int:

@@ -264,11 +264,11 @@ class CudaBackend:
             largest = max(w.n * w.k for layer in packed for w in layer)
             self._quant.prepare(self.device, largest, model.embed_tokens.dtype)
             # where dequantizing into the scratch beats the kernel, timed on one layer's shapes
-            times = self._quant.tune_dequant_rows(max(packed, key=len), self.device)
+            rows, times = self._quant.tune_dequant_rows(max(packed, key=len), self.device)
             log.info("int4 kernels ready in %.2fs; dequantize + cuBLAS from %s rows (kernel / "
                      "dequantized µs a layer by rows: %s)", time.perf_counter() - start,
-                     self._quant.dequant_threshold(times) if times else "-",
-                     {rows: (round(k), round(d)) for rows, (k, d) in times.items()})
+                     "no" if rows == self._quant.NEVER else rows,
+                     {r: (round(k), round(d)) for r, (k, d) in times.items()})
         groups = {name: weights for name, weights in model.linear_groups().items()
                   if all(isinstance(w, torch.Tensor) for w in weights)}  # dense products
         self.gemm.cache_dir = cache_dir

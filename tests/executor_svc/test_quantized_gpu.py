@@ -267,13 +267,13 @@ class _Tuner:
 
 def _offline_backend() -> tuple[CudaBackend, list]:
     """A CudaBackend without a device (its __init__ needs one): a recording tuner, and a quant
-    module whose prepare() and int4_linear record their calls."""
+    module whose prepare(), tune_dequant_rows() and int4_linear record their calls."""
     backend = object.__new__(CudaBackend)
     backend.device, backend.gemm, calls = torch.device("cpu"), _Tuner(), []
     backend._quant = SimpleNamespace(
         prepare=lambda *args: calls.append(("prepare", *args)),
-        tune_dequant_rows=lambda weights, device: calls.append(("tune", len(weights))) or {},
-        dequant_threshold=lambda times: None,
+        tune_dequant_rows=lambda w, device: calls.append(("tune", len(w))) or (384, {}),
+        NEVER=1 << 30,
         int4_linear=lambda x, w, bias=None: calls.append(("int4_linear", x, w, bias)) or "kernel")
     return backend, calls
 

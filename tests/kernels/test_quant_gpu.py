@@ -189,11 +189,11 @@ def test_tuning_sets_the_threshold_the_products_follow(scratch):
     threshold then runs dequantized (the scratch holds its weight), one below it the kernel."""
     packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k))
               for n, k in LLAMA]
-    times = scratch.tune_dequant_rows(packed)
+    threshold, times = scratch.tune_dequant_rows(packed)
     print({rows: (round(k), round(d)) for rows, (k, d) in times.items()})
     assert sorted(times) == list(scratch.DEQUANT_CANDIDATES)
     assert all(k > 0 and d > 0 for k, d in times.values())
-    threshold = scratch._dequant_rows[torch.cuda.current_device()]
+    assert threshold == scratch._dequant_rows[torch.cuda.current_device()]
     assert threshold == scratch.dequant_threshold(times)
     if threshold == scratch.NEVER:
         return

@@ -1,6 +1,6 @@
 """The quantized weights a linear can hold (Int4Weight, Fp8Weight), the one form each family of
-methods loads into, and fusing the parts of a fused product (q|k|v, gate|up); the FP8 rows a norm
-hands such a product (Fp8Activation). Imports torch only.
+methods loads into, and fusing the parts of a fused product (q|k|v, gate|up); the FP8 rows the op
+before such a product hands it (Fp8Activation). Imports torch only.
 """
 from __future__ import annotations
 

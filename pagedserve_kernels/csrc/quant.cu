@@ -11,8 +11,8 @@ constexpr int THREADS = 256;  // 8 warps: 4 along N (32 columns each) x 2 along 
 constexpr int CTA_N = 128;
 constexpr int STAGE_K = 64;   // one k32 chunk per K warp
 
-// (q & mask) | base in one instruction (the compiler emits an AND and an OR, and this runs
-// for every pair of weights: the loop is bound by instruction issue at small row counts).
+// (q & mask) | base in one instruction, where the compiler emits an AND and an OR: it runs for
+// every pair of weights, and at small row counts the loop is mostly such instructions.
 template <unsigned int BASE>
 __device__ __forceinline__ unsigned int nibbles_into(unsigned int q) {
   unsigned int r;
@@ -107,7 +107,7 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
   const uint4* wsrc = qw + ((size_t)nb * KC + wk) * 32 + lane;  // + 64 per stage
   const unsigned int smem0 = ps::smem_addr(smem);
   // A power-of-two number of k32 chunks per group (32, 64, 128): the group by a shift, not a
-  // division in every stage (the loop is bound by instruction issue at small row counts).
+  // division (some twenty instructions) in every stage.
   const int cpg = group >> 5;
   const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
   constexpr int X_CHUNKS = C::ROWS * 8;  // a stage's 16-byte chunks of activations

@@ -35,7 +35,7 @@ serve: setup
 test: setup
 	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
-# Everything but the tests that start real processes (marked slow) and the GPU tests: ~1 minute.
+# Everything but the tests that start real processes (marked slow) and the GPU tests.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 

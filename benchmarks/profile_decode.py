@@ -14,6 +14,8 @@ step of the same seq; with --decodes D, the chunk beside D one-token seqs (a mix
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py --out decode_profile.json
     PYTHONPATH=. python3 benchmarks/profile_decode.py --batch 256 --mixed 1077 --skip-decode
+    PYTHONPATH=. python3 benchmarks/profile_decode.py --batch 128 --mixed 544 --skip-decode \
+        --variants fused piecewise    (eager against the piecewise graphs, same step)
 
 Floor printed beside it: weights + this batch's K/V read once at the copy bandwidth measured in the
 same run. GPU only.
@@ -35,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from executor_svc.attention_metadata import AttentionMetadata  # noqa: E402
 from executor_svc.backends.cuda import CudaBackend  # noqa: E402
 from executor_svc.cache_engine import CacheEngine  # noqa: E402
+from executor_svc.cuda_graphs import BATCH_SIZES  # noqa: E402
 from executor_svc.model_loader import load_model  # noqa: E402
+from executor_svc.piecewise_graphs import PiecewiseGraphs  # noqa: E402
 
 from bench_kernels import copy_bandwidth, median_ms  # noqa: E402  (this script's folder)
 
@@ -97,9 +101,11 @@ class DecodeStep:
 class MixedStep:
     """A mixed step as the runner builds it: `context_lens` one-token seqs first, then new
     prompts of `prompts` tokens each (from position 0), metadata from build_attention_metadata;
-    run eagerly."""
+    run eagerly, or with `piecewise` through PiecewiseGraphs captured at the executor's ladder
+    size for it (attention eagerly between the pieces)."""
 
-    def __init__(self, model, kv_caches, context_lens: list[int], prompts: list[int]) -> None:
+    def __init__(self, model, kv_caches, context_lens: list[int], prompts: list[int],
+                 piecewise: bool = False) -> None:
         from executor_svc.attention_metadata import build_attention_metadata
 
         self.model, self.kv_caches = model, kv_caches
@@ -118,10 +124,18 @@ class MixedStep:
         self.input_ids = torch.randint(1, model.config.vocab_size, (num_tokens,), device="cuda")
         ends = np.cumsum([1] * len(context_lens) + prompts) - 1
         self.sample_rows = torch.tensor(ends, device="cuda")  # [num_seqs]: the rows sampled
+        self.pieces = None
+        if piecewise:
+            size = next((s for s in BATCH_SIZES if s >= num_tokens), num_tokens)
+            self.pieces = PiecewiseGraphs(model, kv_caches, (size,))
+            self.pieces.capture(torch.cuda.graph_pool_handle())
 
     def forward(self) -> torch.Tensor:
         self.positions, self.md = self.build()  # timed too: the runner builds it every step
-        hidden = self.model.forward(self.input_ids, self.positions, self.md, self.kv_caches)
+        if self.pieces is not None:
+            hidden = self.pieces.forward(self.input_ids, self.positions, self.md)
+        else:
+            hidden = self.model.forward(self.input_ids, self.positions, self.md, self.kv_caches)
         return self.model.compute_logits(hidden[self.sample_rows])
 
     def timed(self, iters: int = 10) -> dict:
@@ -219,9 +233,11 @@ def main() -> None:
                         "(a mixed small step)")
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                    help="variants, each captured and timed (default: fused and unfused for decode "
-                        "steps, fused for mixed and prompt steps): fused (as served), "
-                        "unfused (torch's elementwise ops), rope-cache-apart (as served but RoPE "
-                        "and the cache write as two launches)")
+                        "steps, fused for mixed and prompt steps): fused (the fused kernels; "
+                        "mixed and prompt steps eagerly), unfused (torch's elementwise ops), "
+                        "rope-cache-apart (as fused but RoPE and the cache write as two "
+                        "launches), piecewise (mixed and prompt steps through the piecewise "
+                        "graphs, as the executor serves steps up to their ceiling)")
     p.add_argument("--rounds", type=int, default=1, help="time the variants in turn this often")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -262,6 +278,8 @@ def main() -> None:
         step = DecodeStep(model, engine.kv_caches, lens, width)
         for round_ in range(args.rounds):
             for label in args.variants or ["fused", "unfused"]:
+                if label == "piecewise":  # decode steps replay whole-step graphs
+                    continue
                 set_variant(backend, label)
                 with torch.inference_mode():
                     step.capture()
@@ -298,7 +316,7 @@ def w1_prompts(num_tokens: int) -> list[int]:
     return prompts
 
 
-VARIANTS = ("fused", "unfused", "rope-cache-apart")
+VARIANTS = ("fused", "unfused", "rope-cache-apart", "piecewise")
 
 
 def run_name(label: str, round_: int, rounds: int) -> str:
@@ -322,7 +340,8 @@ def profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw, entry,
                   label: str = "fused") -> tuple:
     """Times and profiles one mixed step; returns its table row. Floor: the matrix products of
     every token at the matmul rate measured here, plus the decodes' K/V read once."""
-    step = MixedStep(model, engine.kv_caches, lens, prompts)
+    piecewise = label.split(",")[0] == "piecewise"
+    step = MixedStep(model, engine.kv_caches, lens, prompts, piecewise)
     prefill = sum(prompts)
     timing = {**step.timed(), **eager_breakdown(step)}
     num_tokens = len(lens) + prefill
@@ -344,7 +363,7 @@ def profile_mixed(model, engine, lens, prompts, weight_bytes, copy_bw, entry,
     print(f"  idle between kernels {timing['idle_between_kernels_ms']:.2f} ms; largest gaps "
           f"(µs, kernel before -> after): {timing['largest_gaps_us']}", flush=True)
     return (f"mixed ({label}): {len(lens)} decodes + {prefill} prompt tokens in "
-            f"{len(prompts)}, eager",
+            f"{len(prompts)}, " + ("piecewise graphs" if piecewise else "eager"),
             f"{timing['gpu_ms']:.2f} ms (host {timing['host_launch_ms']:.2f})",
             f"{floor_ms:.2f} ms", f"{100 * floor_ms / timing['gpu_ms']:.0f}%",
             str(timing["kernels"]))

@@ -17,6 +17,7 @@ from executor_svc.graph_sampler import (
     GREEDY, MAX_CONTROLLED_BATCH, MAX_LOGIT_BIAS, GraphSampler, StepSampling,
 )
 from executor_svc.host_staging import HostStaging
+from executor_svc.piecewise_graphs import PiecewiseGraphs
 from executor_svc.token_counts import TokenCounts
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,11 @@ class CudaGraphs:
                  sample_in_graphs: bool = True,
                  max_controlled_batch: int = MAX_CONTROLLED_BATCH,
                  max_logit_bias: int = MAX_LOGIT_BIAS,
-                 max_masked_batch: int = MAX_MASKED_BATCH) -> None:
+                 max_masked_batch: int = MAX_MASKED_BATCH,
+                 piece_sizes: tuple[int, ...] = ()) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, kv_caches[0].device
+        # Steps neither ladder holds, up to the largest of piece_sizes: captured in this pool
+        self.piecewise = PiecewiseGraphs(model, kv_caches, piece_sizes) if piece_sizes else None
         self.batch_sizes, self.token_sizes = tuple(sorted(batch_sizes)), tuple(sorted(token_sizes))
         self.max_batch_size = self.batch_sizes[-1] if self.batch_sizes else 0
         self.max_tokens = self.token_sizes[-1] if self.token_sizes else 0
@@ -231,6 +235,8 @@ class CudaGraphs:
                 self.step(key)
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
+        if self.piecewise is not None:
+            self.piecewise.capture(pool)
         seconds = time.perf_counter() - start
         log.info("captured %d graphs (decode batch sizes %s, masked up to %d seqs; small steps "
                  "of %s tokens, up to %d seqs) in %.2fs", len(self.graphs), self.batch_sizes,

@@ -12,7 +12,9 @@ import torch
 
 from executor_svc.attention_metadata import build_attention_metadata
 from executor_svc.graph_sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, region_slots
+from executor_svc.piecewise_graphs import PiecewiseGraphs
 from executor_svc.sampler import Sampler, SamplingTensors
+from executor_svc.step_limits import PIECEWISE_MAX_TOKENS
 from executor_svc.step import SamplingOptions
 from executor_svc.token_counts import TokenCounts
 
@@ -83,6 +85,9 @@ def profile_num_gpu_blocks(model, block_size: int, block_bytes: int, utilization
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     reserve = graph_reserve_bytes(cfg.vocab_size, max_decode_batch, sampling_peak)
+    # the piecewise graphs' static buffers (their activations share the pool's allowance)
+    reserve += PiecewiseGraphs.buffer_bytes(
+        cfg, min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS), model.embed_tokens.element_size())
     kv_bytes = int(total * utilization) - used - activation_peak - reserve
     num_blocks = max(kv_bytes, 0) // block_bytes
     if num_blocks < 1:

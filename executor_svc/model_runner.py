@@ -434,7 +434,12 @@ class ModelRunner:
             tables, self.input_batch.num_computed[batch.rows], batch.num_scheduled,
             self.info.block_size, device,
         )
-        hidden = self.model.forward(input_ids, positions, metadata, self.cache_engine.kv_caches)
+        piecewise = self.graphs.piecewise if self.graphs is not None else None
+        if piecewise is not None and piecewise.holds(len(ids)):
+            hidden = piecewise.forward(input_ids, positions, metadata)
+        else:
+            hidden = self.model.forward(input_ids, positions, metadata,
+                                        self.cache_engine.kv_caches)
         if not len(to_sample):
             return hidden[:0]
         last_rows = np.cumsum(batch.num_scheduled)[to_sample] - 1  # [num_sampled]

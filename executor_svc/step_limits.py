@@ -22,6 +22,9 @@ CPU = (2048, 128)
 # vLLM's largest default capture size is min(2 * max_num_seqs, 512) tokens: above it a step's
 # products outlast its eager launch.
 _MAX_CAPTURE_TOKENS = 512
+# Past vLLM's 512 for the piecewise graphs: this executor's eager launch of a step costs the host
+# several times vLLM's compiled one, so steps up to here would wait on it.
+PIECEWISE_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,13 @@ def small_step_graph_sizes(limits: StepLimits, ladder: tuple[int, ...]) -> tuple
     (min(2 * max_num_seqs, 512), at most the token budget)."""
     cap = min(2 * limits.max_num_seqs, _MAX_CAPTURE_TOKENS, limits.max_num_batched_tokens)
     return _up_to(ladder, min(cap, ladder[-1]))
+
+
+def piecewise_graph_sizes(limits: StepLimits, ladder: tuple[int, ...]) -> tuple[int, ...]:
+    """Token counts of the piecewise graphs: `ladder`'s from 16 (smaller steps have few enough
+    seqs for the small-step graphs) up to PIECEWISE_MAX_TOKENS, at most the token budget."""
+    cap = min(limits.max_num_batched_tokens, PIECEWISE_MAX_TOKENS, ladder[-1])
+    return tuple(size for size in _up_to(ladder, cap) if size >= min(16, cap))
 
 
 def _up_to(ladder: tuple[int, ...], cap: int) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from executor_svc.model_loader import DTYPES, default_model_source, load_model
 from executor_svc.model_runner import ModelRunner
 from executor_svc.step import ExecutorInfo
 from executor_svc.step_limits import (choose_step_limits, decode_graph_sizes, device_of,
-                                      small_step_graph_sizes)
+                                      piecewise_graph_sizes, small_step_graph_sizes)
 from executor_svc.structured_output import hf_tokenizer
 
 log = logging.getLogger(__name__)
@@ -125,14 +125,17 @@ class Worker:
         """The runner, with the backend's graph runner unless enforce_eager (the sizes the step
         limits call for; `info` names those built); the graphs are captured once the runner
         exists, since the decode graphs count penalties in its rows."""
-        graphs = None
+        graphs, self.piece_sizes = None, ()
         if not self.config.enforce_eager:
             max_blocks_per_seq = -(-self.info.max_model_len // self.config.block_size)
             graphs = self.backend.build_graphs(
                 self.model, self.cache_engine.kv_caches, max_blocks_per_seq, self.dtype,
                 decode_graph_sizes(self.step_limits, BATCH_SIZES),
                 small_step_graph_sizes(self.step_limits, TOKEN_SIZES),
-                grammars=bool(self.info.tokenizer))
+                grammars=bool(self.info.tokenizer),
+                piece_sizes=piecewise_graph_sizes(self.step_limits, BATCH_SIZES))
+            if graphs is not None and graphs.piecewise is not None:
+                self.piece_sizes = graphs.piecewise.token_sizes
         self.step_limits = replace(
             self.step_limits,
             decode_graph_sizes=graphs.batch_sizes if graphs is not None else (),
@@ -149,13 +152,15 @@ class Worker:
         token_sizes = self.step_limits.small_step_graph_sizes
         self._warn_unscaled_kv_cache()
         log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %s, %.1f GiB), %d CPU swap "
-                 "pages (%.1f GiB%s), decode graphs %s, small-step graphs %s", info.model_name,
+                 "pages (%.1f GiB%s), decode graphs %s, small-step graphs %s, piecewise graphs %s",
+                 info.model_name,
                  info.dtype, self.backend.attention_impl(self.dtype, self.model_config.head_dim),
                  info.num_gpu_blocks, info.backend, info.kv_cache_dtype,
                  info.num_gpu_blocks * block_gib,
                  cache.num_cpu_blocks, cache.num_cpu_blocks * block_gib,
                  " pinned" if self.backend.pin_swap_memory else "",
-                 decode_sizes or "off", f"{token_sizes} tokens" if token_sizes else "off")
+                 decode_sizes or "off", f"{token_sizes} tokens" if token_sizes else "off",
+                 f"{self.piece_sizes} tokens" if self.piece_sizes else "off")
 
     def _warn_unscaled_kv_cache(self) -> None:
         """vLLM's warning: an FP8 cache whose layers' scales are 1.0 (the checkpoint has none)

@@ -206,23 +206,25 @@ class LinearTuner:
         self.rungs: dict[tuple, list[tuple[int, Algo]]] = {}
         self._untuned: dict[tuple, Algo | None] = {}  # (m, n, k, dtype) -> its rung's algorithm
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [M, K], w: [N, K] -> [M, N] (F.linear's contract)."""
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [M, K], w: [N, K] -> [M, N] (F.linear's contract), into `out` [M, N] (contiguous)
+        when given."""
         if bias is None and self.tuned and x.dim() == 2:
             key = (x.shape[0], w.shape[0], w.shape[1], x.dtype)
             algo = self.algos.get(key) if key in self.tuned else self._rung(key)
-            if algo is not None and _lt_ready(x, w):
-                out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+            if algo is not None and _lt_ready(x, w, out):
+                result = out if out is not None else torch.empty(
+                    x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
                 try:
-                    self._lt.matmul(algo, x, w, out)  # type: ignore[union-attr]
+                    self._lt.matmul(algo, x, w, result)  # type: ignore[union-attr]
                 except RuntimeError:
                     if key in self.tuned:
                         raise  # ran at this very shape when chosen
                     self._untuned[key] = None  # refused here (nothing ran): F.linear from now on
-                    return F.linear(x, w)
-                return out
-        return F.linear(x, w, bias)
+                    return _linear(x, w, None, out)
+                return result
+        return _linear(x, w, bias, out)
 
     def _rung(self, key: tuple) -> Algo | None:
         """The algorithm of an untuned row count: that of the smallest tuned count above it
@@ -375,10 +377,13 @@ class LinearTuner:
         return row
 
 
-def _lt_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """cuBLASLt's layouts here: dense row-major [M, K] and [N, K], 16-byte aligned, one dtype."""
+def _lt_ready(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """cuBLASLt's layouts here: dense row-major [M, K], [N, K] and the output [M, N], 16-byte
+    aligned, one dtype."""
     return (x.dtype == w.dtype and x.is_contiguous() and w.is_contiguous()
-            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and x.device == w.device)
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and x.device == w.device
+            and (out is None or (out.dtype == x.dtype and out.is_contiguous()
+                                 and out.data_ptr() % 16 == 0)))
 
 
 def graph_us(fn, replays: int = 5) -> float:
@@ -398,3 +403,15 @@ def graph_us(fn, replays: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, into `out` when given through the products F.linear itself calls for 2-D
+    inputs (addmm with a bias, else mm), so the values are the same."""
+    if out is None or x.dim() != 2:
+        y = F.linear(x, w, bias)
+        return y if out is None else out.copy_(y)
+    if bias is None:
+        return torch.mm(x, w.t(), out=out)
+    return torch.addmm(bias, x, w.t(), out=out)

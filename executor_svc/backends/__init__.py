@@ -76,10 +76,10 @@ class Backend(Protocol):
 
     def gelu_tanh_and_mul(self, x, out=None) -> torch.Tensor: ...
 
-    def linear(self, x, weight, bias=None) -> torch.Tensor:
+    def linear(self, x, weight, bias=None, out=None) -> torch.Tensor:
         """x [T, K] -> [T, N]; weight: a dense [N, K] tensor (F.linear's contract) or a quantized
         linear (executor_svc.quantization: Int4Weight, Fp8Weight); x an Fp8Activation for an
-        Fp8Weight that takes them."""
+        Fp8Weight that takes them. Into `out` [T, N] (contiguous) when given: the same values."""
         ...
 
     def apply_token_bitmask(self, logits, bitmask, indices=None) -> None:
@@ -108,12 +108,13 @@ class Backend(Protocol):
 
     def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
                      decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...],
-                     grammars: bool = True) -> CudaGraphs | None:
+                     grammars: bool = True, piece_sizes: tuple[int, ...] = ()
+                     ) -> CudaGraphs | None:
         """The graph runner the model runner replays (decode graphs of `decode_sizes` seqs,
-        small-step graphs of `token_sizes` tokens or of none), None when every step runs
-        eagerly; `grammars`: with the grammar-masked twins of the decode graphs (an executor
-        without a tokenizer takes no grammar). It comes uncaptured: capture(counts) needs the
-        runner's rows."""
+        small-step graphs of `token_sizes` tokens or of none, piecewise graphs of `piece_sizes`
+        tokens for the steps between), None when every step runs eagerly; `grammars`: with the
+        grammar-masked twins of the decode graphs (an executor without a tokenizer takes no
+        grammar). It comes uncaptured: capture(counts) needs the runner's rows."""
         ...
 
     def graph_workspaces(self) -> list[torch.Tensor]:

@@ -47,8 +47,14 @@ class CpuBackend:
         return reference.silu_and_mul(x, out)
 
     @staticmethod
-    def linear(x, weight, bias=None) -> torch.Tensor:
-        """F.linear for a dense weight; a quantized one through its kernel's twin."""
+    def linear(x, weight, bias=None, out=None) -> torch.Tensor:
+        """F.linear for a dense weight; a quantized one through its kernel's twin; copied into
+        `out` when given."""
+        y = CpuBackend._linear(x, weight, bias)
+        return y if out is None else out.copy_(y)
+
+    @staticmethod
+    def _linear(x, weight, bias) -> torch.Tensor:
         if isinstance(x, Fp8Activation):  # the op before it quantized the rows for this weight
             return reference.fp8_scaled_linear(x.values, x.scale, weight.weight,
                                                weight.weight_scale, bias, x.dtype)
@@ -89,7 +95,7 @@ class CpuBackend:
     @staticmethod
     def build_graphs(model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
                      decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...],
-                     grammars: bool = True) -> None:
+                     grammars: bool = True, piece_sizes: tuple[int, ...] = ()) -> None:
         return None
 
     @staticmethod

@@ -199,12 +199,17 @@ class CudaBackend:
 
     # -- matrix products --------------------------------------------------------------------------
 
-    def linear(self, x, weight, bias=None) -> torch.Tensor:
-        """Dense: the tuned GEMM; int4 in the W4A16 kernel's layout (prepare_model repacks a
-        bf16/fp16 model's): the kernel, bias fused; an Int4Weight (float32 models): its twin;
-        FP8 W8A8: cuBLASLt's scaled product (_fp8_linear)."""
+    def linear(self, x, weight, bias=None, out=None) -> torch.Tensor:
+        """Dense: the tuned GEMM, straight into `out` when given; int4 in the W4A16 kernel's
+        layout (prepare_model repacks a bf16/fp16 model's): the kernel, bias fused; an
+        Int4Weight (float32 models): its twin; FP8 W8A8: cuBLASLt's scaled product
+        (_fp8_linear); the quantized ones copied into `out` when given."""
         if isinstance(weight, torch.Tensor):
-            return self.gemm.linear(x, weight, bias)
+            return self.gemm.linear(x, weight, bias, out)
+        y = self._quantized_linear(x, weight, bias)
+        return y if out is None else out.copy_(y)
+
+    def _quantized_linear(self, x, weight, bias) -> torch.Tensor:
         if isinstance(weight, Int4Weight):
             return reference.int4_linear(x, weight.qweight, weight.scales, weight.zeros,
                                          weight.group_size, weight.perm, bias)
@@ -289,16 +294,18 @@ class CudaBackend:
 
     def build_graphs(self, model, kv_caches, max_blocks_per_seq: int, dtype: torch.dtype,
                      decode_sizes: tuple[int, ...], token_sizes: tuple[int, ...],
-                     grammars: bool = True):
+                     grammars: bool = True, piece_sizes: tuple[int, ...] = ()):
         """CudaGraphs, not captured yet: capture(counts) needs the runner's penalty counts. Small
-        steps only where the kernels cover the model: the torch prefill twin is not capturable.
-        Without `grammars` no masked twins (up to one per decode graph) are captured."""
+        steps only where the kernels cover the model: the torch prefill twin is not capturable
+        (the piecewise graphs leave attention out, so they need no kernel). Without `grammars`
+        no masked twins (up to one per decode graph) are captured."""
         from executor_svc.cuda_graphs import MAX_MASKED_BATCH, CudaGraphs
 
         if not self.kernels_cover(dtype, model.config.head_dim):
             token_sizes = ()
         return CudaGraphs(model, kv_caches, max_blocks_per_seq, decode_sizes, token_sizes,
-                          max_masked_batch=MAX_MASKED_BATCH if grammars else 0)
+                          max_masked_batch=MAX_MASKED_BATCH if grammars else 0,
+                          piece_sizes=piece_sizes)
 
     def graph_workspaces(self) -> list[torch.Tensor]:
         """The attention launchers' scratch tensors, which a captured graph must keep alive."""

@@ -73,31 +73,109 @@ class LlamaModel:
         kv_caches: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: K and V, [layers, blocks, kv_heads, block_size,
-        head_dim]. Writes this step's K/V into the cache; returns hidden [T, hidden]."""
+        head_dim]. Writes this step's K/V into the cache; returns hidden [T, hidden]. The layers'
+        parts are the pieces PiecewiseGraphs captures apart around attend()."""
         k_cache, v_cache = kv_caches
-        ops, eps = self.backend, self.config.rms_norm_eps
-        # fused_add_rms_norm(x, residual): residual += x, rounded to the dtype as transformers'
-        # `h + out` is, then x = norm(residual); both in place.
-        residual = self.embed_tokens[input_ids]  # [T, hidden]: a gather, ours to update in place
+        residual, x = self.embed(input_ids), None
+        for i in range(len(self.layers)):
+            q, residual = self.layer_in(i, x, residual, positions, attn_metadata.slot_mapping,
+                                        k_cache[i], v_cache[i])
+            out = self.attend(i, q, attn_metadata, k_cache[i], v_cache[i])
+            x, residual = self.layer_out(i, out, residual)
+        return self.end(x, residual)
+
+    def embed(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream's start [T, hidden]: the ids' embeddings (scaled where the family
+        scales them), into `out` when given. Ours to update in place."""
+        if out is None:
+            residual = self.embed_tokens[input_ids]  # [T, hidden]: a gather
+        else:
+            residual = torch.index_select(self.embed_tokens, 0, input_ids, out=out)
         if self.embed_scale is not None:
-            residual = residual * self.embed_scale
+            residual = residual.mul_(self.embed_scale)  # rounded to the dtype as x * scale is
+        return residual
+
+    def layer_in(self, i: int, x, residual: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 qkv_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i up to attention: its input norm (the first layer's over the embeddings; later
+        ones fused_add_rms_norm(x, residual): residual += x, rounded to the dtype as
+        transformers' `h + out` is, then x = norm(residual), both in place), the QKV product
+        (into qkv_out when given), the per-head q/k norms, RoPE and this step's K/V into the
+        cache. Returns (q [T, heads, hd], a view into the product, and the residual)."""
+        cfg, ops, layer = self.config, self.backend, self.layers[i]
         # feeds: FP8 W8A8 products with per-token scales take their rows quantized by the norm.
-        x = ops.rms_norm(residual, self.layers[0].input_norm, eps,
-                         feeds=self.layers[0].qkv_proj)  # [T, hidden]
-        for i, layer in enumerate(self.layers):
-            if i > 0:
-                x, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, eps,
-                                                     feeds=layer.qkv_proj)
-            x = self._attention(x, layer, positions, attn_metadata, k_cache[i], v_cache[i],
-                                self.kv_scales[i])
-            if layer.attn_out_norm is not None:  # GLM-4, Gemma: normed before the residual add
-                x = ops.rms_norm(x, layer.attn_out_norm, eps)
-            x, residual = ops.fused_add_rms_norm(x, residual, layer.post_attention_norm, eps,
-                                                 feeds=layer.gate_up_proj)
-            x = self._mlp(x, layer)
-            if layer.mlp_out_norm is not None:
-                x = ops.rms_norm(x, layer.mlp_out_norm, eps)
-        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, eps)
+        if i == 0:
+            x = ops.rms_norm(residual, layer.input_norm, cfg.rms_norm_eps, feeds=layer.qkv_proj)
+        else:
+            x, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, cfg.rms_norm_eps,
+                                                 feeds=layer.qkv_proj)
+        num_tokens = residual.shape[0]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias, out=qkv_out)  # [T, q + 2 * kv]
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        # Views into qkv (strided): RoPE rotates q and k where they lie.
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, heads, hd]
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
+        if layer.q_norm is not None:  # per-head RMSNorm (Qwen3, Gemma 3), in place in qkv
+            ops.head_rms_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
+        local = layer.window is not None
+        cos = self.local_rope_cos if local else self.rope_cos
+        sin = self.local_rope_sin if local else self.rope_sin
+        k_scale, v_scale = self.kv_scales[i]
+        ops.rotary_embedding_and_cache(positions, q, k, v, cos, sin, k_cache, v_cache,
+                                       slot_mapping, interleaved=cfg.rope_interleaved,
+                                       k_scale=k_scale, v_scale=v_scale)
+        return q, residual
+
+    def attend(self, i: int, q: torch.Tensor, md: AttentionMetadata, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's attention of q [T, heads, hd] over the paged cache -> [T, heads, hd] (into
+        `out` when given): the decode kernel, the prefill kernel, or in a mixed step the decode
+        kernel for its leading one-token seqs and the prefill kernel for the rest."""
+        k_scale, v_scale = self.kv_scales[i]
+        features = dict(sliding_window=self.layers[i].window,
+                        soft_cap=self.config.attn_logit_softcapping, k_scale=k_scale,
+                        v_scale=v_scale)
+        ops = self.backend
+        if md.is_decode_only:
+            return ops.paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                              self.scale, out=out, **features)
+        if md.prefill is None:
+            return ops.paged_prefill_attention(q, k_cache, v_cache, md.block_tables,
+                                               md.cu_seqlens_q, md.seq_lens, self.scale, out=out,
+                                               **features)
+        d, p = md.num_decodes, md.prefill
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, heads, hd]
+        ops.paged_decode_attention(q[:d], k_cache, v_cache, md.block_tables[:d], md.seq_lens[:d],
+                                   self.scale, out=out[:d], **features)
+        ops.paged_prefill_attention(q[d:], k_cache, v_cache, p.block_tables, p.cu_seqlens_q,
+                                    p.seq_lens, self.scale, out=out[d:], **features)
+        return out
+
+    def layer_out(self, i: int, attn: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i after attention (attn: [T, heads, hd]): the output product, the post-attention
+        norm with the residual add, the MLP, and the families' extra norms. Returns (x, residual
+        updated in place)."""
+        cfg, ops, layer = self.config, self.backend, self.layers[i]
+        num_tokens = attn.shape[0]
+        x = ops.linear(attn.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer.o_proj,
+                       layer.o_bias)
+        if layer.attn_out_norm is not None:  # GLM-4, Gemma: normed before the residual add
+            x = ops.rms_norm(x, layer.attn_out_norm, cfg.rms_norm_eps)
+        x, residual = ops.fused_add_rms_norm(x, residual, layer.post_attention_norm,
+                                             cfg.rms_norm_eps, feeds=layer.gate_up_proj)
+        x = self._mlp(x, layer)
+        if layer.mlp_out_norm is not None:
+            x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
+        return x, residual
+
+    def end(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The final norm over the last layer's output and the residual -> hidden [T, hidden]."""
+        x, _ = self.backend.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
         return x
 
     @torch.inference_mode()
@@ -109,51 +187,6 @@ class LlamaModel:
         if cap is not None:  # Gemma 2, in the model's dtype as transformers
             logits = torch.tanh(logits / cap) * cap
         return logits.float() if out is None else out.copy_(logits)
-
-    def _attention(self, x, layer, positions, md, k_cache, v_cache, kv_scales) -> torch.Tensor:
-        cfg, ops = self.config, self.backend
-        k_scale, v_scale = kv_scales
-        num_tokens = x.shape[0]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        # Views into qkv (strided): RoPE rotates q and k where they lie.
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, heads, hd]
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, kv_heads, hd]
-        if layer.q_norm is not None:  # per-head RMSNorm (Qwen3, Gemma 3), in place in qkv
-            ops.head_rms_norm(q, k, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
-        local = layer.window is not None
-        cos = self.local_rope_cos if local else self.rope_cos
-        sin = self.local_rope_sin if local else self.rope_sin
-        ops.rotary_embedding_and_cache(positions, q, k, v, cos, sin, k_cache, v_cache,
-                                       md.slot_mapping, interleaved=cfg.rope_interleaved,
-                                       k_scale=k_scale, v_scale=v_scale)
-        features = dict(sliding_window=layer.window, soft_cap=cfg.attn_logit_softcapping,
-                        k_scale=k_scale, v_scale=v_scale)
-        if md.is_decode_only:
-            out = ops.paged_decode_attention(
-                q, k_cache, v_cache, md.block_tables, md.seq_lens, self.scale, **features
-            )
-        elif md.prefill is not None:  # mixed: the leading one-token seqs, then the rest
-            out = self._mixed_attention(q, md, k_cache, v_cache, features)
-        else:
-            out = ops.paged_prefill_attention(
-                q, k_cache, v_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, self.scale,
-                **features
-            )  # [T, heads, hd]
-        return ops.linear(out.reshape(num_tokens, q_size), layer.o_proj, layer.o_bias)
-
-    def _mixed_attention(self, q, md, k_cache, v_cache, features) -> torch.Tensor:
-        """q: [T, heads, hd]; its first md.num_decodes rows are one token of their own seq."""
-        d, p = md.num_decodes, md.prefill
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, heads, hd]
-        self.backend.paged_decode_attention(q[:d], k_cache, v_cache, md.block_tables[:d],
-                                            md.seq_lens[:d], self.scale, out=out[:d], **features)
-        self.backend.paged_prefill_attention(q[d:], k_cache, v_cache, p.block_tables,
-                                             p.cu_seqlens_q, p.seq_lens, self.scale, out=out[d:],
-                                             **features)
-        return out
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate_up = self.backend.linear(x, layer.gate_up_proj)  # [T, 2 * intermediate], gate | up

@@ -44,9 +44,10 @@ class EagerReplay:
 
 def eager_graphs(runner: ModelRunner, batch_sizes=(1, 2, 4, 8), token_sizes=(), graphs_class=None,
                  **options):
-    """CudaGraphs (or `graphs_class`) over the runner's model and cache whose replays run
-    eagerly, a block table never wider than the cache has blocks; options go to the class. No
-    small-step ladder unless token_sizes are given."""
+    """CudaGraphs (or `graphs_class`) over the runner's model and cache whose replays (and
+    piecewise ones, with options' piece_sizes) run eagerly, a block table never wider than the
+    cache has blocks; options go to the class. No small-step ladder unless token_sizes are
+    given."""
     from executor_svc.cuda_graphs import CudaGraphs
 
     graphs = (graphs_class or CudaGraphs)(runner.model, runner.cache_engine.kv_caches,
@@ -54,7 +55,15 @@ def eager_graphs(runner: ModelRunner, batch_sizes=(1, 2, 4, 8), token_sizes=(), 
                                           **options)
     graphs.prepare(runner.input_batch.token_counts)
     graphs.graphs = {key: EagerReplay(graphs, key) for key in graphs.keys()}
+    if graphs.piecewise is not None:
+        eager_pieces(graphs.piecewise)
     return graphs
+
+
+def eager_pieces(piecewise):
+    """PiecewiseGraphs whose replays run eagerly."""
+    piecewise.graphs = {key: EagerReplay(piecewise, key) for key in piecewise.keys()}
+    return piecewise
 
 
 def with_eager_graphs(runner: ModelRunner, batch_sizes=(1, 2, 4, 8), **options) -> ModelRunner:

@@ -429,28 +429,90 @@ def test_small_step_graphs_match_the_eager_forward_on_gpu():
                 [driver.cached_seq(s) for s in (1, 2, 3, 4)]
                 + [driver.cached_seq(5, num_scheduled=12)])),
         ]
-        outputs[small] = []
-        for step_id, fields in enumerate(steps, start=1):
-            plan = StepPlan(step_id, **fields())
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error" if small else "default")
-            try:
-                pending = runner.launch(plan)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            out = runner.finish(pending)
-            # Both runs continue from the eager run's tokens (a close call may differ).
-            for t in (outputs[False][step_id - 1] if small else out).sampled:
-                driver.tokens[t.seq_id].append(t.token_id)
-            outputs[small].append(out)
+        outputs[small] = _run_steps(runner, driver, steps, outputs.get(False),
+                                    lambda step_id: small)
         assert [len(o.sampled) for o in outputs[small]] == [3, 4, 0, 5]
         assert replayed == ([62, 33, 400, 16] if small else [])  # every step took the graphs
         del runner
         torch.cuda.empty_cache()
-    for eager, graphed in zip(outputs[False], outputs[True], strict=True):
-        for a, b in zip(eager.sampled, graphed.sampled, strict=True):
+    _assert_same_distribution(outputs[False], outputs[True])
+
+
+def _run_steps(runner, driver, steps, follow=None, checked=lambda step_id: False) -> list:
+    """Launches and finishes each step (`steps`: functions giving a plan's fields) and returns
+    their StepResults; the launches `checked` names must sync nothing. Each step's tokens are
+    appended from `follow` (another run's results, so that both runs continue from the same
+    tokens where a close call differs) or else its own."""
+    outputs = []
+    for step_id, fields in enumerate(steps, start=1):
+        plan = StepPlan(step_id, **fields())
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked(step_id) else "default")
+        try:
+            pending = runner.launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out = runner.finish(pending)
+        for t in (follow[step_id - 1] if follow is not None else out).sampled:
+            driver.tokens[t.seq_id].append(t.token_id)
+        outputs.append(out)
+    return outputs
+
+
+def _assert_same_distribution(eager: list, other: list) -> None:
+    """Step by step, the same seqs sampled, top logprobs within bf16's tolerance, and the same
+    token unless the eager run's top two were a close call."""
+    for eager_step, other_step in zip(eager, other, strict=True):
+        for a, b in zip(eager_step.sampled, other_step.sampled, strict=True):
             assert a.seq_id == b.seq_id
             torch.testing.assert_close(torch.tensor(b.top_logprobs), torch.tensor(a.top_logprobs),
                                        atol=0.05, rtol=0.0)
             close_call = a.top_logprobs[0] - a.top_logprobs[1] < 0.05
             assert a.token_id == b.token_id or close_call, (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
+def test_piecewise_graphs_match_the_eager_forward_on_gpu():
+    """Steps neither full-step ladder holds, replayed piecewise (attention eagerly between the
+    captured pieces) give the eager forward's distribution in bf16 (the same kernels; products
+    at the padded row count, hence a tolerance), and their launch syncs nothing: a prefill of
+    40 seqs (680 tokens, padded to 704), then their 40 decodes beside a new 300-token prompt
+    (340 tokens over 41 seqs: past the small-step graphs' 32), then 40 decodes beside that
+    prompt's next 12 tokens (52 tokens, few-query attention), then a 1,100-token step past the
+    ladder, eager."""
+    hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
+    rng = random.Random(4)
+    prompts = {s: random_prompt(rng, 17) for s in range(1, 41)}
+    late, huge = random_prompt(rng, 312), random_prompt(rng, 1100)
+    top = SamplingOptions(logprobs=5)
+    outputs = {}
+    for pieced in (False, True):
+        runner = gpu_runner(hf, "bfloat16", max_model_len=2048, graphs=pieced, batch_sizes=(),
+                            piece_sizes=BATCH_SIZES[BATCH_SIZES.index(16):])
+        replayed = []
+        if pieced:
+            pieces = runner.graphs.piecewise
+            real_forward = pieces.forward
+
+            def counting_forward(input_ids, positions, md):
+                replayed.append(len(input_ids))
+                return real_forward(input_ids, positions, md)
+            pieces.forward = counting_forward
+        driver = PlanDriver(runner)
+        steps = [
+            lambda: dict(new_seqs=[driver.new_seq(s, p, sampling=top) for s, p in prompts.items()]),
+            lambda: dict(cached_seqs=CachedSeqs.of(driver.cached_seq(s) for s in prompts),
+                         new_seqs=[driver.new_seq(41, late, num_scheduled=300, sampling=top)]),
+            lambda: dict(cached_seqs=CachedSeqs.of(
+                [driver.cached_seq(s) for s in prompts]
+                + [driver.cached_seq(41, num_scheduled=12)])),
+            lambda: dict(new_seqs=[driver.new_seq(42, huge, sampling=top)]),
+        ]
+        outputs[pieced] = _run_steps(runner, driver, steps, outputs.get(False),
+                                     lambda step_id: pieced and step_id < 4)
+        assert [len(o.sampled) for o in outputs[pieced]] == [40, 40, 41, 1]
+        assert replayed == ([680, 340, 52] if pieced else [])  # the 1,100-token step: eager
+        del runner
+        torch.cuda.empty_cache()
+    _assert_same_distribution(outputs[False], outputs[True])

@@ -318,7 +318,7 @@ def test_linear_dispatches_by_weight_kind(folders):
     bias = layer.qkv_bias.bfloat16()
     assert backend.linear(x.bfloat16(), packed, bias) == "kernel"
     assert calls[-1][2] is packed and calls[-1][3] is bias
-    backend.gemm.linear = lambda x, w, bias=None: "gemm"
+    backend.gemm.linear = lambda x, w, bias=None, out=None: "gemm"
     assert backend.linear(x, model.lm_head) == "gemm"
 
 

@@ -9,7 +9,8 @@ from executor_svc.cuda_graphs import BATCH_SIZES, TOKEN_SIZES
 from executor_svc.model_loader import load_model
 from executor_svc.step import ExecutorInfo, StepLimits
 from executor_svc.step_limits import (Device, choose_step_limits, decode_graph_sizes,
-                                      device_of, small_step_graph_sizes, vllm_batch_defaults)
+                                      device_of, piecewise_graph_sizes, small_step_graph_sizes,
+                                      vllm_batch_defaults)
 from executor_svc.worker import Worker
 from scheduler_svc import wire as scheduler_wire
 
@@ -101,6 +102,15 @@ def test_small_step_graph_sizes_by_vllms_capture_ceiling(tokens, seqs, expected)
     assert small_step_graph_sizes(limits(tokens, seqs), TOKEN_SIZES) == expected
 
 
+@pytest.mark.parametrize("tokens, expected", [
+    (8192, tuple(s for s in BATCH_SIZES if 16 <= s <= 1024)),  # to PIECEWISE_MAX_TOKENS
+    (300, (16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 300)),  # the budget
+    (8, (8,)),  # a budget under the ladder's start
+])
+def test_piecewise_graph_sizes_reach_the_token_budget_up_to_their_ceiling(tokens, expected):
+    assert piecewise_graph_sizes(limits(tokens, 64), BATCH_SIZES) == expected
+
+
 def test_describe_round_trip_to_the_scheduler():
     sent = StepLimits(8192, 1024, True, "vLLM's rule for NVIDIA H200, 139.8 GiB", BATCH_SIZES,
                       TOKEN_SIZES)
@@ -146,9 +156,10 @@ def test_a_gpu_workers_profile_and_graphs_follow_its_step_limits(monkeypatch):
             asked["profile"] = (tokens, seqs)
 
         def build_graphs(self, model, kv_caches, max_blocks_per_seq, dtype, decode, tokens,
-                         grammars=True):
+                         grammars=True, piece_sizes=()):
             asked["graphs"] = (decode, tokens)
             asked["grammars"] = grammars
+            asked["pieces"] = piece_sizes
             return None
 
     monkeypatch.setattr(worker_module, "get_backend", lambda name: RecordingBackend())
@@ -158,7 +169,8 @@ def test_a_gpu_workers_profile_and_graphs_follow_its_step_limits(monkeypatch):
     assert asked == {"profile": (8192, 100),
                      "graphs": ((1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100),
                                 (16, 32, 64, 128, 200)),
-                     "grammars": bool(info.tokenizer)}
+                     "grammars": bool(info.tokenizer),
+                     "pieces": tuple(s for s in BATCH_SIZES if s >= 16)}  # up to 1,024 tokens
     # A model without a tokenizer takes no grammar: no masked twins of the decode graphs.
     monkeypatch.setattr(worker_module, "load_model",
                         lambda *args, **kwargs: (*load_model(*args, **kwargs)[:2], "", "x"))

@@ -329,16 +329,21 @@ class ModelRunner:
         self.backend.apply_token_bitmask(logits, to_device(torch.from_numpy(bitmask), device),
                                          to_device(torch.from_numpy(index), device))
 
+    def _awaits_unfinished(self, rows: np.ndarray) -> bool:
+        """Whether a token of the seqs of InputBatch rows `rows` comes from an unfinished step."""
+        input_batch = self.input_batch
+        return bool((input_batch.num_known[rows] < input_batch.num_tokens[rows]).any())
+
     def _grammar_bitmask(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), words] int32: what the seqs of InputBatch rows `rows` may sample next. A
         token of theirs that an unfinished step sampled is waited for here (that step's end)."""
         input_batch = self.input_batch
-        positions = input_batch.num_tokens[rows]  # where the sampled tokens go
-        if (input_batch.num_known[rows] < positions).any():
+        if self._awaits_unfinished(rows):
             self._record_unfinished()
         token_ids = input_batch.token_ids
         return input_batch.grammars.bitmask(
-            rows, positions, lambda row, start, end: token_ids[row, start:end])
+            rows, input_batch.num_tokens[rows],  # where the sampled tokens go
+            lambda row, start, end: token_ids[row, start:end])
 
     def _record_unfinished(self) -> None:
         """Waits for the unfinished steps and records their sampled ids in the rows now (finish
@@ -466,8 +471,11 @@ class ModelRunner:
         inputs = self._graph_inputs(batch, tables, to_sample, ladder == DECODE)
         mask, may_sample = None, True
         if ladder == DECODE and len(constrained):
-            # Else the graph's logits are masked and sampled after the forward is queued.
-            may_sample = self.graphs.masks_in_graph(sampling, num_seqs)
+            # The mask needs each constrained row's last token: where an unfinished step sampled
+            # one, the graph's logits are masked and sampled after the forward is queued, which
+            # then runs while the host waits and fills the mask; else the graph masks them.
+            may_sample = (self.graphs.masks_in_graph(sampling, num_seqs)
+                          and not self._awaits_unfinished(batch.rows[to_sample[constrained]]))
             if may_sample:
                 mask = self._grammar_mask(batch, to_sample[constrained])
         logits, sampled = self.graphs.run(inputs, sampling, mask, may_sample)

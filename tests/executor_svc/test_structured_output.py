@@ -250,15 +250,21 @@ def graphed_runner(**graph_options):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_decode_graphs_mask_in_the_graph_and_sample_what_the_eager_path_samples(
         sampling, variant, overlap):
-    """Constrained seqs of each format beside greedy unconstrained ones: a decode step with a
-    constrained seq replays the masked variant of its sampling, one without the plain greedy
-    graph; every token is the eager runner's, and the bystanders' are what they sample alone."""
+    """Constrained seqs of each format beside greedy unconstrained ones. Each step finished
+    before the next: a decode step with a constrained seq replays the masked variant of its
+    sampling, one without the plain greedy graph. Two steps in flight: a constrained row's last
+    token is the unfinished step's, so the plain graph runs the forward and its logits are
+    masked and sampled after it is queued. Every token is the eager runner's, and the
+    bystanders' are what they sample alone."""
     eager, _ = run(requests(5, **sampling), overlap=overlap)
     runner, replays = graphed_runner()
     graphed, _ = run_on(runner, requests(5, **sampling), overlap=overlap)
     assert graphed == eager
     variants = {v for v, _ in replays}
-    assert masked(variant) in variants and variants <= {masked(variant), GREEDY}
+    if overlap:
+        assert variants == {GREEDY}
+    else:
+        assert masked(variant) in variants and variants <= {masked(variant), GREEDY}
     for seq, fmt in requests(5, **sampling):
         if fmt is None:
             assert graphed[seq.seq_id] == hf_greedy(hf_model("tiny"), seq.prompt_token_ids, 24)
@@ -266,13 +272,31 @@ def test_decode_graphs_mask_in_the_graph_and_sample_what_the_eager_path_samples(
             check_output(*fmt, graphed[seq.seq_id])
 
 
+def test_with_steps_in_flight_a_constrained_step_queues_its_forward_before_it_waits():
+    """The wait for the unfinished step's tokens (and the mask's fill) comes after the step's
+    forward is queued, so the GPU runs the forward meanwhile: within each launch, a replay
+    precedes the wait."""
+    runner, _ = graphed_runner()
+    events = []  # "launch", "wait", or a replayed graph's key
+    for spy in runner.graphs.graphs.values():
+        spy.replays = events
+    launch, record = runner.launch, runner._record_unfinished
+    runner.launch = lambda plan: (events.append("launch"), launch(plan))[1]
+    runner._record_unfinished = lambda: (events.append("wait"), record())[1]
+    run_on(runner, requests(5), overlap=True)
+    launches = " ".join("replay" if isinstance(e, tuple) else e for e in events).split("launch")
+    waited = [step.split() for step in launches if "wait" in step]
+    assert waited and all("replay" in step[:step.index("wait")] for step in waited)
+
+
 def test_a_batch_past_the_masked_graphs_masks_its_logits_after_the_forward():
-    """With masked variants up to 4 seqs, the first steps (9 seqs, the 16-seq graph) replay
-    the plain graph for its logits, which are masked and sampled eagerly; smaller batches mask
-    in the graph; the tokens are the eager runner's either way."""
+    """Each step finished before the next, with masked variants up to 4 seqs: the first steps
+    (9 seqs, the 16-seq graph) replay the plain graph for its logits, which are masked and
+    sampled eagerly; smaller batches mask in the graph; the tokens are the eager runner's
+    either way."""
     eager, _ = run(requests(7))
     runner, replays = graphed_runner(max_masked_batch=4)
-    graphed, _ = run_on(runner, requests(7))
+    graphed, _ = run_on(runner, requests(7), overlap=False)
     assert graphed == eager
     assert (GREEDY, 16) in replays and (masked(SAMPLED), 16) not in replays
     assert any(v == masked(SAMPLED) and size <= 4 for v, size in replays)

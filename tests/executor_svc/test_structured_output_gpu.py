@@ -1,6 +1,6 @@
 """Structured output through captured decode graphs on the GPU (tiny preset, float32, SmolLM2's
 tokenizer): the grammar mask applied inside the masked graphs gives the tokens of the same graphs'
-logits masked and sampled eagerly, with two steps in flight; bystanders are untouched."""
+logits masked and sampled eagerly; bystanders are untouched."""
 from __future__ import annotations
 
 import pytest
@@ -23,9 +23,9 @@ pytestmark = [
 ]
 
 
-def _run(hf, reqs, **graph_options):
-    """(outputs by seq id, the decode replays' variants) of `reqs`, overlapped, on captured
-    graphs of up to 16 seqs."""
+def _run(hf, reqs, overlap=True, **graph_options):
+    """(outputs by seq id, the decode replays' variants) of `reqs`, with two steps in flight
+    unless not `overlap`, on captured graphs of up to 16 seqs."""
     runner = gpu_runner(hf, "float32", max_model_len=512, batch_sizes=(1, 2, 4, 8, 16),
                         **graph_options)
     runner.input_batch.grammars.compiler = compiler()
@@ -33,7 +33,7 @@ def _run(hf, reqs, **graph_options):
     graphs = runner.graphs.graphs
     for key, graph in graphs.items():
         graphs[key] = ReplaySpy(graph, key, replays)
-    outputs, _ = run_on(runner, reqs, overlap=True)
+    outputs, _ = run_on(runner, reqs, overlap=overlap)
     del runner
     torch.cuda.empty_cache()
     return outputs, {v for v, _ in replays}
@@ -45,10 +45,12 @@ def _run(hf, reqs, **graph_options):
     ({"temperature": 0.8, "logprobs": 2, "presence_penalty": 0.5}, CONTROLLED),
 ])
 def test_masked_decode_graphs_sample_what_the_eager_mask_samples_on_gpu(sampling, variant):
-    """max_masked_batch=0: the same graphs without masked variants, whose logits are masked
-    (the kernel, eagerly) and sampled by the eager Sampler."""
+    """Each step finished before the next (so a constrained step's mask is ready at its launch)
+    on the masked graphs, against max_masked_batch=0 with two steps in flight: the same graphs
+    without masked variants, whose logits are masked (the kernel, eagerly, after the forward is
+    queued) and sampled by the eager Sampler."""
     hf = build_hf_model("tiny", seed=0, dtype=torch.float32, device="cuda")
-    in_graph, variants = _run(hf, requests(5, **sampling))
+    in_graph, variants = _run(hf, requests(5, **sampling), overlap=False)
     assert masked(variant) in variants
     eager, eager_variants = _run(hf, requests(5, **sampling), max_masked_batch=0)
     assert not any(v.startswith("masked_") for v in eager_variants)

@@ -142,13 +142,16 @@ def table(results: dict, rows_list) -> None:
         for rows in rows_list:
             if name == "layer":  # the four products of one decoder layer
                 parts = [results[f"{s} {rows}"] for s, _, _ in SHAPES]
-                r = {key: sum(p.get(key, float("nan")) for p in parts) for key in parts[0]}
+                r = {key: sum(p[key] for p in parts) for key in parts[0]
+                     if all(key in p for p in parts)}
             else:
                 r = results[f"{name} {rows}"]
-            marlin = r.get("marlin_us", float("nan"))
+            marlin = r.get("marlin_us")  # absent without --vllm-site
+            against = ("n/a | n/a" if marlin is None
+                       else f"{marlin:.1f} | {marlin / r['int4_us']:.2f}x")
             print(f"| {name} | {rows} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | "
                   f"{r['bf16_us'] / r['int4_us']:.2f}x | {r['dequant_cublas_us']:.1f} | "
-                  f"{marlin:.1f} | {marlin / r['int4_us']:.2f}x |")
+                  f"{against} |")
 
 
 def main() -> None:

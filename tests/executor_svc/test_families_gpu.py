@@ -1,6 +1,6 @@
 """The families of test_model_families on the CUDA backend: float32 greedy token-identical to
-transformers on the GPU (chunked prefill, a mixed step, decode-graph replays, prompts past every
-window), and bf16 shapes our kernels cover (head_dim 64) within the bf16 rule of
+transformers on the GPU (chunked prefill, mixed steps through the piecewise graphs, decode-graph
+replays, prompts past every window), and bf16 shapes our kernels cover (head_dim 64) within the bf16 rule of
 helpers.compare_bf16_with_transformers, through the prefill and the few-query kernels."""
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from executor_svc.backends.cuda import FEW_QUERY_MAX, CudaBackend
+from executor_svc.cuda_graphs import BATCH_SIZES
 from executor_svc.model_config import ModelConfig
+from executor_svc.step import StepLimits
+from executor_svc.step_limits import piecewise_graph_sizes
 from tests.executor_svc.helpers import (PlanDriver, bf16_reference,
                                         compare_bf16_with_transformers, hf_generate,
                                         random_prompt)
@@ -67,9 +70,12 @@ def max_model_len(family: str, config: ModelConfig) -> int:
 
 
 def cuda_runner(family: str, hf, dtype_name: str, **options):
-    """gpu_runner (decode graphs captured) at the family's max_model_len, LongRoPE's factor set
-    chosen for it as the worker chooses it."""
+    """gpu_runner (decode graphs and the worker's piecewise graphs captured, so mixed steps
+    replay the family's pieces) at the family's max_model_len, LongRoPE's factor set chosen for
+    it as the worker chooses it."""
     length = max_model_len(family, ModelConfig.from_hf_config(hf.config))
+    options.setdefault("piece_sizes", piecewise_graph_sizes(StepLimits(8192, 1024, True, ""),
+                                                            BATCH_SIZES))
     runner = gpu_runner(hf, dtype_name, max_model_len=length, **options)
     runner.model.set_max_model_len(length)
     return runner

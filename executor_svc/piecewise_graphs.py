@@ -50,7 +50,7 @@ class PiecewiseGraphs:
         """What the static buffers of a ladder up to max_tokens take (the memory profile's)."""
         q_size, kv_size = (config.num_heads * config.head_dim,
                            config.num_kv_heads * config.head_dim)
-        rows = 3 * config.hidden_size + 2 * q_size + 2 * kv_size  # residual, hidden, qkv, out
+        rows = 2 * config.hidden_size + 2 * q_size + 2 * kv_size  # residual, hidden, qkv, out
         return max_tokens * (rows * dtype_bytes + 3 * 8)
 
     def keys(self) -> list[tuple[int, int]]:

@@ -134,3 +134,13 @@ def test_holds_only_captured_token_counts():
     assert [pieces.padded_size(n) for n in (1, 8, 9, 16)] == [8, 8, 16, 16]
     assert len(pieces.keys()) == 2 * (runner.model.config.num_layers + 1)
     assert pieces.keys()[0] == (0, 16)  # largest first, as the pool's peak wants
+
+
+def test_the_memory_profile_reserves_what_the_buffers_take():
+    runner = make_runner(hf_model("tiny"), num_gpu_blocks=6)
+    pieces = PiecewiseGraphs(runner.model, runner.cache_engine.kv_caches, (8, 24))
+    buffers = (pieces.input_ids, pieces.positions, pieces.slot_mapping, pieces.residual,
+               pieces.qkv, pieces.attn_out, pieces.hidden)
+    taken = sum(b.numel() * b.element_size() for b in buffers)
+    assert taken == PiecewiseGraphs.buffer_bytes(runner.model.config, 24,
+                                                 runner.model.embed_tokens.element_size())

@@ -463,25 +463,29 @@ def run_fa3(site: str) -> dict:
 
 
 def fa3_rows(results: dict, fa3: dict, copy_bw: float) -> list[tuple]:
+    """A row per FA3 case and each of our results on its shapes: the default ("case") and the
+    candidates of --variants ("case [variant]")."""
     rows = []
-    for name, theirs in fa3.items():
-        ours = results.get(name)
-        if ours is None:
-            continue
-        if name.startswith("prefill"):
-            rate = ours["tflops"] * ours["ms"] / theirs["ms"]
-            theirs["tflops"] = rate
-            rows.append((f"{name} vs vLLM FA3", f"{ours['ms']:.3f} ms ({ours['tflops']:.0f} TFLOP/s)",
-                         f"FA3 {theirs['ms']:.3f} ms ({rate:.0f} TFLOP/s)", "",
-                         f"{theirs['ms'] / ours['ms']:.2f}x FA3"))
-        else:
-            bw = ours["GBps"] * ours["ms"] / theirs["ms"]
-            theirs["frac_copy_bw"] = bw * 1e9 / copy_bw
-            rows.append((f"{name} vs vLLM FA3", f"{ours['ms'] * 1e3:.0f} us",
-                         f"FA3 {theirs['ms'] * 1e3:.0f} us ({100 * theirs['frac_copy_bw']:.0f}% of copy bw)",
-                         f"FA3 blocks {theirs['block_ms_min'] * 1e3:.0f}-{theirs['block_ms_max'] * 1e3:.0f} us",
-                         f"{theirs['ms'] / ours['ms']:.2f}x FA3"))
+    for case, theirs in fa3.items():
+        for name, ours in results.items():
+            if name == case or name.startswith(f"{case} ["):
+                rows.append(_fa3_row(name, ours, theirs, copy_bw))
     return rows
+
+
+def _fa3_row(name: str, ours: dict, theirs: dict, copy_bw: float) -> tuple:
+    if name.startswith("prefill"):
+        rate = ours["tflops"] * ours["ms"] / theirs["ms"]
+        theirs["tflops"] = rate
+        return (f"{name} vs vLLM FA3", f"{ours['ms']:.3f} ms ({ours['tflops']:.0f} TFLOP/s)",
+                f"FA3 {theirs['ms']:.3f} ms ({rate:.0f} TFLOP/s)", "",
+                f"{theirs['ms'] / ours['ms']:.2f}x FA3")
+    bw = ours["GBps"] * ours["ms"] / theirs["ms"]
+    theirs["frac_copy_bw"] = bw * 1e9 / copy_bw
+    return (f"{name} vs vLLM FA3", f"{ours['ms'] * 1e3:.0f} us",
+            f"FA3 {theirs['ms'] * 1e3:.0f} us ({100 * theirs['frac_copy_bw']:.0f}% of copy bw)",
+            f"FA3 blocks {theirs['block_ms_min'] * 1e3:.0f}-{theirs['block_ms_max'] * 1e3:.0f} us",
+            f"{theirs['ms'] / ours['ms']:.2f}x FA3")
 
 
 def compile_times() -> dict:
@@ -539,7 +543,9 @@ def main() -> None:
             cases += [("prefill hd128 8x4096 [mma.sync v3]", 128, 4096, "mma_sync"),
                       ("prefill hd64 8x4096 [mma.sync v3]", 64, 4096, "mma_sync"),
                       ("prefill hd64 8x4096 [wgmma, 1 CTA/SM]", 64, 4096, "wg1"),
-                      ("prefill chunk 512 on 3584 [mma.sync v3]", 128, 512, "mma_sync")]
+                      ("prefill chunk 512 on 3584 [mma.sync v3]", 128, 512, "mma_sync"),
+                      ("prefill hd128 8x4096 [pipelined]", 128, 4096, "pipelined"),
+                      ("prefill chunk 512 on 3584 [pipelined]", 128, 512, "pipelined")]
         for name, hd, q_len, variant in cases:
             r = bench_prefill(hd, q_len, variant=variant)
             results[name] = r

@@ -33,9 +33,13 @@ DECODE_CTAS_PER_SM = 12
 DECODE_CTAS_PER_SM_MANY = 4
 DECODE_MANY_PAIRS_PER_SM = 3
 _WG_THREADS, _WG_BN = 256, 128
+_WGP_THREADS = 384  # the pipelined kernel's 2 consumer warpgroups and its producer warpgroup
 # Prefill variants: "default" (wgmma on Hopper, whose module is built for sm_90a, else mma.sync),
-# "mma_sync" (the fallback, anywhere) and "wg1" (a benchmark's wgmma bf16 hd64 at 1 CTA per SM).
-PREFILL_VARIANTS = ("default", "mma_sync", "wg1")
+# "mma_sync" (the fallback, anywhere), and the candidates on Hopper by their kernels' prefix:
+# "wg1" (a benchmark's wgmma bf16 hd64 at 1 CTA per SM) and "pipelined" (hd128, FlashAttention-3's
+# schedule: a producer warpgroup, softmax overlapping the MMAs).
+_PREFILL_CANDIDATES = {"wg1": "prefill_wg1", "pipelined": "prefill_wgp"}
+PREFILL_VARIANTS = ("default", "mma_sync", *_PREFILL_CANDIDATES)
 # Decode variants: "default", and "s2" (the bf16 hd128 kernel with 2 stages, 3 CTAs per SM).
 DECODE_VARIANTS = {"default": ("decode", _DECODE_STAGES), "s2": ("decode_s2", {128: 2})}
 _VARIANTS = "attention_variants"  # the module of the candidates, built on demand (_compile)
@@ -49,7 +53,8 @@ def prefill_launch_shape(kernel: str, head_dim: int, elem_bytes: int) -> tuple[i
     fp8 = kernel.endswith("_fp8")
     if kernel.startswith("prefill_wg"):  # 1 KiB for the manual 1024-byte alignment, Q, 2 x (K, V)
         kv = (2 * elem_bytes + 4) if fp8 else 4 * elem_bytes
-        return _WG_THREADS, 1024 + (_PREFILL_BM * elem_bytes + _WG_BN * kv) * head_dim
+        threads = _WGP_THREADS if kernel.startswith("prefill_wgp_") else _WG_THREADS
+        return threads, 1024 + (_PREFILL_BM * elem_bytes + _WG_BN * kv) * head_dim
     kv = (2 * elem_bytes + 2) if fp8 else 2 * elem_bytes
     return _THREADS, (_PREFILL_BM * elem_bytes + _PREFILL_BN * kv) * head_dim
 
@@ -65,12 +70,13 @@ def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device,
         raise ValueError(f"prefill variant must be one of {PREFILL_VARIANTS}, got {variant!r}")
     if fp8 and variant != "default":
         raise ValueError(f"the prefill variant {variant!r} has no kernel over an FP8 cache")
+    # A candidate's name is checked before anything compiles (pipelined: hd128 only).
+    kernel = None if variant == "default" else _candidate(f"{_PREFILL_CANDIDATES[variant]}_{name}")
     module = _FP8 if fp8 else "attention"
     _compile.get_module(module, device)
     hopper = _compile.arch_used(device, module) == "-arch=sm_90a"
-    if variant == "default":
+    if kernel is None:
         return f"prefill_wg_{name}" if hopper else f"prefill_{name}"
-    kernel = _candidate(f"prefill_wg1_{name}")
     if not hopper:
         raise ValueError(f"{kernel} needs the module built for sm_90a (a Hopper GPU)")
     return kernel

@@ -384,6 +384,234 @@ __device__ __forceinline__ void prefill_impl(
 constexpr int kWgThreads = 256;
 constexpr int kWgBN = 128;
 
+// The wg_* pieces below are shared by prefill_wg_impl and its pipelined candidate
+// (prefill_wgp_impl): the tile's key range, the page walk, the gathers, the MMAs, masking,
+// softmax and the output.
+
+// A CTA's entry of the tile list: sequence `seq`'s 128 query rows from m0, and the key tiles
+// [j0, n_tiles) some row of it sees (with a window, tiles before the first row's window are
+// never read).
+struct WgTile {
+  int m0, q_begin, q_len, ctx0, kv_head, kv_end, n_tiles, j0, bs_mask;
+  const int* bt;  // the sequence's block table row
+};
+
+__device__ __forceinline__ WgTile wg_tile(int2 tile, int head, const int* __restrict__ cu_seqlens_q,
+                                          const int* __restrict__ seq_lens,
+                                          const int* __restrict__ block_tables, int num_heads,
+                                          int num_kv_heads, int block_size_log2,
+                                          int max_blocks_per_seq, int window) {
+  WgTile w;
+  const int seq = tile.x;
+  w.m0 = tile.y * kPrefillBM;
+  w.q_begin = cu_seqlens_q[seq];
+  w.q_len = cu_seqlens_q[seq + 1] - w.q_begin;
+  w.ctx0 = seq_lens[seq] - w.q_len;  // position of this sequence's first new token
+  w.kv_head = head / (num_heads / num_kv_heads);
+  const int rows_here = min(kPrefillBM, w.q_len - w.m0);
+  w.kv_end = w.ctx0 + w.m0 + rows_here;  // keys [0, kv_end) are visible to some row here
+  w.n_tiles = (w.kv_end + kWgBN - 1) / kWgBN;
+  w.j0 = window > 0 ? max(0, w.ctx0 + w.m0 - window + 1) / kWgBN : 0;
+  w.bs_mask = (1 << block_size_log2) - 1;
+  w.bt = block_tables + (long long)seq * max_blocks_per_seq;
+  return w;
+}
+
+// Element offset in the cache of key row r of key tile j (the page walk), -1 past kv_end.
+template <int HD>
+__device__ __forceinline__ long long wg_row_off(const WgTile& w, int j, int r, int num_kv_heads,
+                                                int block_size_log2) {
+  const int kpos = j * kWgBN + r;
+  if (kpos >= w.kv_end) return -1;
+  const int page = __ldg(w.bt + (kpos >> block_size_log2));
+  return ((((long long)page * num_kv_heads + w.kv_head) << block_size_log2) + (kpos & w.bs_mask)) *
+         HD;
+}
+
+// cp.async of one key tile's rows (offsets rows[r] from wg_row_off; -1 zero-fills) into
+// 128-byte-swizzle tiles by NTH threads (tid < NTH): from a_cache into da, and with N == 2 the
+// same rows from b_cache into db.
+template <int HD, int NTH, int N, typename C>
+__device__ __forceinline__ void wg_gather(const C* a_cache, unsigned int da, const C* b_cache,
+                                          unsigned int db, const long long* rows, int tid) {
+  constexpr int CH = HD / 8, ROW_STEP = NTH / CH;
+  const int ld_ch = tid % CH, ld_row = tid / CH;
+#pragma unroll
+  for (int i = 0; i < kWgBN / ROW_STEP; ++i) {
+    const int r = ld_row + i * ROW_STEP;
+    const long long off = rows[r];
+    const bool ok = off >= 0;
+    const unsigned int d = sw128_off(r, ld_ch, kWgBN);
+    cp_async16(da + d, ok ? a_cache + off + ld_ch * 8 : a_cache, ok ? 16 : 0);
+    if constexpr (N == 2)
+      cp_async16(db + d, ok ? b_cache + off + ld_ch * 8 : b_cache, ok ? 16 : 0);
+  }
+}
+
+// The Q tile (rows past q_len zero-filled) into sQ by kWgThreads threads, with cp.async.
+template <typename T, int HD>
+__device__ __forceinline__ void wg_load_q(const T* __restrict__ q, unsigned int sQ, const WgTile& w,
+                                          int head, long long q_stride_tok, int q_stride_head,
+                                          int tid) {
+  constexpr int CH = HD / 8, ROW_STEP = kWgThreads / CH;
+  const int ld_ch = tid % CH, ld_row = tid / CH;
+#pragma unroll
+  for (int i = 0; i < kPrefillBM / ROW_STEP; ++i) {
+    const int r = ld_row + i * ROW_STEP;
+    const bool ok = w.m0 + r < w.q_len;
+    const T* src = ok ? q + (long long)(w.q_begin + w.m0 + r) * q_stride_tok +
+                            (long long)head * q_stride_head + ld_ch * 8
+                      : q;
+    cp_async16(sQ + sw128_off(r, ld_ch, kPrefillBM), src, ok ? 16 : 0);
+  }
+}
+
+// Warpgroup-uniform: some key of tile j is at or before the warpgroup's last row (its rows start
+// at query position qpos0) and inside its first row's window. A macro, so that each use compiles
+// as an inline condition (a function returning it schedules prefill_wg's loop differently).
+#define PS_WG_SEES_TILE(j, has_rows, qpos0, window) \
+  ((has_rows) && (j) * kWgBN <= (qpos0) + 63 &&      \
+   ((window) <= 0 || ((j) + 1) * kWgBN - 1 > (qpos0) - (window)))
+
+// Issues S = Q K^T (m64 x kWgBN per warpgroup, HD / 16 wgmma; k_desc: the K tile, K-major,
+// wg_desc(sK, 16, 1024)); the caller fences and commits.
+template <typename T, int HD>
+__device__ __forceinline__ void wg_qk(float (&s)[kWgBN / 2], unsigned long long q_desc,
+                                      unsigned long long k_desc) {
+#pragma unroll
+  for (int ks = 0; ks < HD / 16; ++ks) {
+    const unsigned int a_off = (ks >> 2) * (kPrefillBM * 128) + (ks & 3) * 32;
+    const unsigned int b_off = (ks >> 2) * (kWgBN * 128) + (ks & 3) * 32;
+    if (ks == 0)
+      wgmma_ss_m64n128<0>(s, q_desc + (a_off >> 4), k_desc + (b_off >> 4), T());
+    else
+      wgmma_ss_m64n128<1>(s, q_desc + (a_off >> 4), k_desc + (b_off >> 4), T());
+  }
+}
+
+// Issues O += P V (kWgBN / 16 wgmma, P in registers; v_desc: the V tile, N-major,
+// wg_desc(sV, kWgBN * 128, 1024)); the caller fences and commits.
+template <typename T, int HD>
+__device__ __forceinline__ void wg_pv(float (&o)[HD / 2], const unsigned int (&pa)[kWgBN / 16][4],
+                                      unsigned long long v_desc) {
+#pragma unroll
+  for (int kb = 0; kb < kWgBN / 16; ++kb) {
+    if constexpr (HD == 128)
+      wgmma_rs_m64n128_tb(o, pa[kb], v_desc + ((kb * 2048) >> 4), T());
+    else
+      wgmma_rs_m64n64_tb(o, pa[kb], v_desc + ((kb * 2048) >> 4), T());
+  }
+}
+
+// Soft-cap, then the causal mask and the window's lower edge on a warp's 16 rows (from query
+// position qpos0) of S for key tile j; the mask only where it reaches those rows.
+__device__ __forceinline__ void wg_mask_scores(float (&s)[kWgBN / 2], int j, int qpos0, int g,
+                                               int t4, int window, float soft_cap,
+                                               float scale_log2) {
+  if (soft_cap > 0.f) soft_cap_scores(s, soft_cap, scale_log2);
+  if ((j + 1) * kWgBN - 1 > qpos0 || (window > 0 && j * kWgBN <= qpos0 + 15 - window)) {
+#pragma unroll
+    for (int nt = 0; nt < kWgBN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qpos = qpos0 + g + ((e >> 1) << 3);
+        const int kpos = j * kWgBN + nt * 8 + 2 * t4 + (e & 1);
+        if (!sees(qpos, kpos, window)) s[nt * 4 + e] = -INFINITY;
+      }
+  }
+}
+
+// Base-2 online softmax of a thread's row h (g + 8 h) of S: the scores become P, m_run and l_run
+// move on; returns the factor that brings O accumulated so far to the new maximum.
+__device__ __forceinline__ float wg_softmax_row(float (&s)[kWgBN / 2], int h, float& m_run,
+                                                float& l_run, float scale_log2) {
+  constexpr int NT = kWgBN / 8;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * h], s[nt * 4 + 2 * h + 1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m_run, mx * scale_log2);
+  const float m_use = m_new == -INFINITY ? 0.f : m_new;
+  const float corr = exp2_approx(m_run - m_use);
+  m_run = m_new;
+  float sum = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float p = exp2_approx(fmaf(s[nt * 4 + 2 * h + e], scale_log2, -m_use));
+      s[nt * 4 + 2 * h + e] = p;
+      sum += p;
+    }
+  l_run = l_run * corr + sum;
+  return corr;
+}
+
+template <int N>
+__device__ __forceinline__ void wg_scale_o_row(float (&o)[N], int h, float corr) {
+#pragma unroll
+  for (int dt = 0; dt < N / 4; ++dt) {
+    o[dt * 4 + 2 * h] *= corr;
+    o[dt * 4 + 2 * h + 1] *= corr;
+  }
+}
+
+// P (fp32 in the accumulator layout) packed as the A fragments of P V, 16 keys each.
+template <typename T>
+__device__ __forceinline__ void wg_pack_p(const float (&s)[kWgBN / 2],
+                                          unsigned int (&pa)[kWgBN / 16][4]) {
+#pragma unroll
+  for (int kb = 0; kb < kWgBN / 16; ++kb) {
+    pa[kb][0] = Pack<T>::two(s[(2 * kb) * 4 + 0], s[(2 * kb) * 4 + 1]);
+    pa[kb][1] = Pack<T>::two(s[(2 * kb) * 4 + 2], s[(2 * kb) * 4 + 3]);
+    pa[kb][2] = Pack<T>::two(s[(2 * kb + 1) * 4 + 0], s[(2 * kb + 1) * 4 + 1]);
+    pa[kb][3] = Pack<T>::two(s[(2 * kb + 1) * 4 + 2], s[(2 * kb + 1) * 4 + 3]);
+  }
+}
+
+// Epilogue of warpgroup tid >> 7 (0 or 1): O / l (times out_mul), staged in the warpgroup's own
+// 64 rows of the Q tile (no other warpgroup reads them; its own MMAs on them are complete), then
+// 16-byte coalesced stores of the rows before q_len.
+template <typename T, int HD>
+__device__ __forceinline__ void wg_store_out(const float (&o)[HD / 2], const float (&l_run)[2],
+                                             float out_mul, unsigned char* sQ_ptr, const WgTile& w,
+                                             int head, T* __restrict__ out, long long o_stride_tok,
+                                             int o_stride_head, int tid) {
+  constexpr int CH = HD / 8, DT = HD / 8;
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wg_row0 = wg * 64, row0 = wg_row0 + warp * 16;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float inv = l > 0.f ? 1.f / l : 0.f;
+    inv *= out_mul;
+    const int row = row0 + g + h * 8;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<unsigned int*>(sQ_ptr + sw128_off(row, dt, kPrefillBM) + 4 * t4) =
+          Pack<T>::two(o[dt * 4 + 2 * h] * inv, o[dt * 4 + 2 * h + 1] * inv);
+  }
+  if (wg == 0)  // this warpgroup only (named barriers 1 and 2)
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;\n" ::: "memory");
+  const int wtid = tid & 127;
+#pragma unroll
+  for (int i = 0; i < 64 * CH / 128; ++i) {
+    const int c = wtid + i * 128;
+    const int row = wg_row0 + c / CH, ch = c % CH;
+    if (w.m0 + row < w.q_len) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sQ_ptr + sw128_off(row, ch, kPrefillBM));
+      *reinterpret_cast<uint4*>(out + (long long)(w.q_begin + w.m0 + row) * o_stride_tok +
+                                (long long)head * o_stride_head + ch * 8) = v;
+    }
+  }
+}
+
 template <typename T, int HD, typename C = T>
 __device__ __forceinline__ void prefill_wg_impl(
     const T* __restrict__ q, T* __restrict__ out, const C* __restrict__ k_cache,
@@ -395,19 +623,14 @@ __device__ __forceinline__ void prefill_wg_impl(
     const float* __restrict__ k_scale = nullptr, const float* __restrict__ v_scale = nullptr) {
 #if PS_HAS_WGMMA
   constexpr bool F8 = sizeof(C) == 1;
-  constexpr int BM = kPrefillBM, BN = kWgBN, NTH = kWgThreads;
-  constexpr int CH = HD / 8;
-  constexpr int ROW_STEP = NTH / CH;
-  constexpr int KV_ROWS = BN / ROW_STEP;
-  constexpr int Q_ROWS = BM / ROW_STEP;
-  constexpr int NT = BN / 8, DT = HD / 8;
-  constexpr unsigned int Q_BYTES = BM * HD * 2, KV_BYTES = BN * HD * 2, KV8_BYTES = BN * HD;
+  constexpr int BN = kWgBN, NTH = kWgThreads;
+  constexpr int DT = HD / 8;
+  constexpr unsigned int Q_BYTES = kPrefillBM * HD * 2, KV_BYTES = BN * HD * 2, KV8_BYTES = BN * HD;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ long long s_row[2][BN];  // element offset of each key row of a tile; -1: past the end
 
   const int2 tile = tiles[blockIdx.y];
-  const int seq = tile.x;
-  if (seq < 0) return;
+  if (tile.x < 0) return;
   const unsigned int raw_addr = smem_addr(smem_raw);
   const unsigned int sQ = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
   unsigned char* const sQ_ptr = smem_raw + (sQ - raw_addr);
@@ -420,41 +643,19 @@ __device__ __forceinline__ void prefill_wg_impl(
     v_mul = *v_scale;
   }
 
-  const int m0 = tile.y * BM;
   const int head = blockIdx.x;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const int q_begin = cu_seqlens_q[seq];
-  const int q_len = cu_seqlens_q[seq + 1] - q_begin;
-  const int ctx0 = seq_lens[seq] - q_len;
-  const int kv_head = head / (num_heads / num_kv_heads);
-  const int rows_here = min(BM, q_len - m0);
-  const int kv_end = ctx0 + m0 + rows_here;
-  const int n_tiles = (kv_end + BN - 1) / BN;
-  // With a window, tiles before the first row's window are never read.
-  const int j0 = window > 0 ? max(0, ctx0 + m0 - window + 1) / BN : 0;
-  const int bs_mask = (1 << block_size_log2) - 1;
-  const int* bt = block_tables + (long long)seq * max_blocks_per_seq;
-  const int ld_ch = tid % CH, ld_row = tid / CH;
+  const WgTile w = wg_tile(tile, head, cu_seqlens_q, seq_lens, block_tables, num_heads,
+                           num_kv_heads, block_size_log2, max_blocks_per_seq, window);
+  const int n_tiles = w.n_tiles, j0 = w.j0;
 
-  auto row_off = [&](int j, int r) -> long long {
-    const int kpos = j * BN + r;
-    if (kpos >= kv_end) return -1;
-    const int page = __ldg(bt + (kpos >> block_size_log2));
-    return ((((long long)page * num_kv_heads + kv_head) << block_size_log2) + (kpos & bs_mask)) * HD;
+  auto row_off = [&](int j, int r) {
+    return wg_row_off<HD>(w, j, r, num_kv_heads, block_size_log2);
   };
   auto issue = [&](int j) {
-    const long long* rows = s_row[j & 1];
     const unsigned int dk = sKV + (j & 1) * 2 * KV_BYTES, dv = dk + KV_BYTES;
-#pragma unroll
-    for (int i = 0; i < KV_ROWS; ++i) {
-      const int r = ld_row + i * ROW_STEP;
-      const long long off = rows[r];
-      const bool ok = off >= 0;
-      const unsigned int d = sw128_off(r, ld_ch, BN);
-      cp_async16(dk + d, ok ? k_cache + off + ld_ch * 8 : k_cache, ok ? 16 : 0);
-      cp_async16(dv + d, ok ? v_cache + off + ld_ch * 8 : v_cache, ok ? 16 : 0);
-    }
+    wg_gather<HD, NTH, 2>(k_cache, dk, v_cache, dv, s_row[j & 1], tid);
   };
   // F8: 16 elements a 16-byte chunk, into the row-major staging buffer (j & 1).
   auto issue8 = [&](int j) {
@@ -489,16 +690,8 @@ __device__ __forceinline__ void prefill_wg_impl(
     fence_proxy_async();
   };
 
-  // Q tile (rows past q_len zero-filled), row offsets of tile j0, then K/V of tile j0.
-#pragma unroll
-  for (int i = 0; i < Q_ROWS; ++i) {
-    const int r = ld_row + i * ROW_STEP;
-    const bool ok = m0 + r < q_len;
-    const T* src = ok ? q + (long long)(q_begin + m0 + r) * q_stride_tok +
-                            (long long)head * q_stride_head + ld_ch * 8
-                      : q;
-    cp_async16(sQ + sw128_off(r, ld_ch, BM), src, ok ? 16 : 0);
-  }
+  // Q tile, row offsets of tile j0, then K/V of tile j0.
+  wg_load_q<T, HD>(q, sQ, w, head, q_stride_tok, q_stride_head, tid);
   if (tid < BN) s_row[j0 & 1][tid] = row_off(j0, tid);
   __syncthreads();
   if constexpr (F8) issue8(j0);
@@ -512,9 +705,9 @@ __device__ __forceinline__ void prefill_wg_impl(
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   const int wg_row0 = wg * 64;                       // first row of this warpgroup in the tile
   const int row0 = wg_row0 + warp * 16;              // first row of this warp
-  const int wg_qpos0 = ctx0 + m0 + wg_row0;
-  const int warp_qpos0 = ctx0 + m0 + row0;
-  const bool wg_has_rows = m0 + wg_row0 < q_len;
+  const int wg_qpos0 = w.ctx0 + w.m0 + wg_row0;
+  const int warp_qpos0 = w.ctx0 + w.m0 + row0;
+  const bool wg_has_rows = w.m0 + wg_row0 < w.q_len;
   const unsigned long long q_desc = wg_desc(sQ + wg_row0 * 128, 16, 1024);
 
   for (int j = j0; j < n_tiles; ++j) {
@@ -533,122 +726,283 @@ __device__ __forceinline__ void prefill_wg_impl(
       __syncthreads();  // the K/V tiles of T are whole (the last tile's MMAs waited for)
     }
 
-    // Warpgroup-uniform: some key of the tile is at or before the warpgroup's last row and
-    // inside its first row's window.
-    if (!(wg_has_rows && j * BN <= wg_qpos0 + 63 &&
-          (window <= 0 || (j + 1) * BN - 1 > wg_qpos0 - window)))
-      continue;
+    if (!PS_WG_SEES_TILE(j, wg_has_rows, wg_qpos0, window)) continue;
     const unsigned int sK = F8 ? sKV : sKV + (j & 1) * 2 * KV_BYTES, sV = sK + KV_BYTES;
     const unsigned long long k_desc = wg_desc(sK, 16, 1024);
-    float s[NT * 4];
+    float s[BN / 2];
     fence_regs(o);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < HD / 16; ++ks) {
-      const unsigned int a_off = (ks >> 2) * (BM * 128) + (ks & 3) * 32;
-      const unsigned int b_off = (ks >> 2) * (BN * 128) + (ks & 3) * 32;
-      if (ks == 0)
-        wgmma_ss_m64n128<0>(s, q_desc + (a_off >> 4), k_desc + (b_off >> 4), T());
-      else
-        wgmma_ss_m64n128<1>(s, q_desc + (a_off >> 4), k_desc + (b_off >> 4), T());
-    }
+    wg_qk<T, HD>(s, q_desc, k_desc);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
 
-    if (soft_cap > 0.f) soft_cap_scores(s, soft_cap, scale_log2);
-    // The causal mask or the window's lower edge reaches this warp's rows.
-    if ((j + 1) * BN - 1 > warp_qpos0 || (window > 0 && j * BN <= warp_qpos0 + 15 - window)) {
+    wg_mask_scores(s, j, warp_qpos0, g, t4, window, soft_cap, scale_log2);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qpos = warp_qpos0 + g + ((e >> 1) << 3);
-          const int kpos = j * BN + nt * 8 + 2 * t4 + (e & 1);
-          if (!sees(qpos, kpos, window)) s[nt * 4 + e] = -INFINITY;
-        }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * h], s[nt * 4 + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[h], mx * scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float corr = exp2_approx(m_run[h] - m_use);
-      m_run[h] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2_approx(fmaf(s[nt * 4 + 2 * h + e], scale_log2, -m_use));
-          s[nt * 4 + 2 * h + e] = p;
-          sum += p;
-        }
-      l_run[h] = l_run[h] * corr + sum;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        o[dt * 4 + 2 * h] *= corr;
-        o[dt * 4 + 2 * h + 1] *= corr;
-      }
-    }
+    for (int h = 0; h < 2; ++h)
+      wg_scale_o_row(o, h, wg_softmax_row(s, h, m_run[h], l_run[h], scale_log2));
     unsigned int pa[BN / 16][4];
-#pragma unroll
-    for (int kb = 0; kb < BN / 16; ++kb) {
-      pa[kb][0] = Pack<T>::two(s[(2 * kb) * 4 + 0], s[(2 * kb) * 4 + 1]);
-      pa[kb][1] = Pack<T>::two(s[(2 * kb) * 4 + 2], s[(2 * kb) * 4 + 3]);
-      pa[kb][2] = Pack<T>::two(s[(2 * kb + 1) * 4 + 0], s[(2 * kb + 1) * 4 + 1]);
-      pa[kb][3] = Pack<T>::two(s[(2 * kb + 1) * 4 + 2], s[(2 * kb + 1) * 4 + 3]);
-    }
+    wg_pack_p<T>(s, pa);
     // V tile as B, N-major: hd blocks of 64 are BN * 128 bytes apart (LBO), 8-key groups 1024.
     const unsigned long long v_desc = wg_desc(sV, BN * 128, 1024);
     fence_regs(o);
     wgmma_fence();
-#pragma unroll
-    for (int kb = 0; kb < BN / 16; ++kb) {
-      if constexpr (HD == 128)
-        wgmma_rs_m64n128_tb(o, pa[kb], v_desc + ((kb * 2048) >> 4), T());
-      else
-        wgmma_rs_m64n64_tb(o, pa[kb], v_desc + ((kb * 2048) >> 4), T());
-    }
+    wg_pv<T, HD>(o, pa, v_desc);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(o);
   }
+  wg_store_out<T, HD>(o, l_run, v_mul, sQ_ptr, w, head, out, o_stride_tok, o_stride_head, tid);
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel then
+#endif
+}
 
-  // Epilogue: normalise, stage this warpgroup's 64 rows in its own rows of the Q tile (no other
-  // warpgroup reads them), then 16-byte coalesced stores.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = l_run[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    float inv = l > 0.f ? 1.f / l : 0.f;
-    if constexpr (F8) inv *= v_mul;
-    const int row = row0 + g + h * 8;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
-      *reinterpret_cast<unsigned int*>(sQ_ptr + sw128_off(row, dt, BM) + 4 * t4) =
-          Pack<T>::two(o[dt * 4 + 2 * h] * inv, o[dt * 4 + 2 * h + 1] * inv);
+// ---------------------------------------------------------------------------------------------
+// Prefill on Hopper with FlashAttention-3's schedule (the "pipelined" candidate): prefill_wg's
+// tiles, smem layout, page walk and arithmetic (the wg_* pieces), on 3 warpgroups.
+// - Warpgroup 2 produces: it walks the block table into s_row and gathers K_t, then V_{t-1}, with
+//   cp.async into two stages; each thread's copies arrive on the stage's `full` mbarrier when
+//   they land (cp.async.mbarrier.arrive.noinc), and it waits on the stage's `empty` mbarrier
+//   before refilling it. It keeps 56 registers, so the consumers get 224 (setmaxnreg).
+// - Warpgroups 0 and 1 consume, 64 query rows each. Step j issues S_{j+1} = Q K_{j+1}^T,
+//   rescales O, issues O += P_j V_j, waits for S_{j+1} only (wgmma.wait_group 1) and runs its
+//   softmax while P_j V_j is on the tensor cores. The two take turns to issue (named barriers),
+//   so one's softmax overlaps the other's MMAs; nothing after the start is CTA-wide.
+// Every consumer waits for every stage's `full` and arrives on its `empty` (also for tiles its
+// rows skip), so each mbarrier phase counts exactly one use of its stage (NOTES.md).
+constexpr int kWgpThreads = 384;
+static_assert(kWgpThreads == kWgThreads + 128, "2 consumer warpgroups, then the producer");
+
+#if PS_HAS_WGMMA
+// Named barriers: 0 is __syncthreads, 1 and 2 wg_store_out's, 3 the Q tile landed (consumers,
+// prefill_wgp_impl); kWgpBarRows: a tile's s_row written (producer); kWgpBarTurn + wg: consumer
+// warpgroup wg may issue its MMAs.
+enum WgpBarrier : int { kWgpBarRows = 4, kWgpBarTurn = 5 };
+
+__device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Returns once the phase of the given parity has completed (of the current phase or the one
+// before: a fresh barrier's parity-1 phase counts as completed).
+__device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nPS_MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra PS_MBAR_WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned int bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
+               : "memory");
+}
+// Arrives on the mbarrier once all of this thread's earlier cp.async have landed; its count
+// includes the arrival (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned int bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// What a consumer step reads besides its accumulators.
+struct WgpStep {
+  const WgTile& w;
+  unsigned int bars, sKV;
+  unsigned long long q_desc;
+  int wg, warp_qpos0, g, t4, window;
+  float soft_cap, scale_log2;
+};
+
+// Consumer step j: S_{j+1} (S) and P_j V_j (PV); K_{j+1} and V_j sit in stages (j + 1 - j0) & 1
+// and (j - j0) & 1, and uk, uv count their stages' fills (parity (u >> 1) & 1). Every step waits
+// for the stages of K_{j+1} and V_j and releases them, used or not. The MMAs are issued and
+// waited for within one step, outside any runtime branch (ptxas serialises wgmma it cannot pair
+// with its wait).
+template <bool S, bool PV, typename T, int HD>
+__device__ __forceinline__ void wgp_step(const WgpStep& c, int j, float (&o)[HD / 2],
+                                         float (&s)[kWgBN / 2], unsigned int (&pa)[kWgBN / 16][4],
+                                         float (&m_run)[2], float (&l_run)[2], float (&corr)[2]) {
+  constexpr unsigned int KV_BYTES = kWgBN * HD * 2;
+  const WgTile& w = c.w;
+  const int uk = j + 1 - w.j0, uv = j - w.j0;
+  const bool has_k = j + 1 < w.n_tiles, has_v = uv >= 0;
+  if (has_k) {
+    mbar_wait(c.bars + 8 * (uk & 1), (uk >> 1) & 1);  // K_{j+1} landed
+    fence_proxy_async();
   }
-  if (wg == 0)  // this warpgroup only (named barriers 1 and 2)
-    asm volatile("bar.sync 1, 128;\n" ::: "memory");
-  else
-    asm volatile("bar.sync 2, 128;\n" ::: "memory");
-  const int wtid = tid & 127;
+  bar_sync(kWgpBarTurn + c.wg, 2 * 128);  // the other warpgroup has issued its step
+  if constexpr (S) {
+    fence_regs(s);
+    wgmma_fence();
+    wg_qk<T, HD>(s, c.q_desc, wg_desc(c.sKV + (uk & 1) * 2 * KV_BYTES, 16, 1024));
+    wgmma_commit();
+  }
+  if (has_v) {
+    mbar_wait(c.bars + 32 + 8 * (uv & 1), (uv >> 1) & 1);  // V_j landed
+    fence_proxy_async();
+  }
+  if constexpr (PV) {
+    // O to the maximum P_j was taken against (corr: the softmax of S_j, one step back).
 #pragma unroll
-  for (int i = 0; i < 64 * CH / 128; ++i) {
-    const int c = wtid + i * 128;
-    const int row = wg_row0 + c / CH, ch = c % CH;
-    if (m0 + row < q_len) {
-      const uint4 v = *reinterpret_cast<const uint4*>(sQ_ptr + sw128_off(row, ch, BM));
-      *reinterpret_cast<uint4*>(out + (long long)(q_begin + m0 + row) * o_stride_tok +
-                                (long long)head * o_stride_head + ch * 8) = v;
+    for (int h = 0; h < 2; ++h) wg_scale_o_row(o, h, corr[h]);
+    fence_regs(o);
+    wgmma_fence();
+    wg_pv<T, HD>(o, pa, wg_desc(c.sKV + (uv & 1) * 2 * KV_BYTES + KV_BYTES, kWgBN * 128, 1024));
+    wgmma_commit();
+  }
+  bar_arrive(kWgpBarTurn + (c.wg ^ 1), 2 * 128);  // the other warpgroup's turn
+  if constexpr (S) {
+    wgmma_wait<PV ? 1 : 0>();  // S_{j+1}, committed first, is complete; P_j V_j may run on
+    fence_regs(s);
+  }
+  if (has_k) mbar_arrive(c.bars + 16 + 8 * (uk & 1));  // this thread is done with K_{j+1}
+  if constexpr (S) {
+    wg_mask_scores(s, j + 1, c.warp_qpos0, c.g, c.t4, c.window, c.soft_cap, c.scale_log2);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) corr[h] = wg_softmax_row(s, h, m_run[h], l_run[h], c.scale_log2);
+  }
+  if constexpr (PV) {
+    wgmma_wait<0>();  // P_j V_j complete: O is whole, pa and V_j are free
+    fence_regs(o);
+  }
+  if (has_v) mbar_arrive(c.bars + 48 + 8 * (uv & 1));  // this thread is done with V_j
+  if constexpr (S) wg_pack_p<T>(s, pa);
+}
+
+// The producer warpgroup (ptid 0..127), step t = j0 .. n_tiles: K_t (t < n_tiles), then V_{t-1}
+// (t > j0). Tile t is fill u >> 1 (u = t - j0) of its K and V stage u & 1; a fill waits for the
+// release of the stage's previous one (parity ((u >> 1) & 1) ^ 1; a fresh mbarrier passes
+// parity 1 at once).
+template <typename T, int HD>
+__device__ __forceinline__ void wgp_produce(const T* __restrict__ k_cache,
+                                            const T* __restrict__ v_cache, const WgTile& w,
+                                            long long (*s_row)[kWgBN], unsigned int sKV,
+                                            unsigned int bars, int num_kv_heads,
+                                            int block_size_log2, int ptid) {
+  constexpr unsigned int KV_BYTES = kWgBN * HD * 2;
+  for (int t = w.j0; t <= w.n_tiles; ++t) {
+    if (t < w.n_tiles) {
+      // Slot t & 3 was last read (for V_{t-4}) in step t-3, before each producer thread's
+      // barrier of step t-2, which this thread has passed.
+      s_row[t & 3][ptid] = wg_row_off<HD>(w, t, ptid, num_kv_heads, block_size_log2);
+      bar_sync(kWgpBarRows, 128);  // all 128 offsets of tile t are in s_row
+      const int u = t - w.j0, b = u & 1;
+      mbar_wait(bars + 16 + 8 * b, ((u >> 1) & 1) ^ 1);  // empty K: S_{t-2} done in both
+      wg_gather<HD, 128, 1>(k_cache, sKV + b * 2 * KV_BYTES, k_cache, 0u, s_row[t & 3], ptid);
+      cp_async_mbar_arrive(bars + 8 * b);  // full K
+    }
+    if (t > w.j0) {
+      const int u = t - 1 - w.j0, b = u & 1;
+      mbar_wait(bars + 48 + 8 * b, ((u >> 1) & 1) ^ 1);  // empty V: P_{t-3} V_{t-3} done in both
+      wg_gather<HD, 128, 1>(v_cache, sKV + b * 2 * KV_BYTES + KV_BYTES, v_cache, 0u,
+                            s_row[(t - 1) & 3], ptid);
+      cp_async_mbar_arrive(bars + 32 + 8 * b);  // full V
     }
   }
+  cp_async_wait<0>();  // leaves only once its copies, and so their arrivals, are complete
+}
+#endif
+
+template <typename T, int HD>
+__device__ __forceinline__ void prefill_wgp_impl(
+    const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_cache,
+    const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ seq_lens,
+    const int2* __restrict__ tiles, long long q_stride_tok, int q_stride_head,
+    long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads, int block_size_log2,
+    int max_blocks_per_seq, float scale_log2, int window, float soft_cap) {
+#if PS_HAS_WGMMA
+  constexpr int BN = kWgBN, NC = kWgThreads;  // NC consumer threads
+  // Launched with 168 registers a thread (384 threads, 1 CTA per SM); the producer gives back
+  // 128 x (168 - 56), which is what the consumers take: 256 x (224 - 168).
+  constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+  constexpr int BAR_Q = 3;  // named barrier: the Q tile landed, for all consumer threads
+  constexpr unsigned int Q_BYTES = kPrefillBM * HD * 2;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ long long s_row[4][BN];  // offsets of the key rows of tile t in slot t & 3
+  // Per stage b (bars + 8 b): full K, then at +16 empty K, +32 full V, +48 empty V.
+  __shared__ __align__(8) unsigned long long s_bar[8];
+
+  const int2 tile = tiles[blockIdx.y];
+  if (tile.x < 0) return;
+  const unsigned int raw_addr = smem_addr(smem_raw);
+  const unsigned int sQ = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
+  unsigned char* const sQ_ptr = smem_raw + (sQ - raw_addr);
+  const unsigned int sKV = sQ + Q_BYTES;  // stage b: K, then V, at sKV + b * 2 * KV tile bytes
+  const unsigned int bars = smem_addr(s_bar);
+  const int head = blockIdx.x, tid = threadIdx.x;
+  const WgTile w = wg_tile(tile, head, cu_seqlens_q, seq_lens, block_tables, num_heads,
+                           num_kv_heads, block_size_log2, max_blocks_per_seq, window);
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(bars + 8 * b, 128);        // full K: one arrival per producer thread
+      mbar_init(bars + 16 + 8 * b, NC);    // empty K: one per consumer thread
+      mbar_init(bars + 32 + 8 * b, 128);   // full V
+      mbar_init(bars + 48 + 8 * b, NC);    // empty V
+    }
+  }
+  if (tid < NC) {
+    wg_load_q<T, HD>(q, sQ, w, head, q_stride_tok, q_stride_head, tid);
+    cp_async_commit();
+  }
+  __syncthreads();  // the mbarriers are initialised before anyone waits on or arrives at them
+  if (tid >= NC) {
+    setmaxnreg_dec<PRODUCER_REGS>();
+    wgp_produce<T, HD>(k_cache, v_cache, w, s_row, sKV, bars, num_kv_heads, block_size_log2,
+                       tid - NC);
+    return;
+  }
+  setmaxnreg_inc<CONSUMER_REGS>();
+
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wg_row0 = wg * 64;                       // first row of this warpgroup in the tile
+  const int row0 = wg_row0 + warp * 16;              // first row of this warp
+  const int wg_qpos0 = w.ctx0 + w.m0 + wg_row0;
+  const int warp_qpos0 = w.ctx0 + w.m0 + row0;
+  const bool wg_has_rows = w.m0 + wg_row0 < w.q_len;
+  const unsigned long long q_desc = wg_desc(sQ + wg_row0 * 128, 16, 1024);
+  float o[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, corr[2] = {1.f, 1.f};
+  float s[BN / 2];
+  unsigned int pa[BN / 16][4];
+
+  // This warpgroup's key tiles [jf, jl] (none without rows): those PS_WG_SEES_TILE admits (the
+  // causal bound is monotone down in j, the window's up; jf starts at the CTA's window edge).
+  const int jl = wg_has_rows ? min(w.n_tiles - 1, (wg_qpos0 + 63) / BN) : w.j0 - 1;
+  int jf = w.j0;
+  while (jf <= jl && !PS_WG_SEES_TILE(jf, wg_has_rows, wg_qpos0, window)) ++jf;
+
+  cp_async_wait<0>();
+  fence_proxy_async();     // this thread's Q copies -> visible to the tensor cores
+  bar_sync(BAR_Q, NC);     // ... and every consumer thread's
+  if (wg == 0) bar_arrive(kWgpBarTurn, 2 * 128);  // warpgroup 0 issues first
+  const WgpStep c{w, bars, sKV, q_desc, wg, warp_qpos0, g, t4, window, soft_cap, scale_log2};
+  int j = w.j0 - 1;
+  for (; j < jf - 1; ++j) wgp_step<false, false, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
+  if (jf <= jl) {
+    wgp_step<true, false, T, HD>(c, j++, o, s, pa, m_run, l_run, corr);  // S_jf
+    for (; j < jl; ++j) wgp_step<true, true, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
+    wgp_step<false, true, T, HD>(c, j++, o, s, pa, m_run, l_run, corr);  // P_jl V_jl
+  }
+  for (; j < w.n_tiles; ++j) wgp_step<false, false, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
+  if (wg == 0) bar_sync(kWgpBarTurn, 2 * 128);  // takes warpgroup 1's last hand-over
+  wg_store_out<T, HD>(o, l_run, 1.f, sQ_ptr, w, head, out, o_stride_tok, o_stride_head, tid);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
@@ -1111,6 +1465,13 @@ PS_PREFILL_WG(prefill_wg_fp16_hd64, __half, 64, 2)
 PS_PREFILL_WG(prefill_wg_fp16_hd128, __half, 128, 1)
 #ifdef PS_VARIANTS
 PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark comparison only
+#endif
+// The pipelined candidate (FlashAttention-3's schedule), hd128: 3 warpgroups, 1 CTA per SM.
+#define PS_PREFILL_WGP(NAME, T, HD) \
+  PS_PREFILL_ENTRY(NAME, prefill_wgp_impl, ps::kWgpThreads, T, HD, 1)
+#ifdef PS_VARIANTS
+PS_PREFILL_WGP(prefill_wgp_bf16_hd128, __nv_bfloat16, 128)
+PS_PREFILL_WGP(prefill_wgp_fp16_hd128, __half, 128)
 #endif
 
 #define PS_DECODE(NAME, T, HD, STAGES, MIN_CTAS)                                                 \

@@ -129,6 +129,9 @@ PREFILL_CASES = {
 
 # The default prefill kernels (wgmma on Hopper), then the mma.sync fallback kernels.
 PREFILL_VARIANTS = ["default", "mma_sync"]
+# (variant, head_dim) of the prefill tests: both kernels at both head dims, and the pipelined
+# candidate (wgmma on Hopper, hd128 only) on every case the default runs at hd128.
+PREFILL_RUNS = [(v, hd) for v in PREFILL_VARIANTS for hd in (64, 128)] + [("pipelined", 128)]
 
 # name: (sliding_window, soft_cap, q's scale): windows of one position, inside a page, of one or
 # just past a page or tile (16/32-key pages, 64/128-key tiles, 64-key decode stages), across many
@@ -144,11 +147,10 @@ NO_FEATURES = (None, None, 1.0)  # full causal attention, no cap, q as drawn
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 2)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
+@pytest.mark.parametrize("variant,head_dim", PREFILL_RUNS)
 def test_prefill_matches_reference(kern, variant, dtype, head_dim, heads, kv_heads, block_size,
                                    case):
     _check_packed(kern, False, dtype, head_dim, heads, kv_heads, block_size, case, NO_FEATURES,
@@ -171,10 +173,9 @@ WINDOW_PREFILL_CASE = ([7, 129, 300, 1000, 640, 77, 2048], [7, 129, 300, 129, 1,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads,block_size", [(8, 2, 16), (4, 4, 32)])
 @pytest.mark.parametrize("features", list(FEATURES))
-@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
+@pytest.mark.parametrize("variant,head_dim", PREFILL_RUNS)
 def test_prefill_window_and_soft_cap(kern, variant, dtype, head_dim, heads, kv_heads, block_size,
                                      features):
     _check_packed(kern, False, dtype, head_dim, heads, kv_heads, block_size, "window",

@@ -192,7 +192,7 @@ def test_module_lists_every_entry_point_of_its_source(module):
                  if source == filename]
     assert sorted(sum(on_demand, ())) == candidates
     if module == "attention":  # the benchmarks' and tests' candidates, none of them production's
-        assert len(candidates) == 6 and not set(candidates) & set(listed)
+        assert len(candidates) == 8 and not set(candidates) & set(listed)
 
 
 def test_warmup_loads_production_kernels_only(monkeypatch):
@@ -246,6 +246,20 @@ def test_variants_are_arguments_that_name_their_kernel_and_module():
         attention.decode_kernel(bf16, 128, "s3")
     with pytest.raises(ValueError, match="prefill variant"):
         attention.prefill_kernel(bf16, 128, torch.device("cpu"), "fast")
+    # The pipelined candidate exists at hd128 only; the name is refused before any compile.
+    with pytest.raises(ValueError, match="no candidate kernel prefill_wgp_bf16_hd64"):
+        attention.prefill_kernel(bf16, 64, torch.device("cpu"), "pipelined")
+    assert attention._module_of("prefill_wgp_fp16_hd128") == "attention_variants"
+
+
+def test_pipelined_prefill_launches_three_warpgroups_in_the_default_shared_memory():
+    """The pipelined candidate adds a producer warpgroup to the default's two and reuses its
+    shared-memory layout (Q and two stages of K and V), so only the thread count differs."""
+    for dtype in ("bf16", "fp16"):
+        threads, smem = attention.prefill_launch_shape(f"prefill_wgp_{dtype}_hd128", 128, 2)
+        assert (threads, smem) == (384, attention.prefill_launch_shape(
+            f"prefill_wg_{dtype}_hd128", 128, 2)[1])
+        assert smem == 1024 + (128 * 2 + 128 * 4 * 2) * 128
 
 
 @pytest.mark.parametrize("window,cap", [(0, None), (-3, None), (True, None), (None, 0.0),

@@ -912,6 +912,8 @@ __device__ __forceinline__ void wgp_produce(const T* __restrict__ k_cache,
       cp_async_mbar_arrive(bars + 32 + 8 * b);  // full V
     }
   }
+  // wait_group covers only committed groups, and the gathers were never committed.
+  cp_async_commit();
   cp_async_wait<0>();  // leaves only once its copies, and so their arrivals, are complete
 }
 #endif

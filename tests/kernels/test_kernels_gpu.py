@@ -122,7 +122,9 @@ def test_kernels_match_the_reference_twins_on_cpu(kern):
 PREFILL_CASES = {
     # name: (seq_lens, q_lens)
     "ragged_full": ([1, 7, 128, 129, 300, 515], [1, 7, 128, 129, 300, 515]),
-    "chunked": ([200, 1000, 77, 640], [64, 129, 77, 1]),
+    # seq 300's 290 new rows: a 128-row tile whose first 64 rows end before its last key tile
+    # and whose last 64 reach it (the pipelined kernel's warpgroups then skip different tiles)
+    "chunked": ([200, 1000, 77, 640, 300], [64, 129, 77, 1, 290]),
     "long": ([2048], [2048]),
 }
 

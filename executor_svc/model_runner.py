@@ -486,9 +486,9 @@ class ModelRunner:
 
     def _grammar_mask(self, batch: _StepBatch, constrained: np.ndarray) -> GrammarMask:
         """The bitmask of a decode step's constrained seqs (`constrained`: their indices in the
-        batch), for its graph to apply before sampling. Filled before the launch: where a row's
-        last token is an unfinished step's, this step waits for that step's end, so only steps
-        with a constrained row ever wait (docs/architecture.md, "Structured output")."""
+        batch), for its graph to apply before sampling. Filled before the launch, so only for
+        rows whose last token is known (else _apply_grammars masks after the forward is queued:
+        docs/architecture.md, "Structured output")."""
         return GrammarMask(constrained, self._grammar_bitmask(batch.rows[constrained]))
 
     def _graph_inputs(self, batch: _StepBatch, tables: np.ndarray, to_sample: np.ndarray,

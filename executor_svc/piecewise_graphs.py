@@ -25,7 +25,9 @@ class PiecewiseGraphs:
     (attention reads its q rows; the piece wrote k and v into the cache), attention's output and
     the final hidden states. Pad tokens write no cache slot (-1) and are never attended; their
     rows hold whatever the buffers held, and every op but attention works row by row, so they
-    never reach a real row. Tests on the CPU replace `graphs` with eager calls of step()."""
+    never reach a real row (save an FP8 product with a dynamic per-tensor scale: its amax spans
+    the pad rows as it spans the step's other seqs). Tests on the CPU replace `graphs` with eager
+    calls of step()."""
 
     def __init__(self, model, kv_caches, token_sizes: tuple[int, ...]) -> None:
         self.model, self.kv_caches = model, kv_caches

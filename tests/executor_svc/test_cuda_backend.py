@@ -475,12 +475,13 @@ def _assert_same_distribution(eager: list, other: list) -> None:
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_piecewise_graphs_match_the_eager_forward_on_gpu():
     """Steps neither full-step ladder holds, replayed piecewise (attention eagerly between the
-    captured pieces) give the eager forward's distribution in bf16 (the same kernels; products
-    at the padded row count, hence a tolerance), and their launch syncs nothing: a prefill of
-    40 seqs (680 tokens, padded to 704), then their 40 decodes beside a new 300-token prompt
-    (340 tokens over 41 seqs: past the small-step graphs' 32), then 40 decodes beside that
-    prompt's next 12 tokens (52 tokens, few-query attention), then a 1,100-token step past the
-    ladder, eager."""
+    captured pieces) give the eager forward's distribution in bf16 (the same kernels, the
+    products up to 704 rows on cuBLASLt algorithms as a tuned executor's, the pieces' QKV
+    product straight into their static buffer; products at the padded row count, hence a
+    tolerance), and their launch syncs nothing: a prefill of 40 seqs (680 tokens, padded to
+    704), then their 40 decodes beside a new 300-token prompt (340 tokens over 41 seqs: past
+    the small-step graphs' 32), then 40 decodes beside that prompt's next 12 tokens (52 tokens,
+    few-query attention), then a 1,100-token step past the ladder, eager."""
     hf = build_hf_model("smollm2-135m", seed=0, dtype=torch.bfloat16, device="cuda")
     rng = random.Random(4)
     prompts = {s: random_prompt(rng, 17) for s in range(1, 41)}
@@ -489,7 +490,10 @@ def test_piecewise_graphs_match_the_eager_forward_on_gpu():
     outputs = {}
     for pieced in (False, True):
         runner = gpu_runner(hf, "bfloat16", max_model_len=2048, graphs=pieced, batch_sizes=(),
-                            piece_sizes=BATCH_SIZES[BATCH_SIZES.index(16):])
+                            piece_sizes=BATCH_SIZES[BATCH_SIZES.index(16):],
+                            lt_rows=[64, 384, 704])
+        qkv = runner.model.layers[0].qkv_proj
+        assert (704, *qkv.shape, torch.bfloat16) in runner.model.backend.gemm.algos
         replayed = []
         if pieced:
             pieces = runner.graphs.piecewise

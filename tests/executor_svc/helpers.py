@@ -243,6 +243,22 @@ class ScheduledRun:
             self._in_flight.append((plan, self._num_sent))
 
 
+def assert_same_results(run: ScheduledRun, reference: ScheduledRun) -> None:
+    """Two ScheduledRuns of one workload: the same outputs; step by step the same sampled
+    (seq, token) pairs and the same seqs with logprobs (add_workload's seeded ones), those
+    logprobs within 1e-5; and some logprob compared."""
+    assert run.outputs == reference.outputs
+    num_logprobs = 0
+    for (step_a, a), (step_b, b) in zip(run.results, reference.results, strict=True):
+        assert step_a == step_b and [x[:2] for x in a] == [x[:2] for x in b]
+        assert [x[2] is None for x in a] == [x[2] is None for x in b]
+        got, want = ([x[2] for x in r if x[2] is not None] for r in (a, b))
+        num_logprobs += len(got)
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                                   torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    assert num_logprobs > 0
+
+
 def add_workload(sched, seed: int, num_seqs: int = 10, vocab: int = 49152) -> dict[int, list[int]]:
     """Prompts of 1-20 tokens, 1-14 output tokens; odd seqs greedy, even ones seeded samples
     that ask for their logprobs (so that runs can be compared on them too). Returns the

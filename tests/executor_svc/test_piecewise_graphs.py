@@ -13,6 +13,7 @@ from executor_svc.cache_engine import CacheEngine
 from executor_svc.model_loader import load_model
 from executor_svc.piecewise_graphs import PiecewiseGraphs
 from tests.executor_svc.helpers import (
+    assert_same_results,
     RunnerLink, ScheduledRun, add_workload, eager_graphs, eager_pieces, hf_greedy, hf_model,
     make_runner, make_scheduler,
 )
@@ -49,15 +50,7 @@ def test_piecewise_path_gives_the_eager_tokens_and_logprobs(num_cpu_blocks):
     eager, _, _, _ = scheduled_run(num_cpu_blocks)
     # 13-16 token steps are past the ladder: eager beside the pieces
     pieced, runner, sched, prompts = scheduled_run(num_cpu_blocks, (4, 8, 12))
-    assert pieced.outputs == eager.outputs
-    num_logprobs = 0
-    for (step_a, a), (step_b, b) in zip(pieced.results, eager.results, strict=True):
-        assert step_a == step_b and [x[:2] for x in a] == [x[:2] for x in b]
-        got, want = ([x[2] for x in run if x[2] is not None] for run in (a, b))
-        num_logprobs += len(got)
-        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                                   torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-5)
-    assert num_logprobs > 0
+    assert_same_results(pieced, eager)
     pieces = runner.graphs.piecewise
     num_steps = sum(1 for _, sampled in pieced.results if sampled)
     assert pieces.num_steps > 5 and pieces.num_padded > 0 and num_steps > pieces.num_steps

@@ -9,6 +9,7 @@ import torch
 
 from executor_svc.cuda_graphs import DECODE, SMALL_STEP, CudaGraphs, GraphInputs, _layout
 from tests.executor_svc.helpers import (
+    assert_same_results,
     RunnerLink, ScheduledRun, add_workload, eager_graphs, hf_greedy, hf_model, make_runner,
     make_scheduler,
 )
@@ -51,16 +52,7 @@ def test_small_step_path_gives_the_eager_tokens_and_logprobs(num_cpu_blocks, bat
     eager, _, _, _ = scheduled_run(True, num_cpu_blocks, graphs=False)
     graphed, runner, sched, prompts = scheduled_run(True, num_cpu_blocks, True, batch_sizes)
     graphs = runner.graphs
-    assert graphed.outputs == eager.outputs
-    num_logprobs = 0
-    for (step_a, a), (step_b, b) in zip(graphed.results, eager.results, strict=True):
-        assert step_a == step_b and [x[:2] for x in a] == [x[:2] for x in b]
-        got, want = ([x[2] for x in run if x[2] is not None] for run in (a, b))
-        num_logprobs += len(got)
-        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                                   torch.tensor(want, dtype=torch.float64),
-                                   rtol=1e-5, atol=1e-5)
-    assert num_logprobs > 0
+    assert_same_results(graphed, eager)
     # The path was taken, padded, fed from unfinished steps, and left for larger steps.
     num_other = sum(1 for _, sampled in graphed.results if sampled) - len(graphs.ladders)
     assert graphs.ladders.count(SMALL_STEP) > (1 if batch_sizes else 5)

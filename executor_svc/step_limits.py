@@ -22,8 +22,9 @@ CPU = (2048, 128)
 # vLLM's largest default capture size is min(2 * max_num_seqs, 512) tokens: above it a step's
 # products outlast its eager launch.
 _MAX_CAPTURE_TOKENS = 512
-# Past vLLM's 512 for the piecewise graphs: this executor's eager launch of a step costs the host
-# several times vLLM's compiled one, so steps up to here would wait on it.
+# Past vLLM's 512 for the piecewise graphs: an eager step launches each kernel from Python, so
+# steps whose GPU time is shorter than that launch wait on it; profile_decode's piecewise variant
+# shows where that ends.
 PIECEWISE_MAX_TOKENS = 1024
 
 

@@ -1,12 +1,15 @@
 """Where one function's time goes in a running service, by sampling: a thread in the service
 (started from a `sitecustomize` put on the services' PYTHONPATH for this run only) looks at every
 other thread's stack every 0.5 ms and, while one is inside the function, charges the time since
-its last look to that thread's innermost frames. Runs bench_serving with the arguments after
-`--`, then prints the stacks that took the most time.
+its last look to that thread's innermost frames. Runs bench_serving (or with --runner online,
+bench_online, whose --launch ours starts the services) with the arguments after `--`, then prints
+the stacks that took the most time.
 
     python3 benchmarks/sample_stacks.py -- --workload W1 --skip-hf
     python3 benchmarks/sample_stacks.py --service scheduler --function scheduler.py:schedule \\
         -- --workload W2 --skip-hf
+    python3 benchmarks/sample_stacks.py --runner online -- --launch ours --workload W1-json \\
+        --tokenizer <tokenizer> --num-requests 256
 
 A slice charged to a stack is wall time there: the thread ran, or waited in C with the GIL
 released (a GPU wait, a lock), or waited for the GIL. A C call that holds the GIL holds the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import importlib
 import os
 import sys
 import tempfile
@@ -127,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--function", default="model_runner.py:launch",
                    help="FILE:FUNCTION whose time is sampled (a file name's ending)")
     p.add_argument("--depth", type=int, default=5, help="innermost frames that name a stack")
+    p.add_argument("--runner", choices=("serving", "online"), default="serving",
+                   help="the benchmark the arguments after -- go to: bench_serving (gRPC, "
+                        "offline) or bench_online (HTTP, --launch ours; W1-json among its "
+                        "workloads)")
     args = p.parse_args(ours)
     try:
         parse_target(args.function)  # fails here, not in the service
@@ -135,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.depth < 1:
         p.error(f"--depth must be at least 1, got {args.depth}")
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_serving
+    bench = importlib.import_module("bench_" + args.runner)
     from trace_ttft import put_sitecustomize
 
     tmp = Path(tempfile.mkdtemp(prefix="sample_stacks_"))
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                       PAGEDSERVE_SAMPLE_DEPTH=str(args.depth),
                       PAGEDSERVE_SAMPLE_OUT=str(tmp / "stacks"))
 
-    bench_serving.main(rest)
+    bench.main(rest)
     reports = sorted(tmp.glob("stacks.*"))
     if not reports:
         raise SystemExit(f"no report from the {args.service}: the sampler did not start")

@@ -79,12 +79,13 @@ class GraphSampler:
 
     Three variants, each captured per batch size, so that a batch pays only for what it uses:
     - GREEDY (every row greedy, no controls): argmax + raw logprob.
-    - SAMPLED (temperature, top-k, top-p, min-p, seeds): the eager sampler's sampled path on
-      every row, greedy rows picked by a mask.
-    - CONTROLLED (any penalty, logit bias or top logprobs): penalties on every row (rows that use
-      none get neutral parameters and TokenCounts' all-zero row: x / 1.0, x * 1.0 and x - 0.0
-      are exact), logit bias, the sampled path, top logprobs, the sampled ids counted. Sizes up
-      to max_controlled_batch only, so its [bs, vocab] intermediates stay small in the pool.
+    - SAMPLED (temperature and seeds, no filter): the eager sampler's sampled path without its
+      sort, greedy rows picked by a mask.
+    - CONTROLLED (any penalty, logit bias, top logprobs or top-k / top-p / min-p): penalties on
+      every row (rows that use none get neutral parameters and TokenCounts' all-zero row: x /
+      1.0, x * 1.0 and x - 0.0 are exact), logit bias, the sampled path with its filters, top
+      logprobs, the sampled ids counted. Sizes up to max_controlled_batch only, so its
+      [bs, vocab] intermediates stay small in the pool.
     A step that fits no variant replays the GREEDY graph and samples its logits eagerly.
 
     The host parameter region is ordered so a variant copies only what it reads: CONTROLLED
@@ -133,7 +134,8 @@ class GraphSampler:
         options = step.options
         if options is None:
             return GREEDY
-        if not any(o.uses_penalties or o.logit_bias or o.logprobs for o in options):
+        if not any(o.uses_penalties or o.logit_bias or o.logprobs or o.uses_filters
+                   for o in options):
             return GREEDY if all(o.temperature <= 0.0 for o in options) else SAMPLED
         fits = (bs <= self.max_controlled_batch and step.num_logit_bias <= self.max_logit_bias
                 and step.num_top_logprobs <= self.top_k
@@ -221,7 +223,8 @@ class GraphSampler:
             controls = (bias, penalties, self.top_k)
         return SamplingTensors(bs, False, True, floats[3] > 0.5, floats[0].unsqueeze(1),
                                f.top_k[:bs].unsqueeze(1), floats[1].unsqueeze(1),
-                               floats[2].unsqueeze(1), f.seed[:bs], *controls)
+                               floats[2].unsqueeze(1), f.seed[:bs], *controls,
+                               filters=variant == CONTROLLED)
 
     @torch.inference_mode()
     def sample_into(self, logits: torch.Tensor, variant: str) -> None:

@@ -60,6 +60,28 @@ def uniform_noise(row_seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return noise
 
 
+def gumbel_noise(row_seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """-log(E) with E = -log(uniform_noise), E ~ Exp(1): [n, vocab] float32, in place on the
+    noise. E is 0 where the noise rounds to 1.0 in float32 (1 token in 2^24); clamped to the
+    smallest normal float, that token gets a finite score that all but certainly wins, as it
+    would win the race p / E."""
+    noise = uniform_noise(row_seeds, vocab_size)
+    return noise.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()
+
+
+def race_argmax(scores: torch.Tensor, row_seeds: torch.Tensor, fused: bool | None = None
+                ) -> torch.Tensor:
+    """argmax over each row of scores [n, vocab] float32 + gumbel_noise(row_seeds): [n] int64.
+    On CUDA (fused None) the one-pass kernel (pagedserve_kernels.ops.gumbel_argmax, these ops
+    bit for bit) writes no [n, vocab] tensor; else the torch ops, in place on scores."""
+    if scores.is_cuda if fused is None else fused:
+        from pagedserve_kernels import ops  # CuPy: imported on the GPU only
+
+        return ops.gumbel_argmax(scores, row_seeds)
+    scores += gumbel_noise(row_seeds, scores.shape[1])
+    return scores.argmax(dim=-1)
+
+
 def _shr_into(x: torch.Tensor, n: int, out: torch.Tensor) -> None:
     """out = _shr(x, n) without a temporary."""
     torch.bitwise_right_shift(x, n, out=out)
@@ -98,6 +120,7 @@ class SamplingTensors:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
     num_top_logprobs: int = 0  # the most any row asked for
+    filters: bool = True  # some row uses top-k, top-p or min-p (False: no sort in sampling)
 
     @classmethod
     def for_greedy(cls, num_rows: int) -> "SamplingTensors":
@@ -130,7 +153,7 @@ class SamplingTensors:
         floats, ints = to_device(floats, device), to_device(ints, device)
         return cls(len(options), False, any(greedy), floats[3] > 0.5, floats[0].unsqueeze(1),
                    ints[0].unsqueeze(1), floats[1].unsqueeze(1), floats[2].unsqueeze(1), ints[1],
-                   *controls)
+                   *controls, filters=any(o.uses_filters for o in options))
 
 
 def _controls(options: list[SamplingOptions], device: torch.device, counts: TokenCounts | None,
@@ -225,12 +248,9 @@ class Sampler:
         logits = controlled_logits(raw, params)
         token_ids = logits.argmax(dim=-1) if params.any_greedy else None
         if not params.all_greedy:
-            probs = filtered_probs(logits, params)
-            race = probs / -torch.log(uniform_noise(params.row_seeds, logits.shape[1]))
-            # E is 0 where the noise rounds to 1.0 in float32 (1 token in 2^24): a token the
-            # filters or a grammar dropped (p = 0) would race 0 / 0 = NaN, which argmax takes.
-            race.masked_fill_(probs == 0, 0.0)
-            drawn = race.argmax(dim=-1)  # exponential race: argmax p / E, E ~ Exp(1)
+            # Gumbel-max: argmax of the filtered scaled logits plus -log(E), E ~ Exp(1), is the
+            # exponential race argmax p / E without the softmax; dropped tokens stay -inf.
+            drawn = race_argmax(filtered_logits(logits, params), params.row_seeds)
             token_ids = drawn if token_ids is None else torch.where(params.greedy, token_ids, drawn)
         logprobs = torch.log_softmax(raw, dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
         return token_ids, logprobs
@@ -280,12 +300,20 @@ def top_from_host(both: torch.Tensor) -> tuple[list[list[int]], list[list[float]
 
 def filtered_probs(logits: torch.Tensor, params: SamplingTensors | list[SamplingOptions]
                    ) -> torch.Tensor:
-    """Temperature, then top-k and top-p on the sorted logits, then min-p: probs [n, vocab]."""
+    """The distribution a row samples from: the softmax of filtered_logits, probs [n, vocab]."""
     if not isinstance(params, SamplingTensors):
         params = SamplingTensors.build(params, [0] * len(params), logits.shape[1], logits.device)
         if params.all_greedy:
             raise ValueError("filtered_probs needs temperature > 0")
+    return filtered_logits(logits, params).softmax(dim=-1)
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The logits divided by the temperature, -inf on the tokens top-k, then top-p, then min-p
+    drop: a new [n, vocab] float32 tensor. A batch without filters skips the sort."""
     scaled = logits.float() / params.temperature  # [n, vocab]
+    if not params.filters:
+        return scaled
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [n, vocab]
     rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
     drop = rank >= params.top_k
@@ -293,8 +321,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingTensors | list[Sampling
     # Drop a token once the mass strictly before it already reaches top_p (keeps at least one).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= mass_before >= params.top_p
+    # min-p: below that fraction of the most likely token's probability (a ratio no
+    # renormalisation after top-k / top-p changes).
+    drop |= (sorted_logits - sorted_logits[:, :1]).exp() < params.min_p
     drop[:, 0] = False
     mask = torch.empty_like(drop).scatter_(1, order, drop)  # back to vocab order
-    probs = scaled.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    probs = probs.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    return scaled.masked_fill_(mask, float("-inf"))

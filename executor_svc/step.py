@@ -39,6 +39,13 @@ class SamplingOptions:
                     or self.repetition_penalty != 1.0)
 
     @cached_property
+    def uses_filters(self) -> bool:
+        """Whether this seq samples with top-k, top-p or min-p (a top_k at or above the
+        vocabulary counts: it changes nothing, and the filtering path gives the same token)."""
+        return self.temperature > 0.0 and (self.top_k > 0 or self.top_p < 1.0
+                                           or self.min_p > 0.0)
+
+    @cached_property
     def has_controls(self) -> bool:
         """Whether this seq uses a penalty, a logit bias or logprobs."""
         return self.uses_penalties or bool(self.logit_bias) or self.logprobs is not None

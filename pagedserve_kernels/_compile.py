@@ -41,7 +41,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "rotary_embedding_bf16", "rotary_embedding_fp16", "silu_and_mul_bf16",
             "silu_and_mul_fp16", "rotary_embedding_cache_bf16_i64",
             "rotary_embedding_cache_bf16_i32", "rotary_embedding_cache_fp16_i64",
-            "rotary_embedding_cache_fp16_i32", "apply_token_bitmask",
+            "rotary_embedding_cache_fp16_i32", "apply_token_bitmask", "gumbel_argmax",
         ),
     ),
     "quant": (

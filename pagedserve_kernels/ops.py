@@ -1,6 +1,6 @@
 """Launchers of the Llama forward's elementwise kernels (csrc/ops.cu), bf16/fp16, as the reference
 twins but in fp32 with one rounding (equal to rounding, not bit for bit), and of a grammar's token
-mask on float32 logits; capturable, no syncs. Imports cupy only when launching.
+mask and sampling's race on float32 logits; capturable, no syncs. Imports cupy only when launching.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ _ROPE_MAX_THREADS = 512
 _SILU_THREADS = 256
 _MASK_THREADS = 256
 _MAX_GRID_Y = 65535
+_MAX_GRID_X = 2**31 - 1
+_RACE_THREADS = 512  # PS_RACE_THREADS in ops.cu
 
 
 def rms_norm(
@@ -347,6 +349,37 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
             _i32(vocab))
     chunks = (vocab + _MASK_THREADS - 1) // _MASK_THREADS
     _launch("apply_token_bitmask", logits, (chunks, m, 1), _MASK_THREADS, args)
+
+
+def gumbel_argmax(scores: torch.Tensor, row_seeds: torch.Tensor) -> torch.Tensor:
+    """[n] int64: argmax over t of scores[i, t] + g, g = -log(max(-log(u), FLT_MIN)), u the
+    splitmix64 noise of row_seeds[i] at t (executor_svc.sampler's race_argmax on the host ops,
+    bit for bit, ties and NaN to the first index as torch.argmax); nothing [n, vocab] written.
+
+    scores: [n, vocab] float32 on the GPU, last dim contiguous (any row stride)
+    row_seeds: [n] int64, contiguous, on the same device
+    One CTA per row; capturable, no syncs.
+    """
+    _check_device("scores", scores)
+    if scores.dtype != torch.float32 or scores.dim() != 2 or scores.stride(1) != 1:
+        raise ValueError(f"scores must be [n, vocab] float32 with a contiguous last dim, got "
+                         f"{scores.dtype} {tuple(scores.shape)} strides {scores.stride()}")
+    n, vocab = scores.shape
+    if (row_seeds.dtype != torch.int64 or row_seeds.shape != (n,)
+            or not row_seeds.is_contiguous() or row_seeds.device != scores.device):
+        raise ValueError(f"row_seeds must be a contiguous [{n}] int64 tensor on {scores.device}, "
+                         f"got {row_seeds.dtype} {tuple(row_seeds.shape)} on {row_seeds.device}")
+    if not 0 < vocab < 2**31 - 1:
+        raise ValueError(f"a vocabulary of {vocab} tokens is out of the kernel's range")
+    out = torch.empty(n, dtype=torch.int64, device=scores.device)
+    if n == 0:
+        return out
+    if n > _MAX_GRID_X:
+        raise ValueError(f"{n} rows exceed one launch's {_MAX_GRID_X}")
+    args = (scores.data_ptr(), _i64(scores.stride(0)), row_seeds.data_ptr(), out.data_ptr(),
+            _i32(vocab))
+    _launch("gumbel_argmax", scores, (n, 1, 1), _RACE_THREADS, args)
+    return out
 
 
 # -- validation ------------------------------------------------------------------------------------

@@ -626,3 +626,68 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 #endif  // PS_KV_FP8
+
+// Sampling's race: out[row] = argmax over t of scores[row, t] + g(t), g = -log(max(E, FLT_MIN)),
+// E = -log(u), u the splitmix64 stream of seeds[row] at t + 1 as float32 in (0, 1]
+// (executor_svc.sampler.race_argmax's torch ops, bit for bit: the same integer ops and float32
+// roundings, ties and NaN as torch.argmax takes them: the first). One CTA per row; nothing [n, vocab] is
+// written, where the torch ops write two int64 tensors of that size.
+#ifndef PS_KV_FP8
+#define PS_RACE_THREADS 512
+__device__ __forceinline__ bool race_beats(float a, int ia, float b, int ib) {
+  const bool nan_a = a != a, nan_b = b != b;
+  if (nan_a || nan_b) return nan_a && (!nan_b || ia < ib);
+  return a > b || (a == b && ia < ib);
+}
+
+extern "C" __global__ void __launch_bounds__(PS_RACE_THREADS)
+    gumbel_argmax(const float* scores, long long stride, const long long* seeds,
+                  long long* out, int vocab) {
+  const long long row = blockIdx.x;
+  const float* s = scores + row * stride;
+  const unsigned long long seed = static_cast<unsigned long long>(seeds[row]);
+  float best = __uint_as_float(0xff800000u);  // -inf
+  int best_i = vocab;  // beaten by any index
+  for (int t = threadIdx.x; t < vocab; t += blockDim.x) {
+    unsigned long long z = seed + static_cast<unsigned long long>(t + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    float u = __fadd_rn(static_cast<float>(z >> 40), 0.5f);
+    u = __fmul_rn(u, 1.0f / 16777216.0f);
+    const float e = fmaxf(-logf(u), 1.17549435e-38f);
+    const float v = __fadd_rn(s[t], -logf(e));
+    if (race_beats(v, t, best, best_i)) {
+      best = v;
+      best_i = t;
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float v = __shfl_down_sync(0xffffffffu, best, offset);
+    const int i = __shfl_down_sync(0xffffffffu, best_i, offset);
+    if (race_beats(v, i, best, best_i)) {
+      best = v;
+      best_i = i;
+    }
+  }
+  __shared__ float warp_best[PS_RACE_THREADS / 32];
+  __shared__ int warp_index[PS_RACE_THREADS / 32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+    warp_best[warp] = best;
+    warp_index[warp] = best_i;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    best = warp_best[0];
+    best_i = warp_index[0];
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) {
+      if (race_beats(warp_best[w], warp_index[w], best, best_i)) {
+        best = warp_best[w];
+        best_i = warp_index[w];
+      }
+    }
+    out[row] = best_i < vocab ? best_i : 0;
+  }
+}
+#endif  // PS_KV_FP8

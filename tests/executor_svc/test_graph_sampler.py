@@ -32,6 +32,7 @@ MAX_BATCH = 16
 def _mix(i: int) -> dict[str, SamplingOptions]:
     return {
         "greedy": SamplingOptions(),
+        "plain": SamplingOptions(temperature=0.8, seed=i),  # no filter: the SAMPLED variant
         "sampled": SamplingOptions(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=i),
         "penalties": SamplingOptions(repetition_penalty=1.3, presence_penalty=0.4,
                                      frequency_penalty=0.3),
@@ -171,7 +172,7 @@ class Pair:
 
 
 GREEDY_ROWS = ["greedy"] * 5
-SAMPLED_ROWS = ["greedy", "sampled", "sampled", "greedy", "sampled"]
+SAMPLED_ROWS = ["greedy", "plain", "plain", "greedy", "plain"]
 CONTROLLED_ROWS = ["greedy", "sampled", "penalties", "bias", "logprobs", "logprobs0",
                    "sampled_penalties", "everything"]
 
@@ -179,6 +180,7 @@ CONTROLLED_ROWS = ["greedy", "sampled", "penalties", "bias", "logprobs", "logpro
 @pytest.mark.parametrize("kinds,variant", [
     (GREEDY_ROWS, GREEDY), (["greedy", "logprobs0"], GREEDY), (SAMPLED_ROWS, SAMPLED),
     (CONTROLLED_ROWS, CONTROLLED), (["bias"], CONTROLLED), (["logprobs"], CONTROLLED),
+    (["plain", "sampled", "greedy"], CONTROLLED),  # filters sort: the controlled variant
 ])
 @pytest.mark.parametrize("layout", ["all_sample", "padded", "some_do_not_sample"])
 def test_each_variant_gives_the_eager_samplers_results(kinds, variant, layout):
@@ -226,7 +228,9 @@ def test_steps_that_fit_no_graph_fall_back():
     assert variant(["bias"]) == CONTROLLED  # 3 entries
     assert variant(["bias", "bias"]) is None  # 6 entries > 4
     assert variant(["logprobs"]) == CONTROLLED and variant(["logprobs"], bs=8) is None
-    assert variant(["sampled"], bs=16) == SAMPLED and variant(["greedy"], bs=16) == GREEDY
+    assert variant(["plain"], bs=16) == SAMPLED and variant(["greedy"], bs=16) == GREEDY
+    assert variant(["plain", "sampled"]) == CONTROLLED  # a filter: sorted where it fits
+    assert variant(["plain", "sampled"], bs=8) is None
     over = SamplingOptions(logprobs=21)
     assert gs.variant(StepSampling(np.arange(1), [over], np.zeros(1), [None]), 1) is None
     assert variant(["penalties"], count_rows=[0]) == CONTROLLED

@@ -76,6 +76,44 @@ def test_sampled_frequencies_follow_distribution():
     torch.testing.assert_close(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.04, rtol=0)
 
 
+def test_filtered_frequencies_follow_the_filtered_distribution():
+    """top-k 2 of [0.5, 0.3, 0.2]: the race samples the renormalised [0.625, 0.375, 0]."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).expand(2000, 3)
+    opts = [SamplingOptions(temperature=1.0, top_k=2, seed=1)] * 2000
+    tokens, _ = Sampler()(logits, opts, list(range(2000)))
+    freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 2000
+    torch.testing.assert_close(freq, torch.tensor([0.625, 0.375, 0.0]), atol=0.04, rtol=0)
+
+
+def test_filters_that_drop_nothing_draw_what_the_unfiltered_path_draws():
+    """A batch with a filter sorts (the filtering path); one without skips it. Where the filter
+    drops nothing (top-k over the vocabulary, top-p 1 beside a row that sorts), every row draws
+    the same token either way: one race, whichever path."""
+    logits = _logits(64, seed=9)
+    plain = [SamplingOptions(temperature=0.9, seed=s) for s in range(64)]
+    wide = [SamplingOptions(temperature=0.9, top_k=VOCAB + 5, seed=s) for s in range(64)]
+    assert not any(o.uses_filters for o in plain) and all(o.uses_filters for o in wide)
+    positions = list(range(100, 164))
+    fast, _ = Sampler()(logits, plain, positions)
+    sorted_path, _ = Sampler()(logits, wide, positions)
+    assert fast == sorted_path
+    # one row with a real filter sends the whole batch down the sorting path: the others still
+    # draw what they draw alone
+    mixed = plain[:-1] + [SamplingOptions(temperature=0.9, top_p=0.5, seed=63)]
+    beside, _ = Sampler()(logits, mixed, positions)
+    assert beside[:-1] == fast[:-1]
+
+
+def test_a_grammar_masked_token_is_never_drawn():
+    """-inf logits (a grammar's mask) never win the race, with or without filters."""
+    logits = _logits(32, seed=5)
+    logits[:, ::2] = float("-inf")
+    for extra in ({}, {"top_p": 0.95}):
+        opts = [SamplingOptions(temperature=2.0, seed=s, **extra) for s in range(32)]
+        tokens, _ = Sampler()(logits, opts, list(range(32)))
+        assert all(t % 2 == 1 for t in tokens)
+
+
 def test_mixed_greedy_and_random_rows():
     logits = _logits(4, seed=4)
     opts = [SamplingOptions(), SamplingOptions(temperature=1.0, top_k=1), SamplingOptions(),

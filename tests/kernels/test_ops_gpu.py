@@ -552,3 +552,61 @@ def test_apply_token_bitmask_replays_in_a_cuda_graph_with_new_bits(ops):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static[0], want)
+
+
+# -- sampling's race -------------------------------------------------------------------------------
+
+def _race_case(n: int, vocab: int, gen: torch.Generator):
+    """(wide [n, vocab + 5] float32 whose first vocab columns are the scores: a row stride past
+    the vocabulary, with -inf (a grammar's or a filter's drops), a whole -inf row, exact ties and
+    a NaN row; row seeds [n] int64, 63-bit as position_seed makes them)."""
+    wide = randn(n, vocab + 5, gen=gen) * 3
+    scores = wide[:, :vocab]
+    drop = torch.rand(n, vocab, generator=gen, device=DEVICE) < 0.4
+    scores.masked_fill_(drop, float("-inf"))
+    if n > 2:
+        scores[1] = float("-inf")  # nothing allowed: torch.argmax's index 0
+        scores[2, vocab // 2] = float("nan")
+    if n > 3 and vocab > 8:
+        scores[3, :8] = scores[3, 7]  # ties before the noise
+    seeds = torch.randint(0, 2**63 - 1, (n,), generator=gen, device=DEVICE)  # 63-bit seeds
+    return wide, seeds
+
+
+@pytest.mark.parametrize("n,vocab", [(1, 32), (7, 1000), (64, 49152), (256, 128_256),
+                                     (3, 151_937)])
+def test_gumbel_argmax_draws_the_torch_ops_token_bit_for_bit(ops, n, vocab):
+    """The kernel against executor_svc.sampler's torch ops on the same device: the same ids,
+    and the scores it reads left as they were."""
+    from executor_svc.sampler import race_argmax
+
+    gen = torch.Generator(device=DEVICE).manual_seed(seed_of("race", n, vocab))
+    for _ in range(3):
+        wide, seeds = _race_case(n, vocab, gen)
+        before = wide.clone()
+        got = ops.gumbel_argmax(wide[:, :vocab], seeds)
+        want = race_argmax(wide[:, :vocab].clone(), seeds, fused=False)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), (got, want)
+        assert torch.equal(wide.nan_to_num(), before.nan_to_num())
+
+
+def test_gumbel_argmax_replays_in_a_cuda_graph(ops):
+    """Captured over static buffers as the decode graphs' sampling captures it; replayed with
+    new scores and seeds."""
+    from executor_svc.sampler import race_argmax
+
+    gen = torch.Generator(device=DEVICE).manual_seed(seed_of("race-graph"))
+    wide, seeds = _race_case(16, 49152, gen)
+    static_scores, static_seeds = wide[:, :49152].contiguous(), seeds.clone()
+    out = {}
+    graph = capture(lambda: out.__setitem__("ids", ops.gumbel_argmax(static_scores,
+                                                                     static_seeds)))
+    for _ in range(3):
+        wide, seeds = _race_case(16, 49152, gen)
+        static_scores.copy_(wide[:, :49152])
+        static_seeds.copy_(seeds)
+        graph.replay()
+        want = race_argmax(wide[:, :49152].clone(), seeds, fused=False)
+        torch.cuda.synchronize()
+        assert torch.equal(out["ids"], want)

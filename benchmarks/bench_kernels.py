@@ -5,7 +5,8 @@
 
 Ratios are measured in the same run: prefill vs torch SDPA's flash backend on contiguous KV,
 decode and copy_blocks vs a measured device-to-device copy, swap_blocks vs one large pinned copy
-and vs a loop of cudaMemcpyAsync per page and layer; with --fusions, the elementwise ops of a
+and vs a loop of cudaMemcpyAsync per page and layer; `--only sampling`: the seeded draw through
+the race kernel against the torch ops it replaces; with --fusions, the elementwise ops of a
 Llama-3-8B layer (pagedserve_kernels.ops) vs their torch twins; with --vllm-fa3 SITE, prefill and
 paged decode also side by side with vLLM's FlashAttention-3 (`vllm.vllm_flash_attn` from SITE, as
 ../shared/bench/vllm/install_on_gpu.sh leaves it) on the same shapes, timed the same way in a child
@@ -502,6 +503,39 @@ def compile_times() -> dict:
     return res
 
 
+SAMPLING_ROWS = (1, 64, 256, 1024)
+
+
+def bench_sampling(rows=SAMPLING_ROWS, vocab: int = 128_256) -> dict:
+    """The Sampler's seeded draw from [rows, vocab] float32 logits (Llama-3's vocabulary) at
+    temperature 0.8, µs: the race (scaled logits + noise, argmax) through the kernel (the default
+    on CUDA) and through the torch ops it replaces; the whole sample() (logprobs included)
+    without filters and with top-p 0.9 (the sort)."""
+    from executor_svc.sampler import Sampler, SamplingTensors, filtered_logits, race_argmax
+    from executor_svc.step import SamplingOptions
+
+    sampler, out = Sampler(), {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n in rows:
+        logits = [torch.randn(n, vocab, generator=g, device="cuda") * 4 for _ in range(2)]
+        plain = SamplingTensors.build([SamplingOptions(temperature=0.8, seed=i) for i in range(n)],
+                                      list(range(n)), vocab, torch.device("cuda"))
+        top_p = SamplingTensors.build([SamplingOptions(temperature=0.8, top_p=0.9, seed=i)
+                                       for i in range(n)], list(range(n)), vocab,
+                                      torch.device("cuda"))
+        def race(fused: bool):
+            return median_ms(lambda i: race_argmax(filtered_logits(logits[i % 2], plain),
+                                                   plain.row_seeds, fused=fused))
+
+        kernel, torch_ops = race(True), race(False)
+        sample = median_ms(lambda i: sampler.sample(logits[i % 2], plain))
+        filtered = median_ms(lambda i: sampler.sample(logits[i % 2], top_p))
+        out[n] = {"kernel_race_us": kernel * 1e3, "torch_race_us": torch_ops * 1e3,
+                  "sample_us": sample * 1e3, "top_p_us": filtered * 1e3,
+                  "logits_GB": n * vocab * 4 / 1e9}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write all numbers here too")
@@ -515,7 +549,8 @@ def main() -> None:
                              "(e.g. /tmp/vllm_site) on the prefill and decode shapes")
     parser.add_argument("--fa3-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: prefill decode ragged swap compile fusions matmul")
+                        help="subset of: prefill decode ragged swap compile fusions matmul "
+                             "sampling")
     parser.add_argument("--ragged-context", type=int, nargs=2, default=[64, 1792],
                         metavar=("LO", "HI"), help="ragged: contexts drawn uniformly in LO..HI")
     parser.add_argument("--ragged-width", type=int, default=512,
@@ -620,6 +655,17 @@ def main() -> None:
                          " ".join(f"{k} {row[k]:.0f}" for k, _, _ in MATMUL_SHAPES),
                          f"{row['layer_tflops'] / r['peak_tflops']:.2f} of 8192^3 "
                          f"({r['peak_tflops']:.0f})"))
+    if "sampling" in only:
+        r = bench_sampling()
+        results["sampling"] = r
+        for n, row in r.items():
+            print(f"sampling {n} rows", json.dumps(row), flush=True)
+            rows.append((f"seeded sampling, {n} x 128,256 logits, temperature 0.8",
+                         f"race {row['kernel_race_us']:.0f} us (kernel); whole sample "
+                         f"{row['sample_us']:.0f} us",
+                         f"top-p 0.9: {row['top_p_us']:.0f} us",
+                         f"torch race ops {row['torch_race_us']:.0f} us",
+                         f"{row['torch_race_us'] / row['kernel_race_us']:.1f}x"))
     if args.vllm_fa3 and only & {"prefill", "decode"}:
         fa3 = run_fa3(args.vllm_fa3)
         results["vllm_fa3"] = fa3

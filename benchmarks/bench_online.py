@@ -8,6 +8,8 @@ a workload's lengths, TTFT / TPOT / ITL / e2e percentiles and throughput per run
     python3 benchmarks/bench_online.py --launch vllm --request-rates 12,20,30,38,inf --out vllm.json
     python3 benchmarks/online_report.py ours.json vllm.json --out-dir online   # table + PNG
     python3 benchmarks/bench_online.py --launch ours --workload W1-json --tokenizer TOK --out j.json
+    python3 benchmarks/bench_online.py --launch ours --request-rates 6,18,30,inf --repeat 3 \\
+        --out ours.json   # each point 3 times; the table's figures are the medians
 
 A workload's name or lengths followed by -json constrains each output by one of the JSON schemas
 of json_workload.py, sized to its output length, and checks what comes back against it.
@@ -152,9 +154,13 @@ async def sweep(url: str, args, info: dict) -> dict:
         print(f"server not ready: {why} (the runs go on; their requests will fail)", flush=True)
     if args.num_warmups and not why:
         await warm_up(endpoint, model, token_ids, args)
-    points = [(r, c) for c in args.max_concurrency for r in args.request_rates]
-    for index, (rate, concurrency) in enumerate(points):
+    # Repeats go round the whole sweep in turn, so a drift over the session spreads over every
+    # point rather than landing on one.
+    points = [(r, c, k) for k in range(args.repeat) for c in args.max_concurrency
+              for r in args.request_rates]
+    for index, (rate, concurrency, repeat) in enumerate(points):
         run = await run_point(endpoint, model, token_ids, args, rate, concurrency, index)
+        run["repeat"] = repeat
         result["runs"].append(run)
         print(format_run(result["label"], run), flush=True)
         if args.structured:
@@ -236,6 +242,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=_concurrencies, default=[None],
                    help="comma-separated caps on requests in flight (with --request-rates inf: "
                         "fixed concurrency); each cap runs every rate")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each point (the sweep N times over, each run with new prompt "
+                        "ids); the table and plot give each figure's median over them")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 is Poisson, below 1 burstier")
     p.add_argument("--seed", type=int, default=0, help="of the arrival times")
@@ -262,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_requests < 1:
         p.error(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.num_warmups < 0:
         p.error(f"--num-warmups must be at least 0, got {args.num_warmups}")
     if not args.burstiness > 0:

@@ -6,7 +6,9 @@ latency against load, one line per server; runs anywhere, reading files brought 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +27,41 @@ def _triple(s: dict, name: str) -> str:
 
 def _load(run: dict) -> str:
     rate, cap = run["request_rate"], run["max_concurrency"]
-    return f"{rate}" + (f", cap {cap}" if cap else "")
+    merged = run.get("runs_merged", 1)
+    return (f"{rate}" + (f", cap {cap}" if cap else "")
+            + (f" (median of {merged})" if merged > 1 else ""))
+
+
+# Counts that add up over a point's repeats; every other number is a median of them.
+_SUMMED = ("requests", "completed", "failed", "prompt_tokens", "output_tokens",
+           "chunks_not_one_token", "token_count_mismatch")
+
+
+def medians(result: dict) -> list[dict]:
+    """A sweep's runs with each point's repeats (bench_online --repeat) merged into one: its
+    counts summed, its rates, times and percentiles the median of the runs', the reasons and
+    finish counts added; a point run once is as it was."""
+    points: dict[tuple, list[dict]] = {}
+    for run in result["runs"]:
+        points.setdefault((str(run["request_rate"]), run["max_concurrency"]), []).append(run)
+    return [runs[0] if len(runs) == 1 else _merged(runs) for runs in points.values()]
+
+
+def _merged(runs: list[dict]) -> dict:
+    summaries = [r["summary"] for r in runs]
+    merged: dict = {}
+    for key in summaries[0]:
+        values = [s.get(key) for s in summaries]
+        if key in _SUMMED:
+            merged[key] = sum(values)
+        elif isinstance(values[0], dict):
+            merged[key] = dict(sum((collections.Counter(v or {}) for v in values),
+                                   collections.Counter()))
+        else:
+            present = [v for v in values if v is not None]
+            merged[key] = statistics.median(present) if present else None
+    return {"request_rate": runs[0]["request_rate"], "max_concurrency": runs[0]["max_concurrency"],
+            "runs_merged": len(runs), "summary": merged}
 
 
 def format_run(label: str, run: dict) -> str:
@@ -41,11 +77,11 @@ def format_run(label: str, run: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    """Every run of every sweep, by offered load then server."""
+    """Every point of every sweep (the median of its repeats), by offered load then server."""
     lines = ["| load (req/s) | server | completed | req/s | output tok/s | TTFT p50 / p90 / p99 ms "
              "| TPOT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | e2e p50 / p99 ms | failed |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    rows = [(result["label"], run) for result in results for run in result["runs"]]
+    rows = [(result["label"], run) for result in results for run in medians(result)]
     rows.sort(key=lambda row: (row[1]["max_concurrency"] or 0, float(row[1]["request_rate"])))
     for label, run in rows:
         s = run["summary"]
@@ -88,7 +124,7 @@ def plot(results: list[dict], path: Path) -> str | None:
 def _lines(result: dict) -> list[tuple[str, list[dict]]]:
     """A sweep's lines, each (name, runs by achieved throughput): one per concurrency cap when
     it ran several rates, else one over its caps."""
-    runs = [r for r in result["runs"] if r["summary"]["completed"]]
+    runs = [r for r in medians(result) if r["summary"]["completed"]]
     several_rates = len({str(r["request_rate"]) for r in runs}) > 1
     groups: dict[str, list[dict]] = {}
     for run in runs:

@@ -18,7 +18,7 @@ from benchmarks.bench_serving import draw_requests
 from benchmarks.http_stream import Endpoint, _take_chunks
 from benchmarks.online_client import (Record, arrival_offsets, percentile, request_body, run_load,
                                       summarize)
-from benchmarks.online_report import plot, table
+from benchmarks.online_report import medians, plot, table
 from scripts.local_services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,6 +84,35 @@ def test_figures_of_hand_made_requests():
     assert s["mean_tpot_ms"] == pytest.approx((200.0 + 200.0) / 2)  # (0.9-0.5)/2 and 0.2/1
     assert s["p50_itl_ms"] == pytest.approx(200.0)  # gaps 100, 300, 200
     assert s["mean_e2e_ms"] == pytest.approx((900.0 + 400.0) / 2)
+
+
+def test_repeats_of_a_point_report_their_medians():
+    """--repeat: a point's runs merge into one row whose percentiles and rates are the medians
+    of the runs', whose counts and reasons add up; a point run once is left as it was."""
+    def run(rate, ttft_p99, throughput, failed=0):
+        return {"request_rate": rate, "max_concurrency": None, "summary": {
+            "requests": 6, "completed": 6 - failed, "failed": failed,
+            "failure_reasons": {"HTTP 503": failed} if failed else {},
+            "finish_reasons": {"length": 6 - failed}, "wall_s": 2.0,
+            "request_throughput": throughput, "output_throughput": 100 * throughput,
+            "p50_ttft_ms": 5.0, "p90_ttft_ms": None, "p99_ttft_ms": ttft_p99}}
+
+    result = {"label": "pagedserve", "runs": [
+        run(10.0, 30.0, 3.0), run("inf", 99.0, 9.0), run(10.0, 10.0, 2.0, failed=1),
+        run(10.0, 20.0, 4.0)]}
+    merged, once = medians(result)
+    assert once is result["runs"][1]
+    s = merged["summary"]
+    assert merged["runs_merged"] == 3 and merged["request_rate"] == 10.0
+    assert (s["p99_ttft_ms"], s["request_throughput"], s["output_throughput"]) == (20.0, 3.0, 300.0)
+    assert (s["requests"], s["completed"], s["failed"]) == (18, 17, 1)
+    assert s["failure_reasons"] == {"HTTP 503": 1} and s["finish_reasons"] == {"length": 17}
+    assert s["p90_ttft_ms"] is None
+    text = table([result])
+    assert "| 10.0 (median of 3) | pagedserve | 17/18 | 3.00 | 300 |" in text
+    assert "| inf | pagedserve | 6/6 |" in text
+    with pytest.raises(SystemExit):
+        main(["--url", "http://127.0.0.1:9", "--repeat", "0"])
 
 
 def test_a_server_that_is_not_there_fails_every_request(tmp_path):

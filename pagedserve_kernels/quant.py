@@ -23,7 +23,7 @@ CTA_N = 128  # output columns per thread block (the padded N is a multiple)
 STAGE_K = 64  # input rows per pipeline stage (the padded K is a multiple)
 _THREADS = 256
 DEQUANT_CHUNKS = 8  # k32 chunks a dequantize CTA takes (quant.cu's DQ_CHUNKS)
-_STAGES = {1: 6, 2: 5, 4: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
+_STAGES = {1: 6, 2: 5, 4: 4, 8: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
 WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
 MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
@@ -34,11 +34,16 @@ MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
 DEQUANT_ROWS = 384
 DEQUANT_CANDIDATES = (128, 256, 384, 512, 768, 1024, 2048)  # the row counts tuning times
 NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
+# From this many rows (tune_dequant_rows measures it; never without it) the kernel takes 128 rows
+# a CTA instead of 64: each weight tile dequantized once for twice the rows, at half the CTAs
+# an SM holds.
+WIDE_TILE_ROWS = 128
 
 _lock = threading.Lock()
 _workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> flat weight
 _dequant_rows: dict[int, int] = {}  # device -> its measured threshold (tune_dequant_rows)
+_wide_rows: dict[int, int] = {}  # device -> rows from which the 128-row tile runs (measured)
 _resident: dict[tuple[str, int], int] = {}
 
 
@@ -157,10 +162,12 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
-def _kernel_product(x, packed: PackedInt4, bias, out) -> torch.Tensor:
-    """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked)."""
+def _kernel_product(x, packed: PackedInt4, bias, out, rows_per_cta: int | None = None
+                    ) -> torch.Tensor:
+    """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in CTAs
+    of rows_per_cta rows (16, 32, 64 or 128; None: m_tile_rows' choice)."""
     num_tokens, n = x.shape[0], packed.n
-    mt = 1 if num_tokens <= 16 else 2 if num_tokens <= 32 else 4
+    mt = (rows_per_cta or m_tile_rows(num_tokens, x.device)) // 16
     kernel = f"w4a16_{_DTYPES[x.dtype]}_m{16 * mt}"
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     m_tiles = -(-num_tokens // (16 * mt))
@@ -179,13 +186,24 @@ def _kernel_product(x, packed: PackedInt4, bias, out) -> torch.Tensor:
     return out
 
 
+def m_tile_rows(num_tokens: int, device: torch.device | int | None = None) -> int:
+    """Rows a kernel CTA takes for a product of num_tokens rows: the smallest of 16, 32, 64 that
+    holds them, 128 from the device's measured WIDE_TILE_ROWS threshold."""
+    if num_tokens <= 32:
+        return 16 if num_tokens <= 16 else 32
+    wide = _wide_rows.get(_index(device), NEVER) if _wide_rows else NEVER
+    return WIDE_TILE_ROWS if num_tokens >= wide else 64
+
+
 def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None
                       ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """Times one layer's products (`weights`, one of each shape) in the kernel and dequantized
-    into prepare's scratch then multiplied by cuBLAS, at each of DEQUANT_CANDIDATES rows, in
-    CUDA graphs; the device's threshold becomes the smallest candidate from which the
-    dequantized products are faster at every larger candidate too (none: NEVER). Before any
-    capture. Returns (the threshold, {rows: (kernel µs, dequantized µs)})."""
+    """Times one layer's products (`weights`, one of each shape) in the kernel (64- and 128-row
+    CTAs) and dequantized into prepare's scratch then multiplied by cuBLAS, at each of
+    DEQUANT_CANDIDATES rows, in CUDA graphs. The 128-row CTAs run from the smallest candidate
+    from which they are faster at every larger candidate too; the products dequantize from the
+    smallest from which that beats the kernel so chosen, the same way (none: NEVER). Before any
+    capture. Returns (the dequantizing threshold, {rows: (kernel µs as chosen, dequantized µs)});
+    wide_tile_rows(device) gives the other."""
     from pagedserve_kernels.gemm import graph_us
 
     index = _index(device)
@@ -193,21 +211,32 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     scratch = _scratch.get((index, dtype))
     if scratch is None or scratch.numel() < max(w.n * w.k for w in weights):
         raise RuntimeError("tune_dequant_rows needs prepare(device, scratch_elements, dtype)")
-    times = {}
+    tiles, dequantized = {}, {}
     for rows in DEQUANT_CANDIDATES:
         xs = [torch.randn(rows, w.k, dtype=dtype, device=dev) for w in weights]
         outs = [torch.empty(rows, w.n, dtype=dtype, device=dev) for w in weights]
         work = list(zip(xs, weights, outs))
-        times[rows] = (graph_us(lambda: [_kernel_product(x, w, None, o) for x, w, o in work]),
-                       graph_us(lambda: [_dequantized_product(x, w, None, o, scratch)
-                                         for x, w, o in work]))
+        tiles[rows] = tuple(
+            graph_us(lambda: [_kernel_product(x, w, None, o, cta_rows) for x, w, o in work])
+            for cta_rows in (64, WIDE_TILE_ROWS))
+        dequantized[rows] = graph_us(lambda: [_dequantized_product(x, w, None, o, scratch)
+                                              for x, w, o in work])
+    _wide_rows[index] = dequant_threshold(tiles)
+    wide = _wide_rows[index]
+    times = {rows: (wide_us if rows >= wide else narrow_us, dequantized[rows])
+             for rows, (narrow_us, wide_us) in tiles.items()}
     _dequant_rows[index] = dequant_threshold(times)
     return _dequant_rows[index], times
 
 
+def wide_tile_rows(device: torch.device | int | None = None) -> int:
+    """Rows from which the device's products take 128-row CTAs (NEVER before tuning)."""
+    return _wide_rows.get(_index(device), NEVER)
+
+
 def dequant_threshold(times: dict[int, tuple[float, float]]) -> int:
-    """The smallest row count of `times` ({rows: (kernel, dequantized)}) from which the
-    dequantized products are faster at it and every larger one; NEVER if not at the largest."""
+    """The smallest row count of `times` ({rows: (kernel, dequantized)}, or any pair of ways)
+    from which the second is faster at it and every larger one; NEVER if not at the largest."""
     threshold = NEVER
     for rows in sorted(times, reverse=True):
         kernel, dequantized = times[rows]

@@ -351,3 +351,38 @@ def test_dequant_threshold_is_where_dequantizing_wins_from_there_up():
     assert quant.dequant_threshold({128: (2, 1), 2048: (6, 5)}) == 128
     assert quant.dequant_threshold({128: (2, 1), 2048: (5, 6)}) == quant.NEVER
     assert quant.dequant_threshold({}) == quant.NEVER
+
+
+def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
+    """16, 32 or 64 rows a CTA by the row count, 128 from the device's measured threshold (none
+    before tuning); the grid's third axis counts the row tiles, the shared memory the tile's."""
+    from pagedserve_kernels import quant
+
+    launched = []
+    monkeypatch.setattr(quant._compile, "launch",
+                        lambda module, kernel, device, grid, block, args, shared_mem=0:
+                        launched.append((kernel, grid[2], shared_mem)))
+    monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
+                        floats: (1, k_stages))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_wide_rows", {})
+    k, n = 256, 128
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    packed = quant.repack(qweight, torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+    rows = (1, 20, 40, 255, 256, 1000)
+
+    def tiles():
+        launched.clear()
+        for m in rows:
+            x = torch.zeros(m, k, dtype=torch.bfloat16)
+            quant._kernel_product(x, packed, None, torch.empty(m, n, dtype=torch.bfloat16))
+        return launched[:]
+
+    smem = {mt: quant._smem_bytes(mt) for mt in (1, 2, 4, 8)}
+    assert tiles() == [("w4a16_bf16_m16", 1, smem[1]), ("w4a16_bf16_m32", 1, smem[2]),
+                       ("w4a16_bf16_m64", 1, smem[4]), ("w4a16_bf16_m64", 4, smem[4]),
+                       ("w4a16_bf16_m64", 4, smem[4]), ("w4a16_bf16_m64", 16, smem[4])]
+    quant._wide_rows[0] = 256
+    assert [t[:2] for t in tiles()][3:] == [("w4a16_bf16_m64", 4), ("w4a16_bf16_m128", 2),
+                                           ("w4a16_bf16_m128", 8)]
+    assert smem[8] == 4 * (256 * 16 + 128 * 64 * 2 + 2 * 2 * 128 * 2)  # Cfg<8>::SMEM

@@ -90,6 +90,34 @@ def test_llama_shapes(quant, m, n, k, group, asym, act_order, dtype):
     _check(quant, m, n, k, group, asym, act_order, dtype)
 
 
+@pytest.fixture
+def wide(quant):
+    """The 128-row CTAs from 33 rows, as a tuning that found them faster everywhere sets them."""
+    index = torch.cuda.current_device()
+    quant._wide_rows[index] = 33
+    assert quant.m_tile_rows(33) == 128 and quant.m_tile_rows(32) == 32
+    yield quant
+    quant._wide_rows.pop(index)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("asym,act_order", VARIANTS)
+@pytest.mark.parametrize("n,k,group", SMALL)
+@pytest.mark.parametrize("m", [33, 130, 256, 4096])
+def test_wide_tiles_every_variant(wide, m, n, k, group, asym, act_order, dtype):
+    """128 rows a CTA: partial last tiles (33, 130 rows), split K (the last two shapes)."""
+    _check(wide, m, n, k, group, asym, act_order, dtype)
+
+
+@pytest.mark.parametrize("group,asym,act_order,dtype", LLAMA_CASES[:3])
+@pytest.mark.parametrize("n,k", LLAMA)
+@pytest.mark.parametrize("m", [200, 4096])
+def test_wide_tiles_llama_shapes(wide, m, n, k, group, asym, act_order, dtype):
+    _check(wide, m, n, k, group, asym, act_order, dtype)
+    if m == 200:
+        _check(wide, m, n, k, group, asym, act_order, dtype, bias=True)
+
+
 @pytest.mark.parametrize("m", [1, 40, 300])
 def test_bias_is_added_before_the_one_rounding(quant, m):
     _check(quant, m, 4096, 4096, 128, True, False, torch.bfloat16, bias=True)
@@ -190,11 +218,15 @@ def test_tuning_sets_the_threshold_the_products_follow(scratch):
     packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k))
               for n, k in LLAMA]
     threshold, times = scratch.tune_dequant_rows(packed)
-    print({rows: (round(k), round(d)) for rows, (k, d) in times.items()})
+    wide = scratch.wide_tile_rows()
+    print(wide, {rows: (round(k), round(d)) for rows, (k, d) in times.items()})
     assert sorted(times) == list(scratch.DEQUANT_CANDIDATES)
     assert all(k > 0 and d > 0 for k, d in times.values())
     assert threshold == scratch._dequant_rows[torch.cuda.current_device()]
     assert threshold == scratch.dequant_threshold(times)
+    assert wide == scratch.NEVER or wide in scratch.DEQUANT_CANDIDATES
+    assert scratch.m_tile_rows(wide) == (64 if wide == scratch.NEVER else 128)
+    assert scratch.m_tile_rows(max(wide - 1, 33)) == 64
     if threshold == scratch.NEVER:
         return
     held = scratch._scratch[(torch.cuda.current_device(), torch.bfloat16)]

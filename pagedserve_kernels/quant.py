@@ -25,6 +25,7 @@ _THREADS = 256
 DEQUANT_CHUNKS = 8  # k32 chunks a dequantize CTA takes (quant.cu's DQ_CHUNKS)
 _STAGES = {1: 6, 2: 5, 4: 4, 8: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
+PROLOGUE_STAGES = 2  # a thread block's pipeline fill, in stage-times (split_k_choice's model)
 WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
 MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
 # From this many rows a product dequantizes its weight into the device's scratch and runs
@@ -172,7 +173,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, rows_per_cta: int | None =
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     m_tiles = -(-num_tokens // (16 * mt))
     splits, split_stages = _splits(kernel, x.device, m_tiles, np_ // CTA_N, kp // STAGE_K,
-                                   num_tokens * np_)
+                                   num_tokens * np_, min(num_tokens, 16 * mt))
     ws_ptr = counters_ptr = 0
     if splits > 1:
         ws, counters = _workspace(x.device)
@@ -397,17 +398,35 @@ def _smem_bytes(mt: int) -> int:
 
 
 def _splits(kernel: str, device: torch.device, m_tiles: int, n_blocks: int, k_stages: int,
-            partial_floats: int) -> tuple[int, int]:
-    """(splits, stages per split): split K until the grid fills the resident thread blocks of
-    every SM, within the workspace; 1 when the tiles alone do."""
+            partial_floats: int, tile_rows: int) -> tuple[int, int]:
+    """(splits, stages per split) of K by split_k_choice, the resident thread blocks of every
+    SM as the slots, the workspace as a bound (tile_rows: the rows a row tile holds)."""
     tiles = m_tiles * n_blocks
-    target = _sm_count(device) * _resident_ctas(kernel, device)
-    splits = min(round(target / tiles), k_stages // _MIN_SPLIT_STAGES,
-                 WORKSPACE_FLOATS // partial_floats)
-    if splits <= 1 or tiles > MAX_SPLIT_TILES:
+    most = min(k_stages // _MIN_SPLIT_STAGES, WORKSPACE_FLOATS // partial_floats)
+    if most <= 1 or tiles > MAX_SPLIT_TILES:
         return 1, k_stages
-    per = -(-k_stages // splits)
-    return -(-k_stages // per), per
+    # a block's fp32 partials against the weight bytes a stage streams (THREADS x 16)
+    partial_stages = tile_rows * CTA_N * 4 / (_THREADS * 16)
+    return split_k_choice(tiles, k_stages, _sm_count(device) * _resident_ctas(kernel, device),
+                          most, partial_stages)
+
+
+def split_k_choice(tiles: int, k_stages: int, slots: int, most: int,
+                   partial_stages: float = 0.0) -> tuple[int, int]:
+    """(splits, stages per split), splits <= most: the fewest that minimise waves x (stages
+    per split + PROLOGUE_STAGES + partial_stages when split), waves = ceil(tiles x splits /
+    slots), in stage-times. Each thread block is bound by its own pipeline, so a product takes
+    its busiest slot's time: splits that spill a few blocks into another wave (Llama's gate/up
+    product at one row tile: 224 column tiles, 2 splits on 396 slots) pay a whole pass more."""
+    best = None
+    for splits in range(1, max(1, most) + 1):
+        per = -(-k_stages // splits)
+        actual = -(-k_stages // per)
+        extra = PROLOGUE_STAGES + (partial_stages if actual > 1 else 0.0)
+        cost = -(-tiles * actual // slots) * (per + extra)
+        if best is None or cost < best[0]:
+            best = (cost, actual, per)
+    return best[1], best[2]
 
 
 def _sm_count(device: torch.device) -> int:

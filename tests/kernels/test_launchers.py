@@ -363,7 +363,7 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
                         lambda module, kernel, device, grid, block, args, shared_mem=0:
                         launched.append((kernel, grid[2], shared_mem)))
     monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
-                        floats: (1, k_stages))
+                        *_: (1, k_stages))
     monkeypatch.setattr(quant, "_index", lambda device: 0)
     monkeypatch.setattr(quant, "_wide_rows", {})
     k, n = 256, 128
@@ -386,3 +386,21 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     assert [t[:2] for t in tiles()][3:] == [("w4a16_bf16_m64", 4), ("w4a16_bf16_m128", 2),
                                            ("w4a16_bf16_m128", 8)]
     assert smem[8] == 4 * (256 * 16 + 128 * 64 * 2 + 2 * 2 * 128 * 2)  # Cfg<8>::SMEM
+
+
+def test_split_k_avoids_spilling_a_few_blocks_into_another_wave():
+    """Llama-3-8B's products at one row tile on 396 slots (132 SMs x 3): qkv, o and down fill
+    one wave as before; gate/up (224 column tiles) no longer takes the 2 splits whose 448 blocks
+    spill 52 into a second wave of 32 stages, but 5 of 13 stages (3 waves, each shorter)."""
+    from pagedserve_kernels.quant import split_k_choice
+
+    assert split_k_choice(48, 64, 396, 16) == (8, 8)  # qkv: 384 blocks
+    assert split_k_choice(32, 64, 396, 16) == (11, 6)  # o: 6 stages each, 352 blocks
+    assert split_k_choice(32, 224, 396, 56) == (12, 19)  # down
+    assert split_k_choice(224, 64, 396, 16) == (5, 13)  # gate/up
+    assert split_k_choice(224, 64, 396, 1) == (1, 64)  # the workspace's bound
+    # fp32 partials weigh on every split: 64 rows a tile (2 stages' bytes) keep 8 splits of o
+    assert split_k_choice(32, 64, 264, 16, partial_stages=8.0)[0] <= 8
+    for tiles, k, slots, most in ((48, 64, 264, 16), (224, 64, 132, 16), (7, 224, 396, 56)):
+        splits, per = split_k_choice(tiles, k, slots, most)
+        assert 1 <= splits <= most and splits * per >= k > (splits - 1) * per

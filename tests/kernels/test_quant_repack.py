@@ -124,7 +124,8 @@ def test_split_k_parts_are_nonempty_and_fit_the_workspace(monkeypatch, m, n, k):
     mt = 1 if m <= 16 else 2 if m <= 32 else 4
     np_, k_stages = -(-n // 128) * 128, -(-k // 64)
     m_tiles = -(-m // (16 * mt))
-    splits, per = quant._splits("w4a16_bf16_m16", None, m_tiles, np_ // 128, k_stages, m * np_)
+    splits, per = quant._splits("w4a16_bf16_m16", None, m_tiles, np_ // 128, k_stages, m * np_,
+                                min(m, 16 * mt))
     assert splits >= 1 and (splits - 1) * per < k_stages <= splits * per
     if splits > 1:
         assert splits * m * np_ <= quant.WORKSPACE_FLOATS

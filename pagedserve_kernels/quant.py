@@ -405,8 +405,8 @@ def _splits(kernel: str, device: torch.device, m_tiles: int, n_blocks: int, k_st
     most = min(k_stages // _MIN_SPLIT_STAGES, WORKSPACE_FLOATS // partial_floats)
     if most <= 1 or tiles > MAX_SPLIT_TILES:
         return 1, k_stages
-    # a block's fp32 partials against the weight bytes a stage streams (THREADS x 16)
-    partial_stages = tile_rows * CTA_N * 4 / (_THREADS * 16)
+    # a block's fp32 partials against the bytes a stage streams (its weights and activations)
+    partial_stages = tile_rows * CTA_N * 4 / (_THREADS * 16 + tile_rows * STAGE_K * 2)
     return split_k_choice(tiles, k_stages, _sm_count(device) * _resident_ctas(kernel, device),
                           most, partial_stages)
 

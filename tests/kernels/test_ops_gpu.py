@@ -558,8 +558,9 @@ def test_apply_token_bitmask_replays_in_a_cuda_graph_with_new_bits(ops):
 
 def _race_case(n: int, vocab: int, gen: torch.Generator):
     """(wide [n, vocab + 5] float32 whose first vocab columns are the scores: a row stride past
-    the vocabulary, with -inf (a grammar's or a filter's drops), a whole -inf row, exact ties and
-    a NaN row; row seeds [n] int64, 63-bit as position_seed makes them)."""
+    the vocabulary, with -inf (a grammar's or a filter's drops), a whole -inf row, a NaN, NaNs
+    and +inf in other threads' and warps' columns, +inf ties; row seeds [n] int64, 63-bit as
+    position_seed makes them)."""
     wide = randn(n, vocab + 5, gen=gen) * 3
     scores = wide[:, :vocab]
     drop = torch.rand(n, vocab, generator=gen, device=DEVICE) < 0.4
@@ -567,14 +568,16 @@ def _race_case(n: int, vocab: int, gen: torch.Generator):
     if n > 2:
         scores[1] = float("-inf")  # nothing allowed: torch.argmax's index 0
         scores[2, vocab // 2] = float("nan")
-    if n > 3 and vocab > 8:
-        scores[3, :8] = scores[3, 7]  # ties before the noise
+    if n > 5 and vocab > 700:  # across threads and warps: the first NaN, else the first +inf
+        scores[4, 100] = scores[4, 600] = float("nan")
+        scores[4, 650] = float("inf")
+        scores[5, 37] = scores[5, 700] = float("inf")
     seeds = torch.randint(0, 2**63 - 1, (n,), generator=gen, device=DEVICE)  # 63-bit seeds
     return wide, seeds
 
 
 @pytest.mark.parametrize("n,vocab", [(1, 32), (7, 1000), (64, 49152), (256, 128_256),
-                                     (3, 151_937)])
+                                     (3, 151_937), (6, 513)])
 def test_gumbel_argmax_draws_the_torch_ops_token_bit_for_bit(ops, n, vocab):
     """The kernel against executor_svc.sampler's torch ops on the same device: the same ids,
     and the scores it reads left as they were."""

@@ -71,15 +71,17 @@ def ours(rows_list, group: int, asym: bool) -> dict:
             out[f"{name} {rows}"] = {
                 "bf16_us": time_products(F.linear, dense, rows, k),
                 "int4_us": time_products(quant.int4_linear, packed, rows, k),
-                # 128 rows a CTA, which tuning takes from where it measures it faster
+                # 128 rows a CTA, which tuning takes from where it measures it faster (never
+                # below 33 rows, where 16 or 32 hold a step)
                 "int4_wide_us": time_products(
                     lambda x, p: quant._kernel_product(
                         x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device),
-                        quant.WIDE_TILE_ROWS), packed, rows, k),
+                        quant.WIDE_TILE_ROWS), packed, rows, k) if rows > 32 else None,
                 "dequant_cublas_us": time_products(
                     lambda x, p: F.linear(x, quant.dequantize(p, scratch)), packed, rows, k),
             }
-            print(name, rows, {key: round(v, 1) for key, v in out[f"{name} {rows}"].items()},
+            print(name, rows, {key: v if v is None else round(v, 1)
+                               for key, v in out[f"{name} {rows}"].items()},
                   flush=True)
         del dense, packed, scratch
         torch.cuda.empty_cache()
@@ -149,14 +151,15 @@ def table(results: dict, rows_list) -> None:
             if name == "layer":  # the four products of one decoder layer
                 parts = [results[f"{s} {rows}"] for s, _, _ in SHAPES]
                 r = {key: sum(p[key] for p in parts) for key in parts[0]
-                     if all(key in p for p in parts)}
+                     if all(p.get(key) is not None for p in parts)}
             else:
                 r = results[f"{name} {rows}"]
             marlin = r.get("marlin_us")  # absent without --vllm-site
             against = ("n/a | n/a" if marlin is None
                        else f"{marlin:.1f} | {marlin / r['int4_us']:.2f}x")
             print(f"| {name} | {rows} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | "
-                  f"{r['bf16_us'] / r['int4_us']:.2f}x | {r['int4_wide_us']:.1f} | "
+                  f"{r['bf16_us'] / r['int4_us']:.2f}x | "
+                  f"{'-' if r.get('int4_wide_us') is None else format(r['int4_wide_us'], '.1f')} | "
                   f"{r['dequant_cublas_us']:.1f} | "
                   f"{against} |")
 

@@ -125,7 +125,7 @@ class Worker:
         """The runner, with the backend's graph runner unless enforce_eager (the sizes the step
         limits call for; `info` names those built); the graphs are captured once the runner
         exists, since the decode graphs count penalties in its rows."""
-        graphs, self.piece_sizes = None, ()
+        graphs = None
         if not self.config.enforce_eager:
             max_blocks_per_seq = -(-self.info.max_model_len // self.config.block_size)
             graphs = self.backend.build_graphs(
@@ -134,8 +134,6 @@ class Worker:
                 small_step_graph_sizes(self.step_limits, TOKEN_SIZES),
                 grammars=bool(self.info.tokenizer),
                 piece_sizes=piecewise_graph_sizes(self.step_limits, BATCH_SIZES))
-            if graphs is not None and graphs.piecewise is not None:
-                self.piece_sizes = graphs.piecewise.token_sizes
         self.step_limits = replace(
             self.step_limits,
             decode_graph_sizes=graphs.batch_sizes if graphs is not None else (),
@@ -150,6 +148,9 @@ class Worker:
         info, cache, block_gib = self.info, self.cache_engine, self.block_bytes / 2**30
         decode_sizes = self.step_limits.decode_graph_sizes  # those captured
         token_sizes = self.step_limits.small_step_graph_sizes
+        graphs = self.runner.graphs
+        piecewise = graphs.piecewise if graphs is not None else None
+        piece_sizes = piecewise.token_sizes if piecewise is not None else ()
         self._warn_unscaled_kv_cache()
         log.info("worker ready: %s, %s, attention %s, %d KV pages (%s, %s, %.1f GiB), %d CPU swap "
                  "pages (%.1f GiB%s), decode graphs %s, small-step graphs %s, piecewise graphs %s",
@@ -160,7 +161,7 @@ class Worker:
                  cache.num_cpu_blocks, cache.num_cpu_blocks * block_gib,
                  " pinned" if self.backend.pin_swap_memory else "",
                  decode_sizes or "off", f"{token_sizes} tokens" if token_sizes else "off",
-                 f"{self.piece_sizes} tokens" if self.piece_sizes else "off")
+                 f"{piece_sizes} tokens" if piece_sizes else "off")
 
     def _warn_unscaled_kv_cache(self) -> None:
         """vLLM's warning: an FP8 cache whose layers' scales are 1.0 (the checkpoint has none)

@@ -4,6 +4,7 @@ bf16/fp16 activations, any row count, capturable. Imports cupy only when launchi
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, replace
 
@@ -411,6 +412,7 @@ def _splits(kernel: str, device: torch.device, m_tiles: int, n_blocks: int, k_st
                           most, partial_stages)
 
 
+@functools.lru_cache(maxsize=4096)  # every product of a step asks: a handful of shapes
 def split_k_choice(tiles: int, k_stages: int, slots: int, most: int,
                    partial_stages: float = 0.0) -> tuple[int, int]:
     """(splits, stages per split), splits <= most: the fewest that minimise waves x (stages

@@ -339,8 +339,8 @@ PS_QUANT_PRODUCT(w4a16_bf16_m64, __nv_bfloat16, 4, 1)
 PS_QUANT_PRODUCT(w4a16_fp16_m16, __half, 1, 3)
 PS_QUANT_PRODUCT(w4a16_fp16_m32, __half, 2, 2)
 PS_QUANT_PRODUCT(w4a16_fp16_m64, __half, 4, 1)
-// 128 rows a CTA: the weight tile dequantized once for twice the rows, at one CTA an SM (220
-// registers); quant.py takes it from the row count tune_dequant_rows measured it faster.
+// 128 rows a CTA: the weight tile dequantized once for twice the rows, at one CTA an SM (its
+// accumulators); quant.py takes it from the row count tune_dequant_rows measures it faster.
 PS_QUANT_PRODUCT(w4a16_bf16_m128, __nv_bfloat16, 8, 1)
 PS_QUANT_PRODUCT(w4a16_fp16_m128, __half, 8, 1)
 

@@ -390,8 +390,8 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
 
 def test_split_k_avoids_spilling_a_few_blocks_into_another_wave():
     """Llama-3-8B's products at one row tile on 396 slots (132 SMs x 3): qkv, o and down fill
-    one wave as before; gate/up (224 column tiles) no longer takes the 2 splits whose 448 blocks
-    spill 52 into a second wave of 32 stages, but 5 of 13 stages (3 waves, each shorter)."""
+    one wave; gate/up (224 column tiles) takes 5 splits of 13 stages (3 short waves), not the 2
+    whose 448 blocks spill 52 into a second wave of 32 stages."""
     from pagedserve_kernels.quant import split_k_choice
 
     assert split_k_choice(48, 64, 396, 16) == (8, 8)  # qkv: 384 blocks

@@ -1,7 +1,7 @@
 """Our W4A16 product (pagedserve_kernels.quant.int4_linear) against torch's bf16 F.linear on
-Llama-3-8B's four layer products at decode row counts and a prefill step, with the kernel at 128 rows
-a CTA (what tuning may pick from some row count) and dequantize + F.linear
-(the cuBLAS route) beside it; with --vllm-site, vLLM's Marlin (gptq_marlin, 4-bit, same group
+Llama-3-8B's four layer products at decode row counts and a prefill step (the kernel in the tile
+the device takes untuned), with each other row tile tuning may pick (128 rows a CTA; on Hopper the
+wgmma kernels at 64 and 128) and dequantize + F.linear (the cuBLAS route) beside it; with --vllm-site, vLLM's Marlin (gptq_marlin, 4-bit, same group
 size) on the same shapes, timed the same way in a child process that alone has SITE on its path.
 
     PYTHONPATH=. python3 benchmarks/bench_quant.py [--rows 1 16 256 ...] [--group 128] [--asym]
@@ -60,7 +60,12 @@ def int4_weights(n: int, k: int, group: int, asym: bool, count: int) -> list:
 def ours(rows_list, group: int, asym: bool) -> dict:
     from pagedserve_kernels import quant
 
+    from pagedserve_kernels import _compile
+
     quant.prepare(torch.device("cuda"))
+    hopper = _compile.arch_used(torch.device("cuda"), "quant") == "-arch=sm_90a"
+    others = [tile for tile in quant.TUNED_TILES
+              if tile != quant.NARROW_TILE and (hopper or not tile[1])]
     out = {}
     for name, n, k in SHAPES:
         dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
@@ -71,12 +76,12 @@ def ours(rows_list, group: int, asym: bool) -> dict:
             out[f"{name} {rows}"] = {
                 "bf16_us": time_products(F.linear, dense, rows, k),
                 "int4_us": time_products(quant.int4_linear, packed, rows, k),
-                # 128 rows a CTA, which tuning takes from where it measures it faster (never
-                # below 33 rows, where 16 or 32 hold a step)
-                "int4_wide_us": time_products(
-                    lambda x, p: quant._kernel_product(
+                # the tiles tuning may take instead (never below 33 rows, where 16 or 32 hold
+                # a step)
+                **{f"int4_{_tile_name(tile)}_us": time_products(
+                    lambda x, p, tile=tile: quant._kernel_product(
                         x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device),
-                        quant.WIDE_TILE_ROWS), packed, rows, k) if rows > 32 else None,
+                        tile), packed, rows, k) if rows > 32 else None for tile in others},
                 "dequant_cublas_us": time_products(
                     lambda x, p: F.linear(x, quant.dequantize(p, scratch)), packed, rows, k),
             }
@@ -86,6 +91,10 @@ def ours(rows_list, group: int, asym: bool) -> dict:
         del dense, packed, scratch
         torch.cuda.empty_cache()
     return out
+
+
+def _tile_name(tile) -> str:
+    return f"{'wg' if tile[1] else 'm'}{tile[0]}"
 
 
 def marlin_worker(path: str, rows_list, group: int, asym: bool) -> None:
@@ -143,9 +152,12 @@ def run_marlin(site: str, rows_list, group: int, asym: bool) -> dict:
 
 
 def table(results: dict, rows_list) -> None:
-    print("| product | rows | bf16 µs | int4 µs | int4 vs bf16 | int4, 128-row CTAs µs "
-          "| dequant+cuBLAS µs | Marlin µs | int4 vs Marlin |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    tiles = sorted({key[5:-3] for r in results.values() for key in r
+                    if key.startswith("int4_") and key != "int4_us"})
+    print("| product | rows | bf16 µs | int4 µs | int4 vs bf16 | "
+          + "".join(f"int4, {t} µs | " for t in tiles)
+          + "dequant+cuBLAS µs | Marlin µs | int4 vs Marlin |")
+    print("|---|---|---|---|---|" + "---|" * len(tiles) + "---|---|---|")
     for name, _, _ in list(SHAPES) + [("layer", 0, 0)]:
         for rows in rows_list:
             if name == "layer":  # the four products of one decoder layer
@@ -157,11 +169,11 @@ def table(results: dict, rows_list) -> None:
             marlin = r.get("marlin_us")  # absent without --vllm-site
             against = ("n/a | n/a" if marlin is None
                        else f"{marlin:.1f} | {marlin / r['int4_us']:.2f}x")
+            cells = ["-" if r.get(f"int4_{t}_us") is None else f"{r[f'int4_{t}_us']:.1f}"
+                     for t in tiles]
             print(f"| {name} | {rows} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | "
-                  f"{r['bf16_us'] / r['int4_us']:.2f}x | "
-                  f"{'-' if r.get('int4_wide_us') is None else format(r['int4_wide_us'], '.1f')} | "
-                  f"{r['dequant_cublas_us']:.1f} | "
-                  f"{against} |")
+                  f"{r['bf16_us'] / r['int4_us']:.2f}x | " + "".join(c + " | " for c in cells)
+                  + f"{r['dequant_cublas_us']:.1f} | {against} |")
 
 
 def main() -> None:

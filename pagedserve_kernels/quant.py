@@ -5,6 +5,7 @@ bf16/fp16 activations, any row count, capturable. Imports cupy only when launchi
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from dataclasses import dataclass, replace
 
@@ -12,6 +13,8 @@ import torch
 
 from pagedserve_kernels import _compile
 from pagedserve_kernels._compile import i32 as _i32, i64 as _i64
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # The dequant ors a nibble into the mantissa of this value (128 + n, 1024 + n: exact); a zero
@@ -25,6 +28,7 @@ STAGE_K = 64  # input rows per pipeline stage (the padded K is a multiple)
 _THREADS = 256
 DEQUANT_CHUNKS = 8  # k32 chunks a dequantize CTA takes (quant.cu's DQ_CHUNKS)
 _STAGES = {1: 6, 2: 5, 4: 4, 8: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
+_STAGES_WG = {4: 6, 8: 4}  # the same for the wgmma kernels (WgCfg in quant.cu)
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
 PROLOGUE_STAGES = 2  # a thread block's pipeline fill, in stage-times (split_k_choice's model)
 WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
@@ -36,16 +40,22 @@ MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
 DEQUANT_ROWS = 384
 DEQUANT_CANDIDATES = (128, 256, 384, 512, 768, 1024, 2048)  # the row counts tuning times
 NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
-# From this many rows (tune_dequant_rows measures it; never without it) the kernel takes 128 rows
-# a CTA instead of 64: each weight tile dequantized once for twice the rows, at half the CTAs
-# an SM holds.
-WIDE_TILE_ROWS = 128
+# A product's row tile: (rows a CTA takes, on wgmma). Up to 32 rows, 16 or 32 on mma.sync; from
+# 33, 64 on mma.sync unless tuning (tune_dequant_rows) measured another of TUNED_TILES faster at
+# the largest of TILE_CANDIDATES not above the row count: 128 rows dequantize each weight tile
+# once for twice the rows at half the CTAs an SM holds; the wgmma kernels (Hopper: the module
+# built for sm_90a) multiply on the warpgroup tensor cores, kept only where their output agrees
+# with the 64-row kernel's.
+Tile = tuple[int, bool]
+NARROW_TILE: Tile = (64, False)
+TUNED_TILES: tuple[Tile, ...] = ((64, False), (128, False), (64, True), (128, True))
+TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()
 _workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> flat weight
 _dequant_rows: dict[int, int] = {}  # device -> its measured threshold (tune_dequant_rows)
-_wide_rows: dict[int, int] = {}  # device -> rows from which the 128-row tile runs (measured)
+_tiles: dict[int, dict[int, Tile]] = {}  # device -> {TILE_CANDIDATES row count: its tile}
 _resident: dict[tuple[str, int], int] = {}
 
 
@@ -164,13 +174,15 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
-def _kernel_product(x, packed: PackedInt4, bias, out, rows_per_cta: int | None = None
+def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None
                     ) -> torch.Tensor:
-    """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in CTAs
-    of rows_per_cta rows (16, 32, 64 or 128; None: m_tile_rows' choice)."""
+    """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
+    tiles `tile` ((16, 32, 64 or 128 rows, False) on mma.sync, (64 or 128, True) on wgmma;
+    None: tile_for's choice)."""
     num_tokens, n = x.shape[0], packed.n
-    mt = (rows_per_cta or m_tile_rows(num_tokens, x.device)) // 16
-    kernel = f"w4a16_{_DTYPES[x.dtype]}_m{16 * mt}"
+    rows, wgmma = tile or tile_for(num_tokens, x.device)
+    mt = rows // 16
+    kernel = _kernel_name(x.dtype, rows, wgmma)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     m_tiles = -(-num_tokens // (16 * mt))
     splits, split_stages = _splits(kernel, x.device, m_tiles, np_ // CTA_N, kp // STAGE_K,
@@ -184,28 +196,37 @@ def _kernel_product(x, packed: PackedInt4, bias, out, rows_per_cta: int | None =
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     _compile.launch("quant", kernel, x.device, (np_ // CTA_N, splits, m_tiles), (_THREADS, 1, 1),
-                    args, shared_mem=_smem_bytes(mt))
+                    args, shared_mem=_smem_bytes(mt, wgmma))
     return out
 
 
-def m_tile_rows(num_tokens: int, device: torch.device | int | None = None) -> int:
-    """Rows a kernel CTA takes for a product of num_tokens rows: the smallest of 16, 32, 64 that
-    holds them, 128 from the device's measured WIDE_TILE_ROWS threshold."""
+def _kernel_name(dtype: torch.dtype, rows: int, wgmma: bool) -> str:
+    return f"w4a16_{'wg_' if wgmma else ''}{_DTYPES[dtype]}_m{rows}"
+
+
+def tile_for(num_tokens: int, device: torch.device | int | None = None) -> Tile:
+    """The row tile of a product of num_tokens rows: 16 or 32 rows up to 32, else what tuning
+    measured fastest at the largest candidate not above num_tokens (the smallest's below it),
+    NARROW_TILE before tuning."""
     if num_tokens <= 32:
-        return 16 if num_tokens <= 16 else 32
-    wide = _wide_rows.get(_index(device), NEVER) if _wide_rows else NEVER
-    return WIDE_TILE_ROWS if num_tokens >= wide else 64
+        return (16 if num_tokens <= 16 else 32), False
+    chosen = _tiles.get(_index(device)) if _tiles else None
+    if not chosen:
+        return NARROW_TILE
+    at = max((rows for rows in chosen if rows <= num_tokens), default=min(chosen))
+    return chosen[at]
 
 
 def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None
                       ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """Times one layer's products (`weights`, one of each shape) in the kernel (64- and 128-row
-    CTAs) and dequantized into prepare's scratch then multiplied by cuBLAS, at each of
-    DEQUANT_CANDIDATES rows, in CUDA graphs. The 128-row CTAs run from the smallest candidate
-    from which they are faster at every larger candidate too; the products dequantize from the
-    smallest from which that beats the kernel so chosen, the same way (none: NEVER). Before any
-    capture. Returns (the dequantizing threshold, {rows: (kernel µs as chosen, dequantized µs)});
-    wide_tile_rows(device) gives the other."""
+    """Times one layer's products (`weights`, one of each shape) in CUDA graphs: in the kernel at
+    each of TILE_CANDIDATES rows in every tile of TUNED_TILES the device runs (the wgmma ones only
+    where their output agrees with the 64-row kernel's), and from DEQUANT_CANDIDATES rows also
+    dequantized into prepare's scratch then multiplied by cuBLAS. Each candidate row count takes
+    its fastest tile (tile_for); the products dequantize from the smallest candidate from which
+    that beats the kernel at it and every larger one (none: NEVER). Before any capture. Returns
+    (the dequantizing threshold, {rows: (kernel µs in the chosen tile, dequantized µs)});
+    tile_choice(device) gives the tiles."""
     from pagedserve_kernels.gemm import graph_us
 
     index = _index(device)
@@ -213,27 +234,58 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     scratch = _scratch.get((index, dtype))
     if scratch is None or scratch.numel() < max(w.n * w.k for w in weights):
         raise RuntimeError("tune_dequant_rows needs prepare(device, scratch_elements, dtype)")
-    tiles, dequantized = {}, {}
-    for rows in DEQUANT_CANDIDATES:
+    _tiles.pop(index, None)
+    candidates = _agreeing_tiles(weights, dev)
+    chosen, kernel_us, dequantized = {}, {}, {}
+    for rows in TILE_CANDIDATES:
         xs = [torch.randn(rows, w.k, dtype=dtype, device=dev) for w in weights]
         outs = [torch.empty(rows, w.n, dtype=dtype, device=dev) for w in weights]
         work = list(zip(xs, weights, outs))
-        tiles[rows] = tuple(
-            graph_us(lambda: [_kernel_product(x, w, None, o, cta_rows) for x, w, o in work])
-            for cta_rows in (64, WIDE_TILE_ROWS))
-        dequantized[rows] = graph_us(lambda: [_dequantized_product(x, w, None, o, scratch)
-                                              for x, w, o in work])
-    _wide_rows[index] = dequant_threshold(tiles)
-    wide = _wide_rows[index]
-    times = {rows: (wide_us if rows >= wide else narrow_us, dequantized[rows])
-             for rows, (narrow_us, wide_us) in tiles.items()}
+        timed = {tile: graph_us(lambda: [_kernel_product(x, w, None, o, tile)
+                                         for x, w, o in work])
+                 for tile in candidates}
+        chosen[rows] = min(timed, key=timed.get)
+        kernel_us[rows] = timed[chosen[rows]]
+        if rows in DEQUANT_CANDIDATES:
+            dequantized[rows] = graph_us(lambda: [_dequantized_product(x, w, None, o, scratch)
+                                                  for x, w, o in work])
+    _tiles[index] = chosen
+    times = {rows: (kernel_us[rows], dequantized[rows]) for rows in DEQUANT_CANDIDATES}
     _dequant_rows[index] = dequant_threshold(times)
     return _dequant_rows[index], times
 
 
-def wide_tile_rows(device: torch.device | int | None = None) -> int:
-    """Rows from which the device's products take 128-row CTAs (NEVER before tuning)."""
-    return _wide_rows.get(_index(device), NEVER)
+def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device) -> list[Tile]:
+    """TUNED_TILES this device runs whose products of 200 random rows (a partial last tile for
+    each) agree with NARROW_TILE's within one bf16 rounding of the largest value: the rest are
+    logged and never taken."""
+    hopper = _compile.arch_used(dev, "quant") == "-arch=sm_90a"
+    tiles = [tile for tile in TUNED_TILES if hopper or not tile[1]]
+    dtype = weights[0].dtype
+    xs = [torch.randn(200, w.k, dtype=dtype, device=dev) for w in weights]
+
+    def products(tile: Tile) -> list[torch.Tensor]:
+        return [_kernel_product(x, w, None, torch.empty(200, w.n, dtype=dtype, device=dev),
+                                tile).float() for x, w in zip(xs, weights)]
+
+    refs = products(NARROW_TILE)
+    agreeing = []
+    for tile in tiles:
+        worst = max(float(((out - ref).abs().max() / ref.abs().max()).nan_to_num(1.0))
+                    for out, ref in zip(products(tile), refs))
+        if worst <= 2.0 ** -7:
+            agreeing.append(tile)
+        else:
+            log.warning("int4 kernel %s disagrees with %s (relative error %.3g): not used",
+                        _kernel_name(dtype, *tile), _kernel_name(dtype, *NARROW_TILE), worst)
+    return agreeing
+
+
+def tile_choice(device: torch.device | int | None = None) -> dict[int, str]:
+    """{candidate rows: the kernel tuning chose there} ({} before tuning), for the logs."""
+    chosen = _tiles.get(_index(device), {})
+    return {rows: f"{'wg' if wgmma else 'm'}{cta_rows}"
+            for rows, (cta_rows, wgmma) in sorted(chosen.items())}
 
 
 def dequant_threshold(times: dict[int, tuple[float, float]]) -> int:
@@ -393,9 +445,11 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _smem_bytes(mt: int) -> int:
-    """Cfg<MT>::SMEM of quant.cu: stages x (weights + activations + scales + zeros)."""
-    return _STAGES[mt] * (_THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2))
+def _smem_bytes(mt: int, wgmma: bool = False) -> int:
+    """Cfg<MT>::SMEM (WgCfg<MT>::SMEM) of quant.cu: stages x (weights + activations + scales +
+    zeros), with wgmma 1 KiB more to align the swizzled tiles."""
+    stage = _THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2)
+    return _STAGES_WG[mt] * stage + 1024 if wgmma else _STAGES[mt] * stage
 
 
 def _splits(kernel: str, device: torch.device, m_tiles: int, n_blocks: int, k_stages: int,
@@ -441,7 +495,7 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     key = (kernel, index)
     if key not in _resident:
         mt = int(kernel.rsplit("_m", 1)[1]) // 16
-        smem = _smem_bytes(mt)
+        smem = _smem_bytes(mt, "_wg_" in kernel)
         fn = _compile.get_function("quant", kernel, index, smem)
         props = torch.cuda.get_device_properties(index)
         regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp

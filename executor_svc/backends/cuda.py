@@ -270,10 +270,9 @@ class CudaBackend:
             self._quant.prepare(self.device, largest, model.embed_tokens.dtype)
             # where dequantizing into the scratch beats the kernel, timed on one layer's shapes
             rows, times = self._quant.tune_dequant_rows(max(packed, key=len), self.device)
-            wide = self._quant.wide_tile_rows(self.device)
-            log.info("int4 kernels ready in %.2fs; 128-row tiles from %s rows, dequantize + "
-                     "cuBLAS from %s rows (kernel / dequantized µs a layer by rows: %s)",
-                     time.perf_counter() - start, "no" if wide == self._quant.NEVER else wide,
+            log.info("int4 kernels ready in %.2fs; row tiles by rows %s, dequantize + cuBLAS "
+                     "from %s rows (kernel / dequantized µs a layer by rows: %s)",
+                     time.perf_counter() - start, self._quant.tile_choice(self.device),
                      "no" if rows == self._quant.NEVER else rows,
                      {r: (round(k), round(d)) for r, (k, d) in times.items()})
         groups = {name: weights for name, weights in model.linear_groups().items()

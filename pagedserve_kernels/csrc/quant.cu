@@ -83,6 +83,39 @@ __device__ __forceinline__ void store2(T* y, long long y_stride, int m, int n, f
   *reinterpret_cast<unsigned int*>(y + m * y_stride + n) = ps::Pack<T>::two(v0, v1);
 }
 
+// Split K, after each CTA wrote its fp32 partials of its (row tile, column block) to
+// ws[split][M][Np]: the last CTA of the tile to arrive (counters[tile], reset by it) sums them in
+// split order and stores y: deterministic, capturable, no host sync.
+template <typename T, int ROWS>
+__device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T* bias,
+                                              const float* ws, int* counters, int M, int N,
+                                              int Np, int m0) {
+  __shared__ int s_last;
+  const int tid = threadIdx.x, ncta = blockIdx.x;
+  __threadfence();  // partials visible device-wide before this CTA counts itself in
+  __syncthreads();
+  if (tid == 0) {
+    const int tile = blockIdx.z * gridDim.x + ncta;
+    s_last = atomicAdd(counters + tile, 1) == (int)gridDim.y - 1;
+    if (s_last) counters[tile] = 0;  // every other split has counted: ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int rows = min(ROWS, M - m0);
+  for (int e = tid; e < rows * (CTA_N / 2); e += THREADS) {
+    const int m = m0 + e / (CTA_N / 2), n = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
+    if (n >= N) continue;
+    float2 sum = make_float2(0.f, 0.f);
+    for (int sp = 0; sp < (int)gridDim.y; ++sp) {
+      const float2 v = ld_l2(ws + ((size_t)sp * M + m) * Np + n);
+      sum.x += v.x;
+      sum.y += v.y;
+    }
+    store2(y, y_stride, m, n, sum.x, sum.y, bias);
+  }
+}
+
 // Grid (Np / 128, splits, ceil(M / ROWS)); 256 threads. Split s covers K stages
 // [s * split_stages, ...). splits == 1: the CTA writes y. Else each CTA writes fp32 partials to
 // ws[split][M][Np] and the last CTA of a tile (counters[tile], reset by it) sums them in split
@@ -96,7 +129,6 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
                                       int N, int K, int Kp, int Np, int group, int split_stages) {
   using C = Cfg<MT>;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int s_last;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp & 3, wk = warp >> 2, g = lane >> 2, t = lane & 3;
   const int ncta = blockIdx.x, split = blockIdx.y, m0 = blockIdx.z * C::ROWS;
@@ -251,28 +283,200 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
               make_float2(acc[mt][j][2], acc[mt][j][3]);
       }
   }
-  __threadfence();  // partials visible device-wide before this CTA counts itself in
-  __syncthreads();
-  if (tid == 0) {
-    const int tile = blockIdx.z * gridDim.x + ncta;
-    s_last = atomicAdd(counters + tile, 1) == (int)gridDim.y - 1;
-    if (s_last) counters[tile] = 0;  // every other split has counted: ready for the next launch
+  finish_splits<T, C::ROWS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same product on Hopper tensor cores (wgmma, sm_90a), for row tiles of 64 or 128: y^T = W .
+// x^T, so the weights are the MMA's A operand, dequantized in registers exactly as above (the
+// packed layout gives a lane its A fragments: word 2h / 2h + 1 hold rows g / g + 8 of the m16 tile
+// h of its n32 block), and the activation tile is B, read by the tensor cores from shared memory
+// in the 128-byte-swizzle layout load_stage already writes. Warpgroup wk takes the stage's k32
+// chunk wk (the two add up in shared memory at the end); each of its warps a n32 block, two m64
+// wgmma a k16 step (rows 16 w + r of MMA h: column 32 nb + 16 h + r). Same packed weights, grid,
+// split K and epilogue as w4a16; the activation tile's rows are the MMA's N (64 or 128).
+template <int MT>
+struct WgCfg {
+  static constexpr int ROWS = 16 * MT;
+  static constexpr int STAGES = MT == 4 ? 6 : 4;
+  static constexpr int W_BYTES = THREADS * 16;
+  static constexpr int X_BYTES = ROWS * STAGE_K * 2;
+  static constexpr int S_BYTES = 2 * CTA_N * 2;
+  static constexpr int STAGE_BYTES = W_BYTES + X_BYTES + 2 * S_BYTES;  // a multiple of 1024
+  static constexpr int OUT_STRIDE = CTA_N + 4;  // fp32 tile rows: the accumulators' stores hit
+                                                // distinct banks
+  static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;  // + the 1024-byte alignment
+  static_assert(STAGE_BYTES % 1024 == 0, "swizzle atoms need 1024-byte aligned stages");
+  static_assert(ROWS * OUT_STRIDE * 4 <= STAGES * STAGE_BYTES, "the output tile reuses them");
+};
+
+template <typename T, int MT>
+__device__ __forceinline__ void wg_mma(float (&d)[8 * MT], const unsigned int (&a)[4],
+                                       unsigned long long db) {
+  if constexpr (MT == 4)
+    ps::wgmma_rs_m64n64_kb(d, a, db, T());
+  else
+    ps::wgmma_rs_m64n128_kb(d, a, db, T());
+}
+
+template <typename T, int MT>
+__device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
+                                         const T* __restrict__ x, long long x_stride,
+                                         const uint4* __restrict__ qw, const T* __restrict__ scales,
+                                         const T* __restrict__ zeros, const T* __restrict__ bias,
+                                         float* __restrict__ ws, int* __restrict__ counters,
+                                         int M, int N, int K, int Kp, int Np, int group,
+                                         int split_stages) {
+#if PS_HAS_WGMMA
+  static_assert(MT == 4 || MT == 8, "wgmma tiles of 64 or 128 rows");
+  using C = WgCfg<MT>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const unsigned int raw_addr = ps::smem_addr(smem_raw);
+  const unsigned int smem0 = (raw_addr + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
+  unsigned char* const smem = smem_raw + (smem0 - raw_addr);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wn = warp & 3, wk = warp >> 2, g = lane >> 2, t = lane & 3;
+  const int ncta = blockIdx.x, split = blockIdx.y, m0 = blockIdx.z * C::ROWS;
+  const int KC = Kp >> 5, NB = Np >> 5;
+  const int s0 = split * split_stages;
+  const int nst = min(Kp / STAGE_K - s0, split_stages);
+  const int nb = ncta * 4 + wn;
+  const uint4* wsrc = qw + ((size_t)nb * KC + wk) * 32 + lane;  // + 64 per stage
+  const int cpg = group >> 5;
+  const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
+  constexpr int X_CHUNKS = C::ROWS * 8;
+
+  auto load_stage = [&](int i) {  // w4a16's, into this layout
+    const int s = s0 + i;
+    const unsigned int st = smem0 + (i % C::STAGES) * C::STAGE_BYTES;
+    ps::cp_async16(st + tid * 16, wsrc + (size_t)s * 64, 16);
+    const unsigned int xs = st + C::W_BYTES;
+#pragma unroll
+    for (int r = 0; r < X_CHUNKS / THREADS; ++r) {
+      const int c = tid + r * THREADS;
+      const int row = c >> 3, ch = c & 7, k = s * STAGE_K + ch * 8, m = m0 + row;
+      // Rows past M are not loaded: their stale shared memory reaches only their own output
+      // rows (columns of y^T), which are never stored. Past K: zeros.
+      if (m < M) {
+        const bool ok = k < K;
+        ps::cp_async16(xs + row * 128 + ((ch ^ (row & 7)) << 4),
+                       ok ? x + (long long)m * x_stride + k : x, ok ? 16 : 0);
+      }
+    }
+    if (tid < 64) {
+      const T* base = tid < 32 ? scales : zeros;
+      if (base != nullptr) {
+        const int c = tid & 31, half = c >> 4, part = c & 15;
+        const int grp =
+            gshift >= 0 ? (2 * s + half) >> gshift : (s * STAGE_K + half * 32) / group;
+        const T* src = base + ((size_t)grp * NB + ncta * 4) * 32 + part * 8;
+        ps::cp_async16(st + C::W_BYTES + C::X_BYTES + (tid < 32 ? 0 : C::S_BYTES) + half * 256 +
+                           part * 16,
+                       src, 16);
+      }
+    }
+  };
+
+  float acc[2][8 * MT];  // MMA h: m64 (columns) x ROWS (rows of x)
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int r = 0; r < 8 * MT; ++r) acc[h][r] = 0.f;
+
+#pragma unroll
+  for (int i = 0; i < C::STAGES - 1; ++i) {
+    if (i < nst) load_stage(i);
+    ps::cp_async_commit();
   }
+  for (int i = 0; i < nst; ++i) {
+    ps::cp_async_wait<C::STAGES - 2>();
+    ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
+    __syncthreads();          // stage i landed for all; the buffer refilled below is read by no
+                              // one (every warpgroup waited for its MMAs of stage i - 1)
+    if (i + C::STAGES - 1 < nst) load_stage(i + C::STAGES - 1);
+    ps::cp_async_commit();
+
+    const int b = i % C::STAGES;
+    const unsigned char* st = smem + b * C::STAGE_BYTES;
+    const uint4 wq = *reinterpret_cast<const uint4*>(st + tid * 16);
+    const unsigned int qv[4] = {wq.x, wq.y, wq.z, wq.w};
+    const int sidx = C::W_BYTES + C::X_BYTES + wk * 256 + (wn * 32 + g * 4) * 2;
+    const uint2 sraw = *reinterpret_cast<const uint2*>(st + sidx);
+    const unsigned int s2[4] = {dup_lo(sraw.x), dup_hi(sraw.x), dup_lo(sraw.y), dup_hi(sraw.y)};
+    unsigned int z2[4] = {Int4<T>::SYM_ZERO, Int4<T>::SYM_ZERO, Int4<T>::SYM_ZERO,
+                          Int4<T>::SYM_ZERO};
+    if (zeros != nullptr) {
+      const uint2 zraw = *reinterpret_cast<const uint2*>(st + sidx + C::S_BYTES);
+      z2[0] = dup_lo(zraw.x);
+      z2[1] = dup_hi(zraw.x);
+      z2[2] = dup_lo(zraw.y);
+      z2[3] = dup_hi(zraw.y);
+    }
+    // A fragments of k16 step kh, MMA h: (row g, k 2t..) (row g + 8, k 2t..) (row g, k 2t + 8..)
+    // (row g + 8, k 2t + 8..): pairs 2 kh and 2 kh + 1 of words 2h and 2h + 1.
+    unsigned int a[2][2][4];
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        a[kh][h][0] = Int4<T>::pair(qv[2 * h] >> (8 * kh), z2[2 * h], s2[2 * h]);
+        a[kh][h][1] = Int4<T>::pair(qv[2 * h + 1] >> (8 * kh), z2[2 * h + 1], s2[2 * h + 1]);
+        a[kh][h][2] = Int4<T>::pair(qv[2 * h] >> (8 * kh + 4), z2[2 * h], s2[2 * h]);
+        a[kh][h][3] = Int4<T>::pair(qv[2 * h + 1] >> (8 * kh + 4), z2[2 * h + 1], s2[2 * h + 1]);
+      }
+    // x tile as B, K-major; this warpgroup's k32 chunk starts 64 bytes into each row.
+    const unsigned long long x_desc =
+        ps::wg_desc(smem0 + b * C::STAGE_BYTES + C::W_BYTES, 16, 1024);
+    ps::fence_regs(acc[0]);
+    ps::fence_regs(acc[1]);
+    ps::wgmma_fence();
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        wg_mma<T, MT>(acc[h], a[kh][h], x_desc + ((wk * 64 + kh * 32) >> 4));
+    ps::wgmma_commit();
+    ps::wgmma_wait<0>();
+    ps::fence_regs(acc[0]);
+    ps::fence_regs(acc[1]);
+  }
+  ps::cp_async_wait<0>();
   __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+
+  // Both warpgroups' sums into one fp32 tile [ROWS][CTA_N] (warpgroup 0 writes, 1 adds: a fixed
+  // order), then out by rows: 16-byte-coalesced along n.
+  float* out = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    if (wk == pass) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 8 * MT; ++r) {
+          const int n = wn * 32 + h * 16 + g + 8 * ((r >> 1) & 1);
+          const int m = 8 * (r >> 2) + 2 * t + (r & 1);
+          float* dst = out + m * C::OUT_STRIDE + n;
+          *dst = pass == 0 ? acc[h][r] : *dst + acc[h][r];
+        }
+    }
+    __syncthreads();
+  }
   const int rows = min(C::ROWS, M - m0);
   for (int e = tid; e < rows * (CTA_N / 2); e += THREADS) {
-    const int m = m0 + e / (CTA_N / 2), n = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
+    const int ml = e / (CTA_N / 2), nl = (e % (CTA_N / 2)) * 2;
+    const int m = m0 + ml, n = ncta * CTA_N + nl;
     if (n >= N) continue;
-    float2 sum = make_float2(0.f, 0.f);
-    for (int sp = 0; sp < (int)gridDim.y; ++sp) {
-      const float2 v = ld_l2(ws + ((size_t)sp * M + m) * Np + n);
-      sum.x += v.x;
-      sum.y += v.y;
-    }
-    store2(y, y_stride, m, n, sum.x, sum.y, bias);
+    const float2 v = *reinterpret_cast<const float2*>(out + ml * C::OUT_STRIDE + nl);
+    if (gridDim.y == 1)
+      store2(y, y_stride, m, n, v.x, v.y, bias);
+    else
+      *reinterpret_cast<float2*>(ws + ((size_t)split * M + m) * Np + n) = v;
   }
+  if (gridDim.y == 1) return;
+  finish_splits<T, C::ROWS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel then
+#endif
 }
 
 // W[N, K] (row-major, F.linear's layout) from the packed form, exactly the values the product
@@ -343,6 +547,21 @@ PS_QUANT_PRODUCT(w4a16_fp16_m64, __half, 4, 1)
 // accumulators); quant.py takes it from the row count tune_dequant_rows measures it faster.
 PS_QUANT_PRODUCT(w4a16_bf16_m128, __nv_bfloat16, 8, 1)
 PS_QUANT_PRODUCT(w4a16_fp16_m128, __half, 8, 1)
+
+#define PS_QUANT_PRODUCT_WG(NAME, T, MT, MIN_CTAS)                                             \
+  extern "C" __global__ void __launch_bounds__(ps_quant::THREADS, MIN_CTAS)                    \
+      NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
+           const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
+           int N, int K, int Kp, int Np, int group, int split_stages) {                        \
+    ps_quant::w4a16_wg<T, MT>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws, counters, \
+                              M, N, K, Kp, Np, group, split_stages);                           \
+  }
+// wgmma (sm_90a): quant.py offers them to tuning on Hopper, which keeps those that agree with
+// w4a16_*_m64 and are faster at a row count.
+PS_QUANT_PRODUCT_WG(w4a16_wg_bf16_m64, __nv_bfloat16, 4, 2)
+PS_QUANT_PRODUCT_WG(w4a16_wg_bf16_m128, __nv_bfloat16, 8, 1)
+PS_QUANT_PRODUCT_WG(w4a16_wg_fp16_m64, __half, 4, 2)
+PS_QUANT_PRODUCT_WG(w4a16_wg_fp16_m128, __half, 8, 1)
 
 #define PS_QUANT_DEQUANT(NAME, T)                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                            \

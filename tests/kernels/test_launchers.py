@@ -354,8 +354,9 @@ def test_dequant_threshold_is_where_dequantizing_wins_from_there_up():
 
 
 def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
-    """16, 32 or 64 rows a CTA by the row count, 128 from the device's measured threshold (none
-    before tuning); the grid's third axis counts the row tiles, the shared memory the tile's."""
+    """16, 32 or 64 rows a CTA by the row count, from 33 rows the tile tuning measured fastest at
+    the largest candidate not above it (64 rows on mma.sync before tuning); the grid's third axis
+    counts the row tiles, the shared memory the tile's."""
     from pagedserve_kernels import quant
 
     launched = []
@@ -365,7 +366,7 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
                         *_: (1, k_stages))
     monkeypatch.setattr(quant, "_index", lambda device: 0)
-    monkeypatch.setattr(quant, "_wide_rows", {})
+    monkeypatch.setattr(quant, "_tiles", {})
     k, n = 256, 128
     qweight = torch.zeros(k // 8, n, dtype=torch.int32)
     packed = quant.repack(qweight, torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
@@ -382,10 +383,44 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     assert tiles() == [("w4a16_bf16_m16", 1, smem[1]), ("w4a16_bf16_m32", 1, smem[2]),
                        ("w4a16_bf16_m64", 1, smem[4]), ("w4a16_bf16_m64", 4, smem[4]),
                        ("w4a16_bf16_m64", 4, smem[4]), ("w4a16_bf16_m64", 16, smem[4])]
-    quant._wide_rows[0] = 256
-    assert [t[:2] for t in tiles()][3:] == [("w4a16_bf16_m64", 4), ("w4a16_bf16_m128", 2),
-                                           ("w4a16_bf16_m128", 8)]
+    quant._tiles[0] = {64: (64, False), 128: (64, True), 256: (128, False), 768: (128, True)}
+    assert quant.tile_choice(0) == {64: "m64", 128: "wg64", 256: "m128", 768: "wg128"}
+    assert tiles()[2:] == [("w4a16_bf16_m64", 1, smem[4]),
+                           ("w4a16_wg_bf16_m64", 4, quant._smem_bytes(4, True)),
+                           ("w4a16_bf16_m128", 2, smem[8]),
+                           ("w4a16_wg_bf16_m128", 8, quant._smem_bytes(8, True))]
+    quant._tiles[0] = {128: (128, True)}  # below the smallest candidate: its tile
+    assert quant.tile_for(33, 0) == (128, True) and quant.tile_for(32, 0) == (32, False)
     assert smem[8] == 4 * (256 * 16 + 128 * 64 * 2 + 2 * 2 * 128 * 2)  # Cfg<8>::SMEM
+    # WgCfg: 6 / 4 stages, 1 KiB to align; the fp32 output tile [rows][132] fits in the stages
+    assert quant._smem_bytes(4, True) == 6 * (256 * 16 + 64 * 128 + 1024) + 1024
+    assert quant._smem_bytes(8, True) == 4 * (256 * 16 + 128 * 128 + 1024) + 1024
+    assert all(16 * mt * 132 * 4 <= quant._smem_bytes(mt, True) - 1024 for mt in (4, 8))
+
+
+def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
+    """A tile whose output differs from the 64-row mma.sync kernel's beyond one bf16 rounding is
+    logged and never offered to tuning; the wgmma tiles only where the module is built for
+    sm_90a."""
+    from pagedserve_kernels import quant
+
+    def product(x, packed, bias, out, tile=None):
+        out.copy_(x[:, :packed.n] * (1.5 if tile == (128, True) else 1.0))  # one wrong tile
+        if tile == (64, True):
+            out[0, 0] += out[0, 0].abs() * 2.0 ** -9  # within one rounding: agrees
+        return out
+
+    monkeypatch.setattr(quant, "_kernel_product", product)
+    k, n = 256, 128
+    packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                          torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+    monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_90a")
+    with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
+        assert quant._agreeing_tiles([packed], torch.device("cpu")) == [
+            (64, False), (128, False), (64, True)]
+    assert "w4a16_wg_bf16_m128 disagrees with w4a16_bf16_m64" in caplog.text
+    monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_89")
+    assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, False), (128, False)]
 
 
 def test_split_k_avoids_spilling_a_few_blocks_into_another_wave():

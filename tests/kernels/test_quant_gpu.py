@@ -90,14 +90,23 @@ def test_llama_shapes(quant, m, n, k, group, asym, act_order, dtype):
     _check(quant, m, n, k, group, asym, act_order, dtype)
 
 
-@pytest.fixture
-def wide(quant):
-    """The 128-row CTAs from 33 rows, as a tuning that found them faster everywhere sets them."""
+def _hopper(quant) -> bool:
+    from pagedserve_kernels import _compile
+
+    return _compile.arch_used(torch.device("cuda"), "quant") == "-arch=sm_90a"
+
+
+@pytest.fixture(params=[(128, False), (64, True), (128, True)], ids=["m128", "wg64", "wg128"])
+def wide(quant, request):
+    """Each tile but the 64-row mma.sync one from 33 rows, as a tuning that found it faster at
+    every candidate sets it (the wgmma ones on Hopper only)."""
+    if request.param[1] and not _hopper(quant):
+        pytest.skip("the wgmma kernels need the module built for sm_90a")
     index = torch.cuda.current_device()
-    quant._wide_rows[index] = 33
-    assert quant.m_tile_rows(33) == 128 and quant.m_tile_rows(32) == 32
+    quant._tiles[index] = {64: request.param}
+    assert quant.tile_for(33) == request.param and quant.tile_for(32) == (32, False)
     yield quant
-    quant._wide_rows.pop(index)
+    quant._tiles.pop(index)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -105,7 +114,8 @@ def wide(quant):
 @pytest.mark.parametrize("n,k,group", SMALL)
 @pytest.mark.parametrize("m", [33, 130, 256, 4096])
 def test_wide_tiles_every_variant(wide, m, n, k, group, asym, act_order, dtype):
-    """128 rows a CTA: partial last tiles (33, 130 rows), split K (the last two shapes)."""
+    """128 rows a CTA, and the wgmma tiles: partial last tiles (33, 130 rows), split K (the last
+    two shapes)."""
     _check(wide, m, n, k, group, asym, act_order, dtype)
 
 
@@ -192,7 +202,7 @@ def scratch(quant):
     yield quant
     quant._scratch.clear()
     quant._dequant_rows.clear()
-    quant._wide_rows.clear()  # tuning sets it too
+    quant._tiles.clear()  # tuning sets them too
 
 
 @pytest.mark.parametrize("m", [383, 384, 4096])
@@ -213,21 +223,27 @@ def test_large_row_counts_dequantize_then_multiply(scratch, m, n, k, group, asym
 
 
 def test_tuning_sets_the_threshold_the_products_follow(scratch):
-    """tune_dequant_rows times Llama-3-8B's four products both ways at every candidate row
-    count and sets the device's threshold to dequant_threshold of those times; a product at the
-    threshold then runs dequantized (the scratch holds its weight), one below it the kernel."""
+    """tune_dequant_rows times Llama-3-8B's four products in every tile at every candidate row
+    count and both ways from DEQUANT_CANDIDATES, takes each row count's fastest tile (every
+    tile the device runs agrees with the 64-row kernel: none was dropped) and sets the device's
+    threshold to dequant_threshold of those times; a product at the threshold then runs
+    dequantized (the scratch holds its weight), one below it the kernel."""
     packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k))
               for n, k in LLAMA]
+    device = torch.device("cuda")
+    runs = [t for t in scratch.TUNED_TILES if _hopper(scratch) or not t[1]]
+    assert scratch._agreeing_tiles(packed, device) == runs
     threshold, times = scratch.tune_dequant_rows(packed)
-    wide = scratch.wide_tile_rows()
-    print(wide, {rows: (round(k), round(d)) for rows, (k, d) in times.items()})
+    chosen = scratch._tiles[torch.cuda.current_device()]
+    print(scratch.tile_choice(), {rows: (round(k), round(d)) for rows, (k, d) in times.items()})
+    assert sorted(chosen) == list(scratch.TILE_CANDIDATES) and set(chosen.values()) <= set(runs)
+    for rows, tile in chosen.items():
+        assert scratch.tile_for(rows) == tile and scratch.tile_for(rows + 1) == tile
+    assert scratch.tile_for(33) == chosen[64] and scratch.tile_for(32) == (32, False)
     assert sorted(times) == list(scratch.DEQUANT_CANDIDATES)
     assert all(k > 0 and d > 0 for k, d in times.values())
     assert threshold == scratch._dequant_rows[torch.cuda.current_device()]
     assert threshold == scratch.dequant_threshold(times)
-    assert wide == scratch.NEVER or wide in scratch.DEQUANT_CANDIDATES
-    assert scratch.m_tile_rows(wide) == (64 if wide == scratch.NEVER else 128)
-    assert scratch.m_tile_rows(max(wide - 1, 33)) == 64
     if threshold == scratch.NEVER:
         return
     held = scratch._scratch[(torch.cuda.current_device(), torch.bfloat16)]

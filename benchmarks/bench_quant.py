@@ -1,7 +1,7 @@
 """Our W4A16 product (pagedserve_kernels.quant.int4_linear) against torch's bf16 F.linear on
 Llama-3-8B's four layer products at decode row counts and a prefill step (the kernel in the tile
 the device takes untuned), with each other row tile tuning may pick (128 rows a CTA; on Hopper the
-wgmma kernels at 64 and 128) and dequantize + F.linear (the cuBLAS route) beside it; with --vllm-site, vLLM's Marlin (gptq_marlin, 4-bit, same group
+wgmma kernels at 64 and 128, with and without the overlapped dequantizing) and dequantize + F.linear (the cuBLAS route) beside it; with --vllm-site, vLLM's Marlin (gptq_marlin, 4-bit, same group
 size) on the same shapes, timed the same way in a child process that alone has SITE on its path.
 
     PYTHONPATH=. python3 benchmarks/bench_quant.py [--rows 1 16 256 ...] [--group 128] [--asym]
@@ -94,7 +94,7 @@ def ours(rows_list, group: int, asym: bool) -> dict:
 
 
 def _tile_name(tile) -> str:
-    return f"{'wg' if tile[1] else 'm'}{tile[0]}"
+    return f"{tile[1] or 'm'}{tile[0]}"
 
 
 def marlin_worker(path: str, rows_list, group: int, asym: bool) -> None:

@@ -40,15 +40,17 @@ MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
 DEQUANT_ROWS = 384
 DEQUANT_CANDIDATES = (128, 256, 384, 512, 768, 1024, 2048)  # the row counts tuning times
 NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
-# A product's row tile: (rows a CTA takes, on wgmma). Up to 32 rows, 16 or 32 on mma.sync; from
-# 33, 64 on mma.sync unless tuning (tune_dequant_rows) measured another of TUNED_TILES faster at
-# the largest of TILE_CANDIDATES not above the row count: 128 rows dequantize each weight tile
-# once for twice the rows at half the CTAs an SM holds; the wgmma kernels (Hopper: the module
-# built for sm_90a) multiply on the warpgroup tensor cores, kept only where their output agrees
-# with the 64-row kernel's.
-Tile = tuple[int, bool]
-NARROW_TILE: Tile = (64, False)
-TUNED_TILES: tuple[Tile, ...] = ((64, False), (128, False), (64, True), (128, True))
+# A product's row tile: (rows a CTA takes, kernel family: "" mma.sync, "wg" wgmma, "wgp" wgmma
+# with the dequantizing overlapping the warpgroup's own MMAs). Up to 32 rows, 16 or 32 on
+# mma.sync; from 33, 64 on mma.sync unless tuning (tune_dequant_rows) measured another of
+# TUNED_TILES faster at the largest of TILE_CANDIDATES not above the row count: 128 rows
+# dequantize each weight tile once for twice the rows at half the CTAs an SM holds; the wgmma
+# kernels (Hopper: the module built for sm_90a) multiply on the warpgroup tensor cores, kept only
+# where their output agrees with the 64-row kernel's.
+Tile = tuple[int, str]
+NARROW_TILE: Tile = (64, "")
+TUNED_TILES: tuple[Tile, ...] = tuple((rows, family) for family in ("", "wg", "wgp")
+                                      for rows in (64, 128))
 TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()
@@ -177,12 +179,12 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
 def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None
                     ) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
-    tiles `tile` ((16, 32, 64 or 128 rows, False) on mma.sync, (64 or 128, True) on wgmma;
+    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wg" / "wgp") on wgmma;
     None: tile_for's choice)."""
     num_tokens, n = x.shape[0], packed.n
-    rows, wgmma = tile or tile_for(num_tokens, x.device)
+    rows, family = tile or tile_for(num_tokens, x.device)
     mt = rows // 16
-    kernel = _kernel_name(x.dtype, rows, wgmma)
+    kernel = _kernel_name(x.dtype, rows, family)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     m_tiles = -(-num_tokens // (16 * mt))
     splits, split_stages = _splits(kernel, x.device, m_tiles, np_ // CTA_N, kp // STAGE_K,
@@ -196,12 +198,12 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     _compile.launch("quant", kernel, x.device, (np_ // CTA_N, splits, m_tiles), (_THREADS, 1, 1),
-                    args, shared_mem=_smem_bytes(mt, wgmma))
+                    args, shared_mem=_smem_bytes(mt, bool(family)))
     return out
 
 
-def _kernel_name(dtype: torch.dtype, rows: int, wgmma: bool) -> str:
-    return f"w4a16_{'wg_' if wgmma else ''}{_DTYPES[dtype]}_m{rows}"
+def _kernel_name(dtype: torch.dtype, rows: int, family: str) -> str:
+    return f"w4a16_{family + '_' if family else ''}{_DTYPES[dtype]}_m{rows}"
 
 
 def tile_for(num_tokens: int, device: torch.device | int | None = None) -> Tile:
@@ -209,7 +211,7 @@ def tile_for(num_tokens: int, device: torch.device | int | None = None) -> Tile:
     measured fastest at the largest candidate not above num_tokens (the smallest's below it),
     NARROW_TILE before tuning."""
     if num_tokens <= 32:
-        return (16 if num_tokens <= 16 else 32), False
+        return (16 if num_tokens <= 16 else 32), ""
     chosen = _tiles.get(_index(device)) if _tiles else None
     if not chosen:
         return NARROW_TILE
@@ -260,7 +262,7 @@ def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device) -> list[Tile]:
     each) agree with NARROW_TILE's within one bf16 rounding of the largest value: the rest are
     logged and never taken."""
     hopper = _compile.arch_used(dev, "quant") == "-arch=sm_90a"
-    tiles = [tile for tile in TUNED_TILES if hopper or not tile[1]]
+    tiles = [tile for tile in TUNED_TILES if hopper or not tile[1]]  # wgmma: sm_90a
     dtype = weights[0].dtype
     xs = [torch.randn(200, w.k, dtype=dtype, device=dev) for w in weights]
 
@@ -284,8 +286,7 @@ def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device) -> list[Tile]:
 def tile_choice(device: torch.device | int | None = None) -> dict[int, str]:
     """{candidate rows: the kernel tuning chose there} ({} before tuning), for the logs."""
     chosen = _tiles.get(_index(device), {})
-    return {rows: f"{'wg' if wgmma else 'm'}{cta_rows}"
-            for rows, (cta_rows, wgmma) in sorted(chosen.items())}
+    return {rows: f"{family or 'm'}{cta_rows}" for rows, (cta_rows, family) in sorted(chosen.items())}
 
 
 def dequant_threshold(times: dict[int, tuple[float, float]]) -> int:
@@ -495,7 +496,7 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     key = (kernel, index)
     if key not in _resident:
         mt = int(kernel.rsplit("_m", 1)[1]) // 16
-        smem = _smem_bytes(mt, "_wg_" in kernel)
+        smem = _smem_bytes(mt, "_wg" in kernel)
         fn = _compile.get_function("quant", kernel, index, smem)
         props = torch.cuda.get_device_properties(index)
         regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp

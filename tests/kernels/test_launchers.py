@@ -383,14 +383,14 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     assert tiles() == [("w4a16_bf16_m16", 1, smem[1]), ("w4a16_bf16_m32", 1, smem[2]),
                        ("w4a16_bf16_m64", 1, smem[4]), ("w4a16_bf16_m64", 4, smem[4]),
                        ("w4a16_bf16_m64", 4, smem[4]), ("w4a16_bf16_m64", 16, smem[4])]
-    quant._tiles[0] = {64: (64, False), 128: (64, True), 256: (128, False), 768: (128, True)}
-    assert quant.tile_choice(0) == {64: "m64", 128: "wg64", 256: "m128", 768: "wg128"}
+    quant._tiles[0] = {64: (64, ""), 128: (64, "wg"), 256: (128, ""), 768: (128, "wgp")}
+    assert quant.tile_choice(0) == {64: "m64", 128: "wg64", 256: "m128", 768: "wgp128"}
     assert tiles()[2:] == [("w4a16_bf16_m64", 1, smem[4]),
                            ("w4a16_wg_bf16_m64", 4, quant._smem_bytes(4, True)),
                            ("w4a16_bf16_m128", 2, smem[8]),
-                           ("w4a16_wg_bf16_m128", 8, quant._smem_bytes(8, True))]
-    quant._tiles[0] = {128: (128, True)}  # below the smallest candidate: its tile
-    assert quant.tile_for(33, 0) == (128, True) and quant.tile_for(32, 0) == (32, False)
+                           ("w4a16_wgp_bf16_m128", 8, quant._smem_bytes(8, True))]
+    quant._tiles[0] = {128: (128, "wg")}  # below the smallest candidate: its tile
+    assert quant.tile_for(33, 0) == (128, "wg") and quant.tile_for(32, 0) == (32, "")
     assert smem[8] == 4 * (256 * 16 + 128 * 64 * 2 + 2 * 2 * 128 * 2)  # Cfg<8>::SMEM
     # WgCfg: 6 / 4 stages, 1 KiB to align; the fp32 output tile [rows][132] fits in the stages
     assert quant._smem_bytes(4, True) == 6 * (256 * 16 + 64 * 128 + 1024) + 1024
@@ -405,8 +405,8 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     from pagedserve_kernels import quant
 
     def product(x, packed, bias, out, tile=None):
-        out.copy_(x[:, :packed.n] * (1.5 if tile == (128, True) else 1.0))  # one wrong tile
-        if tile == (64, True):
+        out.copy_(x[:, :packed.n] * (1.5 if tile == (128, "wg") else 1.0))  # one wrong tile
+        if tile == (64, "wgp"):
             out[0, 0] += out[0, 0].abs() * 2.0 ** -9  # within one rounding: agrees
         return out
 
@@ -417,10 +417,10 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_90a")
     with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
         assert quant._agreeing_tiles([packed], torch.device("cpu")) == [
-            (64, False), (128, False), (64, True)]
+            (64, ""), (128, ""), (64, "wg"), (64, "wgp"), (128, "wgp")]
     assert "w4a16_wg_bf16_m128 disagrees with w4a16_bf16_m64" in caplog.text
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_89")
-    assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, False), (128, False)]
+    assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]
 
 
 def test_split_k_avoids_spilling_a_few_blocks_into_another_wave():

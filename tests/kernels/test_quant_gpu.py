@@ -96,7 +96,8 @@ def _hopper(quant) -> bool:
     return _compile.arch_used(torch.device("cuda"), "quant") == "-arch=sm_90a"
 
 
-@pytest.fixture(params=[(128, False), (64, True), (128, True)], ids=["m128", "wg64", "wg128"])
+@pytest.fixture(params=[(128, ""), (64, "wg"), (128, "wg"), (64, "wgp"), (128, "wgp")],
+                ids=["m128", "wg64", "wg128", "wgp64", "wgp128"])
 def wide(quant, request):
     """Each tile but the 64-row mma.sync one from 33 rows, as a tuning that found it faster at
     every candidate sets it (the wgmma ones on Hopper only)."""
@@ -104,7 +105,7 @@ def wide(quant, request):
         pytest.skip("the wgmma kernels need the module built for sm_90a")
     index = torch.cuda.current_device()
     quant._tiles[index] = {64: request.param}
-    assert quant.tile_for(33) == request.param and quant.tile_for(32) == (32, False)
+    assert quant.tile_for(33) == request.param and quant.tile_for(32) == (32, "")
     yield quant
     quant._tiles.pop(index)
 
@@ -239,7 +240,7 @@ def test_tuning_sets_the_threshold_the_products_follow(scratch):
     assert sorted(chosen) == list(scratch.TILE_CANDIDATES) and set(chosen.values()) <= set(runs)
     for rows, tile in chosen.items():
         assert scratch.tile_for(rows) == tile and scratch.tile_for(rows + 1) == tile
-    assert scratch.tile_for(33) == chosen[64] and scratch.tile_for(32) == (32, False)
+    assert scratch.tile_for(33) == chosen[64] and scratch.tile_for(32) == (32, "")
     assert sorted(times) == list(scratch.DEQUANT_CANDIDATES)
     assert all(k > 0 and d > 0 for k, d in times.values())
     assert threshold == scratch._dequant_rows[torch.cuda.current_device()]

@@ -59,14 +59,20 @@ __device__ __forceinline__ float2 ld_l2(const float* p) {
   return v;
 }
 
-template <int MT>
-struct Cfg {
-  static constexpr int ROWS = 16 * MT;
-  static constexpr int STAGES = MT == 1 ? 6 : (MT == 2 ? 5 : 4);
+// A pipeline stage in shared memory, both kernel families: [weights][x][scales][zeros].
+template <int ROWS_>
+struct Stage {
+  static constexpr int ROWS = ROWS_;
   static constexpr int W_BYTES = THREADS * 16;         // one uint4 per thread
   static constexpr int X_BYTES = ROWS * STAGE_K * 2;   // [ROWS][64] swizzled 16-byte chunks
   static constexpr int S_BYTES = 2 * CTA_N * 2;        // scales of the stage's two k32 chunks
   static constexpr int STAGE_BYTES = W_BYTES + X_BYTES + 2 * S_BYTES;  // + zeros, as scales
+};
+
+template <int MT>
+struct Cfg : Stage<16 * MT> {
+  using Stage<16 * MT>::STAGE_BYTES;
+  static constexpr int STAGES = MT == 1 ? 6 : (MT == 2 ? 5 : 4);
   static constexpr int SMEM = STAGES * STAGE_BYTES;    // quant.py's _smem_bytes mirrors this
   static_assert(4 * MT * 16 * 32 * 4 <= SMEM, "the K-warp reduction reuses the pipeline");
 };
@@ -81,6 +87,103 @@ __device__ __forceinline__ void store2(T* y, long long y_stride, int m, int n, f
     v1 += b.y;
   }
   *reinterpret_cast<unsigned int*>(y + m * y_stride + n) = ps::Pack<T>::two(v0, v1);
+}
+
+// Where a product's thread block reads: its column block, split and row tile, and the constants
+// of every stage (both kernel families; ROWS: the row tile).
+struct Tile {
+  int tid, wn, wk, g, ncta, m0, s0, nst, NB, gshift;
+  const uint4* wsrc;  // this thread's packed weights of stage 0 (+ 64 per stage)
+};
+
+template <int ROWS>
+__device__ __forceinline__ Tile tile_of(const uint4* qw, int Kp, int Np, int group,
+                                        int split_stages) {
+  Tile q;
+  q.tid = threadIdx.x;
+  const int lane = q.tid & 31, warp = q.tid >> 5;
+  q.wn = warp & 3;
+  q.wk = warp >> 2;
+  q.g = lane >> 2;
+  q.ncta = blockIdx.x;
+  q.m0 = blockIdx.z * ROWS;
+  q.s0 = blockIdx.y * split_stages;
+  q.nst = min(Kp / STAGE_K - q.s0, split_stages);
+  q.NB = Np >> 5;
+  q.wsrc = qw + ((size_t)(q.ncta * 4 + q.wn) * (Kp >> 5) + q.wk) * 32 + lane;
+  // A power-of-two number of k32 chunks per group (32, 64, 128): the group by a shift, not a
+  // division (some twenty instructions) in every stage.
+  const int cpg = group >> 5;
+  q.gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
+  return q;
+}
+
+// Stage s (absolute) into shared memory at st, laid out [weights: one uint4 a thread][x: ROWS x
+// 64, 16-byte chunks XOR-swizzled by row (the 128-byte swizzle wgmma reads)][scales: the stage's
+// two k32 chunks x 128 columns][zeros: as scales].
+template <typename T, int ROWS>
+__device__ __forceinline__ void load_stage(const Tile& q, unsigned int st, int s, const T* x,
+                                           long long x_stride, const T* scales, const T* zeros,
+                                           int M, int K, int group) {
+  using L = Stage<ROWS>;
+  constexpr int W_BYTES = L::W_BYTES, X_BYTES = L::X_BYTES, S_BYTES = L::S_BYTES;
+  constexpr int X_CHUNKS = ROWS * 8;  // a stage's 16-byte chunks of activations
+  ps::cp_async16(st + q.tid * 16, q.wsrc + (size_t)s * 64, 16);
+  const unsigned int xs = st + W_BYTES;
+#pragma unroll
+  for (int r = 0; r < (X_CHUNKS + THREADS - 1) / THREADS; ++r) {
+    const int c = q.tid + r * THREADS;
+    const int row = c >> 3, ch = c & 7, k = s * STAGE_K + ch * 8, m = q.m0 + row;
+    // Rows past M are not loaded: their stale shared memory reaches only their own output
+    // rows (a product's rows are independent), which are never stored. Past K: zeros.
+    if ((X_CHUNKS % THREADS == 0 || c < X_CHUNKS) && m < M) {
+      const bool ok = k < K;
+      ps::cp_async16(xs + row * 128 + ((ch ^ (row & 7)) << 4),
+                     ok ? x + (long long)m * x_stride + k : x, ok ? 16 : 0);
+    }
+  }
+  if (q.tid < 64) {  // 32 threads copy the scales, 32 the zeros: 2 chunks x 256 bytes each
+    const T* base = q.tid < 32 ? scales : zeros;
+    if (base != nullptr) {
+      const int c = q.tid & 31, half = c >> 4, part = c & 15;
+      const int grp =
+          q.gshift >= 0 ? (2 * s + half) >> q.gshift : (s * STAGE_K + half * 32) / group;
+      const T* src = base + ((size_t)grp * q.NB + q.ncta * 4) * 32 + part * 8;
+      ps::cp_async16(st + W_BYTES + X_BYTES + (q.tid < 32 ? 0 : S_BYTES) + half * 256 + part * 16,
+                     src, 16);
+    }
+  }
+}
+
+// This thread's packed weights of a landed stage (at st) and the scales and zero points (bf16x2 /
+// fp16x2, both halves alike) of its four columns 32 nb + 8 j + g.
+template <typename T, int ROWS>
+__device__ __forceinline__ void read_stage(const Tile& q, const unsigned char* st, bool has_zeros,
+                                           unsigned int (&qv)[4], unsigned int (&s2)[4],
+                                           unsigned int (&z2)[4]) {
+  using L = Stage<ROWS>;
+  constexpr int W_BYTES = L::W_BYTES, X_BYTES = L::X_BYTES, S_BYTES = L::S_BYTES;
+  const uint4 wq = *reinterpret_cast<const uint4*>(st + q.tid * 16);
+  qv[0] = wq.x;
+  qv[1] = wq.y;
+  qv[2] = wq.z;
+  qv[3] = wq.w;
+  const int sidx = W_BYTES + X_BYTES + q.wk * 256 + (q.wn * 32 + q.g * 4) * 2;  // 4 columns
+  const uint2 sraw = *reinterpret_cast<const uint2*>(st + sidx);
+  s2[0] = dup_lo(sraw.x);
+  s2[1] = dup_hi(sraw.x);
+  s2[2] = dup_lo(sraw.y);
+  s2[3] = dup_hi(sraw.y);
+  if (has_zeros) {
+    const uint2 zraw = *reinterpret_cast<const uint2*>(st + sidx + S_BYTES);
+    z2[0] = dup_lo(zraw.x);
+    z2[1] = dup_hi(zraw.x);
+    z2[2] = dup_lo(zraw.y);
+    z2[3] = dup_hi(zraw.y);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) z2[j] = Int4<T>::SYM_ZERO;
+  }
 }
 
 // Split K, after each CTA wrote its fp32 partials of its (row tile, column block) to
@@ -129,50 +232,14 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
                                       int N, int K, int Kp, int Np, int group, int split_stages) {
   using C = Cfg<MT>;
   extern __shared__ __align__(128) unsigned char smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wn = warp & 3, wk = warp >> 2, g = lane >> 2, t = lane & 3;
-  const int ncta = blockIdx.x, split = blockIdx.y, m0 = blockIdx.z * C::ROWS;
-  const int KC = Kp >> 5, NB = Np >> 5;
-  const int s0 = split * split_stages;
-  const int nst = min(Kp / STAGE_K - s0, split_stages);
+  const Tile q = tile_of<C::ROWS>(qw, Kp, Np, group, split_stages);
+  const int tid = q.tid, lane = tid & 31, wn = q.wn, wk = q.wk, g = q.g, t = lane & 3;
+  const int ncta = q.ncta, split = blockIdx.y, m0 = q.m0, nst = q.nst;
   const int nb = ncta * 4 + wn;
-  const uint4* wsrc = qw + ((size_t)nb * KC + wk) * 32 + lane;  // + 64 per stage
   const unsigned int smem0 = ps::smem_addr(smem);
-  // A power-of-two number of k32 chunks per group (32, 64, 128): the group by a shift, not a
-  // division (some twenty instructions) in every stage.
-  const int cpg = group >> 5;
-  const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
-  constexpr int X_CHUNKS = C::ROWS * 8;  // a stage's 16-byte chunks of activations
-
-  auto load_stage = [&](int i) {
-    const int s = s0 + i;
-    const unsigned int st = smem0 + (i % C::STAGES) * C::STAGE_BYTES;
-    ps::cp_async16(st + tid * 16, wsrc + (size_t)s * 64, 16);
-    const unsigned int xs = st + C::W_BYTES;
-#pragma unroll
-    for (int r = 0; r < (X_CHUNKS + THREADS - 1) / THREADS; ++r) {
-      const int c = tid + r * THREADS;
-      const int row = c >> 3, ch = c & 7, k = s * STAGE_K + ch * 8, m = m0 + row;
-      // Rows past M are not loaded: their stale shared memory reaches only their own output
-      // rows (a product's rows are independent), which are never stored. Past K: zeros.
-      if ((X_CHUNKS % THREADS == 0 || c < X_CHUNKS) && m < M) {
-        const bool ok = k < K;
-        ps::cp_async16(xs + row * 128 + ((ch ^ (row & 7)) << 4),
-                       ok ? x + (long long)m * x_stride + k : x, ok ? 16 : 0);
-      }
-    }
-    if (tid < 64) {  // 32 threads copy the scales, 32 the zeros: 2 chunks x 256 bytes each
-      const T* base = tid < 32 ? scales : zeros;
-      if (base != nullptr) {
-        const int c = tid & 31, half = c >> 4, part = c & 15;
-        const int grp =
-            gshift >= 0 ? (2 * s + half) >> gshift : (s * STAGE_K + half * 32) / group;
-        const T* src = base + ((size_t)grp * NB + ncta * 4) * 32 + part * 8;
-        ps::cp_async16(st + C::W_BYTES + C::X_BYTES + (tid < 32 ? 0 : C::S_BYTES) + half * 256 +
-                           part * 16,
-                       src, 16);
-      }
-    }
+  auto load = [&](int i) {
+    load_stage<T, C::ROWS>(q, smem0 + (i % C::STAGES) * C::STAGE_BYTES, q.s0 + i, x, x_stride,
+                           scales, zeros, M, K, group);
   };
 
   float acc[MT][4][4];
@@ -185,31 +252,18 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
 
 #pragma unroll
   for (int i = 0; i < C::STAGES - 1; ++i) {
-    if (i < nst) load_stage(i);
+    if (i < nst) load(i);
     ps::cp_async_commit();
   }
   for (int i = 0; i < nst; ++i) {
     ps::cp_async_wait<C::STAGES - 2>();  // stage i has landed (own copies), then everyone's
     __syncthreads();                     // ... and the buffer refilled below is read by no one
-    if (i + C::STAGES - 1 < nst) load_stage(i + C::STAGES - 1);
+    if (i + C::STAGES - 1 < nst) load(i + C::STAGES - 1);
     ps::cp_async_commit();
 
     const int b = i % C::STAGES;
-    const unsigned char* st = smem + b * C::STAGE_BYTES;
-    const uint4 wq = *reinterpret_cast<const uint4*>(st + tid * 16);
-    const unsigned int qv[4] = {wq.x, wq.y, wq.z, wq.w};
-    const int sidx = C::W_BYTES + C::X_BYTES + wk * 256 + (wn * 32 + g * 4) * 2;  // 4 columns
-    const uint2 sraw = *reinterpret_cast<const uint2*>(st + sidx);
-    const unsigned int s2[4] = {dup_lo(sraw.x), dup_hi(sraw.x), dup_lo(sraw.y), dup_hi(sraw.y)};
-    unsigned int z2[4] = {Int4<T>::SYM_ZERO, Int4<T>::SYM_ZERO, Int4<T>::SYM_ZERO,
-                          Int4<T>::SYM_ZERO};
-    if (zeros != nullptr) {
-      const uint2 zraw = *reinterpret_cast<const uint2*>(st + sidx + C::S_BYTES);
-      z2[0] = dup_lo(zraw.x);
-      z2[1] = dup_hi(zraw.x);
-      z2[2] = dup_lo(zraw.y);
-      z2[3] = dup_hi(zraw.y);
-    }
+    unsigned int qv[4], s2[4], z2[4];
+    read_stage<T, C::ROWS>(q, smem + b * C::STAGE_BYTES, zeros != nullptr, qv, s2, z2);
     const unsigned int xs = smem0 + b * C::STAGE_BYTES + C::W_BYTES;
 #pragma unroll
     for (int kh = 0; kh < 2; ++kh) {
@@ -296,13 +350,10 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
 // wgmma a k16 step (rows 16 w + r of MMA h: column 32 nb + 16 h + r). Same packed weights, grid,
 // split K and epilogue as w4a16; the activation tile's rows are the MMA's N (64 or 128).
 template <int MT>
-struct WgCfg {
-  static constexpr int ROWS = 16 * MT;
+struct WgCfg : Stage<16 * MT> {
+  using Stage<16 * MT>::ROWS;
+  using Stage<16 * MT>::STAGE_BYTES;
   static constexpr int STAGES = MT == 4 ? 6 : 4;
-  static constexpr int W_BYTES = THREADS * 16;
-  static constexpr int X_BYTES = ROWS * STAGE_K * 2;
-  static constexpr int S_BYTES = 2 * CTA_N * 2;
-  static constexpr int STAGE_BYTES = W_BYTES + X_BYTES + 2 * S_BYTES;  // a multiple of 1024
   static constexpr int OUT_STRIDE = CTA_N + 4;  // fp32 tile rows: the accumulators' stores hit
                                                 // distinct banks
   static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;  // + the 1024-byte alignment
@@ -334,47 +385,12 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
   const unsigned int raw_addr = ps::smem_addr(smem_raw);
   const unsigned int smem0 = (raw_addr + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
   unsigned char* const smem = smem_raw + (smem0 - raw_addr);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wn = warp & 3, wk = warp >> 2, g = lane >> 2, t = lane & 3;
-  const int ncta = blockIdx.x, split = blockIdx.y, m0 = blockIdx.z * C::ROWS;
-  const int KC = Kp >> 5, NB = Np >> 5;
-  const int s0 = split * split_stages;
-  const int nst = min(Kp / STAGE_K - s0, split_stages);
-  const int nb = ncta * 4 + wn;
-  const uint4* wsrc = qw + ((size_t)nb * KC + wk) * 32 + lane;  // + 64 per stage
-  const int cpg = group >> 5;
-  const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
-  constexpr int X_CHUNKS = C::ROWS * 8;
-
-  auto load_stage = [&](int i) {  // w4a16's, into this layout
-    const int s = s0 + i;
-    const unsigned int st = smem0 + (i % C::STAGES) * C::STAGE_BYTES;
-    ps::cp_async16(st + tid * 16, wsrc + (size_t)s * 64, 16);
-    const unsigned int xs = st + C::W_BYTES;
-#pragma unroll
-    for (int r = 0; r < X_CHUNKS / THREADS; ++r) {
-      const int c = tid + r * THREADS;
-      const int row = c >> 3, ch = c & 7, k = s * STAGE_K + ch * 8, m = m0 + row;
-      // Rows past M are not loaded: their stale shared memory reaches only their own output
-      // rows (columns of y^T), which are never stored. Past K: zeros.
-      if (m < M) {
-        const bool ok = k < K;
-        ps::cp_async16(xs + row * 128 + ((ch ^ (row & 7)) << 4),
-                       ok ? x + (long long)m * x_stride + k : x, ok ? 16 : 0);
-      }
-    }
-    if (tid < 64) {
-      const T* base = tid < 32 ? scales : zeros;
-      if (base != nullptr) {
-        const int c = tid & 31, half = c >> 4, part = c & 15;
-        const int grp =
-            gshift >= 0 ? (2 * s + half) >> gshift : (s * STAGE_K + half * 32) / group;
-        const T* src = base + ((size_t)grp * NB + ncta * 4) * 32 + part * 8;
-        ps::cp_async16(st + C::W_BYTES + C::X_BYTES + (tid < 32 ? 0 : C::S_BYTES) + half * 256 +
-                           part * 16,
-                       src, 16);
-      }
-    }
+  const Tile q = tile_of<C::ROWS>(qw, Kp, Np, group, split_stages);
+  const int tid = q.tid, wn = q.wn, wk = q.wk, g = q.g, t = tid & 3;
+  const int ncta = q.ncta, split = blockIdx.y, m0 = q.m0, nst = q.nst;
+  auto load_stage = [&](int i) {
+    ps_quant::load_stage<T, C::ROWS>(q, smem0 + (i % C::STAGES) * C::STAGE_BYTES, q.s0 + i, x,
+                                     x_stride, scales, zeros, M, K, group);
   };
 
   float acc[2][8 * MT];  // MMA h: m64 (columns) x ROWS (rows of x)
@@ -401,21 +417,8 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
     ps::cp_async_commit();
 
     const int b = i % C::STAGES;
-    const unsigned char* st = smem + b * C::STAGE_BYTES;
-    const uint4 wq = *reinterpret_cast<const uint4*>(st + tid * 16);
-    const unsigned int qv[4] = {wq.x, wq.y, wq.z, wq.w};
-    const int sidx = C::W_BYTES + C::X_BYTES + wk * 256 + (wn * 32 + g * 4) * 2;
-    const uint2 sraw = *reinterpret_cast<const uint2*>(st + sidx);
-    const unsigned int s2[4] = {dup_lo(sraw.x), dup_hi(sraw.x), dup_lo(sraw.y), dup_hi(sraw.y)};
-    unsigned int z2[4] = {Int4<T>::SYM_ZERO, Int4<T>::SYM_ZERO, Int4<T>::SYM_ZERO,
-                          Int4<T>::SYM_ZERO};
-    if (zeros != nullptr) {
-      const uint2 zraw = *reinterpret_cast<const uint2*>(st + sidx + C::S_BYTES);
-      z2[0] = dup_lo(zraw.x);
-      z2[1] = dup_hi(zraw.x);
-      z2[2] = dup_lo(zraw.y);
-      z2[3] = dup_hi(zraw.y);
-    }
+    unsigned int qv[4], s2[4], z2[4];
+    read_stage<T, C::ROWS>(q, smem + b * C::STAGE_BYTES, zeros != nullptr, qv, s2, z2);
     // A fragments of k16 step kh, MMA h: (row g, k 2t..) (row g + 8, k 2t..) (row g, k 2t + 8..)
     // (row g + 8, k 2t + 8..): pairs 2 kh and 2 kh + 1 of words 2h and 2h + 1.
 #pragma unroll

@@ -57,7 +57,8 @@ _lock = threading.Lock()
 _workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> flat weight
 _dequant_rows: dict[int, int] = {}  # device -> its measured threshold (tune_dequant_rows)
-_tiles: dict[int, dict[int, Tile]] = {}  # device -> {TILE_CANDIDATES row count: its tile}
+# (device, dtype) -> {TILE_CANDIDATES row count: its tile}: tuned, and checked, per dtype
+_tiles: dict[tuple[int, torch.dtype], dict[int, Tile]] = {}
 _resident: dict[tuple[str, int], int] = {}
 
 
@@ -182,7 +183,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None
     tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wg" / "wgp") on wgmma;
     None: tile_for's choice)."""
     num_tokens, n = x.shape[0], packed.n
-    rows, family = tile or tile_for(num_tokens, x.device)
+    rows, family = tile or tile_for(num_tokens, x.device, x.dtype)
     mt = rows // 16
     kernel = _kernel_name(x.dtype, rows, family)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
@@ -206,13 +207,14 @@ def _kernel_name(dtype: torch.dtype, rows: int, family: str) -> str:
     return f"w4a16_{family + '_' if family else ''}{_DTYPES[dtype]}_m{rows}"
 
 
-def tile_for(num_tokens: int, device: torch.device | int | None = None) -> Tile:
+def tile_for(num_tokens: int, device: torch.device | int | None = None,
+             dtype: torch.dtype = torch.bfloat16) -> Tile:
     """The row tile of a product of num_tokens rows: 16 or 32 rows up to 32, else what tuning
-    measured fastest at the largest candidate not above num_tokens (the smallest's below it),
-    NARROW_TILE before tuning."""
+    of the device and dtype measured fastest at the largest candidate not above num_tokens (the
+    smallest's below it), NARROW_TILE before tuning."""
     if num_tokens <= 32:
         return (16 if num_tokens <= 16 else 32), ""
-    chosen = _tiles.get(_index(device)) if _tiles else None
+    chosen = _tiles.get((_index(device), dtype)) if _tiles else None
     if not chosen:
         return NARROW_TILE
     at = max((rows for rows in chosen if rows <= num_tokens), default=min(chosen))
@@ -236,7 +238,7 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     scratch = _scratch.get((index, dtype))
     if scratch is None or scratch.numel() < max(w.n * w.k for w in weights):
         raise RuntimeError("tune_dequant_rows needs prepare(device, scratch_elements, dtype)")
-    _tiles.pop(index, None)
+    _tiles.pop((index, dtype), None)
     candidates = _agreeing_tiles(weights, dev)
     chosen, kernel_us, dequantized = {}, {}, {}
     for rows in TILE_CANDIDATES:
@@ -251,7 +253,7 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
         if rows in DEQUANT_CANDIDATES:
             dequantized[rows] = graph_us(lambda: [_dequantized_product(x, w, None, o, scratch)
                                                   for x, w, o in work])
-    _tiles[index] = chosen
+    _tiles[(index, dtype)] = chosen
     times = {rows: (kernel_us[rows], dequantized[rows]) for rows in DEQUANT_CANDIDATES}
     _dequant_rows[index] = dequant_threshold(times)
     return _dequant_rows[index], times
@@ -283,9 +285,10 @@ def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device) -> list[Tile]:
     return agreeing
 
 
-def tile_choice(device: torch.device | int | None = None) -> dict[int, str]:
+def tile_choice(device: torch.device | int | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> dict[int, str]:
     """{candidate rows: the kernel tuning chose there} ({} before tuning), for the logs."""
-    chosen = _tiles.get(_index(device), {})
+    chosen = _tiles.get((_index(device), dtype), {})
     return {rows: f"{family or 'm'}{cta_rows}" for rows, (cta_rows, family) in sorted(chosen.items())}
 
 

@@ -382,6 +382,9 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
   static_assert(MT == 4 || MT == 8, "wgmma tiles of 64 or 128 rows");
   using C = WgCfg<MT>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned int dyn_smem;  // quant.py's _smem_bytes mirrors WgCfg::SMEM: a launch with less traps
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < (unsigned int)C::SMEM) __trap();
   const unsigned int raw_addr = ps::smem_addr(smem_raw);
   const unsigned int smem0 = (raw_addr + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
   unsigned char* const smem = smem_raw + (smem0 - raw_addr);
@@ -467,7 +470,7 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
   __syncthreads();
 
   // Both warpgroups' sums into one fp32 tile [ROWS][CTA_N] (warpgroup 0 writes, 1 adds: a fixed
-  // order), then out by rows: 16-byte-coalesced along n.
+  // order), then out by rows: a warp stores 64 adjacent columns of a row.
   float* out = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {

@@ -273,7 +273,7 @@ def _offline_backend() -> tuple[CudaBackend, list]:
     backend._quant = SimpleNamespace(
         prepare=lambda *args: calls.append(("prepare", *args)),
         tune_dequant_rows=lambda w, device: calls.append(("tune", len(w))) or (384, {}),
-        tile_choice=lambda device: {},
+        tile_choice=lambda device, dtype: {},
         NEVER=1 << 30,
         int4_linear=lambda x, w, bias=None: calls.append(("int4_linear", x, w, bias)) or "kernel")
     return backend, calls

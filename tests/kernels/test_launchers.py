@@ -383,14 +383,17 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     assert tiles() == [("w4a16_bf16_m16", 1, smem[1]), ("w4a16_bf16_m32", 1, smem[2]),
                        ("w4a16_bf16_m64", 1, smem[4]), ("w4a16_bf16_m64", 4, smem[4]),
                        ("w4a16_bf16_m64", 4, smem[4]), ("w4a16_bf16_m64", 16, smem[4])]
-    quant._tiles[0] = {64: (64, ""), 128: (64, "wg"), 256: (128, ""), 768: (128, "wgp")}
+    quant._tiles[(0, torch.bfloat16)] = {64: (64, ""), 128: (64, "wg"), 256: (128, ""),
+                                         768: (128, "wgp")}
     assert quant.tile_choice(0) == {64: "m64", 128: "wg64", 256: "m128", 768: "wgp128"}
+    assert quant.tile_choice(0, torch.float16) == {}  # tuned per dtype
     assert tiles()[2:] == [("w4a16_bf16_m64", 1, smem[4]),
                            ("w4a16_wg_bf16_m64", 4, quant._smem_bytes(4, True)),
                            ("w4a16_bf16_m128", 2, smem[8]),
                            ("w4a16_wgp_bf16_m128", 8, quant._smem_bytes(8, True))]
-    quant._tiles[0] = {128: (128, "wg")}  # below the smallest candidate: its tile
-    assert quant.tile_for(33, 0) == (128, "wg") and quant.tile_for(32, 0) == (32, "")
+    quant._tiles[(0, torch.bfloat16)] = {128: (128, "wg")}  # below the smallest candidate: its
+    assert quant.tile_for(33, 0) == (128, "wg") and quant.tile_for(32, 0) == (32, "")  # tile
+    assert quant.tile_for(33, 0, torch.float16) == quant.NARROW_TILE
     assert smem[8] == 4 * (256 * 16 + 128 * 64 * 2 + 2 * 2 * 128 * 2)  # Cfg<8>::SMEM
     # WgCfg: 6 / 4 stages, 1 KiB to align; the fp32 output tile [rows][132] fits in the stages
     assert quant._smem_bytes(4, True) == 6 * (256 * 16 + 64 * 128 + 1024) + 1024

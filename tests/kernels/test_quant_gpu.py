@@ -104,10 +104,12 @@ def wide(quant, request):
     if request.param[1] and not _hopper(quant):
         pytest.skip("the wgmma kernels need the module built for sm_90a")
     index = torch.cuda.current_device()
-    quant._tiles[index] = {64: request.param}
-    assert quant.tile_for(33) == request.param and quant.tile_for(32) == (32, "")
+    for dtype in (torch.bfloat16, torch.float16):
+        quant._tiles[(index, dtype)] = {64: request.param}
+        assert quant.tile_for(33, index, dtype) == request.param
+        assert quant.tile_for(32, index, dtype) == (32, "")
     yield quant
-    quant._tiles.pop(index)
+    quant._tiles.clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -157,6 +159,20 @@ def test_strided_and_misaligned_inputs(quant):
 
 
 def test_graph_replays_match_eager_again_and_again(quant):
+    _graph_replays_match_eager(quant)
+
+
+def test_wide_tiles_add_the_bias_with_split_k_and_partial_tiles(wide):
+    _check(wide, 130, 136, 2048, 128, True, False, torch.bfloat16, bias=True)
+    _check(wide, 70, 200, 2048, -1, False, True, torch.float16, bias=True)
+
+
+def test_wide_tiles_replay_from_graphs_as_they_run_eagerly(wide):
+    """Each tuned tile, split K and partial tiles included: deterministic, and counters reset."""
+    _graph_replays_match_eager(wide)
+
+
+def _graph_replays_match_eager(quant):
     qweight, scales, zeros, group, perm = _int4(4096, 4096, 128, True, True, torch.bfloat16, 5)
     packed = quant.repack(qweight, scales, zeros, group, perm)
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -235,7 +251,7 @@ def test_tuning_sets_the_threshold_the_products_follow(scratch):
     runs = [t for t in scratch.TUNED_TILES if _hopper(scratch) or not t[1]]
     assert scratch._agreeing_tiles(packed, device) == runs
     threshold, times = scratch.tune_dequant_rows(packed)
-    chosen = scratch._tiles[torch.cuda.current_device()]
+    chosen = scratch._tiles[(torch.cuda.current_device(), torch.bfloat16)]
     print(scratch.tile_choice(), {rows: (round(k), round(d)) for rows, (k, d) in times.items()})
     assert sorted(chosen) == list(scratch.TILE_CANDIDATES) and set(chosen.values()) <= set(runs)
     for rows, tile in chosen.items():

@@ -44,13 +44,15 @@ NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 # with the dequantizing overlapping the warpgroup's own MMAs). Up to 32 rows, 16 or 32 on
 # mma.sync; from 33, 64 on mma.sync unless tuning (tune_dequant_rows) measured another of
 # TUNED_TILES faster at the largest of TILE_CANDIDATES not above the row count: 128 rows
-# dequantize each weight tile once for twice the rows at half the CTAs an SM holds; the wgmma
-# kernels (Hopper: the module built for sm_90a) multiply on the warpgroup tensor cores, kept only
-# where their output agrees with the 64-row kernel's.
+# dequantize each weight tile once for twice the rows at half the CTAs an SM holds. The wgmma
+# kernels (WGMMA_TILES; Hopper: the module built for sm_90a) multiply on the warpgroup tensor
+# cores; tuning takes any tile only where its output agrees with the 64-row kernel's. The wgmma
+# ones are candidates: the GPU tests and bench_quant run them, tuning is offered them (tiles=)
+# once a GPU run has shown them correct and faster (pagedserve_kernels/NOTES.md).
 Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
-TUNED_TILES: tuple[Tile, ...] = tuple((rows, family) for family in ("", "wg", "wgp")
-                                      for rows in (64, 128))
+TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""))
+WGMMA_TILES: tuple[Tile, ...] = ((64, "wg"), (128, "wg"), (64, "wgp"), (128, "wgp"))
 TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()
@@ -221,11 +223,12 @@ def tile_for(num_tokens: int, device: torch.device | int | None = None,
     return chosen[at]
 
 
-def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None
+def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None,
+                      tiles: tuple[Tile, ...] = TUNED_TILES
                       ) -> tuple[int, dict[int, tuple[float, float]]]:
     """Times one layer's products (`weights`, one of each shape) in CUDA graphs: in the kernel at
-    each of TILE_CANDIDATES rows in every tile of TUNED_TILES the device runs (the wgmma ones only
-    where their output agrees with the 64-row kernel's), and from DEQUANT_CANDIDATES rows also
+    each of TILE_CANDIDATES rows in every one of `tiles` the device runs (wgmma: sm_90a) whose
+    output agrees with the 64-row kernel's, and from DEQUANT_CANDIDATES rows also
     dequantized into prepare's scratch then multiplied by cuBLAS. Each candidate row count takes
     its fastest tile (tile_for); the products dequantize from the smallest candidate from which
     that beats the kernel at it and every larger one (none: NEVER). Before any capture. Returns
@@ -239,7 +242,7 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     if scratch is None or scratch.numel() < max(w.n * w.k for w in weights):
         raise RuntimeError("tune_dequant_rows needs prepare(device, scratch_elements, dtype)")
     _tiles.pop((index, dtype), None)
-    candidates = _agreeing_tiles(weights, dev)
+    candidates = _agreeing_tiles(weights, dev, tiles)
     chosen, kernel_us, dequantized = {}, {}, {}
     for rows in TILE_CANDIDATES:
         xs = [torch.randn(rows, w.k, dtype=dtype, device=dev) for w in weights]
@@ -259,12 +262,13 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     return _dequant_rows[index], times
 
 
-def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device) -> list[Tile]:
-    """TUNED_TILES this device runs whose products of 200 random rows (a partial last tile for
+def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device,
+                    tiles: tuple[Tile, ...] = TUNED_TILES) -> list[Tile]:
+    """The `tiles` this device runs whose products of 200 random rows (a partial last tile for
     each) agree with NARROW_TILE's within one bf16 rounding of the largest value: the rest are
     logged and never taken."""
     hopper = _compile.arch_used(dev, "quant") == "-arch=sm_90a"
-    tiles = [tile for tile in TUNED_TILES if hopper or not tile[1]]  # wgmma: sm_90a
+    tiles = [tile for tile in tiles if hopper or not tile[1]]  # wgmma: sm_90a
     dtype = weights[0].dtype
     xs = [torch.randn(200, w.k, dtype=dtype, device=dev) for w in weights]
 

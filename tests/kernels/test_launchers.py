@@ -419,11 +419,14 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
                           torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_90a")
     with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
-        assert quant._agreeing_tiles([packed], torch.device("cpu")) == [
+        assert quant._agreeing_tiles([packed], torch.device("cpu"),
+                                     quant.TUNED_TILES + quant.WGMMA_TILES) == [
             (64, ""), (128, ""), (64, "wg"), (64, "wgp"), (128, "wgp")]
     assert "w4a16_wg_bf16_m128 disagrees with w4a16_bf16_m64" in caplog.text
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_89")
-    assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]
+    assert quant._agreeing_tiles([packed], torch.device("cpu"),
+                                 quant.TUNED_TILES + quant.WGMMA_TILES) == [(64, ""), (128, "")]
+    assert quant.TUNED_TILES == ((64, ""), (128, ""))  # the wgmma tiles: candidates until measured
 
 
 def test_split_k_avoids_spilling_a_few_blocks_into_another_wave():

@@ -248,9 +248,10 @@ def test_tuning_sets_the_threshold_the_products_follow(scratch):
     packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k))
               for n, k in LLAMA]
     device = torch.device("cuda")
-    runs = [t for t in scratch.TUNED_TILES if _hopper(scratch) or not t[1]]
-    assert scratch._agreeing_tiles(packed, device) == runs
-    threshold, times = scratch.tune_dequant_rows(packed)
+    offered = scratch.TUNED_TILES + scratch.WGMMA_TILES
+    runs = [t for t in offered if _hopper(scratch) or not t[1]]
+    assert scratch._agreeing_tiles(packed, device, offered) == runs
+    threshold, times = scratch.tune_dequant_rows(packed, tiles=offered)
     chosen = scratch._tiles[(torch.cuda.current_device(), torch.bfloat16)]
     print(scratch.tile_choice(), {rows: (round(k), round(d)) for rows, (k, d) in times.items()})
     assert sorted(chosen) == list(scratch.TILE_CANDIDATES) and set(chosen.values()) <= set(runs)

@@ -2,8 +2,9 @@
 Llama-3-8B's four layer products at decode row counts and a prefill step (the kernel in the tile
 the device takes untuned), with each other row tile beside it (128 rows a CTA, which tuning may
 pick; on Hopper the candidate wgmma kernels at 64 and 128, with and without the overlapped
-dequantizing) and dequantize + F.linear (the cuBLAS route) beside it; with --vllm-site, vLLM's Marlin (gptq_marlin, 4-bit, same group
-size) on the same shapes, timed the same way in a child process that alone has SITE on its path.
+dequantizing) and dequantize + F.linear (the cuBLAS route); with --vllm-site, vLLM's Marlin
+(gptq_marlin, 4-bit, same group size) on the same shapes, timed the same way in a child process
+that alone has SITE on its path.
 
     PYTHONPATH=. python3 benchmarks/bench_quant.py [--rows 1 16 256 ...] [--group 128] [--asym]
                                                    [--vllm-site /tmp/vllm_site] [--json out.json]

@@ -293,7 +293,8 @@ def tile_choice(device: torch.device | int | None = None,
                 dtype: torch.dtype = torch.bfloat16) -> dict[int, str]:
     """{candidate rows: the kernel tuning chose there} ({} before tuning), for the logs."""
     chosen = _tiles.get((_index(device), dtype), {})
-    return {rows: f"{family or 'm'}{cta_rows}" for rows, (cta_rows, family) in sorted(chosen.items())}
+    return {rows: f"{family or 'm'}{cta_rows}"
+            for rows, (cta_rows, family) in sorted(chosen.items())}
 
 
 def dequant_threshold(times: dict[int, tuple[float, float]]) -> int:

@@ -270,9 +270,10 @@ class CudaBackend:
             self._quant.prepare(self.device, largest, model.embed_tokens.dtype)
             # where dequantizing into the scratch beats the kernel, timed on one layer's shapes
             rows, times = self._quant.tune_dequant_rows(max(packed, key=len), self.device)
+            tiles = self._quant.tile_choice(self.device, model.embed_tokens.dtype)
             log.info("int4 kernels ready in %.2fs; row tiles by rows %s, dequantize + cuBLAS "
                      "from %s rows (kernel / dequantized µs a layer by rows: %s)",
-                     time.perf_counter() - start, self._quant.tile_choice(self.device, model.embed_tokens.dtype),
+                     time.perf_counter() - start, tiles,
                      "no" if rows == self._quant.NEVER else rows,
                      {r: (round(k), round(d)) for r, (k, d) in times.items()})
         groups = {name: weights for name, weights in model.linear_groups().items()

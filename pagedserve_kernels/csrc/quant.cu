@@ -391,9 +391,9 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
   const Tile q = tile_of<C::ROWS>(qw, Kp, Np, group, split_stages);
   const int tid = q.tid, wn = q.wn, wk = q.wk, g = q.g, t = tid & 3;
   const int ncta = q.ncta, split = blockIdx.y, m0 = q.m0, nst = q.nst;
-  auto load_stage = [&](int i) {
-    ps_quant::load_stage<T, C::ROWS>(q, smem0 + (i % C::STAGES) * C::STAGE_BYTES, q.s0 + i, x,
-                                     x_stride, scales, zeros, M, K, group);
+  auto load = [&](int i) {
+    load_stage<T, C::ROWS>(q, smem0 + (i % C::STAGES) * C::STAGE_BYTES, q.s0 + i, x, x_stride,
+                           scales, zeros, M, K, group);
   };
 
   float acc[2][8 * MT];  // MMA h: m64 (columns) x ROWS (rows of x)
@@ -409,14 +409,14 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
   constexpr int AHEAD = PIPE ? C::STAGES - 2 : C::STAGES - 1;
 #pragma unroll
   for (int i = 0; i < AHEAD; ++i) {
-    if (i < nst) load_stage(i);
+    if (i < nst) load(i);
     ps::cp_async_commit();
   }
   auto step = [&](int i, unsigned int (&a)[2][2][4]) {
     ps::cp_async_wait<AHEAD - 1>();
     ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
     __syncthreads();          // stage i landed for all; the buffer refilled below is free
-    if (i + AHEAD < nst) load_stage(i + AHEAD);
+    if (i + AHEAD < nst) load(i + AHEAD);
     ps::cp_async_commit();
 
     const int b = i % C::STAGES;

@@ -1,8 +1,7 @@
 """Our W4A16 product (pagedserve_kernels.quant.int4_linear) against torch's bf16 F.linear on
 Llama-3-8B's four layer products at decode row counts and a prefill step (the kernel in the tile
-the device takes untuned), with each other row tile beside it (128 rows a CTA, which tuning may
-pick; on Hopper the candidate wgmma kernels at 64 and 128, with and without the overlapped
-dequantizing) and dequantize + F.linear (the cuBLAS route); with --vllm-site, vLLM's Marlin
+the device takes untuned), with each other row tile tuning may pick beside it (128 rows a CTA;
+on Hopper the wgmma kernels at 64 and 128) and dequantize + F.linear (the cuBLAS route); with --vllm-site, vLLM's Marlin
 (gptq_marlin, 4-bit, same group size) on the same shapes, timed the same way in a child process
 that alone has SITE on its path.
 
@@ -66,7 +65,7 @@ def ours(rows_list, group: int, asym: bool) -> dict:
 
     quant.prepare(torch.device("cuda"))
     hopper = _compile.arch_used(torch.device("cuda"), "quant") == "-arch=sm_90a"
-    others = [tile for tile in quant.TUNED_TILES + quant.WGMMA_TILES
+    others = [tile for tile in quant.TUNED_TILES
               if tile != quant.NARROW_TILE and (hopper or not tile[1])]
     out = {}
     for name, n, k in SHAPES:

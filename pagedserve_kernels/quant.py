@@ -40,19 +40,16 @@ MAX_SPLIT_TILES = 4096  # (row tile, column block) counters per device
 DEQUANT_ROWS = 384
 DEQUANT_CANDIDATES = (128, 256, 384, 512, 768, 1024, 2048)  # the row counts tuning times
 NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
-# A product's row tile: (rows a CTA takes, kernel family: "" mma.sync, "wg" wgmma, "wgp" wgmma
-# with the dequantizing overlapping the warpgroup's own MMAs). Up to 32 rows, 16 or 32 on
-# mma.sync; from 33, 64 on mma.sync unless tuning (tune_dequant_rows) measured another of
-# TUNED_TILES faster at the largest of TILE_CANDIDATES not above the row count: 128 rows
-# dequantize each weight tile once for twice the rows at half the CTAs an SM holds. The wgmma
-# kernels (WGMMA_TILES; Hopper: the module built for sm_90a) multiply on the warpgroup tensor
-# cores; tuning takes any tile only where its output agrees with the 64-row kernel's. The wgmma
-# ones are candidates: the GPU tests and bench_quant run them, tuning is offered them (tiles=)
-# once a GPU run has shown them correct and faster (pagedserve_kernels/NOTES.md).
+# A product's row tile: (rows a CTA takes, kernel family: "" mma.sync, "wgp" wgmma with the
+# dequantizing overlapping the warpgroup's own MMAs). Up to 32 rows, 16 or 32 on mma.sync; from
+# 33, 64 on mma.sync unless tuning (tune_dequant_rows) measured another of TUNED_TILES faster at
+# the largest of TILE_CANDIDATES not above the row count: 128 rows dequantize each weight tile
+# once for twice the rows at half the CTAs an SM holds; the wgmma kernels (Hopper: the module
+# built for sm_90a) multiply on the warpgroup tensor cores. Tuning takes any tile only where its
+# output agrees with the 64-row kernel's.
 Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
-TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""))
-WGMMA_TILES: tuple[Tile, ...] = ((64, "wg"), (128, "wg"), (64, "wgp"), (128, "wgp"))
+TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"))
 TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()
@@ -182,7 +179,7 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
 def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None
                     ) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
-    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wg" / "wgp") on wgmma;
+    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp") on wgmma;
     None: tile_for's choice)."""
     num_tokens, n = x.shape[0], packed.n
     rows, family = tile or tile_for(num_tokens, x.device, x.dtype)

@@ -348,7 +348,9 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
 // in the 128-byte-swizzle layout load_stage already writes. Warpgroup wk takes the stage's k32
 // chunk wk (the two add up in shared memory at the end); each of its warps a n32 block, two m64
 // wgmma a k16 step (rows 16 w + r of MMA h: column 32 nb + 16 h + r). Same packed weights, grid,
-// split K and epilogue as w4a16; the activation tile's rows are the MMA's N (64 or 128).
+// split K and epilogue as w4a16; the activation tile's rows are the MMA's N (64 or 128). A
+// warpgroup dequantizes stage i while its MMAs of stage i - 1 run ("wgp": two groups in flight;
+// waiting for each stage's MMAs at once measured slower at every row count the kernel serves).
 template <int MT>
 struct WgCfg : Stage<16 * MT> {
   using Stage<16 * MT>::ROWS;
@@ -370,7 +372,7 @@ __device__ __forceinline__ void wg_mma(float (&d)[8 * MT], const unsigned int (&
     ps::wgmma_rs_m64n128_kb(d, a, db, T());
 }
 
-template <typename T, int MT, bool PIPE>
+template <typename T, int MT>
 __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
                                          const T* __restrict__ x, long long x_stride,
                                          const uint4* __restrict__ qw, const T* __restrict__ scales,
@@ -402,11 +404,10 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
 #pragma unroll
     for (int r = 0; r < 8 * MT; ++r) acc[h][r] = 0.f;
 
-  // PIPE: a warpgroup dequantizes stage i while its MMAs of stage i - 1 run (two groups in
-  // flight, the A fragments double-buffered), so stages are loaded one fewer ahead: the buffer
-  // refilled at step i was read by the MMAs of stage i - 2, which every warpgroup waited for
-  // before the step's barrier. Else it waits for its MMAs at once and loads one more ahead.
-  constexpr int AHEAD = PIPE ? C::STAGES - 2 : C::STAGES - 1;
+  // Two MMA groups in flight (the A fragments double-buffered), so stages are loaded one fewer
+  // ahead than the buffers allow: the buffer refilled at step i was read by the MMAs of stage
+  // i - 2, which every warpgroup waited for before the step's barrier.
+  constexpr int AHEAD = C::STAGES - 2;
 #pragma unroll
   for (int i = 0; i < AHEAD; ++i) {
     if (i < nst) load(i);
@@ -445,27 +446,20 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
       for (int h = 0; h < 2; ++h)
         wg_mma<T, MT>(acc[h], a[kh][h], x_desc + ((wk * 64 + kh * 32) >> 4));
     ps::wgmma_commit();
-    ps::wgmma_wait<PIPE ? 1 : 0>();
+    ps::wgmma_wait<1>();
     ps::fence_regs(acc[0]);
     ps::fence_regs(acc[1]);
   };
-  if constexpr (PIPE) {
-    unsigned int a0[2][2][4], a1[2][2][4];  // stage i's fragments live until its MMAs retire
-    int i = 0;
-    for (; i + 1 < nst; i += 2) {
-      step(i, a0);
-      step(i + 1, a1);
-    }
-    if (i < nst) step(i, a0);
-    ps::wgmma_wait<0>();
-    ps::fence_regs(acc[0]);
-    ps::fence_regs(acc[1]);
-  } else {
-    for (int i = 0; i < nst; ++i) {
-      unsigned int a[2][2][4];
-      step(i, a);
-    }
+  unsigned int a0[2][2][4], a1[2][2][4];  // stage i's fragments live until its MMAs retire
+  int i = 0;
+  for (; i + 1 < nst; i += 2) {
+    step(i, a0);
+    step(i + 1, a1);
   }
+  if (i < nst) step(i, a0);
+  ps::wgmma_wait<0>();
+  ps::fence_regs(acc[0]);
+  ps::fence_regs(acc[1]);
   ps::cp_async_wait<0>();
   __syncthreads();
 
@@ -574,24 +568,20 @@ PS_QUANT_PRODUCT(w4a16_fp16_m64, __half, 4, 1)
 PS_QUANT_PRODUCT(w4a16_bf16_m128, __nv_bfloat16, 8, 1)
 PS_QUANT_PRODUCT(w4a16_fp16_m128, __half, 8, 1)
 
-#define PS_QUANT_PRODUCT_WG(NAME, T, MT, PIPE, MIN_CTAS)                                      \
+#define PS_QUANT_PRODUCT_WG(NAME, T, MT, MIN_CTAS)                                            \
   extern "C" __global__ void __launch_bounds__(ps_quant::THREADS, MIN_CTAS)                    \
       NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
            const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
            int N, int K, int Kp, int Np, int group, int split_stages) {                        \
-    ps_quant::w4a16_wg<T, MT, PIPE>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,     \
-                                    counters, M, N, K, Kp, Np, group, split_stages);           \
+    ps_quant::w4a16_wg<T, MT>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws, counters, \
+                              M, N, K, Kp, Np, group, split_stages);                           \
   }
-// wgmma (sm_90a; _wgp: dequantizing overlaps the warpgroup's own MMAs): quant.py offers them to
-// tuning on Hopper, which keeps those that agree with w4a16_*_m64 and are faster at a row count.
-PS_QUANT_PRODUCT_WG(w4a16_wg_bf16_m64, __nv_bfloat16, 4, false, 2)
-PS_QUANT_PRODUCT_WG(w4a16_wg_bf16_m128, __nv_bfloat16, 8, false, 1)
-PS_QUANT_PRODUCT_WG(w4a16_wg_fp16_m64, __half, 4, false, 2)
-PS_QUANT_PRODUCT_WG(w4a16_wg_fp16_m128, __half, 8, false, 1)
-PS_QUANT_PRODUCT_WG(w4a16_wgp_bf16_m64, __nv_bfloat16, 4, true, 2)
-PS_QUANT_PRODUCT_WG(w4a16_wgp_bf16_m128, __nv_bfloat16, 8, true, 1)
-PS_QUANT_PRODUCT_WG(w4a16_wgp_fp16_m64, __half, 4, true, 2)
-PS_QUANT_PRODUCT_WG(w4a16_wgp_fp16_m128, __half, 8, true, 1)
+// wgmma (sm_90a): quant.py offers them to tuning on Hopper, which keeps those that agree with
+// w4a16_*_m64 and are faster at a row count.
+PS_QUANT_PRODUCT_WG(w4a16_wgp_bf16_m64, __nv_bfloat16, 4, 2)
+PS_QUANT_PRODUCT_WG(w4a16_wgp_bf16_m128, __nv_bfloat16, 8, 1)
+PS_QUANT_PRODUCT_WG(w4a16_wgp_fp16_m64, __half, 4, 2)
+PS_QUANT_PRODUCT_WG(w4a16_wgp_fp16_m128, __half, 8, 1)
 
 #define PS_QUANT_DEQUANT(NAME, T)                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                            \

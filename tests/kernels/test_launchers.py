@@ -383,16 +383,16 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     assert tiles() == [("w4a16_bf16_m16", 1, smem[1]), ("w4a16_bf16_m32", 1, smem[2]),
                        ("w4a16_bf16_m64", 1, smem[4]), ("w4a16_bf16_m64", 4, smem[4]),
                        ("w4a16_bf16_m64", 4, smem[4]), ("w4a16_bf16_m64", 16, smem[4])]
-    quant._tiles[(0, torch.bfloat16)] = {64: (64, ""), 128: (64, "wg"), 256: (128, ""),
+    quant._tiles[(0, torch.bfloat16)] = {64: (64, ""), 128: (64, "wgp"), 256: (128, ""),
                                          768: (128, "wgp")}
-    assert quant.tile_choice(0) == {64: "m64", 128: "wg64", 256: "m128", 768: "wgp128"}
+    assert quant.tile_choice(0) == {64: "m64", 128: "wgp64", 256: "m128", 768: "wgp128"}
     assert quant.tile_choice(0, torch.float16) == {}  # tuned per dtype
     assert tiles()[2:] == [("w4a16_bf16_m64", 1, smem[4]),
-                           ("w4a16_wg_bf16_m64", 4, quant._smem_bytes(4, True)),
+                           ("w4a16_wgp_bf16_m64", 4, quant._smem_bytes(4, True)),
                            ("w4a16_bf16_m128", 2, smem[8]),
                            ("w4a16_wgp_bf16_m128", 8, quant._smem_bytes(8, True))]
-    quant._tiles[(0, torch.bfloat16)] = {128: (128, "wg")}  # below the smallest candidate: its
-    assert quant.tile_for(33, 0) == (128, "wg") and quant.tile_for(32, 0) == (32, "")  # tile
+    quant._tiles[(0, torch.bfloat16)] = {128: (128, "wgp")}  # below the smallest candidate: its
+    assert quant.tile_for(33, 0) == (128, "wgp") and quant.tile_for(32, 0) == (32, "")  # tile
     assert quant.tile_for(33, 0, torch.float16) == quant.NARROW_TILE
     assert smem[8] == 4 * (256 * 16 + 128 * 64 * 2 + 2 * 2 * 128 * 2)  # Cfg<8>::SMEM
     # WgCfg: 6 / 4 stages, 1 KiB to align; the fp32 output tile [rows][132] fits in the stages
@@ -408,7 +408,7 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     from pagedserve_kernels import quant
 
     def product(x, packed, bias, out, tile=None):
-        out.copy_(x[:, :packed.n] * (1.5 if tile == (128, "wg") else 1.0))  # one wrong tile
+        out.copy_(x[:, :packed.n] * (1.5 if tile == (128, "wgp") else 1.0))  # one wrong tile
         if tile == (64, "wgp"):
             out[0, 0] += out[0, 0].abs() * 2.0 ** -9  # within one rounding: agrees
         return out
@@ -419,14 +419,11 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
                           torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_90a")
     with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
-        assert quant._agreeing_tiles([packed], torch.device("cpu"),
-                                     quant.TUNED_TILES + quant.WGMMA_TILES) == [
-            (64, ""), (128, ""), (64, "wg"), (64, "wgp"), (128, "wgp")]
-    assert "w4a16_wg_bf16_m128 disagrees with w4a16_bf16_m64" in caplog.text
+        assert quant._agreeing_tiles([packed], torch.device("cpu")) == [
+            (64, ""), (128, ""), (64, "wgp")]
+    assert "w4a16_wgp_bf16_m128 disagrees with w4a16_bf16_m64" in caplog.text
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_89")
-    assert quant._agreeing_tiles([packed], torch.device("cpu"),
-                                 quant.TUNED_TILES + quant.WGMMA_TILES) == [(64, ""), (128, "")]
-    assert quant.TUNED_TILES == ((64, ""), (128, ""))  # the wgmma tiles: candidates until measured
+    assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]
 
 
 def test_split_k_avoids_spilling_a_few_blocks_into_another_wave():

@@ -1,8 +1,8 @@
 """Structured output on the CPU runner driven by the real scheduler (tiny preset, SmolLM2's
 tokenizer): constrained seqs' outputs follow their JSON schema, regex or choice with two steps in
 flight or lockstep alike; an unconstrained seq in the same batches samples exactly what it samples
-alone; preemption by swap or recompute, n > 1 and a runner rebuilt from the plan resume the
-grammar state exactly; through the decode graphs (replayed eagerly), the mask applied in the graph
+alone; preemption by swap or recompute, n > 1, prefix-cache hits and a runner rebuilt from the plan
+resume the grammar state exactly, and cancelled seqs free their matchers; through the decode graphs (replayed eagerly), the mask applied in the graph
 gives the eager path's tokens, and unconstrained batches replay the plain graphs."""
 import functools
 import json
@@ -138,6 +138,53 @@ def test_preempted_constrained_seqs_resume_exactly(mode):
                           preemption_mode=mode)
     assert getattr(sched.stats(), f"num_preemptions_{mode}") > 0
     assert squeezed == whole
+
+
+def test_cached_prefixes_and_cancelled_seqs_keep_every_grammar_exact():
+    """One scheduler, three waves of constrained seqs on the same prompts and seeds: the second
+    reads its prompts from the prefix cache and samples exactly the first's tokens; in the third
+    two seqs are cancelled mid-output, which frees their matchers and pages, and the one left
+    samples the first wave's tokens again."""
+    rng = random.Random(21)
+    prompts = [random_prompt(rng, 22) for _ in FORMATS]
+
+    def wave(first_id: int) -> list[Sequence]:
+        return [Sequence(first_id + i, prompts[i],
+                         constrained(kind, value, temperature=1.0, seed=60 + i),
+                         StoppingParams(max_tokens=80), eos_token_id=EOS, max_model_len=512,
+                         arrival_time=float(first_id + i))
+                for i, (kind, value) in enumerate(FORMATS)]
+
+    runner = runner_with_grammars(num_gpu_blocks=160)
+    sched = scheduler(runner, True)
+    driver = ScheduledRun(sched, RunnerLink(runner, True))  # numbers the plans of every wave
+
+    def run_wave(seqs, between=None) -> dict[int, list[int]]:
+        for seq in seqs:
+            sched.add_seq(seq)
+        outputs = driver.run(between).outputs
+        assert_pools_whole(sched)
+        batch = runner.input_batch
+        held = [r for r in map(batch.row, batch.seq_ids) if batch.sampling[r].grammar]
+        assert len(batch.grammars) == len(held), "a dropped seq's matcher is freed with its row"
+        return outputs
+
+    first = run_wave(wave(1))
+    for i, fmt in enumerate(FORMATS):
+        check_output(*fmt, first[1 + i])
+    hits = sched.stats().num_prefix_cache_hits
+    second = run_wave(wave(11))
+    assert sched.stats().num_prefix_cache_hits > hits
+    assert [second[11 + i] for i in range(3)] == [first[1 + i] for i in range(3)]
+
+    def cancel(step_id: int) -> None:
+        if sched.get_seq(21) is not None and len(driver.outputs.get(21, ())) == 3:
+            assert sched.abort_seq(21) and sched.abort_seq(22)
+
+    third = run_wave(wave(21), cancel)
+    assert len(third[21]) < len(first[1]) and len(third[22]) < len(first[2])
+    assert third[23] == first[3]
+    assert not {21, 22} & set(runner.input_batch.seq_ids), "the next plans dropped them"
 
 
 def test_parallel_samples_each_follow_the_grammar():

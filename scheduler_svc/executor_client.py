@@ -24,6 +24,7 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # The executor welcomes pings down to every 0.5 s (executor_svc.server.SERVER_OPTIONS); a floor
 # of twice that keeps clock jitter from ever earning a GOAWAY too_many_pings.
 MIN_KEEPALIVE_S = 1.0
+STARTUP_BACKOFF_S = 0.25  # the longest wait between rounds until the first attach (connect)
 # Epochs of this process's lease hellos: every connect, of every client, gets a higher one, so a
 # reconnect (or a switch back to the same executor) supersedes this scheduler's older stream.
 _EPOCHS = itertools.count(1)
@@ -137,7 +138,12 @@ class ExecutorClient:
             if self._refusals and self.on_refused is not None:
                 self.on_refused("; ".join(self._refusals))
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.max_backoff_s)
+            # Before the first attach the executor is most likely still loading beside us (both
+            # started at once): serving starts within STARTUP_BACKOFF_S of its being ready, not
+            # up to the whole retry interval later. A failed pass costs one refused connection.
+            most = self.max_backoff_s if self.description is not None else min(
+                self.max_backoff_s, STARTUP_BACKOFF_S)
+            backoff = min(backoff * 2, most)
 
     async def connect_once(self) -> wire.ExecutorDescription | None:
         """One pass over the addresses; None if none answered with the right model."""

@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -173,8 +174,8 @@ _FLAGS = (
     _Flag("--executor-connect-timeout", 5.0, "seconds an executor has to answer Describe, then "
           "the lease hello, before the next address is tried", float),
     _Flag("--executor-retry-interval", 2.0, "longest wait between two rounds over the executor "
-          "addresses while none answers (the waits start at 0.05s and double): how soon an "
-          "executor that finished loading, or came back, is attached", float),
+          "addresses while none answers (the waits start at 0.05s and double; at most 0.25s "
+          "until the first attach): how soon an executor that came back is attached", float),
     _Flag("--log-level", "INFO", "DEBUG adds a line per request admitted, finished or "
           "cancelled"),
     _Flag("--log-stats-interval", 10.0, "seconds between stats lines (sequences, KV pages, "
@@ -394,6 +395,17 @@ def executor_client(config: ServiceConfig):
                           security=config.security, keepalive_s=config.executor_keepalive_s)
 
 
+def _warm_tokenizer_imports() -> None:
+    """While the first executor loads: the imports its tokenizer will need (loading one reports
+    its own errors, so a failure here is only logged)."""
+    from scheduler_svc.tokenizer import warm_imports
+
+    try:
+        warm_imports()
+    except Exception as err:  # noqa: BLE001 - the attach's own load says what is wrong
+        log.debug("warming the tokenizer imports failed: %r", err)
+
+
 async def serve(config: ServiceConfig) -> None:
     from scheduler_svc.engine import Engine
     from scheduler_svc.metrics import Metrics
@@ -437,6 +449,7 @@ async def serve(config: ServiceConfig) -> None:
             reloads.add(task)
             task.add_done_callback(reloads.discard)
         loop.add_signal_handler(signal.SIGHUP, on_hup)
+    threading.Thread(target=_warm_tokenizer_imports, name="warm-imports", daemon=True).start()
     await engine.start()
     detached = (asyncio.create_task(_log_while_detached(engine, config.engine.log_stats_interval_s))
                 if config.engine.log_stats_interval_s > 0 else None)

@@ -138,10 +138,12 @@ class GrammarChecker:
     def __init__(self, hf_tokenizer, vocab_size: int, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
-        # its build grows with the vocabulary: once, off the loop
+        # its build grows with the vocabulary, and so does the tokenizer's JSON it reads: once,
+        # both off the loop
         self._tokenizer = self._pool.submit(
-            llguidance.LLTokenizer, hf_tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size,
-            eos_token=hf_tokenizer.eos_token_id)
+            lambda: llguidance.LLTokenizer(hf_tokenizer.backend_tokenizer.to_str(),
+                                           n_vocab=vocab_size,
+                                           eos_token=hf_tokenizer.eos_token_id))
         self._compiled: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
 

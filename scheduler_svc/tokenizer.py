@@ -13,6 +13,13 @@ from transformers import PreTrainedTokenizerFast
 from pagedserve_common.gguf_metadata import read_gguf_metadata
 
 
+def warm_imports() -> None:
+    """Imports what loading a GGUF tokenizer needs (transformers' model registry: about half a
+    second), so the scheduler can do it while it waits for its first executor rather than
+    after the executor answered."""
+    _gguf_tokenizer_api()
+
+
 def _gguf_tokenizer_api():
     """transformers' GGUF tokenizer mapping and converter: `integrations/gguf/` from 5.18; in 5.17,
     `integrations/ggml`, whose converters are keyed by model type, not by `general.architecture`.

@@ -2,7 +2,8 @@
 within step_timeout_s, or a call that fails, marks the executor lost; a cancelled step loop is
 cancelled, not turned into a lost executor. Over an in-process server: a stream that ends while
 idle, and a pass over the addresses refused by every executor, are reported at once; an
-executor of another protocol version is refused before any stream opens."""
+executor of another protocol version is refused before any stream opens; before the first attach
+an executor that starts listening is found within STARTUP_BACKOFF_S."""
 import asyncio
 import logging
 
@@ -191,3 +192,35 @@ def test_an_executor_of_another_protocol_version_is_refused_naming_both(version,
     assert client_errors == [
         f"refusing executor {address}: it speaks executor protocol version {version}, this "
         f"scheduler version {executor_pb2.PROTOCOL_VERSION} (run one pagedserve release on both)"]
+
+
+def test_before_the_first_attach_an_executor_is_found_soon_after_it_starts():
+    """An executor that starts listening a while after the scheduler (it was loading) is
+    attached within STARTUP_BACKOFF_S of it, not after the whole retry interval's doubling
+    (tries at 1.55 and 3.15 s here): connect polls faster until the first attach."""
+    import socket
+    import time
+
+    from scheduler_svc.executor_client import STARTUP_BACKOFF_S
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def body() -> float:
+        client = ExecutorClient([f"127.0.0.1:{port}"], max_backoff_s=2.0)
+        t0 = time.monotonic()
+        connect = asyncio.ensure_future(client.connect())
+        await asyncio.sleep(2.2)  # nothing listens yet: every pass is refused
+        server = grpc.aio.server()
+        executor_pb2_grpc.add_ExecutorServicer_to_server(LeaseServicer(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        started = time.monotonic() - t0
+        assert (await asyncio.wait_for(connect, 5)).model_name == "m"
+        waited = time.monotonic() - t0 - started
+        await client.close()
+        await server.stop(0)
+        return waited
+
+    assert asyncio.run(body()) < STARTUP_BACKOFF_S + 0.35

@@ -2,7 +2,8 @@
 hermes, CPU executor on the tiny preset with SmolLM2's tokenizer): required and named choices
 always give calls that validate against the tool's schema, streamed calls add up to the
 non-streamed ones through the real SDK (its parse() too), "auto" finds the calls the model
-wrote in Hermes tags, LangChain's bind_tools round trip, and bad tools refused by name. One pair
+wrote in Hermes tags, LangChain's bind_tools round trip and with_structured_output, and bad tools
+refused by name. One pair
 of services serves the module."""
 from __future__ import annotations
 
@@ -185,6 +186,29 @@ def test_langchain_bind_tools_round_trip(services):
     answer = llm.bind_tools(TOOLS).invoke(
         [question, reply, ToolMessage("18 degrees, sunny", tool_call_id=call["id"])])
     assert isinstance(answer.content, str)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_returns_the_pydantic_model(services, method):
+    """ChatOpenAI(...).with_structured_output(Model): as a strict json_schema response format, and
+    as a forced tool call; either way the reply is the model, its fields within their bounds."""
+    chat_openai = pytest.importorskip("langchain_openai").ChatOpenAI
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=8)
+        degrees: int = Field(ge=-40, le=50)
+        sky: Literal["sunny", "cloudy", "rain"]
+
+    llm = chat_openai(model=TINY, base_url=f"{services.http_url}/v1", api_key="none",
+                      max_tokens=MAX_TOKENS, seed=7, temperature=1.0, max_retries=0)
+    # strict: no properties beyond the model's (else the random model may write extra keys
+    # until max_tokens, as the schema allows)
+    reply = llm.with_structured_output(Weather, method=method, strict=True).invoke(
+        "What is the weather in Paris?")
+    assert isinstance(reply, Weather) and len(reply.city) <= 8 and -40 <= reply.degrees <= 50
 
 
 BAD = [

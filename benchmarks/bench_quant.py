@@ -1,11 +1,13 @@
 """Our W4A16 product (pagedserve_kernels.quant.int4_linear) against torch's bf16 F.linear on
 Llama-3-8B's four layer products at decode row counts and a prefill step (the kernel in the tile
 the device takes untuned), with each other row tile tuning may pick beside it (128 rows a CTA;
-on Hopper the wgmma kernels at 64 and 128) and dequantize + F.linear (the cuBLAS route); with --vllm-site, vLLM's Marlin
-(gptq_marlin, 4-bit, same group size) on the same shapes, timed the same way in a child process
-that alone has SITE on its path.
+on Hopper the wgmma kernels at 64 and 128), the untuned tile at each --splits count of K parts,
+and dequantize + F.linear (the cuBLAS route); with --vllm-site, vLLM's Marlin (gptq_marlin,
+4-bit, same group size) on the same shapes, timed the same way in a child process that alone
+has SITE on its path.
 
     PYTHONPATH=. python3 benchmarks/bench_quant.py [--rows 1 16 256 ...] [--group 128] [--asym]
+                                                   [--splits 1 4 8 ...]
                                                    [--vllm-site /tmp/vllm_site] [--json out.json]
 
 Each product runs over enough distinct weights (>= 256 MB) that none is read from L2, all captured
@@ -58,7 +60,7 @@ def int4_weights(n: int, k: int, group: int, asym: bool, count: int) -> list:
     return [quant.repack(words, scales, zeros, group) for _ in range(count)]
 
 
-def ours(rows_list, group: int, asym: bool) -> dict:
+def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
     from pagedserve_kernels import quant
 
     from pagedserve_kernels import _compile
@@ -85,6 +87,13 @@ def ours(rows_list, group: int, asym: bool) -> dict:
                         tile), packed, rows, k) if rows > 32 else None for tile in others},
                 "dequant_cublas_us": time_products(
                     lambda x, p: F.linear(x, quant.dequantize(p, scratch)), packed, rows, k),
+                # the untuned tile with K in each of --splits parts, beside the model's count
+                "splits": quant.launch_shape(rows, packed[0], torch.device("cuda"),
+                                             torch.bfloat16)[3],
+                **{f"int4_s{count}_us": time_products(
+                    lambda x, p, count=count: quant._kernel_product(
+                        x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device),
+                        None, count), packed, rows, k) for count in splits},
             }
             print(name, rows, {key: v if v is None else round(v, 1)
                                for key, v in out[f"{name} {rows}"].items()},
@@ -155,16 +164,16 @@ def run_marlin(site: str, rows_list, group: int, asym: bool) -> dict:
 def table(results: dict, rows_list) -> None:
     tiles = sorted({key[5:-3] for r in results.values() for key in r
                     if key.startswith("int4_") and key != "int4_us"})
-    print("| product | rows | bf16 µs | int4 µs | int4 vs bf16 | "
+    print("| product | rows | K splits | bf16 µs | int4 µs | int4 vs bf16 | "
           + "".join(f"int4, {t} µs | " for t in tiles)
           + "dequant+cuBLAS µs | Marlin µs | int4 vs Marlin |")
-    print("|---|---|---|---|---|" + "---|" * len(tiles) + "---|---|---|")
+    print("|---|---|---|---|---|---|" + "---|" * len(tiles) + "---|---|---|")
     for name, _, _ in list(SHAPES) + [("layer", 0, 0)]:
         for rows in rows_list:
             if name == "layer":  # the four products of one decoder layer
                 parts = [results[f"{s} {rows}"] for s, _, _ in SHAPES]
                 r = {key: sum(p[key] for p in parts) for key in parts[0]
-                     if all(p.get(key) is not None for p in parts)}
+                     if key != "splits" and all(p.get(key) is not None for p in parts)}
             else:
                 r = results[f"{name} {rows}"]
             marlin = r.get("marlin_us")  # absent without --vllm-site
@@ -172,7 +181,8 @@ def table(results: dict, rows_list) -> None:
                        else f"{marlin:.1f} | {marlin / r['int4_us']:.2f}x")
             cells = ["-" if r.get(f"int4_{t}_us") is None else f"{r[f'int4_{t}_us']:.1f}"
                      for t in tiles]
-            print(f"| {name} | {rows} | {r['bf16_us']:.1f} | {r['int4_us']:.1f} | "
+            print(f"| {name} | {rows} | {r.get('splits', '-')} | {r['bf16_us']:.1f} | "
+                  f"{r['int4_us']:.1f} | "
                   f"{r['bf16_us'] / r['int4_us']:.2f}x | " + "".join(c + " | " for c in cells)
                   + f"{r['dequant_cublas_us']:.1f} | {against} |")
 
@@ -183,6 +193,9 @@ def main() -> None:
     p.add_argument("--group", type=int, default=128, help="input rows per scale; -1: per column")
     p.add_argument("--asym", action="store_true", help="zero points per group (AWQ-like)")
     p.add_argument("--vllm-site", help="a folder holding vLLM (compare with its Marlin kernel)")
+    p.add_argument("--splits", type=int, nargs="*", default=[],
+                   help="also time the untuned tile with K in each of these many parts (a "
+                        "column each; the 'K splits' column is split_k_choice's count)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--marlin-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -190,7 +203,7 @@ def main() -> None:
     if args.marlin_worker:
         marlin_worker(args.marlin_worker, args.rows, args.group, args.asym)
         return
-    results = ours(args.rows, args.group, args.asym)
+    results = ours(args.rows, args.group, args.asym, args.splits)
     if args.vllm_site:
         for key, value in run_marlin(args.vllm_site, args.rows, args.group, args.asym).items():
             results[key].update(value)

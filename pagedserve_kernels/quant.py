@@ -176,19 +176,16 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
-def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None
-                    ) -> torch.Tensor:
+def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
+                    splits: int | None = None) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
     tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp") on wgmma;
-    None: tile_for's choice)."""
+    None: tile_for's choice), K in `splits` parts (None: split_k_choice's; a count past what
+    the workspace or K allows is lowered to it: bench_quant's --splits)."""
     num_tokens, n = x.shape[0], packed.n
-    rows, family = tile or tile_for(num_tokens, x.device, x.dtype)
-    mt = rows // 16
-    kernel = _kernel_name(x.dtype, rows, family)
+    kernel, mt, m_tiles, splits, split_stages = launch_shape(num_tokens, packed, x.device,
+                                                             x.dtype, tile, splits)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
-    m_tiles = -(-num_tokens // (16 * mt))
-    splits, split_stages = _splits(kernel, x.device, m_tiles, np_ // CTA_N, kp // STAGE_K,
-                                   num_tokens * np_, min(num_tokens, 16 * mt))
     ws_ptr = counters_ptr = 0
     if splits > 1:
         ws, counters = _workspace(x.device)
@@ -198,8 +195,23 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     _compile.launch("quant", kernel, x.device, (np_ // CTA_N, splits, m_tiles), (_THREADS, 1, 1),
-                    args, shared_mem=_smem_bytes(mt, bool(family)))
+                    args, shared_mem=_smem_bytes(mt, "_wg" in kernel))
     return out
+
+
+def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtype: torch.dtype,
+                 tile: Tile | None = None, splits: int | None = None
+                 ) -> tuple[str, int, int, int, int]:
+    """How _kernel_product launches a product of num_tokens rows: (kernel, m16 tiles a CTA,
+    row tiles, K splits, stages per split)."""
+    rows, family = tile or tile_for(num_tokens, device, dtype)
+    mt = rows // 16
+    kernel = _kernel_name(dtype, rows, family)
+    kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
+    m_tiles = -(-num_tokens // (16 * mt))
+    splits, split_stages = _splits(kernel, device, m_tiles, np_ // CTA_N, kp // STAGE_K,
+                                   num_tokens * np_, min(num_tokens, 16 * mt), splits)
+    return kernel, mt, m_tiles, splits, split_stages
 
 
 def _kernel_name(dtype: torch.dtype, rows: int, family: str) -> str:
@@ -459,13 +471,17 @@ def _smem_bytes(mt: int, wgmma: bool = False) -> int:
 
 
 def _splits(kernel: str, device: torch.device, m_tiles: int, n_blocks: int, k_stages: int,
-            partial_floats: int, tile_rows: int) -> tuple[int, int]:
+            partial_floats: int, tile_rows: int, forced: int | None = None) -> tuple[int, int]:
     """(splits, stages per split) of K by split_k_choice, the resident thread blocks of every
-    SM as the slots, the workspace as a bound (tile_rows: the rows a row tile holds)."""
+    SM as the slots, the workspace as a bound (tile_rows: the rows a row tile holds); `forced`:
+    that many instead, within the same bounds."""
     tiles = m_tiles * n_blocks
     most = min(k_stages // _MIN_SPLIT_STAGES, WORKSPACE_FLOATS // partial_floats)
     if most <= 1 or tiles > MAX_SPLIT_TILES:
         return 1, k_stages
+    if forced is not None:
+        per = -(-k_stages // max(1, min(forced, most)))
+        return -(-k_stages // per), per
     # a block's fp32 partials against the bytes a stage streams (its weights and activations)
     partial_stages = tile_rows * CTA_N * 4 / (_THREADS * 16 + tile_rows * STAGE_K * 2)
     return split_k_choice(tiles, k_stages, _sm_count(device) * _resident_ctas(kernel, device),

@@ -2,8 +2,9 @@
 tokenizer): constrained seqs' outputs follow their JSON schema, regex or choice with two steps in
 flight or lockstep alike; an unconstrained seq in the same batches samples exactly what it samples
 alone; preemption by swap or recompute, n > 1, prefix-cache hits and a runner rebuilt from the plan
-resume the grammar state exactly, and cancelled seqs free their matchers; through the decode graphs (replayed eagerly), the mask applied in the graph
-gives the eager path's tokens, and unconstrained batches replay the plain graphs."""
+resume the grammar state exactly, and cancelled seqs free their matchers; through the decode
+graphs (replayed eagerly), the mask applied in the graph gives the eager path's tokens, and
+unconstrained batches replay the plain graphs."""
 import functools
 import json
 import os

@@ -426,6 +426,33 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]
 
 
+def test_a_forced_split_count_keeps_within_k_and_the_workspace(monkeypatch):
+    """bench_quant's --splits: `splits` replaces split_k_choice's count, lowered to what K (a
+    split covers at least _MIN_SPLIT_STAGES stages) and the workspace allow, and the grid's
+    second axis carries it; None keeps the model's choice."""
+    from pagedserve_kernels import quant
+
+    launched = []
+    monkeypatch.setattr(quant._compile, "launch",
+                        lambda module, kernel, device, grid, block, args, shared_mem=0:
+                        launched.append((grid[1], args[-1])))
+    monkeypatch.setattr(quant, "_workspace", lambda device: (torch.zeros(1), torch.zeros(1)))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_tiles", {})
+    monkeypatch.setattr(quant, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(quant, "_resident_ctas", lambda kernel, device: 3)
+    k, n = 4096, 4096  # 64 stages, 32 column blocks
+    packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                          torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+    x, out = torch.zeros(16, k, dtype=torch.bfloat16), torch.empty(16, n, dtype=torch.bfloat16)
+    for forced, expected in ((None, (11, 6)), (1, (1, 64)), (4, (4, 16)), (5, (5, 13)),
+                             (16, (16, 4)), (64, (16, 4))):
+        launched.clear()
+        quant._kernel_product(x, packed, None, out, splits=forced)
+        assert launched == [expected], forced
+        assert quant.launch_shape(16, packed, x.device, x.dtype, None, forced)[3:] == expected
+
+
 def test_split_k_avoids_spilling_a_few_blocks_into_another_wave():
     """Llama-3-8B's products at one row tile on 396 slots (132 SMs x 3): qkv, o and down fill
     one wave; gate/up (224 column tiles) takes 5 splits of 13 stages (3 short waves), not the 2

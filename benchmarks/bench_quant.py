@@ -3,8 +3,9 @@ Llama-3-8B's four layer products at decode row counts and a prefill step (the ke
 the device takes untuned), with each other row tile tuning may pick beside it (128 rows a CTA;
 on Hopper the wgmma kernels at 64 and 128), the untuned tile at each --splits count of K parts,
 and dequantize + F.linear (the cuBLAS route); with --vllm-site, vLLM's Marlin (gptq_marlin,
-4-bit, same group size) on the same shapes, timed the same way in a child process that alone
-has SITE on its path.
+4-bit, same group size) and, on Hopper, its Machete (the kernel vLLM 0.26 takes there for AWQ
+and GPTQ: it lists Machete before Marlin) on the same shapes, timed the same way in a child
+process that alone has SITE on its path.
 
     PYTHONPATH=. python3 benchmarks/bench_quant.py [--rows 1 16 256 ...] [--group 128] [--asym]
                                                    [--splits 1 4 8 ...]
@@ -19,6 +20,7 @@ import argparse
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -108,7 +110,8 @@ def _tile_name(tile) -> str:
 
 
 def marlin_worker(path: str, rows_list, group: int, asym: bool) -> None:
-    """In the child: vLLM's Marlin on random 4-bit weights (values do not change its time)."""
+    """In the child: vLLM's Marlin, and Machete where it runs, on random 4-bit weights (values
+    do not change their time)."""
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.utils import marlin_utils_test as mt
     from vllm.scalar_type import scalar_types
@@ -147,7 +150,42 @@ def marlin_worker(path: str, rows_list, group: int, asym: bool) -> None:
             out[f"{name} {rows}"] = {"marlin_us": time_products(product, weights, rows, k)}
         del weights
         torch.cuda.empty_cache()
+        machete = machete_times(ops, scalar_types, rows_list, n, k, group, asym)
+        for rows in rows_list:
+            out[f"{name} {rows}"]["machete_us"] = machete.get(rows)
     Path(path).write_text(json.dumps(out))
+
+
+def machete_times(ops, scalar_types, rows_list, n: int, k: int, group: int,
+                  asym: bool) -> dict:
+    """{rows: µs} of vLLM's Machete (the CUTLASS mixed-input GEMM vLLM puts before Marlin on
+    Hopper for AWQ and GPTQ), weights prepacked as its MacheteLinearKernel does (zero points
+    pre-multiplied by -scale); {} where it does not run (not Hopper, or this vLLM lacks it)."""
+    prepack, mm = getattr(ops, "machete_prepack_B", None), getattr(ops, "machete_mm", None)
+    if prepack is None or mm is None or torch.cuda.get_device_capability() != (9, 0):
+        return {}
+    qtype = scalar_types.uint4 if asym else scalar_types.uint4b8
+    group = k if group == -1 else group
+    try:
+        weights = []
+        for _ in range(copies_for(n * k // 2)):
+            words = torch.randint(-(1 << 31), 1 << 31, (k // 8, n), dtype=torch.int64,
+                                  device="cuda").to(torch.int32)
+            q = prepack(words.t().contiguous().t(), a_type=torch.bfloat16, b_type=qtype,
+                        group_scales_type=torch.bfloat16)
+            s = (torch.rand(k // group, n, device="cuda") * 0.02 + 1e-3).to(torch.bfloat16)
+            zp = (-s * torch.randint(0, 16, s.shape, device="cuda").to(s.dtype)
+                  if asym else None)
+            weights.append((q, s, zp))
+
+        def product(x, weight):
+            return mm(a=x, b_q=weight[0], b_type=qtype, b_group_zeros=weight[2],
+                      b_group_scales=weight[1], b_group_size=group)
+
+        return {rows: time_products(product, weights, rows, k) for rows in rows_list}
+    except Exception as err:  # noqa: BLE001 - a missing kernel leaves the column empty
+        print(f"machete: {type(err).__name__}: {err}", flush=True)
+        return {}
 
 
 def run_marlin(site: str, rows_list, group: int, asym: bool) -> dict:
@@ -166,8 +204,9 @@ def table(results: dict, rows_list) -> None:
                     if key.startswith("int4_") and key != "int4_us"})
     print("| product | rows | K splits | bf16 µs | int4 µs | int4 vs bf16 | "
           + "".join(f"int4, {t} µs | " for t in tiles)
-          + "dequant+cuBLAS µs | Marlin µs | int4 vs Marlin |")
-    print("|---|---|---|---|---|---|" + "---|" * len(tiles) + "---|---|---|")
+          + "dequant+cuBLAS µs | Marlin µs | ours (fastest) vs Marlin | Machete µs | "
+          "ours (fastest) vs Machete |")
+    print("|---|---|---|---|---|---|" + "---|" * len(tiles) + "---|---|---|---|---|")
     for name, _, _ in list(SHAPES) + [("layer", 0, 0)]:
         for rows in rows_list:
             if name == "layer":  # the four products of one decoder layer
@@ -176,9 +215,12 @@ def table(results: dict, rows_list) -> None:
                      if key != "splits" and all(p.get(key) is not None for p in parts)}
             else:
                 r = results[f"{name} {rows}"]
-            marlin = r.get("marlin_us")  # absent without --vllm-site
-            against = ("n/a | n/a" if marlin is None
-                       else f"{marlin:.1f} | {marlin / r['int4_us']:.2f}x")
+            best = min(v for key, v in r.items()  # the fastest route tuning may take here
+                       if key.startswith(("int4_", "dequant_")) and v is not None
+                       and not re.fullmatch(r"int4_s\d+_us", key))  # not a forced split
+            against = " | ".join(  # absent without --vllm-site (Machete: off Hopper too)
+                "n/a | n/a" if r.get(key) is None else f"{r[key]:.1f} | {r[key] / best:.2f}x"
+                for key in ("marlin_us", "machete_us"))
             cells = ["-" if r.get(f"int4_{t}_us") is None else f"{r[f'int4_{t}_us']:.1f}"
                      for t in tiles]
             print(f"| {name} | {rows} | {r.get('splits', '-')} | {r['bf16_us']:.1f} | "

@@ -105,8 +105,12 @@ def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float | Non
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout,
                               cwd=ROOT)
-    tail = log.read_text().splitlines()[-3:]
-    print("  " + "\n  ".join(tail), flush=True)
+    lines = log.read_text().splitlines()
+    # vLLM names the kernel each quantized layer type runs ("Using MacheteLinearKernel for
+    # AutoAWQMarlinLinearMethod"): the run's record of what ours was measured against
+    kernels = list(dict.fromkeys(m.group(0) for line in lines
+                                 if (m := re.search(r"Using \w+ for \w+Method", line))))
+    print("  " + "\n  ".join(kernels + lines[-3:]), flush=True)
     return proc.returncode
 
 

@@ -349,8 +349,8 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
 // chunk wk (the two add up in shared memory at the end); each of its warps a n32 block, two m64
 // wgmma a k16 step (rows 16 w + r of MMA h: column 32 nb + 16 h + r). Same packed weights, grid,
 // split K and epilogue as w4a16; the activation tile's rows are the MMA's N (64 or 128). A
-// warpgroup dequantizes stage i while its MMAs of stage i - 1 run ("wgp": two groups in flight;
-// waiting for each stage's MMAs at once measured slower at every row count the kernel serves).
+// warpgroup dequantizes stage i while its MMAs of stage i - 1 run ("wgp": two groups in flight),
+// where waiting for each stage's MMAs first would leave its tensor cores idle meanwhile.
 template <int MT>
 struct WgCfg : Stage<16 * MT> {
   using Stage<16 * MT>::ROWS;

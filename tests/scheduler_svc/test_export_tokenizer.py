@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,9 +85,10 @@ def test_auto_tokenizer_matches_the_gguf(exported):
     """The folder, through AutoTokenizer, against transformers' own GGUF loader and the tokenizer
     the scheduler serves with."""
     gguf = Path(smollm2_gguf_path())
-    folder = render(f"tok = AutoTokenizer.from_pretrained({str(exported)!r})")
-    theirs = render(f"tok = AutoTokenizer.from_pretrained({str(gguf.parent)!r}, "
-                    f"gguf_file={gguf.name!r})")
+    with ThreadPoolExecutor(2) as pool:  # two interpreters side by side
+        folder, theirs = pool.map(render, [
+            f"tok = AutoTokenizer.from_pretrained({str(exported)!r})",
+            f"tok = AutoTokenizer.from_pretrained({str(gguf.parent)!r}, gguf_file={gguf.name!r})"])
     assert folder["max_len"] == 8192  # the GGUF's llama.context_length
     folder.pop("max_len"), theirs.pop("max_len")
     assert folder == theirs

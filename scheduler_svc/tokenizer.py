@@ -14,8 +14,8 @@ from pagedserve_common.gguf_metadata import read_gguf_metadata
 
 
 def warm_imports() -> None:
-    """Imports what loading a GGUF tokenizer needs (transformers' model registry: about half a
-    second), so the scheduler can do it while it waits for its first executor rather than
+    """Imports what loading a GGUF tokenizer needs (transformers' model registry, the slow part
+    of the load), so the scheduler can do it while it waits for its first executor rather than
     after the executor answered."""
     _gguf_tokenizer_api()
 

@@ -761,10 +761,11 @@ __device__ __forceinline__ void prefill_wg_impl(
 // ---------------------------------------------------------------------------------------------
 // Prefill on Hopper with FlashAttention-3's schedule (the "pipelined" candidate): prefill_wg's
 // tiles, smem layout, page walk and arithmetic (the wg_* pieces), on 3 warpgroups.
-// - Warpgroup 2 produces: it walks the block table into s_row and gathers K_t, then V_{t-1}, with
-//   cp.async into two stages; each thread's copies arrive on the stage's `full` mbarrier when
-//   they land (cp.async.mbarrier.arrive.noinc), and it waits on the stage's `empty` mbarrier
-//   before refilling it. It keeps 56 registers, so the consumers get 224 (setmaxnreg).
+// - Warpgroup 2 produces: each of its threads walks the block table for one key row of a tile,
+//   and its warps gather K_t, then V_{t-1}, with cp.async into two stages (wgp_gather); each
+//   thread's copies arrive on the stage's `full` mbarrier when they land
+//   (cp.async.mbarrier.arrive.noinc), and it waits on the stage's `empty` mbarrier before
+//   refilling it. It keeps 56 registers, so the consumers get 224 (setmaxnreg).
 // - Warpgroups 0 and 1 consume, 64 query rows each. Step j issues S_{j+1} = Q K_{j+1}^T,
 //   rescales O, issues O += P_j V_j, waits for S_{j+1} only (wgmma.wait_group 1) and runs its
 //   softmax while P_j V_j is on the tensor cores. The two take turns to issue (named barriers),
@@ -776,9 +777,8 @@ static_assert(kWgpThreads == kWgThreads + 128, "2 consumer warpgroups, then the 
 
 #if PS_HAS_WGMMA
 // Named barriers: 0 is __syncthreads, 1 and 2 wg_store_out's, 3 the Q tile landed (consumers,
-// prefill_wgp_impl); kWgpBarRows: a tile's s_row written (producer); kWgpBarTurn + wg: consumer
-// warpgroup wg may issue its MMAs.
-enum WgpBarrier : int { kWgpBarRows = 4, kWgpBarTurn = 5 };
+// prefill_wgp_impl); kWgpBarTurn + wg: consumer warpgroup wg may issue its MMAs.
+enum WgpBarrier : int { kWgpBarTurn = 5 };
 
 __device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -882,35 +882,75 @@ __device__ __forceinline__ void wgp_step(const WgpStep& c, int j, float (&o)[HD 
   if constexpr (S) wg_pack_p<T>(s, pa);
 }
 
+// Byte offset in the cache of key row r of key tile t, for the producer. A row past kv_end (the
+// last tile's tail) reads row kv_end - 1 instead of zeros: every query row that is stored lies
+// before kv_end, so the causal mask gives those keys P = 0, and a finite row times 0 adds 0.
+template <int HD>
+__device__ __forceinline__ long long wgp_row_bytes(const WgTile& w, int t, int r, int num_kv_heads,
+                                                   int block_size_log2) {
+  const int kpos = min(t * kWgBN + r, w.kv_end - 1);
+  const int page = __ldg(w.bt + (kpos >> block_size_log2));
+  return ((((long long)page * num_kv_heads + w.kv_head) << block_size_log2) + (kpos & w.bs_mask)) *
+         (HD * 2);
+}
+
+// One key tile (128 rows of hd128, 2-byte elements) from the cache into a 128-byte-swizzle tile
+// at dst, by the 128 producer threads; `row` is the global address of key row ptid. Warp w copies
+// rows 32w .. 32w + 31: in step i its 8-lane group q takes row 32w + 8q + i (its address by
+// shuffle within the group), lane c of the group that row's chunks c ^ i and (c ^ i) + 8. As
+// (32w + 8q + i) & 7 == i, chunk c ^ i lands in column c of the swizzle, so the destinations are
+// one per-thread address plus constants; the 8 lanes read the row's 256 contiguous bytes.
+__device__ __forceinline__ void wgp_gather(unsigned int dst, unsigned long long row, int ptid) {
+  const int lane = ptid & 31, c = lane & 7;
+  const unsigned int lo = (unsigned int)row, hi = (unsigned int)(row >> 32);
+  const unsigned int d = dst + (unsigned int)(((ptid >> 5) * 32 + (lane >> 3) * 8) * 128 + c * 16);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const unsigned long long src =
+        (((unsigned long long)__shfl_sync(0xffffffffu, hi, i, 8) << 32) |
+         __shfl_sync(0xffffffffu, lo, i, 8)) +
+        (unsigned int)((c ^ i) << 4);
+    // the second half of the row (chunks 8..15): 128 bytes on in the cache, kWgBN * 128 in smem
+    asm volatile(
+        "cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
+        "cp.async.cg.shared.global.L2::128B [%2], [%1+128], 16;\n" ::"r"(d + i * 128),
+        "l"(src), "r"(d + i * 128 + kWgBN * 128)
+        : "memory");
+  }
+}
+
 // The producer warpgroup (ptid 0..127), step t = j0 .. n_tiles: K_t (t < n_tiles), then V_{t-1}
 // (t > j0). Tile t is fill u >> 1 (u = t - j0) of its K and V stage u & 1; a fill waits for the
 // release of the stage's previous one (parity ((u >> 1) & 1) ^ 1; a fresh mbarrier passes
-// parity 1 at once).
+// parity 1 at once). Each thread reads the block table for its row of the next tile before it
+// waits, so the read is off the copy path.
 template <typename T, int HD>
 __device__ __forceinline__ void wgp_produce(const T* __restrict__ k_cache,
                                             const T* __restrict__ v_cache, const WgTile& w,
-                                            long long (*s_row)[kWgBN], unsigned int sKV,
-                                            unsigned int bars, int num_kv_heads,
+                                            unsigned int sKV, unsigned int bars, int num_kv_heads,
                                             int block_size_log2, int ptid) {
+  static_assert(HD == 128, "wgp_gather copies 256-byte rows");
   constexpr unsigned int KV_BYTES = kWgBN * HD * 2;
+  const unsigned long long kb = reinterpret_cast<unsigned long long>(k_cache);
+  const unsigned long long vb = reinterpret_cast<unsigned long long>(v_cache);
+  long long off = wgp_row_bytes<HD>(w, w.j0, ptid, num_kv_heads, block_size_log2), off_prev = 0;
   for (int t = w.j0; t <= w.n_tiles; ++t) {
+    const long long off_next =
+        t + 1 < w.n_tiles ? wgp_row_bytes<HD>(w, t + 1, ptid, num_kv_heads, block_size_log2) : 0;
     if (t < w.n_tiles) {
-      // Slot t & 3 was last read (for V_{t-4}) in step t-3, before each producer thread's
-      // barrier of step t-2, which this thread has passed.
-      s_row[t & 3][ptid] = wg_row_off<HD>(w, t, ptid, num_kv_heads, block_size_log2);
-      bar_sync(kWgpBarRows, 128);  // all 128 offsets of tile t are in s_row
       const int u = t - w.j0, b = u & 1;
       mbar_wait(bars + 16 + 8 * b, ((u >> 1) & 1) ^ 1);  // empty K: S_{t-2} done in both
-      wg_gather<HD, 128, 1>(k_cache, sKV + b * 2 * KV_BYTES, k_cache, 0u, s_row[t & 3], ptid);
+      wgp_gather(sKV + b * 2 * KV_BYTES, kb + off, ptid);
       cp_async_mbar_arrive(bars + 8 * b);  // full K
     }
     if (t > w.j0) {
       const int u = t - 1 - w.j0, b = u & 1;
       mbar_wait(bars + 48 + 8 * b, ((u >> 1) & 1) ^ 1);  // empty V: P_{t-3} V_{t-3} done in both
-      wg_gather<HD, 128, 1>(v_cache, sKV + b * 2 * KV_BYTES + KV_BYTES, v_cache, 0u,
-                            s_row[(t - 1) & 3], ptid);
+      wgp_gather(sKV + b * 2 * KV_BYTES + KV_BYTES, vb + off_prev, ptid);
       cp_async_mbar_arrive(bars + 32 + 8 * b);  // full V
     }
+    off_prev = off;
+    off = off_next;
   }
   // wait_group covers only committed groups, and the gathers were never committed.
   cp_async_commit();
@@ -934,7 +974,6 @@ __device__ __forceinline__ void prefill_wgp_impl(
   constexpr int BAR_Q = 3;  // named barrier: the Q tile landed, for all consumer threads
   constexpr unsigned int Q_BYTES = kPrefillBM * HD * 2;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  __shared__ long long s_row[4][BN];  // offsets of the key rows of tile t in slot t & 3
   // Per stage b (bars + 8 b): full K, then at +16 empty K, +32 full V, +48 empty V.
   __shared__ __align__(8) unsigned long long s_bar[8];
 
@@ -963,13 +1002,14 @@ __device__ __forceinline__ void prefill_wgp_impl(
   __syncthreads();  // the mbarriers are initialised before anyone waits on or arrives at them
   if (tid >= NC) {
     setmaxnreg_dec<PRODUCER_REGS>();
-    wgp_produce<T, HD>(k_cache, v_cache, w, s_row, sKV, bars, num_kv_heads, block_size_log2,
-                       tid - NC);
+    wgp_produce<T, HD>(k_cache, v_cache, w, sKV, bars, num_kv_heads, block_size_log2, tid - NC);
     return;
   }
   setmaxnreg_inc<CONSUMER_REGS>();
 
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  // wg by shuffle from lane 0: the compiler then knows it is warp-uniform and keeps the wgmma
+  // descriptors built from it in uniform registers (no per-MMA register-to-uniform moves).
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0), warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int wg_row0 = wg * 64;                       // first row of this warpgroup in the tile
   const int row0 = wg_row0 + warp * 16;              // first row of this warp

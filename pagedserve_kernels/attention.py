@@ -51,10 +51,11 @@ def prefill_launch_shape(kernel: str, head_dim: int, elem_bytes: int) -> tuple[i
     # An FP8 cache's kernel ("..._fp8") stages K/V bytes and converts them into one K/V tile of
     # q's dtype; the wgmma kernel's staging is double-buffered
     fp8 = kernel.endswith("_fp8")
+    if kernel.startswith("prefill_wgp_"):  # the pipelined kernel: 2 Q buffers, 2 x (K, V)
+        return _WGP_THREADS, 1024 + (2 * _PREFILL_BM * elem_bytes + _WG_BN * 4 * elem_bytes) * head_dim
     if kernel.startswith("prefill_wg"):  # 1 KiB for the manual 1024-byte alignment, Q, 2 x (K, V)
         kv = (2 * elem_bytes + 4) if fp8 else 4 * elem_bytes
-        threads = _WGP_THREADS if kernel.startswith("prefill_wgp_") else _WG_THREADS
-        return threads, 1024 + (_PREFILL_BM * elem_bytes + _WG_BN * kv) * head_dim
+        return _WG_THREADS, 1024 + (_PREFILL_BM * elem_bytes + _WG_BN * kv) * head_dim
     kv = (2 * elem_bytes + 2) if fp8 else 2 * elem_bytes
     return _THREADS, (_PREFILL_BM * elem_bytes + _PREFILL_BN * kv) * head_dim
 
@@ -255,22 +256,36 @@ def paged_prefill_attention(
     if total == 0 or num_seqs == 0:
         return out
     head_dim, block_size = q.shape[2], k_cache.shape[2]
+    kernel = prefill_kernel(q.dtype, head_dim, device, variant, fp8=bool(scales))
+    threads, smem = prefill_launch_shape(kernel, head_dim, q.element_size())
+    # The pipelined kernel is persistent: at most one CTA an SM walks the (tile, head) items.
+    persistent = kernel.startswith("prefill_wgp_")
     num_entries = _num_tiles(total, num_seqs, _PREFILL_BM)
     tiles = _workspace("prefill_tiles", device, 2 * num_entries, torch.int32)
     _compile.launch("attention", "prefill_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(), _i32(num_entries)))
-    kernel = prefill_kernel(q.dtype, head_dim, device, variant, fp8=bool(scales))
-    threads, smem = prefill_launch_shape(kernel, head_dim, q.element_size())
+    grid = ((min(num_heads * num_entries, _sm_count(device)), 1, 1) if persistent
+            else (num_heads, num_entries, 1))
     args = (
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
         _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
         _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)), *features, *scales,
-    )
-    _compile.launch(_module_of(kernel), kernel, device, (num_heads, num_entries, 1),
-                    (threads, 1, 1), args, shared_mem=smem)
+    ) + ((_i32(num_heads * num_entries),) if persistent else ())
+    _compile.launch(_module_of(kernel), kernel, device, grid, (threads, 1, 1), args,
+                    shared_mem=smem)
     return out
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 # Keys a few-query split keeps at least when a seq's tokens fill one CTA: its warps walk all four

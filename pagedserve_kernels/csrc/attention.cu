@@ -448,12 +448,12 @@ __device__ __forceinline__ void wg_gather(const C* a_cache, unsigned int da, con
   }
 }
 
-// The Q tile (rows past q_len zero-filled) into sQ by kWgThreads threads, with cp.async.
-template <typename T, int HD>
+// The Q tile (rows past q_len zero-filled) into sQ by NTH threads (tid < NTH), with cp.async.
+template <typename T, int HD, int NTH = kWgThreads>
 __device__ __forceinline__ void wg_load_q(const T* __restrict__ q, unsigned int sQ, const WgTile& w,
                                           int head, long long q_stride_tok, int q_stride_head,
                                           int tid) {
-  constexpr int CH = HD / 8, ROW_STEP = kWgThreads / CH;
+  constexpr int CH = HD / 8, ROW_STEP = NTH / CH;
   const int ld_ch = tid % CH, ld_row = tid / CH;
 #pragma unroll
   for (int i = 0; i < kPrefillBM / ROW_STEP; ++i) {
@@ -817,17 +817,18 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// What a consumer step reads besides its accumulators.
+// What a consumer step reads besides its accumulators; base: the K (and V) fills of the CTA's
+// earlier work items.
 struct WgpStep {
   const WgTile& w;
   unsigned int bars, sKV;
   unsigned long long q_desc;
-  int wg, warp_qpos0, g, t4, window;
+  int base, wg, warp_qpos0, g, t4, window;
   float soft_cap, scale_log2;
 };
 
-// Consumer step j: S_{j+1} (S) and P_j V_j (PV); K_{j+1} and V_j sit in stages (j + 1 - j0) & 1
-// and (j - j0) & 1, and uk, uv count their stages' fills (parity (u >> 1) & 1). Every step waits
+// Consumer step j: S_{j+1} (S) and P_j V_j (PV); K_{j+1} and V_j are the CTA's K and V fills
+// uk = base + j + 1 - j0 and uv = base + j - j0 (stage u & 1, parity (u >> 1) & 1). Every step waits
 // for the stages of K_{j+1} and V_j and releases them, used or not. The MMAs are issued and
 // waited for within one step, outside any runtime branch (ptxas serialises wgmma it cannot pair
 // with its wait).
@@ -837,8 +838,8 @@ __device__ __forceinline__ void wgp_step(const WgpStep& c, int j, float (&o)[HD 
                                          float (&m_run)[2], float (&l_run)[2], float (&corr)[2]) {
   constexpr unsigned int KV_BYTES = kWgBN * HD * 2;
   const WgTile& w = c.w;
-  const int uk = j + 1 - w.j0, uv = j - w.j0;
-  const bool has_k = j + 1 < w.n_tiles, has_v = uv >= 0;
+  const int uk = c.base + j + 1 - w.j0, uv = c.base + j - w.j0;
+  const bool has_k = j + 1 < w.n_tiles, has_v = j >= w.j0;
   if (has_k) {
     mbar_wait(c.bars + 8 * (uk & 1), (uk >> 1) & 1);  // K_{j+1} landed
     fence_proxy_async();
@@ -919,38 +920,72 @@ __device__ __forceinline__ void wgp_gather(unsigned int dst, unsigned long long 
   }
 }
 
-// The producer warpgroup (ptid 0..127), step t = j0 .. n_tiles: K_t (t < n_tiles), then V_{t-1}
-// (t > j0). Tile t is fill u >> 1 (u = t - j0) of its K and V stage u & 1; a fill waits for the
-// release of the stage's previous one (parity ((u >> 1) & 1) ^ 1; a fresh mbarrier passes
-// parity 1 at once). Each thread reads the block table for its row of the next tile before it
-// waits, so the read is off the copy path.
+// The CTA's work items: item it is entry it / num_heads of the tile list, head it % num_heads;
+// CTA b takes items b, b + gridDim.x, ... below num_items, up to the first padding entry (all
+// after it are padding too). Producer and consumers walk the same items in the same order.
+struct WgpItem {
+  int it, head;
+  int2 tile;
+};
+__device__ __forceinline__ bool wgp_item(WgpItem& item, const int2* __restrict__ tiles,
+                                         int num_heads, int num_items) {
+  if (item.it >= num_items) return false;
+  const int entry = item.it / num_heads;
+  item.tile = tiles[entry];
+  item.head = item.it - entry * num_heads;
+  return item.tile.x >= 0;
+}
+
+// The producer warpgroup (ptid 0..127), per work item n of the CTA: its Q tile into Q buffer
+// n & 1 (once item n - 2's epilogue, which stages its output there, released it), then step
+// t = j0 .. n_tiles: K_t (t < n_tiles), then V_{t-1} (t > j0). Tile t is the CTA's K and V fill
+// u = base + t - j0 of stage u & 1; a fill waits for the release of the stage's previous one
+// (parity ((u >> 1) & 1) ^ 1; a fresh mbarrier passes parity 1 at once). Each thread reads the
+// block table for its row of the next tile before it waits, so the read is off the copy path.
+// Running ahead into the next item, it loads that item's Q and first keys while the consumers
+// finish this one.
 template <typename T, int HD>
-__device__ __forceinline__ void wgp_produce(const T* __restrict__ k_cache,
-                                            const T* __restrict__ v_cache, const WgTile& w,
-                                            unsigned int sKV, unsigned int bars, int num_kv_heads,
-                                            int block_size_log2, int ptid) {
+__device__ __forceinline__ void wgp_produce(
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ cu_seqlens_q,
+    const int* __restrict__ seq_lens, const int2* __restrict__ tiles, long long q_stride_tok,
+    int q_stride_head, int num_heads, int num_kv_heads, int block_size_log2,
+    int max_blocks_per_seq, int window, int num_items, unsigned int sQ0, unsigned int sKV,
+    unsigned int bars, int ptid) {
   static_assert(HD == 128, "wgp_gather copies 256-byte rows");
-  constexpr unsigned int KV_BYTES = kWgBN * HD * 2;
+  constexpr unsigned int Q_BYTES = kPrefillBM * HD * 2, KV_BYTES = kWgBN * HD * 2;
   const unsigned long long kb = reinterpret_cast<unsigned long long>(k_cache);
   const unsigned long long vb = reinterpret_cast<unsigned long long>(v_cache);
-  long long off = wgp_row_bytes<HD>(w, w.j0, ptid, num_kv_heads, block_size_log2), off_prev = 0;
-  for (int t = w.j0; t <= w.n_tiles; ++t) {
-    const long long off_next =
-        t + 1 < w.n_tiles ? wgp_row_bytes<HD>(w, t + 1, ptid, num_kv_heads, block_size_log2) : 0;
-    if (t < w.n_tiles) {
-      const int u = t - w.j0, b = u & 1;
-      mbar_wait(bars + 16 + 8 * b, ((u >> 1) & 1) ^ 1);  // empty K: S_{t-2} done in both
-      wgp_gather(sKV + b * 2 * KV_BYTES, kb + off, ptid);
-      cp_async_mbar_arrive(bars + 8 * b);  // full K
+  int base = 0, n = 0;
+  WgpItem item{static_cast<int>(blockIdx.x), 0, {0, 0}};
+  for (; wgp_item(item, tiles, num_heads, num_items); item.it += gridDim.x, ++n) {
+    const WgTile w = wg_tile(item.tile, item.head, cu_seqlens_q, seq_lens, block_tables,
+                             num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq, window);
+    long long off = wgp_row_bytes<HD>(w, w.j0, ptid, num_kv_heads, block_size_log2), off_prev = 0;
+    mbar_wait(bars + 64 + 8 * (n & 1), ((n >> 1) & 1) ^ 1);  // empty Q: item n - 2 stored
+    wg_load_q<T, HD, 128>(q, sQ0 + (n & 1) * Q_BYTES, w, item.head, q_stride_tok, q_stride_head,
+                          ptid);
+    cp_async_mbar_arrive(bars + 80 + 8 * (n & 1));  // full Q
+    for (int t = w.j0; t <= w.n_tiles; ++t) {
+      const long long off_next =
+          t + 1 < w.n_tiles ? wgp_row_bytes<HD>(w, t + 1, ptid, num_kv_heads, block_size_log2)
+                            : 0;
+      if (t < w.n_tiles) {
+        const int u = base + t - w.j0, b = u & 1;
+        mbar_wait(bars + 16 + 8 * b, ((u >> 1) & 1) ^ 1);  // empty K: S_{t-2} done in both
+        wgp_gather(sKV + b * 2 * KV_BYTES, kb + off, ptid);
+        cp_async_mbar_arrive(bars + 8 * b);  // full K
+      }
+      if (t > w.j0) {
+        const int u = base + t - 1 - w.j0, b = u & 1;
+        mbar_wait(bars + 48 + 8 * b, ((u >> 1) & 1) ^ 1);  // empty V: P_{t-3} V_{t-3} done
+        wgp_gather(sKV + b * 2 * KV_BYTES + KV_BYTES, vb + off_prev, ptid);
+        cp_async_mbar_arrive(bars + 32 + 8 * b);  // full V
+      }
+      off_prev = off;
+      off = off_next;
     }
-    if (t > w.j0) {
-      const int u = t - 1 - w.j0, b = u & 1;
-      mbar_wait(bars + 48 + 8 * b, ((u >> 1) & 1) ^ 1);  // empty V: P_{t-3} V_{t-3} done in both
-      wgp_gather(sKV + b * 2 * KV_BYTES + KV_BYTES, vb + off_prev, ptid);
-      cp_async_mbar_arrive(bars + 32 + 8 * b);  // full V
-    }
-    off_prev = off;
-    off = off_next;
+    base += w.n_tiles - w.j0;
   }
   // wait_group covers only committed groups, and the gathers were never committed.
   cp_async_commit();
@@ -958,6 +993,9 @@ __device__ __forceinline__ void wgp_produce(const T* __restrict__ k_cache,
 }
 #endif
 
+// Persistent: gridDim.x CTAs (at most one per SM) walk the work items (wgp_item). Two Q buffers,
+// so the producer loads the next item's Q while the consumers finish this one and stage its
+// output in their own.
 template <typename T, int HD>
 __device__ __forceinline__ void prefill_wgp_impl(
     const T* __restrict__ q, T* __restrict__ out, const T* __restrict__ k_cache,
@@ -965,44 +1003,39 @@ __device__ __forceinline__ void prefill_wgp_impl(
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ seq_lens,
     const int2* __restrict__ tiles, long long q_stride_tok, int q_stride_head,
     long long o_stride_tok, int o_stride_head, int num_heads, int num_kv_heads, int block_size_log2,
-    int max_blocks_per_seq, float scale_log2, int window, float soft_cap) {
+    int max_blocks_per_seq, float scale_log2, int window, float soft_cap, int num_items) {
 #if PS_HAS_WGMMA
   constexpr int BN = kWgBN, NC = kWgThreads;  // NC consumer threads
   // Launched with 168 registers a thread (384 threads, 1 CTA per SM); the producer gives back
   // 128 x (168 - 56), which is what the consumers take: 256 x (224 - 168).
   constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
-  constexpr int BAR_Q = 3;  // named barrier: the Q tile landed, for all consumer threads
   constexpr unsigned int Q_BYTES = kPrefillBM * HD * 2;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  // Per stage b (bars + 8 b): full K, then at +16 empty K, +32 full V, +48 empty V.
-  __shared__ __align__(8) unsigned long long s_bar[8];
+  // Per stage b (bars + 8 b): full K, then at +16 empty K, +32 full V, +48 empty V; per Q
+  // buffer b: empty Q at +64 + 8 b, full Q at +80 + 8 b.
+  __shared__ __align__(8) unsigned long long s_bar[12];
 
-  const int2 tile = tiles[blockIdx.y];
-  if (tile.x < 0) return;
   const unsigned int raw_addr = smem_addr(smem_raw);
-  const unsigned int sQ = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
-  unsigned char* const sQ_ptr = smem_raw + (sQ - raw_addr);
-  const unsigned int sKV = sQ + Q_BYTES;  // stage b: K, then V, at sKV + b * 2 * KV tile bytes
+  const unsigned int sQ0 = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
+  const unsigned int sKV = sQ0 + 2 * Q_BYTES;  // stage b: K, then V, at sKV + b * 2 * KV tile bytes
   const unsigned int bars = smem_addr(s_bar);
-  const int head = blockIdx.x, tid = threadIdx.x;
-  const WgTile w = wg_tile(tile, head, cu_seqlens_q, seq_lens, block_tables, num_heads,
-                           num_kv_heads, block_size_log2, max_blocks_per_seq, window);
+  const int tid = threadIdx.x;
   if (tid == 0) {
     for (int b = 0; b < 2; ++b) {
       mbar_init(bars + 8 * b, 128);        // full K: one arrival per producer thread
       mbar_init(bars + 16 + 8 * b, NC);    // empty K: one per consumer thread
       mbar_init(bars + 32 + 8 * b, 128);   // full V
       mbar_init(bars + 48 + 8 * b, NC);    // empty V
+      mbar_init(bars + 64 + 8 * b, NC);    // empty Q
+      mbar_init(bars + 80 + 8 * b, 128);   // full Q
     }
-  }
-  if (tid < NC) {
-    wg_load_q<T, HD>(q, sQ, w, head, q_stride_tok, q_stride_head, tid);
-    cp_async_commit();
   }
   __syncthreads();  // the mbarriers are initialised before anyone waits on or arrives at them
   if (tid >= NC) {
     setmaxnreg_dec<PRODUCER_REGS>();
-    wgp_produce<T, HD>(k_cache, v_cache, w, sKV, bars, num_kv_heads, block_size_log2, tid - NC);
+    wgp_produce<T, HD>(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, tiles,
+                       q_stride_tok, q_stride_head, num_heads, num_kv_heads, block_size_log2,
+                       max_blocks_per_seq, window, num_items, sQ0, sKV, bars, tid - NC);
     return;
   }
   setmaxnreg_inc<CONSUMER_REGS>();
@@ -1013,38 +1046,48 @@ __device__ __forceinline__ void prefill_wgp_impl(
   const int g = lane >> 2, t4 = lane & 3;
   const int wg_row0 = wg * 64;                       // first row of this warpgroup in the tile
   const int row0 = wg_row0 + warp * 16;              // first row of this warp
-  const int wg_qpos0 = w.ctx0 + w.m0 + wg_row0;
-  const int warp_qpos0 = w.ctx0 + w.m0 + row0;
-  const bool wg_has_rows = w.m0 + wg_row0 < w.q_len;
-  const unsigned long long q_desc = wg_desc(sQ + wg_row0 * 128, 16, 1024);
-  float o[HD / 2];
+  int base = 0, n = 0;
+  WgpItem item{static_cast<int>(blockIdx.x), 0, {0, 0}};
+  for (; wgp_item(item, tiles, num_heads, num_items); item.it += gridDim.x, ++n) {
+    const WgTile w = wg_tile(item.tile, item.head, cu_seqlens_q, seq_lens, block_tables,
+                             num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq, window);
+    const int wg_qpos0 = w.ctx0 + w.m0 + wg_row0;
+    const int warp_qpos0 = w.ctx0 + w.m0 + row0;
+    const bool wg_has_rows = w.m0 + wg_row0 < w.q_len;
+    const unsigned int sQ = sQ0 + (n & 1) * Q_BYTES;
+    const unsigned long long q_desc = wg_desc(sQ + wg_row0 * 128, 16, 1024);
+    float o[HD / 2];
 #pragma unroll
-  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, corr[2] = {1.f, 1.f};
-  float s[BN / 2];
-  unsigned int pa[BN / 16][4];
+    for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, corr[2] = {1.f, 1.f};
+    float s[BN / 2];
+    unsigned int pa[BN / 16][4];
 
-  // This warpgroup's key tiles [jf, jl] (none without rows): those PS_WG_SEES_TILE admits (the
-  // causal bound is monotone down in j, the window's up; jf starts at the CTA's window edge).
-  const int jl = wg_has_rows ? min(w.n_tiles - 1, (wg_qpos0 + 63) / BN) : w.j0 - 1;
-  int jf = w.j0;
-  while (jf <= jl && !PS_WG_SEES_TILE(jf, wg_has_rows, wg_qpos0, window)) ++jf;
+    // This warpgroup's key tiles [jf, jl] (none without rows): those PS_WG_SEES_TILE admits (the
+    // causal bound is monotone down in j, the window's up; jf starts at the CTA's window edge).
+    const int jl = wg_has_rows ? min(w.n_tiles - 1, (wg_qpos0 + 63) / BN) : w.j0 - 1;
+    int jf = w.j0;
+    while (jf <= jl && !PS_WG_SEES_TILE(jf, wg_has_rows, wg_qpos0, window)) ++jf;
 
-  cp_async_wait<0>();
-  fence_proxy_async();     // this thread's Q copies -> visible to the tensor cores
-  bar_sync(BAR_Q, NC);     // ... and every consumer thread's
-  if (wg == 0) bar_arrive(kWgpBarTurn, 2 * 128);  // warpgroup 0 issues first
-  const WgpStep c{w, bars, sKV, q_desc, wg, warp_qpos0, g, t4, window, soft_cap, scale_log2};
-  int j = w.j0 - 1;
-  for (; j < jf - 1; ++j) wgp_step<false, false, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
-  if (jf <= jl) {
-    wgp_step<true, false, T, HD>(c, j++, o, s, pa, m_run, l_run, corr);  // S_jf
-    for (; j < jl; ++j) wgp_step<true, true, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
-    wgp_step<false, true, T, HD>(c, j++, o, s, pa, m_run, l_run, corr);  // P_jl V_jl
+    mbar_wait(bars + 80 + 8 * (n & 1), (n >> 1) & 1);  // the Q tile landed
+    fence_proxy_async();  // ... and is visible to the tensor cores
+    if (wg == 0) bar_arrive(kWgpBarTurn, 2 * 128);  // warpgroup 0 issues first
+    const WgpStep c{w, bars, sKV, q_desc, base, wg, warp_qpos0, g, t4, window, soft_cap,
+                    scale_log2};
+    int j = w.j0 - 1;
+    for (; j < jf - 1; ++j) wgp_step<false, false, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
+    if (jf <= jl) {
+      wgp_step<true, false, T, HD>(c, j++, o, s, pa, m_run, l_run, corr);  // S_jf
+      for (; j < jl; ++j) wgp_step<true, true, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
+      wgp_step<false, true, T, HD>(c, j++, o, s, pa, m_run, l_run, corr);  // P_jl V_jl
+    }
+    for (; j < w.n_tiles; ++j) wgp_step<false, false, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
+    if (wg == 0) bar_sync(kWgpBarTurn, 2 * 128);  // takes warpgroup 1's last hand-over
+    wg_store_out<T, HD>(o, l_run, 1.f, smem_raw + (sQ - raw_addr), w, item.head, out,
+                        o_stride_tok, o_stride_head, tid);
+    mbar_arrive(bars + 64 + 8 * (n & 1));  // this thread has read its staged output: empty Q
+    base += w.n_tiles - w.j0;
   }
-  for (; j < w.n_tiles; ++j) wgp_step<false, false, T, HD>(c, j, o, s, pa, m_run, l_run, corr);
-  if (wg == 0) bar_sync(kWgpBarTurn, 2 * 128);  // takes warpgroup 1's last hand-over
-  wg_store_out<T, HD>(o, l_run, 1.f, sQ_ptr, w, head, out, o_stride_tok, o_stride_head, tid);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
@@ -1509,8 +1552,19 @@ PS_PREFILL_WG(prefill_wg_fp16_hd128, __half, 128, 1)
 PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark comparison only
 #endif
 // The pipelined candidate (FlashAttention-3's schedule), hd128: 3 warpgroups, 1 CTA per SM.
-#define PS_PREFILL_WGP(NAME, T, HD) \
-  PS_PREFILL_ENTRY(NAME, prefill_wgp_impl, ps::kWgpThreads, T, HD, 1)
+// Persistent: the prefill arguments, then the number of (tile, head) items of the list.
+#define PS_PREFILL_WGP(NAME, T, HD)                                                              \
+  extern "C" __global__ void __launch_bounds__(ps::kWgpThreads, 1)                              \
+      NAME(const T* q, T* out, const T* k_cache, const T* v_cache, const int* block_tables,     \
+           const int* cu_seqlens_q, const int* seq_lens, const int2* tiles,                     \
+           long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head, \
+           int num_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,        \
+           float scale_log2, int window, float soft_cap, int num_items) {                       \
+    ps::prefill_wgp_impl<T, HD>(q, out, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, \
+                                tiles, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, \
+                                num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq,   \
+                                scale_log2, window, soft_cap, num_items);                       \
+  }
 #ifdef PS_VARIANTS
 PS_PREFILL_WGP(prefill_wgp_bf16_hd128, __nv_bfloat16, 128)
 PS_PREFILL_WGP(prefill_wgp_fp16_hd128, __half, 128)

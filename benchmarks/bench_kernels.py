@@ -579,8 +579,8 @@ def main() -> None:
                       ("prefill hd64 8x4096 [mma.sync v3]", 64, 4096, "mma_sync"),
                       ("prefill hd64 8x4096 [wgmma, 1 CTA/SM]", 64, 4096, "wg1"),
                       ("prefill chunk 512 on 3584 [mma.sync v3]", 128, 512, "mma_sync"),
-                      ("prefill hd128 8x4096 [pipelined]", 128, 4096, "pipelined"),
-                      ("prefill chunk 512 on 3584 [pipelined]", 128, 512, "pipelined")]
+                      ("prefill hd128 8x4096 [wg, 2 warpgroups]", 128, 4096, "wg"),
+                      ("prefill chunk 512 on 3584 [wg, 2 warpgroups]", 128, 512, "wg")]
         for name, hd, q_len, variant in cases:
             r = bench_prefill(hd, q_len, variant=variant)
             results[name] = r

@@ -22,7 +22,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "prefill_tiles",
             "prefill_bf16_hd64", "prefill_bf16_hd128", "prefill_fp16_hd64", "prefill_fp16_hd128",
             "prefill_wg_bf16_hd64", "prefill_wg_bf16_hd128", "prefill_wg_fp16_hd64",
-            "prefill_wg_fp16_hd128",
+            "prefill_wg_fp16_hd128", "prefill_wgp_bf16_hd128", "prefill_wgp_fp16_hd128",
             "decode_bf16_hd64", "decode_bf16_hd128", "decode_fp16_hd64", "decode_fp16_hd128",
             "decode_combine_bf16", "decode_combine_fp16",
             "query_tiles", "decode_mq_bf16_hd64", "decode_mq_bf16_hd128", "decode_mq_fp16_hd64",
@@ -79,8 +79,7 @@ ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "attention.cu",
         "PS_VARIANTS",
         (
-            "prefill_wg1_bf16_hd64", "prefill_wgp_bf16_hd128", "prefill_wgp_fp16_hd128",
-            "decode_s2_bf16_hd128", "decode_mqks_bf16_hd64", "decode_mqks_bf16_hd128",
+            "prefill_wg1_bf16_hd64", "decode_s2_bf16_hd128", "decode_mqks_bf16_hd64", "decode_mqks_bf16_hd128",
             "decode_mqks_fp16_hd64", "decode_mqks_fp16_hd128",
         ),
     ),

@@ -34,12 +34,14 @@ DECODE_CTAS_PER_SM_MANY = 4
 DECODE_MANY_PAIRS_PER_SM = 3
 _WG_THREADS, _WG_BN = 256, 128
 _WGP_THREADS = 384  # the pipelined kernel's 2 consumer warpgroups and its producer warpgroup
-# Prefill variants: "default" (wgmma on Hopper, whose module is built for sm_90a, else mma.sync),
-# "mma_sync" (the fallback, anywhere), and the candidates on Hopper by their kernels' prefix:
-# "wg1" (a benchmark's wgmma bf16 hd64 at 1 CTA per SM) and "pipelined" (hd128, FlashAttention-3's
-# schedule: a producer warpgroup, softmax overlapping the MMAs).
-_PREFILL_CANDIDATES = {"wg1": "prefill_wg1", "pipelined": "prefill_wgp"}
-PREFILL_VARIANTS = ("default", "mma_sync", *_PREFILL_CANDIDATES)
+# Prefill variants: "default" (on Hopper, whose module is built for sm_90a: at hd128 over a
+# bf16/fp16 cache the pipelined kernel, FlashAttention-3's schedule with a producer warpgroup and
+# the softmax under the MMAs; else the two-warpgroup wgmma kernel; elsewhere mma.sync), "wg" (the
+# two-warpgroup wgmma kernel at every head dim, Hopper), "mma_sync" (the fallback, anywhere), and
+# the candidates on Hopper by their kernels' prefix: "wg1" (a benchmark's wgmma bf16 hd64 at 1
+# CTA per SM).
+_PREFILL_CANDIDATES = {"wg1": "prefill_wg1"}
+PREFILL_VARIANTS = ("default", "wg", "mma_sync", *_PREFILL_CANDIDATES)
 # Decode variants: "default", and "s2" (the bf16 hd128 kernel with 2 stages, 3 CTAs per SM).
 DECODE_VARIANTS = {"default": ("decode", _DECODE_STAGES), "s2": ("decode_s2", {128: 2})}
 _VARIANTS = "attention_variants"  # the module of the candidates, built on demand (_compile)
@@ -71,13 +73,16 @@ def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device,
         raise ValueError(f"prefill variant must be one of {PREFILL_VARIANTS}, got {variant!r}")
     if fp8 and variant != "default":
         raise ValueError(f"the prefill variant {variant!r} has no kernel over an FP8 cache")
-    # A candidate's name is checked before anything compiles (pipelined: hd128 only).
-    kernel = None if variant == "default" else _candidate(f"{_PREFILL_CANDIDATES[variant]}_{name}")
+    # A candidate's name is checked before anything compiles.
+    kernel = (f"prefill_wg_{name}" if variant == "wg" else None if variant == "default"
+              else _candidate(f"{_PREFILL_CANDIDATES[variant]}_{name}"))
     module = _FP8 if fp8 else "attention"
     _compile.get_module(module, device)
     hopper = _compile.arch_used(device, module) == "-arch=sm_90a"
     if kernel is None:
-        return f"prefill_wg_{name}" if hopper else f"prefill_{name}"
+        if not hopper:
+            return f"prefill_{name}"
+        return f"prefill_wgp_{name}" if head_dim == 128 and not fp8 else f"prefill_wg_{name}"
     if not hopper:
         raise ValueError(f"{kernel} needs the module built for sm_90a (a Hopper GPU)")
     return kernel

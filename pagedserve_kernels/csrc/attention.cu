@@ -2,8 +2,10 @@
 //   prefill: FlashAttention-2 style, 128 query rows x 64 keys per step, 4 warps, mma.sync m16n8k16
 //            with ldmatrix, K/V pages gathered through the block table with cp.async (K of the next
 //            tile loads during softmax and P.V, V of this tile during Q.K^T), base-2 online softmax.
-//   prefill_wg (sm_90a, the default on Hopper): the same tiles on wgmma, 2 warpgroups x 64 rows,
-//            128 keys per step, K/V double-buffered (see prefill_wg_impl).
+//   prefill_wg (sm_90a, the default on Hopper at hd64 and over an FP8 cache): the same tiles on
+//            wgmma, 2 warpgroups x 64 rows, 128 keys per step, K/V double-buffered (prefill_wg_impl).
+//   prefill_wgp (sm_90a, the default on Hopper at hd128): FlashAttention-3's schedule on those
+//            tiles, a producer warpgroup and two consumers, persistent (prefill_wgp_impl).
 //   decode:  flash-decoding; one CTA per (seq, kv head, split) serves all query heads of the group
 //            (they are the M rows of the MMA), 3-4 stage cp.async pipeline, partials merged by a
 //            log-sum-exp combine kernel when the context is split.
@@ -384,7 +386,7 @@ __device__ __forceinline__ void prefill_impl(
 constexpr int kWgThreads = 256;
 constexpr int kWgBN = 128;
 
-// The wg_* pieces below are shared by prefill_wg_impl and its pipelined candidate
+// The wg_* pieces below are shared by prefill_wg_impl and the pipelined kernel
 // (prefill_wgp_impl): the tile's key range, the page walk, the gathers, the MMAs, masking,
 // softmax and the output.
 
@@ -759,8 +761,8 @@ __device__ __forceinline__ void prefill_wg_impl(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prefill on Hopper with FlashAttention-3's schedule (the "pipelined" candidate): prefill_wg's
-// tiles, smem layout, page walk and arithmetic (the wg_* pieces), on 3 warpgroups.
+// Prefill on Hopper with FlashAttention-3's schedule (the pipelined kernel, prefill_wgp):
+// prefill_wg's tiles, smem layout and arithmetic (the wg_* pieces), on 3 warpgroups.
 // - Warpgroup 2 produces: each of its threads walks the block table for one key row of a tile,
 //   and its warps gather K_t, then V_{t-1}, with cp.async into two stages (wgp_gather); each
 //   thread's copies arrive on the stage's `full` mbarrier when they land
@@ -1551,7 +1553,7 @@ PS_PREFILL_WG(prefill_wg_fp16_hd128, __half, 128, 1)
 #ifdef PS_VARIANTS
 PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark comparison only
 #endif
-// The pipelined candidate (FlashAttention-3's schedule), hd128: 3 warpgroups, 1 CTA per SM.
+// The pipelined kernel (FlashAttention-3's schedule), hd128: 3 warpgroups, 1 CTA per SM.
 // Persistent: the prefill arguments, then the number of (tile, head) items of the list.
 #define PS_PREFILL_WGP(NAME, T, HD)                                                              \
   extern "C" __global__ void __launch_bounds__(ps::kWgpThreads, 1)                              \
@@ -1565,10 +1567,8 @@ PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark compari
                                 num_heads, num_kv_heads, block_size_log2, max_blocks_per_seq,   \
                                 scale_log2, window, soft_cap, num_items);                       \
   }
-#ifdef PS_VARIANTS
 PS_PREFILL_WGP(prefill_wgp_bf16_hd128, __nv_bfloat16, 128)
 PS_PREFILL_WGP(prefill_wgp_fp16_hd128, __half, 128)
-#endif
 
 #define PS_DECODE(NAME, T, HD, STAGES, MIN_CTAS)                                                 \
   extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                           \

@@ -129,11 +129,12 @@ PREFILL_CASES = {
 }
 
 
-# The default prefill kernels (wgmma on Hopper), then the mma.sync fallback kernels.
+# The default prefill kernels (on Hopper the pipelined kernel at hd128, the two-warpgroup wgmma
+# kernel at hd64), then the mma.sync fallback kernels.
 PREFILL_VARIANTS = ["default", "mma_sync"]
-# (variant, head_dim) of the prefill tests: both kernels at both head dims, and the pipelined
-# candidate (wgmma on Hopper, hd128 only) on every case the default runs at hd128.
-PREFILL_RUNS = [(v, hd) for v in PREFILL_VARIANTS for hd in (64, 128)] + [("pipelined", 128)]
+# (variant, head_dim) of the prefill tests: both at both head dims, and the two-warpgroup wgmma
+# kernel ("wg", Hopper) on every case the default runs at hd128.
+PREFILL_RUNS = [(v, hd) for v in PREFILL_VARIANTS for hd in (64, 128)] + [("wg", 128)]
 
 # name: (sliding_window, soft_cap, q's scale): windows of one position, inside a page, of one or
 # just past a page or tile (16/32-key pages, 64/128-key tiles, 64-key decode stages), across many

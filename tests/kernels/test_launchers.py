@@ -192,7 +192,7 @@ def test_module_lists_every_entry_point_of_its_source(module):
                  if source == filename]
     assert sorted(sum(on_demand, ())) == candidates
     if module == "attention":  # the benchmarks' and tests' candidates, none of them production's
-        assert len(candidates) == 8 and not set(candidates) & set(listed)
+        assert len(candidates) == 6 and not set(candidates) & set(listed)
 
 
 def test_warmup_loads_production_kernels_only(monkeypatch):
@@ -246,14 +246,17 @@ def test_variants_are_arguments_that_name_their_kernel_and_module():
         attention.decode_kernel(bf16, 128, "s3")
     with pytest.raises(ValueError, match="prefill variant"):
         attention.prefill_kernel(bf16, 128, torch.device("cpu"), "fast")
-    # The pipelined candidate exists at hd128 only; the name is refused before any compile.
-    with pytest.raises(ValueError, match="no candidate kernel prefill_wgp_bf16_hd64"):
-        attention.prefill_kernel(bf16, 64, torch.device("cpu"), "pipelined")
-    assert attention._module_of("prefill_wgp_fp16_hd128") == "attention_variants"
+    # The hd64 candidate is bf16 only; the name is refused before any compile.
+    with pytest.raises(ValueError, match="no candidate kernel prefill_wg1_fp16_hd64"):
+        attention.prefill_kernel(fp16, 64, torch.device("cpu"), "wg1")
+    with pytest.raises(ValueError, match="prefill variant"):
+        attention.prefill_kernel(bf16, 128, torch.device("cpu"), "pipelined")
+    # the pipelined kernel is the default's at hd128, built with the module every start warms
+    assert attention._module_of("prefill_wgp_fp16_hd128") == "attention"
 
 
 def test_pipelined_prefill_launches_three_warpgroups_with_two_q_buffers():
-    """The pipelined candidate adds a producer warpgroup to the default's two, and a second Q
+    """The pipelined kernel adds a producer warpgroup to the wg kernel's two, and a second Q
     buffer to its shared memory (Q and two stages of K and V): persistent, it loads the next
     tile's Q while the consumers finish this one; within an H100's 227 KiB a block."""
     for dtype in ("bf16", "fp16"):

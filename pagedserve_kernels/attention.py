@@ -283,16 +283,6 @@ def paged_prefill_attention(
     return out
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
-
-
 # Keys a few-query split keeps at least when a seq's tokens fill one CTA: its warps walk all four
 # 16-key blocks of a stage (the one-token kernel's warps split them), so it takes shorter splits
 # than decode's 256 keys; from two CTAs a head on, shorter splits lose and splits keep 256 keys

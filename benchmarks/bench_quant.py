@@ -69,7 +69,7 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
 
     quant.prepare(torch.device("cuda"))
     hopper = _compile.arch_used(torch.device("cuda"), "quant") == "-arch=sm_90a"
-    others = [tile for tile in quant.TUNED_TILES
+    others = [tile for tile in quant.TUNED_TILES + quant.CANDIDATE_TILES
               if tile != quant.NARROW_TILE and (hopper or not tile[1])]
     out = {}
     for name, n, k in SHAPES:
@@ -200,6 +200,9 @@ def run_marlin(site: str, rows_list, group: int, asym: bool) -> dict:
 
 
 def table(results: dict, rows_list) -> None:
+    from pagedserve_kernels import quant
+
+    candidates = {_tile_name(tile) for tile in quant.CANDIDATE_TILES}
     tiles = sorted({key[5:-3] for r in results.values() for key in r
                     if key.startswith("int4_") and key != "int4_us"})
     print("| product | rows | K splits | bf16 µs | int4 µs | int4 vs bf16 | "
@@ -217,7 +220,8 @@ def table(results: dict, rows_list) -> None:
                 r = results[f"{name} {rows}"]
             best = min(v for key, v in r.items()  # the fastest route tuning may take here
                        if key.startswith(("int4_", "dequant_")) and v is not None
-                       and not re.fullmatch(r"int4_s\d+_us", key))  # not a forced split
+                       and not re.fullmatch(r"int4_s\d+_us", key)  # not a forced split
+                       and key[5:-3] not in candidates)  # nor a candidate tile
             against = " | ".join(  # absent without --vllm-site (Machete: off Hopper too)
                 "n/a | n/a" if r.get(key) is None else f"{r[key]:.1f} | {r[key] / best:.2f}x"
                 for key in ("marlin_us", "machete_us"))

@@ -29,6 +29,8 @@ _THREADS = 256
 DEQUANT_CHUNKS = 8  # k32 chunks a dequantize CTA takes (quant.cu's DQ_CHUNKS)
 _STAGES = {1: 6, 2: 5, 4: 4, 8: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
 _STAGES_WG = {4: 6, 8: 4}  # the same for the wgmma kernels (WgCfg in quant.cu)
+_STAGES_WGT = 4  # the tall wgmma tile's (WtCfg in quant.cu)
+_WGT_THREADS = 384  # the tall tile's two consumer warpgroups and its producer warpgroup
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
 PROLOGUE_STAGES = 2  # a thread block's pipeline fill, in stage-times (split_k_choice's model)
 WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
@@ -50,6 +52,9 @@ NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
 TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"))
+# Tiles benchmarks and tests run but tuning does not offer yet: "wgt", 256 rows a CTA on wgmma
+# with a producer warpgroup (each weight tile dequantized once for 256 rows).
+CANDIDATE_TILES: tuple[Tile, ...] = ((256, "wgt"),)
 TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()
@@ -194,8 +199,8 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.zeros),
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
-    _compile.launch("quant", kernel, x.device, (np_ // CTA_N, splits, m_tiles), (_THREADS, 1, 1),
-                    args, shared_mem=_smem_bytes(mt, "_wg" in kernel))
+    _compile.launch("quant", kernel, x.device, (np_ // CTA_N, splits, m_tiles),
+                    (_threads(kernel), 1, 1), args, shared_mem=_smem_bytes(mt, _family(kernel)))
     return out
 
 
@@ -463,11 +468,22 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _smem_bytes(mt: int, wgmma: bool = False) -> int:
-    """Cfg<MT>::SMEM (WgCfg<MT>::SMEM) of quant.cu: stages x (weights + activations + scales +
-    zeros), with wgmma 1 KiB more to align the swizzled tiles."""
+def _family(kernel: str) -> str:
+    """A product kernel's family by its name: "" (mma.sync), "wgp" or "wgt" (wgmma)."""
+    return next((f for f in ("wgp", "wgt") if f"_{f}_" in kernel), "")
+
+
+def _threads(kernel: str) -> int:
+    return _WGT_THREADS if _family(kernel) == "wgt" else _THREADS
+
+
+def _smem_bytes(mt: int, family: str = "") -> int:
+    """Cfg<MT>::SMEM (WgCfg<MT>::SMEM, WtCfg<16 MT>::SMEM) of quant.cu: stages x (weights +
+    activations + scales + zeros), with wgmma 1 KiB more to align the swizzled tiles."""
     stage = _THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2)
-    return _STAGES_WG[mt] * stage + 1024 if wgmma else _STAGES[mt] * stage
+    if family == "wgt":
+        return _STAGES_WGT * stage + 1024
+    return _STAGES_WG[mt] * stage + 1024 if family == "wgp" else _STAGES[mt] * stage
 
 
 def _splits(kernel: str, device: torch.device, m_tiles: int, n_blocks: int, k_stages: int,
@@ -517,15 +533,15 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     key = (kernel, index)
     if key not in _resident:
         mt = int(kernel.rsplit("_m", 1)[1]) // 16
-        smem = _smem_bytes(mt, "_wg" in kernel)
+        smem, threads = _smem_bytes(mt, _family(kernel)), _threads(kernel)
         fn = _compile.get_function("quant", kernel, index, smem)
         props = torch.cuda.get_device_properties(index)
         regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp
         regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
         smem_per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
-        by_regs = regs_per_sm // (regs * _THREADS // 32)
+        by_regs = regs_per_sm // (regs * threads // 32)
         by_smem = smem_per_sm // (smem + 1024)  # 1 KiB reserved per block
-        _resident[key] = max(1, min(by_regs, by_smem, 2048 // _THREADS))
+        _resident[key] = max(1, min(by_regs, by_smem, 2048 // threads))
     return _resident[key]
 
 

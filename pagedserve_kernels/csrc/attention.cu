@@ -782,43 +782,6 @@ static_assert(kWgpThreads == kWgThreads + 128, "2 consumer warpgroups, then the 
 // prefill_wgp_impl); kWgpBarTurn + wg: consumer warpgroup wg may issue its MMAs.
 enum WgpBarrier : int { kWgpBarTurn = 5 };
 
-__device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Returns once the phase of the given parity has completed (of the current phase or the one
-// before: a fresh barrier's parity-1 phase counts as completed).
-__device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nPS_MBAR_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra PS_MBAR_WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned int bar) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar)
-               : "memory");
-}
-// Arrives on the mbarrier once all of this thread's earlier cp.async have landed; its count
-// includes the arrival (.noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive(unsigned int bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
 // What a consumer step reads besides its accumulators; base: the K (and V) fills of the CTA's
 // earlier work items.
 struct WgpStep {

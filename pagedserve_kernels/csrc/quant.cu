@@ -189,20 +189,30 @@ __device__ __forceinline__ void read_stage(const Tile& q, const unsigned char* s
 // Split K, after each CTA wrote its fp32 partials of its (row tile, column block) to
 // ws[split][M][Np]: the last CTA of the tile to arrive (counters[tile], reset by it) sums them in
 // split order and stores y: deterministic, capturable, no host sync.
-template <typename T, int ROWS>
+// THREADS threads sync: the whole block, or (CONSUMERS) threads 0..THREADS-1 of a block whose
+// producer warpgroup may have exited (named barrier 1).
+template <bool CONSUMERS>
+__device__ __forceinline__ void sync_threads() {
+  if constexpr (CONSUMERS)
+    asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+  else
+    __syncthreads();
+}
+
+template <typename T, int ROWS, bool CONSUMERS = false>
 __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T* bias,
                                               const float* ws, int* counters, int M, int N,
                                               int Np, int m0) {
   __shared__ int s_last;
   const int tid = threadIdx.x, ncta = blockIdx.x;
   __threadfence();  // partials visible device-wide before this CTA counts itself in
-  __syncthreads();
+  sync_threads<CONSUMERS>();
   if (tid == 0) {
     const int tile = blockIdx.z * gridDim.x + ncta;
     s_last = atomicAdd(counters + tile, 1) == (int)gridDim.y - 1;
     if (s_last) counters[tile] = 0;  // every other split has counted: ready for the next launch
   }
-  __syncthreads();
+  sync_threads<CONSUMERS>();
   if (!s_last) return;
   __threadfence();
   const int rows = min(ROWS, M - m0);
@@ -217,6 +227,28 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
     }
     store2(y, y_stride, m, n, sum.x, sum.y, bias);
   }
+}
+
+// The fp32 output tile [ROWS][CTA_N] (rows OUT_STRIDE floats apart) out by rows, THREADS
+// threads (CONSUMERS: see sync_threads): a warp stores 64 adjacent columns of a row, plus bias,
+// into y; with split K this split's partials, then finish_splits.
+template <typename T, int ROWS, int OUT_STRIDE, bool CONSUMERS>
+__device__ __forceinline__ void store_tile(const float* out, T* y, long long y_stride,
+                                           const T* bias, float* ws, int* counters, int M, int N,
+                                           int Np, int m0) {
+  const int tid = threadIdx.x, ncta = blockIdx.x, rows = min(ROWS, M - m0);
+  for (int e = tid; e < rows * (CTA_N / 2); e += THREADS) {
+    const int ml = e / (CTA_N / 2), nl = (e % (CTA_N / 2)) * 2;
+    const int m = m0 + ml, n = ncta * CTA_N + nl;
+    if (n >= N) continue;
+    const float2 v = *reinterpret_cast<const float2*>(out + ml * OUT_STRIDE + nl);
+    if (gridDim.y == 1)
+      store2(y, y_stride, m, n, v.x, v.y, bias);
+    else
+      *reinterpret_cast<float2*>(ws + ((size_t)blockIdx.y * M + m) * Np + n) = v;
+  }
+  if (gridDim.y == 1) return;
+  finish_splits<T, ROWS, CONSUMERS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
 }
 
 // Grid (Np / 128, splits, ceil(M / ROWS)); 256 threads. Split s covers K stages
@@ -481,19 +513,8 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
     }
     __syncthreads();
   }
-  const int rows = min(C::ROWS, M - m0);
-  for (int e = tid; e < rows * (CTA_N / 2); e += THREADS) {
-    const int ml = e / (CTA_N / 2), nl = (e % (CTA_N / 2)) * 2;
-    const int m = m0 + ml, n = ncta * CTA_N + nl;
-    if (n >= N) continue;
-    const float2 v = *reinterpret_cast<const float2*>(out + ml * C::OUT_STRIDE + nl);
-    if (gridDim.y == 1)
-      store2(y, y_stride, m, n, v.x, v.y, bias);
-    else
-      *reinterpret_cast<float2*>(ws + ((size_t)split * M + m) * Np + n) = v;
-  }
-  if (gridDim.y == 1) return;
-  finish_splits<T, C::ROWS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
+  store_tile<T, C::ROWS, C::OUT_STRIDE, false>(out, y, y_stride, bias, ws, counters, M, N, Np,
+                                               m0);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
@@ -547,6 +568,202 @@ __device__ __forceinline__ void dequant(T* __restrict__ w, const uint4* __restri
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Tall row tiles on Hopper (wgmma, sm_90a), "wgt": TOK = 256 rows of x a CTA, so a weight tile is
+// read and dequantized once for up to 256 rows (the 64- and 128-row tiles redo both for every
+// row tile). 3 warpgroups: warpgroup 2 produces (cp.async of a stage's packed weights, x tile,
+// scales and zero points into STAGES buffers under full/empty mbarriers, then exits), 0 and 1
+// consume: y^T = W . x^T with W the A operand, dequantized in registers as in w4a16_wg, x the B
+// operand (TOK x 64 a stage, K-major, 128-byte swizzle). Warpgroup c multiplies columns 64c ..
+// 64c + 63 of the CTA's 128 by all TOK rows, one m64nTOK wgmma a k16 step: its warp w
+// dequantizes half w & 1 (words 2h, 2h + 1) of n32 block 2c + (w >> 1), columns 64c + 16w + r.
+// It dequantizes stage i while its MMAs of stage i - 1 run, and releases a stage once the MMAs
+// that read it retire. Same packed weights, grid (column blocks, splits, row tiles), split K and
+// epilogue as w4a16.
+template <int TOK>
+struct WtCfg {
+  static constexpr int X_BYTES = TOK * STAGE_K * 2;
+  static constexpr int W_BYTES = CTA_N * STAGE_K / 2;  // 4 n32 blocks x 2 k32 chunks x 32 uint4
+  static constexpr int S_BYTES = 2 * CTA_N * 2;        // scales of the stage's two k32 chunks
+  static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + 2 * S_BYTES;  // x first: aligned
+  static constexpr int STAGES = 4;
+  static constexpr int BLOCK = THREADS + 128;  // 2 consumer warpgroups, then the producer
+  static constexpr int OUT_STRIDE = CTA_N + 4;  // fp32 tile rows: distinct banks
+  static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;  // + the 1024-byte alignment
+  static_assert(STAGE_BYTES % 1024 == 0, "swizzle atoms need 1024-byte aligned stages");
+  static_assert(TOK * OUT_STRIDE * 4 <= STAGES * STAGE_BYTES, "the output tile reuses them");
+};
+
+// The producer: stage s of the split into buffer `st` (128 threads, p = 0..127).
+template <typename T, int TOK>
+__device__ __forceinline__ void wgt_load(unsigned int st, int s, int p, int ncta, int m0,
+                                         const T* __restrict__ x, long long x_stride,
+                                         const uint4* __restrict__ qw,
+                                         const T* __restrict__ scales, const T* __restrict__ zeros,
+                                         int M, int K, int KC, int NB, int group, int gshift) {
+  using C = WtCfg<TOK>;
+  // x: TOK rows of 8 16-byte chunks; this thread takes chunk p & 7 of rows p / 8 + 16 r, whose
+  // swizzled column is the same for every r (16 r leaves row & 7 alone): one destination plus
+  // constants, one source pointer stepped by 16 rows.
+  const int row0 = p >> 3, ch = p & 7, k = s * STAGE_K + ch * 8;
+  const bool k_ok = k < K;  // past K: zeros
+  const unsigned int d0 = st + row0 * 128 + ((ch ^ (row0 & 7)) << 4);
+  const T* src = x + (long long)(m0 + row0) * x_stride + k;
+#pragma unroll
+  for (int r = 0; r < TOK / 16; ++r) {
+    // Rows past M are not loaded: their stale shared memory reaches only their own output
+    // rows, which are never stored.
+    if (m0 + row0 + 16 * r < M) ps::cp_async16(d0 + r * 2048, k_ok ? src : x, k_ok ? 16 : 0);
+    src += 16 * x_stride;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // weights: entry e = n32 block e >> 6, k32 chunk, lane
+    const int e = p + r * 128;
+    ps::cp_async16(st + C::X_BYTES + e * 16,
+                   qw + ((size_t)(ncta * 4 + (e >> 6)) * KC + 2 * s + ((e >> 5) & 1)) * 32 +
+                       (e & 31),
+                   16);
+  }
+  if (p < 64) {  // 32 threads copy the scales, 32 the zero points: 2 chunks x 256 bytes each
+    const T* base = p < 32 ? scales : zeros;
+    if (base != nullptr) {
+      const int c = p & 31, half = c >> 4, part = c & 15;
+      const int grp = gshift >= 0 ? (2 * s + half) >> gshift : (s * STAGE_K + half * 32) / group;
+      const T* src = base + ((size_t)grp * NB + ncta * 4) * 32 + part * 8;
+      ps::cp_async16(st + C::X_BYTES + C::W_BYTES + (p < 32 ? 0 : C::S_BYTES) + half * 256 +
+                         part * 16,
+                     src, 16);
+    }
+  }
+}
+
+template <typename T, int TOK>
+__device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
+                                          const T* __restrict__ x, long long x_stride,
+                                          const uint4* __restrict__ qw,
+                                          const T* __restrict__ scales,
+                                          const T* __restrict__ zeros, const T* __restrict__ bias,
+                                          float* __restrict__ ws, int* __restrict__ counters,
+                                          int M, int N, int K, int Kp, int Np, int group,
+                                          int split_stages) {
+#if PS_HAS_WGMMA
+  static_assert(TOK == 256, "one m64n256 wgmma a k16 step");
+  using C = WtCfg<TOK>;
+  // Launched with 168 registers a thread (384 threads, 1 CTA per SM); the producer gives back
+  // 128 x (168 - 56), which is what the consumers take: 256 x (224 - 168).
+  constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long s_bar[2 * C::STAGES];  // full[b], then empty[b]
+  unsigned int dyn_smem;  // quant.py's _smem_bytes mirrors WtCfg::SMEM: a launch with less traps
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < (unsigned int)C::SMEM) __trap();
+  const unsigned int raw_addr = ps::smem_addr(smem_raw);
+  const unsigned int smem0 = (raw_addr + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
+  unsigned char* const smem = smem_raw + (smem0 - raw_addr);
+  const unsigned int bars = ps::smem_addr(s_bar);
+  const int tid = threadIdx.x, ncta = blockIdx.x, m0 = blockIdx.z * TOK;
+  const int s0 = blockIdx.y * split_stages, nst = min(Kp / STAGE_K - s0, split_stages);
+  if (tid == 0) {
+    for (int b = 0; b < C::STAGES; ++b) {
+      ps::mbar_init(bars + 8 * b, 128);                    // full: one arrival a producer thread
+      ps::mbar_init(bars + 8 * (C::STAGES + b), THREADS);  // empty: one a consumer thread
+    }
+  }
+  __syncthreads();  // the mbarriers are initialised before anyone waits on or arrives at them
+
+  if (tid >= THREADS) {  // the producer: fill u of buffer b waits for release u - 1 (parity)
+    ps::setmaxnreg_dec<PRODUCER_REGS>();
+    const int cpg = group >> 5;
+    const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
+    for (int i = 0; i < nst; ++i) {
+      const int b = i % C::STAGES;
+      ps::mbar_wait(bars + 8 * (C::STAGES + b), ((i / C::STAGES) & 1) ^ 1);
+      wgt_load<T, TOK>(smem0 + b * C::STAGE_BYTES, s0 + i, tid - THREADS, ncta, m0, x,
+                       x_stride, qw, scales, zeros, M, K, Kp >> 5, Np >> 5, group, gshift);
+      ps::cp_async_mbar_arrive(bars + 8 * b);
+    }
+    // wait_group covers only committed groups, and the copies were never committed.
+    ps::cp_async_commit();
+    ps::cp_async_wait<0>();  // leaves only once its copies, and so their arrivals, are complete
+    return;
+  }
+  ps::setmaxnreg_inc<CONSUMER_REGS>();
+
+  // c by shuffle: provably warp-uniform, so the descriptors stay in uniform registers
+  const int c = __shfl_sync(0xffffffffu, tid >> 7, 0), w = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3, nbl = 2 * c + (w >> 1), h = w & 1;
+  const bool has_zeros = zeros != nullptr;
+  float acc[TOK / 2];
+#pragma unroll
+  for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
+
+  auto step = [&](int i, unsigned int (&a)[4][4]) {
+    const int b = i % C::STAGES;
+    ps::mbar_wait(bars + 8 * b, (i / C::STAGES) & 1);  // stage i landed
+    ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
+    const unsigned char* st = smem + b * C::STAGE_BYTES;
+#pragma unroll
+    for (int kc = 0; kc < 2; ++kc) {  // k32 chunk kc: words 2h, 2h + 1 of this lane's uint4
+      const uint4 wq = *reinterpret_cast<const uint4*>(st + C::X_BYTES +
+                                                       ((nbl * 2 + kc) * 32 + lane) * 16);
+      const unsigned int q0 = h ? wq.z : wq.x, q1 = h ? wq.w : wq.y;
+      const int sidx = C::X_BYTES + C::W_BYTES + kc * 256 + (nbl * 32 + g * 4 + 2 * h) * 2;
+      const unsigned int sraw = *reinterpret_cast<const unsigned int*>(st + sidx);
+      const unsigned int s0w = dup_lo(sraw), s1w = dup_hi(sraw);
+      unsigned int z0w = Int4<T>::SYM_ZERO, z1w = Int4<T>::SYM_ZERO;
+      if (has_zeros) {
+        const unsigned int zraw = *reinterpret_cast<const unsigned int*>(st + sidx + C::S_BYTES);
+        z0w = dup_lo(zraw);
+        z1w = dup_hi(zraw);
+      }
+      // A fragments of k16 step kh: (row g, k 2t..) (row g + 8, k 2t..) (row g, k 2t + 8..)
+      // (row g + 8, k 2t + 8..): pairs 2 kh and 2 kh + 1 of words 2h and 2h + 1.
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        a[2 * kc + kh][0] = Int4<T>::pair(q0 >> (8 * kh), z0w, s0w);
+        a[2 * kc + kh][1] = Int4<T>::pair(q1 >> (8 * kh), z1w, s1w);
+        a[2 * kc + kh][2] = Int4<T>::pair(q0 >> (8 * kh + 4), z0w, s0w);
+        a[2 * kc + kh][3] = Int4<T>::pair(q1 >> (8 * kh + 4), z1w, s1w);
+      }
+    }
+    // x tile as B, K-major: k16 step ks starts 32 ks bytes into each 128-byte row.
+    const unsigned long long x_desc = ps::wg_desc(smem0 + b * C::STAGE_BYTES, 16, 1024);
+    ps::fence_regs(acc);
+    ps::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) ps::wgmma_rs_m64n256_kb(acc, a[ks], x_desc + ((ks * 32) >> 4), T());
+    ps::wgmma_commit();
+    ps::wgmma_wait<1>();  // stage i - 1's MMAs retired: its buffer and A fragments are free
+    ps::fence_regs(acc);
+    if (i > 0) ps::mbar_arrive(bars + 8 * (C::STAGES + (i - 1) % C::STAGES));
+  };
+  unsigned int a0[4][4], a1[4][4];  // stage i's fragments live until its MMAs retire
+  int i = 0;
+  for (; i + 1 < nst; i += 2) {
+    step(i, a0);
+    step(i + 1, a1);
+  }
+  if (i < nst) step(i, a0);
+  ps::wgmma_wait<0>();
+  ps::fence_regs(acc);
+  sync_threads<true>();  // both warpgroups' MMAs retired: the stage buffers hold the output
+
+  // The fp32 tile [TOK][CTA_N], then out by rows (store_tile).
+  float* out = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int r = 0; r < TOK / 2; ++r) {
+    const int n = 64 * c + 16 * w + g + 8 * ((r >> 1) & 1);
+    const int m = 8 * (r >> 2) + 2 * t + (r & 1);
+    out[m * C::OUT_STRIDE + n] = acc[r];
+  }
+  sync_threads<true>();
+  store_tile<T, TOK, C::OUT_STRIDE, true>(out, y, y_stride, bias, ws, counters, M, N, Np, m0);
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel then
+#endif
+}
+
 }  // namespace ps_quant
 
 #define PS_QUANT_PRODUCT(NAME, T, MT, MIN_CTAS)                                                \
@@ -582,6 +799,18 @@ PS_QUANT_PRODUCT_WG(w4a16_wgp_bf16_m64, __nv_bfloat16, 4, 2)
 PS_QUANT_PRODUCT_WG(w4a16_wgp_bf16_m128, __nv_bfloat16, 8, 1)
 PS_QUANT_PRODUCT_WG(w4a16_wgp_fp16_m64, __half, 4, 2)
 PS_QUANT_PRODUCT_WG(w4a16_wgp_fp16_m128, __half, 8, 1)
+
+#define PS_QUANT_PRODUCT_WGT(NAME, T, TOK)                                                    \
+  extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK>::BLOCK, 1)                  \
+      NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
+           const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
+           int N, int K, int Kp, int Np, int group, int split_stages) {                        \
+    ps_quant::w4a16_wgt<T, TOK>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,          \
+                                counters, M, N, K, Kp, Np, group, split_stages);               \
+  }
+// 256 rows a CTA, 384 threads (a producer warpgroup): quant.py offers it as a candidate tile.
+PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m256, __nv_bfloat16, 256)
+PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
 
 #define PS_QUANT_DEQUANT(NAME, T)                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                            \

@@ -393,17 +393,22 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     assert quant.tile_choice(0) == {64: "m64", 128: "wgp64", 256: "m128", 768: "wgp128"}
     assert quant.tile_choice(0, torch.float16) == {}  # tuned per dtype
     assert tiles()[2:] == [("w4a16_bf16_m64", 1, smem[4]),
-                           ("w4a16_wgp_bf16_m64", 4, quant._smem_bytes(4, True)),
+                           ("w4a16_wgp_bf16_m64", 4, quant._smem_bytes(4, "wgp")),
                            ("w4a16_bf16_m128", 2, smem[8]),
-                           ("w4a16_wgp_bf16_m128", 8, quant._smem_bytes(8, True))]
+                           ("w4a16_wgp_bf16_m128", 8, quant._smem_bytes(8, "wgp"))]
     quant._tiles[(0, torch.bfloat16)] = {128: (128, "wgp")}  # below the smallest candidate: its
     assert quant.tile_for(33, 0) == (128, "wgp") and quant.tile_for(32, 0) == (32, "")  # tile
     assert quant.tile_for(33, 0, torch.float16) == quant.NARROW_TILE
     assert smem[8] == 4 * (256 * 16 + 128 * 64 * 2 + 2 * 2 * 128 * 2)  # Cfg<8>::SMEM
     # WgCfg: 6 / 4 stages, 1 KiB to align; the fp32 output tile [rows][132] fits in the stages
-    assert quant._smem_bytes(4, True) == 6 * (256 * 16 + 64 * 128 + 1024) + 1024
-    assert quant._smem_bytes(8, True) == 4 * (256 * 16 + 128 * 128 + 1024) + 1024
-    assert all(16 * mt * 132 * 4 <= quant._smem_bytes(mt, True) - 1024 for mt in (4, 8))
+    assert quant._smem_bytes(4, "wgp") == 6 * (256 * 16 + 64 * 128 + 1024) + 1024
+    assert quant._smem_bytes(8, "wgp") == 4 * (256 * 16 + 128 * 128 + 1024) + 1024
+    assert all(16 * mt * 132 * 4 <= quant._smem_bytes(mt, "wgp") - 1024 for mt in (4, 8))
+    # WtCfg<256>: 4 stages of 37 KiB, the fp32 output tile [256][132] in them; 384 threads
+    assert quant._smem_bytes(16, "wgt") == 4 * (256 * 16 + 256 * 128 + 1024) + 1024 <= 227 * 1024
+    assert 256 * 132 * 4 <= quant._smem_bytes(16, "wgt") - 1024
+    assert [quant._threads(name) for name in ("w4a16_bf16_m64", "w4a16_wgp_bf16_m64",
+                                              "w4a16_wgt_bf16_m256")] == [256, 256, 384]
 
 
 def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):

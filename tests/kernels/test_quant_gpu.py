@@ -96,10 +96,12 @@ def _hopper(quant) -> bool:
     return _compile.arch_used(torch.device("cuda"), "quant") == "-arch=sm_90a"
 
 
-@pytest.fixture(params=[(128, ""), (64, "wgp"), (128, "wgp")], ids=["m128", "wgp64", "wgp128"])
+@pytest.fixture(params=[(128, ""), (64, "wgp"), (128, "wgp"), (256, "wgt")],
+                ids=["m128", "wgp64", "wgp128", "wgt256"])
 def wide(quant, request):
     """Each tile but the 64-row mma.sync one from 33 rows, as a tuning that found it faster at
-    every candidate sets it (the wgmma ones on Hopper only)."""
+    every candidate sets it (the wgmma ones on Hopper only; "wgt" a candidate tuning does not
+    offer yet)."""
     if request.param[1] and not _hopper(quant):
         pytest.skip("the wgmma kernels need the module built for sm_90a")
     index = torch.cuda.current_device()

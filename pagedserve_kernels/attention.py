@@ -62,6 +62,17 @@ def prefill_launch_shape(kernel: str, head_dim: int, elem_bytes: int) -> tuple[i
     return _THREADS, (_PREFILL_BM * elem_bytes + _PREFILL_BN * kv) * head_dim
 
 
+def prefill_grid(kernel: str, num_heads: int, num_entries: int, num_sms: int
+                 ) -> tuple[tuple[int, int, int], tuple]:
+    """(grid, trailing kernel arguments) of a prefill launch over a tile list of num_entries:
+    a CTA per (head, entry), or for the pipelined kernel, persistent, at most one CTA an SM
+    walking the num_heads x num_entries items, their count its last argument."""
+    if kernel.startswith("prefill_wgp_"):
+        items = num_heads * num_entries
+        return (min(items, num_sms), 1, 1), (_i32(items),)
+    return (num_heads, num_entries, 1), ()
+
+
 def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device,
                    variant: str = "default", fp8: bool = False) -> str:
     """The prefill kernel's name for `variant` (PREFILL_VARIANTS); fp8: over an FP8 cache
@@ -263,21 +274,18 @@ def paged_prefill_attention(
     head_dim, block_size = q.shape[2], k_cache.shape[2]
     kernel = prefill_kernel(q.dtype, head_dim, device, variant, fp8=bool(scales))
     threads, smem = prefill_launch_shape(kernel, head_dim, q.element_size())
-    # The pipelined kernel is persistent: at most one CTA an SM walks the (tile, head) items.
-    persistent = kernel.startswith("prefill_wgp_")
     num_entries = _num_tiles(total, num_seqs, _PREFILL_BM)
     tiles = _workspace("prefill_tiles", device, 2 * num_entries, torch.int32)
     _compile.launch("attention", "prefill_tiles", device, (1, 1, 1), (1024, 1, 1),
                     (cu_seqlens_q.data_ptr(), _i32(num_seqs), tiles.data_ptr(), _i32(num_entries)))
-    grid = ((min(num_heads * num_entries, _sm_count(device)), 1, 1) if persistent
-            else (num_heads, num_entries, 1))
+    grid, extra = prefill_grid(kernel, num_heads, num_entries, _sm_count(device))
     args = (
         q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), tiles.data_ptr(),
         _i64(q.stride(0)), _i32(q.stride(1)), _i64(out.stride(0)), _i32(out.stride(1)),
         _i32(num_heads), _i32(num_kv_heads), _i32(block_size.bit_length() - 1),
-        _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)), *features, *scales,
-    ) + ((_i32(num_heads * num_entries),) if persistent else ())
+        _i32(block_tables.shape[1]), _f32(scale * math.log2(math.e)), *features, *scales, *extra,
+    )
     _compile.launch(_module_of(kernel), kernel, device, grid, (threads, 1, 1), args,
                     shared_mem=smem)
     return out

@@ -255,6 +255,16 @@ def test_variants_are_arguments_that_name_their_kernel_and_module():
     assert attention._module_of("prefill_wgp_fp16_hd128") == "attention"
 
 
+def test_pipelined_prefill_is_persistent_over_every_tile_and_head():
+    """At most one CTA an SM walks the (tile, head) items, their count bounding the walk (a
+    CTA stepping by the grid would otherwise read past the tile list); the other prefill
+    kernels take a CTA per (head, tile)."""
+    assert attention.prefill_grid("prefill_wgp_bf16_hd128", 32, 264, 132) == ((132, 1, 1), (8448,))
+    assert attention.prefill_grid("prefill_wgp_fp16_hd128", 4, 3, 132) == ((12, 1, 1), (12,))
+    assert attention.prefill_grid("prefill_wg_bf16_hd128", 32, 264, 132) == ((32, 264, 1), ())
+    assert attention.prefill_grid("prefill_bf16_hd64", 8, 5, 132) == ((8, 5, 1), ())
+
+
 def test_pipelined_prefill_launches_three_warpgroups_with_two_q_buffers():
     """The pipelined kernel adds a producer warpgroup to the wg kernel's two, and a second Q
     buffer to its shared memory (Q and two stages of K and V): persistent, it loads the next

@@ -29,8 +29,8 @@ _THREADS = 256
 DEQUANT_CHUNKS = 8  # k32 chunks a dequantize CTA takes (quant.cu's DQ_CHUNKS)
 _STAGES = {1: 6, 2: 5, 4: 4, 8: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
 _STAGES_WG = {4: 6, 8: 4}  # the same for the wgmma kernels (WgCfg in quant.cu)
-_STAGES_WGT = 4  # the tall wgmma tile's (WtCfg in quant.cu)
-_WGT_THREADS = 384  # the tall tile's two consumer warpgroups and its producer warpgroup
+_STAGES_WGT = {4: 8, 8: 6, 16: 4}  # the same for the producer-fed wgmma tiles (WtCfg)
+_WGT_THREADS = 384  # their two consumer warpgroups and their producer warpgroup
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
 PROLOGUE_STAGES = 2  # a thread block's pipeline fill, in stage-times (split_k_choice's model)
 WORKSPACE_FLOATS = 1 << 22  # split-K partials per device (16 MiB)
@@ -52,9 +52,9 @@ NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
 TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"))
-# Tiles benchmarks and tests run but tuning does not offer yet: "wgt", 256 rows a CTA on wgmma
-# with a producer warpgroup (each weight tile dequantized once for 256 rows).
-CANDIDATE_TILES: tuple[Tile, ...] = ((256, "wgt"),)
+# Tiles benchmarks and tests run but tuning does not offer yet: "wgt", wgmma fed by a producer
+# warpgroup, 64, 128 or 256 rows a CTA (at 256 each weight tile dequantized once).
+CANDIDATE_TILES: tuple[Tile, ...] = ((64, "wgt"), (128, "wgt"), (256, "wgt"))
 TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()
@@ -482,7 +482,7 @@ def _smem_bytes(mt: int, family: str = "") -> int:
     activations + scales + zeros), with wgmma 1 KiB more to align the swizzled tiles."""
     stage = _THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2)
     if family == "wgt":
-        return _STAGES_WGT * stage + 1024
+        return _STAGES_WGT[mt] * stage + 1024
     return _STAGES_WG[mt] * stage + 1024 if family == "wgp" else _STAGES[mt] * stage
 
 

@@ -570,9 +570,9 @@ __device__ __forceinline__ void dequant(T* __restrict__ w, const uint4* __restri
 
 
 // ---------------------------------------------------------------------------------------------
-// Tall row tiles on Hopper (wgmma, sm_90a), "wgt": TOK = 256 rows of x a CTA, so a weight tile is
-// read and dequantized once for up to 256 rows (the 64- and 128-row tiles redo both for every
-// row tile). 3 warpgroups: warpgroup 2 produces (cp.async of a stage's packed weights, x tile,
+// Row tiles on Hopper with a producer warpgroup (wgmma, sm_90a), "wgt": TOK = 64, 128 or 256
+// rows of x a CTA; at 256 a weight tile is read and dequantized once for up to 256 rows (the
+// other tiles redo both for every row tile). 3 warpgroups: warpgroup 2 produces (cp.async of a stage's packed weights, x tile,
 // scales and zero points into STAGES buffers under full/empty mbarriers, then exits), 0 and 1
 // consume: y^T = W . x^T with W the A operand, dequantized in registers as in w4a16_wg, x the B
 // operand (TOK x 64 a stage, K-major, 128-byte swizzle). Warpgroup c multiplies columns 64c ..
@@ -587,7 +587,7 @@ struct WtCfg {
   static constexpr int W_BYTES = CTA_N * STAGE_K / 2;  // 4 n32 blocks x 2 k32 chunks x 32 uint4
   static constexpr int S_BYTES = 2 * CTA_N * 2;        // scales of the stage's two k32 chunks
   static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + 2 * S_BYTES;  // x first: aligned
-  static constexpr int STAGES = 4;
+  static constexpr int STAGES = TOK == 256 ? 4 : (TOK == 128 ? 6 : 8);  // quant.py mirrors
   static constexpr int BLOCK = THREADS + 128;  // 2 consumer warpgroups, then the producer
   static constexpr int OUT_STRIDE = CTA_N + 4;  // fp32 tile rows: distinct banks
   static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;  // + the 1024-byte alignment
@@ -639,6 +639,17 @@ __device__ __forceinline__ void wgt_load(unsigned int st, int s, int p, int ncta
 }
 
 template <typename T, int TOK>
+__device__ __forceinline__ void wgt_mma(float (&d)[TOK / 2], const unsigned int (&a)[4],
+                                        unsigned long long db) {
+  if constexpr (TOK == 64)
+    ps::wgmma_rs_m64n64_kb(d, a, db, T());
+  else if constexpr (TOK == 128)
+    ps::wgmma_rs_m64n128_kb(d, a, db, T());
+  else
+    ps::wgmma_rs_m64n256_kb(d, a, db, T());
+}
+
+template <typename T, int TOK>
 __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
                                           const T* __restrict__ x, long long x_stride,
                                           const uint4* __restrict__ qw,
@@ -648,7 +659,7 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
                                           int M, int N, int K, int Kp, int Np, int group,
                                           int split_stages) {
 #if PS_HAS_WGMMA
-  static_assert(TOK == 256, "one m64n256 wgmma a k16 step");
+  static_assert(TOK == 64 || TOK == 128 || TOK == 256, "one m64nTOK wgmma a k16 step");
   using C = WtCfg<TOK>;
   // Launched with 168 registers a thread (384 threads, 1 CTA per SM); the producer gives back
   // 128 x (168 - 56), which is what the consumers take: 256 x (224 - 168).
@@ -732,7 +743,7 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
     ps::fence_regs(acc);
     ps::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) ps::wgmma_rs_m64n256_kb(acc, a[ks], x_desc + ((ks * 32) >> 4), T());
+    for (int ks = 0; ks < 4; ++ks) wgt_mma<T, TOK>(acc, a[ks], x_desc + ((ks * 32) >> 4));
     ps::wgmma_commit();
     ps::wgmma_wait<1>();  // stage i - 1's MMAs retired: its buffer and A fragments are free
     ps::fence_regs(acc);
@@ -808,8 +819,12 @@ PS_QUANT_PRODUCT_WG(w4a16_wgp_fp16_m128, __half, 8, 1)
     ps_quant::w4a16_wgt<T, TOK>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,          \
                                 counters, M, N, K, Kp, Np, group, split_stages);               \
   }
-// 256 rows a CTA, 384 threads (a producer warpgroup): quant.py offers it as a candidate tile.
+// 64, 128, 256 rows a CTA, 384 threads (a producer warpgroup): candidate tiles (quant.py).
+PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m64, __nv_bfloat16, 64)
+PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m128, __nv_bfloat16, 128)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m256, __nv_bfloat16, 256)
+PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m64, __half, 64)
+PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m128, __half, 128)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
 
 #define PS_QUANT_DEQUANT(NAME, T)                                                              \

@@ -414,9 +414,12 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     assert quant._smem_bytes(4, "wgp") == 6 * (256 * 16 + 64 * 128 + 1024) + 1024
     assert quant._smem_bytes(8, "wgp") == 4 * (256 * 16 + 128 * 128 + 1024) + 1024
     assert all(16 * mt * 132 * 4 <= quant._smem_bytes(mt, "wgp") - 1024 for mt in (4, 8))
-    # WtCfg<256>: 4 stages of 37 KiB, the fp32 output tile [256][132] in them; 384 threads
-    assert quant._smem_bytes(16, "wgt") == 4 * (256 * 16 + 256 * 128 + 1024) + 1024 <= 227 * 1024
-    assert 256 * 132 * 4 <= quant._smem_bytes(16, "wgt") - 1024
+    # WtCfg<64 / 128 / 256>: 8 / 6 / 4 stages, the fp32 output tile [rows][132] in them, within
+    # an H100's 227 KiB a block; 384 threads
+    for mt, stages in ((4, 8), (8, 6), (16, 4)):
+        smem = quant._smem_bytes(mt, "wgt")
+        assert smem == stages * (256 * 16 + 16 * mt * 128 + 1024) + 1024 <= 227 * 1024
+        assert 16 * mt * 132 * 4 <= smem - 1024
     assert [quant._threads(name) for name in ("w4a16_bf16_m64", "w4a16_wgp_bf16_m64",
                                               "w4a16_wgt_bf16_m256")] == [256, 256, 384]
 

@@ -96,8 +96,9 @@ def _hopper(quant) -> bool:
     return _compile.arch_used(torch.device("cuda"), "quant") == "-arch=sm_90a"
 
 
-@pytest.fixture(params=[(128, ""), (64, "wgp"), (128, "wgp"), (256, "wgt")],
-                ids=["m128", "wgp64", "wgp128", "wgt256"])
+@pytest.fixture(params=[(128, ""), (64, "wgp"), (128, "wgp"), (64, "wgt"), (128, "wgt"),
+                        (256, "wgt")],
+                ids=["m128", "wgp64", "wgp128", "wgt64", "wgt128", "wgt256"])
 def wide(quant, request):
     """Each tile but the 64-row mma.sync one from 33 rows, as a tuning that found it faster at
     every candidate sets it (the wgmma ones on Hopper only; "wgt" a candidate tuning does not

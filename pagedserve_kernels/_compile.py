@@ -81,8 +81,8 @@ ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "attention.cu",
         "PS_VARIANTS",
         (
-            "prefill_wg1_bf16_hd64", "decode_s2_bf16_hd128", "decode_mqks_bf16_hd64", "decode_mqks_bf16_hd128",
-            "decode_mqks_fp16_hd64", "decode_mqks_fp16_hd128",
+            "prefill_wg1_bf16_hd64", "decode_s2_bf16_hd128", "decode_mqks_bf16_hd64",
+            "decode_mqks_bf16_hd128", "decode_mqks_fp16_hd64", "decode_mqks_fp16_hd128",
         ),
     ),
 }

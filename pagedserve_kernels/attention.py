@@ -54,7 +54,7 @@ def prefill_launch_shape(kernel: str, head_dim: int, elem_bytes: int) -> tuple[i
     # q's dtype; the wgmma kernel's staging is double-buffered
     fp8 = kernel.endswith("_fp8")
     if kernel.startswith("prefill_wgp_"):  # the pipelined kernel: 2 Q buffers, 2 x (K, V)
-        return _WGP_THREADS, 1024 + (2 * _PREFILL_BM * elem_bytes + _WG_BN * 4 * elem_bytes) * head_dim
+        return _WGP_THREADS, 1024 + (2 * _PREFILL_BM + 4 * _WG_BN) * elem_bytes * head_dim
     if kernel.startswith("prefill_wg"):  # 1 KiB for the manual 1024-byte alignment, Q, 2 x (K, V)
         kv = (2 * elem_bytes + 4) if fp8 else 4 * elem_bytes
         return _WG_THREADS, 1024 + (_PREFILL_BM * elem_bytes + _WG_BN * kv) * head_dim

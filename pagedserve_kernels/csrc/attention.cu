@@ -3,7 +3,8 @@
 //            with ldmatrix, K/V pages gathered through the block table with cp.async (K of the next
 //            tile loads during softmax and P.V, V of this tile during Q.K^T), base-2 online softmax.
 //   prefill_wg (sm_90a, the default on Hopper at hd64 and over an FP8 cache): the same tiles on
-//            wgmma, 2 warpgroups x 64 rows, 128 keys per step, K/V double-buffered (prefill_wg_impl).
+//            wgmma, 2 warpgroups x 64 rows, 128 keys per step, K/V double-buffered
+//            (prefill_wg_impl).
 //   prefill_wgp (sm_90a, the default on Hopper at hd128): FlashAttention-3's schedule on those
 //            tiles, a producer warpgroup and two consumers, persistent (prefill_wgp_impl).
 //   decode:  flash-decoding; one CTA per (seq, kv head, split) serves all query heads of the group
@@ -793,8 +794,8 @@ struct WgpStep {
 };
 
 // Consumer step j: S_{j+1} (S) and P_j V_j (PV); K_{j+1} and V_j are the CTA's K and V fills
-// uk = base + j + 1 - j0 and uv = base + j - j0 (stage u & 1, parity (u >> 1) & 1). Every step waits
-// for the stages of K_{j+1} and V_j and releases them, used or not. The MMAs are issued and
+// uk = base + j + 1 - j0 and uv = base + j - j0 (stage u & 1, parity (u >> 1) & 1). Every step
+// waits for the stages of K_{j+1} and V_j and releases them, used or not. The MMAs are issued and
 // waited for within one step, outside any runtime branch (ptxas serialises wgmma it cannot pair
 // with its wait).
 template <bool S, bool PV, typename T, int HD>

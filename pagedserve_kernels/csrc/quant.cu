@@ -572,9 +572,9 @@ __device__ __forceinline__ void dequant(T* __restrict__ w, const uint4* __restri
 // ---------------------------------------------------------------------------------------------
 // Row tiles on Hopper with a producer warpgroup (wgmma, sm_90a), "wgt": TOK = 64, 128 or 256
 // rows of x a CTA; at 256 a weight tile is read and dequantized once for up to 256 rows (the
-// other tiles redo both for every row tile). 3 warpgroups: warpgroup 2 produces (cp.async of a stage's packed weights, x tile,
-// scales and zero points into STAGES buffers under full/empty mbarriers, then exits), 0 and 1
-// consume: y^T = W . x^T with W the A operand, dequantized in registers as in w4a16_wg, x the B
+// other tiles redo both for every row tile). 3 warpgroups: warpgroup 2 produces (cp.async of a
+// stage's packed weights, x tile, scales and zero points into STAGES buffers under full/empty
+// mbarriers, then exits), 0 and 1 consume: y^T = W . x^T with W the A operand, dequantized in registers as in w4a16_wg, x the B
 // operand (TOK x 64 a stage, K-major, 128-byte swizzle). Warpgroup c multiplies columns 64c ..
 // 64c + 63 of the CTA's 128 by all TOK rows, one m64nTOK wgmma a k16 step: its warp w
 // dequantizes half w & 1 (words 2h, 2h + 1) of n32 block 2c + (w >> 1), columns 64c + 16w + r.

@@ -235,8 +235,8 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
 template <typename T, int ROWS, int OUT_STRIDE, bool CONSUMERS>
 __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_stride,
                                            const T* bias, float* ws, int* counters, int M, int N,
-                                           int Np, int m0) {
-  const int tid = threadIdx.x, ncta = blockIdx.x, rows = min(ROWS, M - m0);
+                                           int Np, int m0, int tid, int ncta, int split) {
+  const int rows = min(ROWS, M - m0);
   for (int e = tid; e < rows * (CTA_N / 2); e += THREADS) {
     const int ml = e / (CTA_N / 2), nl = (e % (CTA_N / 2)) * 2;
     const int m = m0 + ml, n = ncta * CTA_N + nl;
@@ -245,7 +245,7 @@ __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_s
     if (gridDim.y == 1)
       store2(y, y_stride, m, n, v.x, v.y, bias);
     else
-      *reinterpret_cast<float2*>(ws + ((size_t)blockIdx.y * M + m) * Np + n) = v;
+      *reinterpret_cast<float2*>(ws + ((size_t)split * M + m) * Np + n) = v;
   }
   if (gridDim.y == 1) return;
   finish_splits<T, ROWS, CONSUMERS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
@@ -514,7 +514,7 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
     __syncthreads();
   }
   store_tile<T, C::ROWS, C::OUT_STRIDE, false>(out, y, y_stride, bias, ws, counters, M, N, Np,
-                                               m0);
+                                               m0, tid, ncta, split);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
@@ -769,7 +769,8 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
     out[m * C::OUT_STRIDE + n] = acc[r];
   }
   sync_threads<true>();
-  store_tile<T, TOK, C::OUT_STRIDE, true>(out, y, y_stride, bias, ws, counters, M, N, Np, m0);
+  store_tile<T, TOK, C::OUT_STRIDE, true>(out, y, y_stride, bias, ws, counters, M, N, Np, m0,
+                                          tid, ncta, blockIdx.y);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif

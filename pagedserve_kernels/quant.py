@@ -184,9 +184,10 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
 def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
                     splits: int | None = None) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
-    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp") on wgmma;
-    None: tile_for's choice), K in `splits` parts (None: split_k_choice's; a count past what
-    the workspace or K allows is lowered to it: bench_quant's --splits)."""
+    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp") and (64, 128
+    or 256, "wgt") on wgmma; None: tile_for's choice), K in `splits` parts (None:
+    split_k_choice's; a count past what the workspace or K allows is lowered to it:
+    bench_quant's --splits)."""
     num_tokens, n = x.shape[0], packed.n
     kernel, mt, m_tiles, splits, split_stages = launch_shape(num_tokens, packed, x.device,
                                                              x.dtype, tile, splits)

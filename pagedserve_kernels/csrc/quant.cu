@@ -395,13 +395,17 @@ struct WgCfg : Stage<16 * MT> {
   static_assert(ROWS * OUT_STRIDE * 4 <= STAGES * STAGE_BYTES, "the output tile reuses them");
 };
 
-template <typename T, int MT>
-__device__ __forceinline__ void wg_mma(float (&d)[8 * MT], const unsigned int (&a)[4],
+// One m64nNk16 wgmma of both wgmma families: A (weights) from registers, B (rows of x) K-major
+// in shared memory, N = 64, 128 or 256 rows of x.
+template <typename T, int N>
+__device__ __forceinline__ void wg_mma(float (&d)[N / 2], const unsigned int (&a)[4],
                                        unsigned long long db) {
-  if constexpr (MT == 4)
+  if constexpr (N == 64)
     ps::wgmma_rs_m64n64_kb(d, a, db, T());
-  else
+  else if constexpr (N == 128)
     ps::wgmma_rs_m64n128_kb(d, a, db, T());
+  else
+    ps::wgmma_rs_m64n256_kb(d, a, db, T());
 }
 
 template <typename T, int MT>
@@ -476,7 +480,7 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
     for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        wg_mma<T, MT>(acc[h], a[kh][h], x_desc + ((wk * 64 + kh * 32) >> 4));
+        wg_mma<T, 16 * MT>(acc[h], a[kh][h], x_desc + ((wk * 64 + kh * 32) >> 4));
     ps::wgmma_commit();
     ps::wgmma_wait<1>();
     ps::fence_regs(acc[0]);
@@ -639,17 +643,6 @@ __device__ __forceinline__ void wgt_load(unsigned int st, int s, int p, int ncta
 }
 
 template <typename T, int TOK>
-__device__ __forceinline__ void wgt_mma(float (&d)[TOK / 2], const unsigned int (&a)[4],
-                                        unsigned long long db) {
-  if constexpr (TOK == 64)
-    ps::wgmma_rs_m64n64_kb(d, a, db, T());
-  else if constexpr (TOK == 128)
-    ps::wgmma_rs_m64n128_kb(d, a, db, T());
-  else
-    ps::wgmma_rs_m64n256_kb(d, a, db, T());
-}
-
-template <typename T, int TOK>
 __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
                                           const T* __restrict__ x, long long x_stride,
                                           const uint4* __restrict__ qw,
@@ -743,7 +736,7 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
     ps::fence_regs(acc);
     ps::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgt_mma<T, TOK>(acc, a[ks], x_desc + ((ks * 32) >> 4));
+    for (int ks = 0; ks < 4; ++ks) wg_mma<T, TOK>(acc, a[ks], x_desc + ((ks * 32) >> 4));
     ps::wgmma_commit();
     ps::wgmma_wait<1>();  // stage i - 1's MMAs retired: its buffer and A fragments are free
     ps::fence_regs(acc);

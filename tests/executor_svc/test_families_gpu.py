@@ -1,6 +1,7 @@
 """The families of test_model_families on the CUDA backend: float32 greedy token-identical to
 transformers on the GPU (chunked prefill, mixed steps through the piecewise graphs, decode-graph
-replays, prompts past every window), and bf16 shapes our kernels cover (head_dim 64) within the bf16 rule of
+replays, prompts past every window), and bf16 shapes our kernels cover (head_dim 64, and 128 where
+Hopper runs the pipelined prefill kernel) within the bf16 rule of
 helpers.compare_bf16_with_transformers, through the prefill and the few-query kernels."""
 from __future__ import annotations
 
@@ -38,12 +39,17 @@ BF16_LENGTHS = {"prefill": (37, 80, 129), "few-query": (30, 21, 13)}
 BF16_PHI3_LENGTHS = {("phi3-short", "prefill"): (37, 80, 100), ("phi3-long", "few-query"): (60,)}
 
 
-def bf16_config(family: str):
-    """FAMILIES[family] at head_dim 64 (Phi-3's is hidden / heads: 256 / 4), windows of
-    BF16_WINDOW on the same layers, LongRoPE factors for 32 frequencies, and Gemma 2's own final
-    soft-cap (30: the folders' 3 saturates these logits into ties)."""
+# Families whose deployed models have 128-dim heads (Qwen3, GLM-4; Gemma 2's soft-cap and windows
+# beside them): on Hopper their prefill runs the pipelined kernel, the default there.
+HD128_FAMILIES = ("gemma2", "glm4", "qwen3", "qwen3-full")
+
+
+def bf16_config(family: str, head_dim: int = BF16_SHAPE["head_dim"]):
+    """FAMILIES[family] at head_dim 64 (or `head_dim`; Phi-3's is hidden / heads: 256 / 4),
+    windows of BF16_WINDOW on the same layers, LongRoPE factors for 32 frequencies, and Gemma 2's
+    own final soft-cap (30: the folders' 3 saturates these logits into ties)."""
     cfg = FAMILIES[family]()
-    fields = {**cfg.to_dict(), **BF16_SHAPE}
+    fields = {**cfg.to_dict(), **BF16_SHAPE, "head_dim": head_dim}
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
         fields["sliding_window"] = BF16_WINDOW
     rope = fields.get("rope_parameters") or {}
@@ -161,6 +167,27 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(family, kernel):
     assert all(identical.values()), identical
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("family", HD128_FAMILIES)
+def test_bf16_head_dim_128_prefill_within_tolerance_and_greedy_until_near_tie(family):
+    """The same rule at head_dim 128 through the prefill kernel (the pipelined one on Hopper:
+    windows, soft-caps and partial rotary included) and the decode graphs."""
+    hf = as_loaded_in_bf16(with_capping_attention(without_eos(
+        family_model(bf16_config(family, head_dim=128)))))
+    hf = hf.to("cuda")
+    rng = random.Random(41)
+    prompts = {s: random_prompt(rng, n, hf.config.vocab_size)
+               for s, n in enumerate(bf16_lengths(family, "prefill"), start=1)}
+    ref = bf16_reference(hf, prompts, BF16_NUM_NEW)
+    runner = cuda_runner(family, hf, "bfloat16", sample_in_graphs=False)
+    within, identical = compare_bf16_with_transformers(runner, ref, f"{family} hd128")
+    del runner, hf, ref
+    torch.cuda.empty_cache()
+    assert all(within.values()), within
+    assert all(identical.values()), identical
+
+
 def test_bf16_shapes_switch_the_quirks_on_and_reach_the_kernels():
     """A guard on the test itself (runs without a GPU): the bf16 configs keep each family's
     quirks at a size the kernels cover, and the prompt lengths take the kernel they name."""
@@ -184,3 +211,9 @@ def test_bf16_shapes_switch_the_quirks_on_and_reach_the_kernels():
             assert max(lengths) + BF16_NUM_NEW <= max_model_len(family, cfg[family])
     long = cfg["phi3-long"].rope_scaling.original_max_position_embeddings
     assert min(min(bf16_lengths("phi3-long", k)) for k in BF16_LENGTHS) > long
+    for name in HD128_FAMILIES:  # 128-dim heads, the quirks kept
+        c = ModelConfig.from_hf_config(bf16_config(name, head_dim=128))
+        assert c.head_dim == 128 and CudaBackend.kernels_cover(torch.bfloat16, 128), name
+        assert sum(bf16_lengths(name, "prefill")) > FEW_QUERY_MAX, name
+        assert c.layer_windows == cfg[name].layer_windows, name
+    assert ModelConfig.from_hf_config(bf16_config("glm4", head_dim=128)).rotary_dim == 64

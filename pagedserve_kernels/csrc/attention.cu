@@ -420,15 +420,21 @@ __device__ __forceinline__ WgTile wg_tile(int2 tile, int head, const int* __rest
   return w;
 }
 
-// Element offset in the cache of key row r of key tile j (the page walk), -1 past kv_end.
+// Element offset in the cache of the key at position kpos (the page walk).
+template <int HD>
+__device__ __forceinline__ long long wg_key_off(const WgTile& w, int kpos, int num_kv_heads,
+                                                int block_size_log2) {
+  const int page = __ldg(w.bt + (kpos >> block_size_log2));
+  return ((((long long)page * num_kv_heads + w.kv_head) << block_size_log2) + (kpos & w.bs_mask)) *
+         HD;
+}
+
+// Element offset in the cache of key row r of key tile j, -1 past kv_end.
 template <int HD>
 __device__ __forceinline__ long long wg_row_off(const WgTile& w, int j, int r, int num_kv_heads,
                                                 int block_size_log2) {
   const int kpos = j * kWgBN + r;
-  if (kpos >= w.kv_end) return -1;
-  const int page = __ldg(w.bt + (kpos >> block_size_log2));
-  return ((((long long)page * num_kv_heads + w.kv_head) << block_size_log2) + (kpos & w.bs_mask)) *
-         HD;
+  return kpos >= w.kv_end ? -1 : wg_key_off<HD>(w, kpos, num_kv_heads, block_size_log2);
 }
 
 // cp.async of one key tile's rows (offsets rows[r] from wg_row_off; -1 zero-fills) into
@@ -855,10 +861,7 @@ __device__ __forceinline__ void wgp_step(const WgpStep& c, int j, float (&o)[HD 
 template <int HD>
 __device__ __forceinline__ long long wgp_row_bytes(const WgTile& w, int t, int r, int num_kv_heads,
                                                    int block_size_log2) {
-  const int kpos = min(t * kWgBN + r, w.kv_end - 1);
-  const int page = __ldg(w.bt + (kpos >> block_size_log2));
-  return ((((long long)page * num_kv_heads + w.kv_head) << block_size_log2) + (kpos & w.bs_mask)) *
-         (HD * 2);
+  return wg_key_off<HD>(w, min(t * kWgBN + r, w.kv_end - 1), num_kv_heads, block_size_log2) * 2;
 }
 
 // One key tile (128 rows of hd128, 2-byte elements) from the cache into a 128-byte-swizzle tile

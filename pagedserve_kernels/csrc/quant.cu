@@ -585,12 +585,14 @@ __device__ __forceinline__ void dequant(T* __restrict__ w, const uint4* __restri
 // It dequantizes stage i while its MMAs of stage i - 1 run, and releases a stage once the MMAs
 // that read it retire. Same packed weights, grid (column blocks, splits, row tiles), split K and
 // epilogue as w4a16.
+// A stage holds what Stage<TOK> holds, laid out [x][weights][scales][zeros]: x, which the tensor
+// cores read, at the stage's 1024-byte-aligned start.
 template <int TOK>
-struct WtCfg {
-  static constexpr int X_BYTES = TOK * STAGE_K * 2;
-  static constexpr int W_BYTES = CTA_N * STAGE_K / 2;  // 4 n32 blocks x 2 k32 chunks x 32 uint4
-  static constexpr int S_BYTES = 2 * CTA_N * 2;        // scales of the stage's two k32 chunks
-  static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + 2 * S_BYTES;  // x first: aligned
+struct WtCfg : Stage<TOK> {
+  using Stage<TOK>::X_BYTES;
+  using Stage<TOK>::W_BYTES;
+  using Stage<TOK>::S_BYTES;
+  using Stage<TOK>::STAGE_BYTES;
   static constexpr int STAGES = TOK == 256 ? 4 : (TOK == 128 ? 6 : 8);  // quant.py mirrors
   static constexpr int BLOCK = THREADS + 128;  // 2 consumer warpgroups, then the producer
   static constexpr int OUT_STRIDE = CTA_N + 4;  // fp32 tile rows: distinct banks

@@ -84,9 +84,11 @@ def prefill_kernel(dtype: torch.dtype, head_dim: int, device: torch.device,
         raise ValueError(f"prefill variant must be one of {PREFILL_VARIANTS}, got {variant!r}")
     if fp8 and variant != "default":
         raise ValueError(f"the prefill variant {variant!r} has no kernel over an FP8 cache")
-    # A candidate's name is checked before anything compiles.
-    kernel = (f"prefill_wg_{name}" if variant == "wg" else None if variant == "default"
-              else _candidate(f"{_PREFILL_CANDIDATES[variant]}_{name}"))
+    kernel = None  # the default's, chosen by the module's arch below
+    if variant == "wg":
+        kernel = f"prefill_wg_{name}"
+    elif variant != "default":  # a candidate's name is checked before anything compiles
+        kernel = _candidate(f"{_PREFILL_CANDIDATES[variant]}_{name}")
     module = _FP8 if fp8 else "attention"
     _compile.get_module(module, device)
     hopper = _compile.arch_used(device, module) == "-arch=sm_90a"

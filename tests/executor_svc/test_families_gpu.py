@@ -153,14 +153,21 @@ def test_float32_greedy_identical_to_transformers_on_gpu(family, tmp_path):
 def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(family, kernel):
     """The bf16 rule of test_cuda_backend's presets, on bf16_config(family): the decode kernel
     in every decode-graph replay, the prefill or few-query kernel in the prompts' step."""
-    hf = as_loaded_in_bf16(with_capping_attention(without_eos(family_model(bf16_config(family)))))
+    _check_bf16_rule(family, bf16_config(family), bf16_lengths(family, kernel), 40,
+                     f"{family} {kernel}")
+
+
+def _check_bf16_rule(family: str, config, lengths: tuple[int, ...], seed: int, label: str):
+    """Prompts of `lengths` on `config` (transformers in bf16 as loaded) through cuda_runner:
+    logits within the bf16 tolerance, greedy identical until a near tie."""
+    hf = as_loaded_in_bf16(with_capping_attention(without_eos(family_model(config))))
     hf = hf.to("cuda")
-    rng = random.Random(40)
+    rng = random.Random(seed)
     prompts = {s: random_prompt(rng, n, hf.config.vocab_size)
-               for s, n in enumerate(bf16_lengths(family, kernel), start=1)}
+               for s, n in enumerate(lengths, start=1)}
     ref = bf16_reference(hf, prompts, BF16_NUM_NEW)
     runner = cuda_runner(family, hf, "bfloat16", sample_in_graphs=False)
-    within, identical = compare_bf16_with_transformers(runner, ref, f"{family} {kernel}")
+    within, identical = compare_bf16_with_transformers(runner, ref, label)
     del runner, hf, ref
     torch.cuda.empty_cache()
     assert all(within.values()), within
@@ -173,19 +180,8 @@ def test_bf16_logits_within_tolerance_and_greedy_until_near_tie(family, kernel):
 def test_bf16_head_dim_128_prefill_within_tolerance_and_greedy_until_near_tie(family):
     """The same rule at head_dim 128 through the prefill kernel (the pipelined one on Hopper:
     windows, soft-caps and partial rotary included) and the decode graphs."""
-    hf = as_loaded_in_bf16(with_capping_attention(without_eos(
-        family_model(bf16_config(family, head_dim=128)))))
-    hf = hf.to("cuda")
-    rng = random.Random(41)
-    prompts = {s: random_prompt(rng, n, hf.config.vocab_size)
-               for s, n in enumerate(bf16_lengths(family, "prefill"), start=1)}
-    ref = bf16_reference(hf, prompts, BF16_NUM_NEW)
-    runner = cuda_runner(family, hf, "bfloat16", sample_in_graphs=False)
-    within, identical = compare_bf16_with_transformers(runner, ref, f"{family} hd128")
-    del runner, hf, ref
-    torch.cuda.empty_cache()
-    assert all(within.values()), within
-    assert all(identical.values()), identical
+    _check_bf16_rule(family, bf16_config(family, head_dim=128), bf16_lengths(family, "prefill"),
+                     41, f"{family} hd128")
 
 
 def test_bf16_shapes_switch_the_quirks_on_and_reach_the_kernels():

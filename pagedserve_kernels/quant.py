@@ -43,18 +43,18 @@ DEQUANT_ROWS = 384
 DEQUANT_CANDIDATES = (128, 256, 384, 512, 768, 1024, 2048)  # the row counts tuning times
 NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 # A product's row tile: (rows a CTA takes, kernel family: "" mma.sync, "wgp" wgmma with the
-# dequantizing overlapping the warpgroup's own MMAs). Up to 32 rows, 16 or 32 on mma.sync; from
-# 33, 64 on mma.sync unless tuning (tune_dequant_rows) measured another of TUNED_TILES faster at
-# the largest of TILE_CANDIDATES not above the row count: 128 rows dequantize each weight tile
-# once for twice the rows at half the CTAs an SM holds; the wgmma kernels (Hopper: the module
-# built for sm_90a) multiply on the warpgroup tensor cores. Tuning takes any tile only where its
-# output agrees with the 64-row kernel's.
+# dequantizing overlapping the warpgroup's own MMAs, "wgt" wgmma fed by a producer warpgroup).
+# Up to 32 rows, 16 or 32 on mma.sync; from 33, 64 on mma.sync unless tuning
+# (tune_dequant_rows) measured another of TUNED_TILES faster at the largest of TILE_CANDIDATES
+# not above the row count: larger tiles dequantize each weight tile once for more rows at fewer
+# CTAs an SM; the wgmma kernels (Hopper: the module built for sm_90a) multiply on the warpgroup
+# tensor cores. Tuning takes any tile only where its output agrees with the 64-row kernel's.
 Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
-TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"))
-# Tiles benchmarks and tests run but tuning does not offer yet: "wgt", wgmma fed by a producer
-# warpgroup, 64, 128 or 256 rows a CTA (at 256 each weight tile dequantized once).
-CANDIDATE_TILES: tuple[Tile, ...] = ((64, "wgt"), (128, "wgt"), (256, "wgt"))
+TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
+                                 (64, "wgt"), (128, "wgt"), (256, "wgt"))
+# Tiles benchmarks and the GPU tests run but tuning does not offer yet (none now).
+CANDIDATE_TILES: tuple[Tile, ...] = ()
 TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()

@@ -215,17 +215,46 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
   sync_threads<CONSUMERS>();
   if (!s_last) return;
   __threadfence();
-  const int rows = min(ROWS, M - m0);
-  for (int e = tid; e < rows * (CTA_N / 2); e += THREADS) {
-    const int m = m0 + e / (CTA_N / 2), n = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
-    if (n >= N) continue;
-    float2 sum = make_float2(0.f, 0.f);
-    for (int sp = 0; sp < (int)gridDim.y; ++sp) {
-      const float2 v = ld_l2(ws + ((size_t)sp * M + m) * Np + n);
-      sum.x += v.x;
-      sum.y += v.y;
+  // PER entries a thread, BATCH splits of each loaded before any is added: an entry at a time
+  // left this CTA waiting on L2 once per entry at least (64 times a thread for a 256-row tile,
+  // whatever the split count). Each entry still adds its splits in split order, from 0, so the
+  // sums are the same bits. Wide tiles have more entries than splits; these sizes keep every
+  // kernel within the registers its occupancy allows (the 64-row one at 128: 2 CTAs an SM).
+  constexpr int PER = ROWS >= 128 ? 8 : 2, BATCH = ROWS >= 128 ? 2 : (ROWS == 64 ? 4 : 8);
+  const int total = min(ROWS, M - m0) * (CTA_N / 2), splits = gridDim.y;
+  const size_t plane = (size_t)M * Np;  // one split's partials
+  for (int e0 = tid; e0 < total; e0 += PER * THREADS) {
+    int m[PER], n[PER];
+    bool ok[PER];
+    float2 sum[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int e = e0 + u * THREADS;
+      m[u] = m0 + e / (CTA_N / 2);
+      n[u] = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
+      ok[u] = e < total && n[u] < N;
+      sum[u] = make_float2(0.f, 0.f);
     }
-    store2(y, y_stride, m, n, sum.x, sum.y, bias);
+    for (int sp = 0; sp < splits; sp += BATCH) {
+      float2 v[BATCH][PER];
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j)
+#pragma unroll
+        for (int u = 0; u < PER; ++u)
+          if (ok[u] && sp + j < splits)
+            v[j][u] = ld_l2(ws + (sp + j) * plane + (size_t)m[u] * Np + n[u]);
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j)
+#pragma unroll
+        for (int u = 0; u < PER; ++u)
+          if (ok[u] && sp + j < splits) {
+            sum[u].x += v[j][u].x;
+            sum[u].y += v[j][u].y;
+          }
+    }
+#pragma unroll
+    for (int u = 0; u < PER; ++u)
+      if (ok[u]) store2(y, y_stride, m[u], n[u], sum[u].x, sum[u].y, bias);
   }
 }
 
@@ -815,7 +844,7 @@ PS_QUANT_PRODUCT_WG(w4a16_wgp_fp16_m128, __half, 8, 1)
     ps_quant::w4a16_wgt<T, TOK>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,          \
                                 counters, M, N, K, Kp, Np, group, split_stages);               \
   }
-// 64, 128, 256 rows a CTA, 384 threads (a producer warpgroup): candidate tiles (quant.py).
+// 64, 128, 256 rows a CTA, 384 threads (a producer warpgroup): offered to tuning on Hopper.
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m64, __nv_bfloat16, 64)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m128, __nv_bfloat16, 128)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m256, __nv_bfloat16, 256)

@@ -215,13 +215,29 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
   sync_threads<CONSUMERS>();
   if (!s_last) return;
   __threadfence();
-  // PER entries a thread, BATCH splits of each loaded before any is added: an entry at a time
-  // left this CTA waiting on L2 once per entry at least (64 times a thread for a 256-row tile,
-  // whatever the split count). Each entry still adds its splits in split order, from 0, so the
-  // sums are the same bits. Wide tiles have more entries than splits; these sizes keep every
-  // kernel within the registers its occupancy allows (the 64-row one at 128: 2 CTAs an SM).
-  constexpr int PER = ROWS >= 128 ? 8 : 2, BATCH = ROWS >= 128 ? 2 : (ROWS == 64 ? 4 : 8);
   const int total = min(ROWS, M - m0) * (CTA_N / 2), splits = gridDim.y;
+  if constexpr (ROWS <= 32) {
+    // An entry at a time: the compiler batches each entry's splits (16 loads at 16 splits), and
+    // a thread has at most 8 entries; the batched form below would cost these kernels the
+    // registers of a CTA an SM.
+    for (int e = tid; e < total; e += THREADS) {
+      const int m = m0 + e / (CTA_N / 2), n = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
+      if (n >= N) continue;
+      float2 sum = make_float2(0.f, 0.f);
+      for (int sp = 0; sp < splits; ++sp) {
+        const float2 v = ld_l2(ws + ((size_t)sp * M + m) * Np + n);
+        sum.x += v.x;
+        sum.y += v.y;
+      }
+      store2(y, y_stride, m, n, sum.x, sum.y, bias);
+    }
+    return;
+  }
+  // PER entries a thread, BATCH splits of each loaded before any is added: an entry at a time
+  // left a 256-row tile's thread waiting on L2 64 times in a row whatever the split count.
+  // Each entry still adds its splits in split order, from 0, so the sums are the same bits as
+  // above. These sizes keep the 64-row kernel at 128 registers (2 CTAs an SM).
+  constexpr int PER = ROWS >= 128 ? 8 : 2, BATCH = ROWS >= 128 ? 2 : 4;
   const size_t plane = (size_t)M * Np;  // one split's partials
   for (int e0 = tid; e0 < total; e0 += PER * THREADS) {
     int m[PER], n[PER];

@@ -45,10 +45,12 @@ NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 # A product's row tile: (rows a CTA takes, kernel family: "" mma.sync, "wgp" wgmma with the
 # dequantizing overlapping the warpgroup's own MMAs, "wgt" wgmma fed by a producer warpgroup).
 # Up to 32 rows, 16 or 32 on mma.sync; from 33, 64 on mma.sync unless tuning
-# (tune_dequant_rows) measured another of TUNED_TILES faster at the largest of TILE_CANDIDATES
-# not above the row count: larger tiles dequantize each weight tile once for more rows at fewer
-# CTAs an SM; the wgmma kernels (Hopper: the module built for sm_90a) multiply on the warpgroup
-# tensor cores. Tuning takes any tile only where its output agrees with the 64-row kernel's.
+# (tune_dequant_rows) measured another of TUNED_TILES faster for the product's shape at the
+# largest of TILE_CANDIDATES not above the row count: larger tiles dequantize each weight tile
+# once for more rows at fewer CTAs an SM; the wgmma kernels (Hopper: the module built for
+# sm_90a) multiply on the warpgroup tensor cores. Each shape its own tiles: at one row count
+# the best tile of a narrow product (few column blocks) is not a wide one's. Tuning takes any
+# tile only where its output agrees with the 64-row kernel's.
 Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
 TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
@@ -60,9 +62,12 @@ TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 _lock = threading.Lock()
 _workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> flat weight
-_dequant_rows: dict[int, int] = {}  # device -> its measured threshold (tune_dequant_rows)
-# (device, dtype) -> {TILE_CANDIDATES row count: its tile}: tuned, and checked, per dtype
-_tiles: dict[tuple[int, torch.dtype], dict[int, Tile]] = {}
+Shape = tuple[int, int]  # a product's (N, K)
+# (device, N, K) -> the shape's measured threshold (tune_dequant_rows)
+_dequant_rows: dict[tuple[int, int, int], int] = {}
+# (device, dtype) -> {(N, K): {TILE_CANDIDATES row count: its tile}}: tuned, and checked, per
+# dtype and shape
+_tiles: dict[tuple[int, torch.dtype], dict[Shape, dict[int, Tile]]] = {}
 _resident: dict[tuple[str, int], int] = {}
 
 
@@ -144,9 +149,10 @@ def unpack(packed: PackedInt4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x[:, perm] @ W^T (+ bias), W = (q - zero) * scale as reference.int4_linear computes it,
-    fp32 accumulation, one rounding. From the device's threshold (tune_dequant_rows, else
-    DEQUANT_ROWS) rows, where `prepare` gave the device a scratch weight, the weight is
-    dequantized there and cuBLAS multiplies (fp32 accumulation).
+    fp32 accumulation, one rounding. From the threshold tuning measured for the device and the
+    weight's shape (tune_dequant_rows; else DEQUANT_ROWS) rows, where `prepare` gave the device
+    a scratch weight, the weight is dequantized there and cuBLAS multiplies (fp32
+    accumulation).
 
     x: [num_tokens, K] packed.dtype (bf16/fp16) on packed's GPU; any strides (copied when the
        kernel cannot read them: last dim not contiguous, row stride or start not 16-byte aligned)
@@ -166,7 +172,7 @@ def int4_linear(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | None =
     if bias is not None:
         bias = _check_bias(bias, n, x)
     index = _index(x.device)
-    if num_tokens >= _dequant_rows.get(index, DEQUANT_ROWS):
+    if num_tokens >= _dequant_rows.get((index, n, packed.k), DEQUANT_ROWS):
         scratch = _scratch.get((index, x.dtype))
         if scratch is not None and scratch.numel() >= n * packed.k:
             return _dequantized_product(x, packed, bias, out, scratch)
@@ -210,7 +216,7 @@ def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtyp
                  ) -> tuple[str, int, int, int, int]:
     """How _kernel_product launches a product of num_tokens rows: (kernel, m16 tiles a CTA,
     row tiles, K splits, stages per split)."""
-    rows, family = tile or tile_for(num_tokens, device, dtype)
+    rows, family = tile or tile_for(num_tokens, device, dtype, (packed.n, packed.k))
     mt = rows // 16
     kernel = _kernel_name(dtype, rows, family)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
@@ -225,13 +231,13 @@ def _kernel_name(dtype: torch.dtype, rows: int, family: str) -> str:
 
 
 def tile_for(num_tokens: int, device: torch.device | int | None = None,
-             dtype: torch.dtype = torch.bfloat16) -> Tile:
+             dtype: torch.dtype = torch.bfloat16, shape: Shape | None = None) -> Tile:
     """The row tile of a product of num_tokens rows: 16 or 32 rows up to 32, else what tuning
-    of the device and dtype measured fastest at the largest candidate not above num_tokens (the
-    smallest's below it), NARROW_TILE before tuning."""
+    of the device, dtype and shape (N, K) measured fastest at the largest candidate not above
+    num_tokens (the smallest's below it), NARROW_TILE for a shape not tuned."""
     if num_tokens <= 32:
         return (16 if num_tokens <= 16 else 32), ""
-    chosen = _tiles.get((_index(device), dtype)) if _tiles else None
+    chosen = _tiles.get((_index(device), dtype), {}).get(shape) if _tiles else None
     if not chosen:
         return NARROW_TILE
     at = max((rows for rows in chosen if rows <= num_tokens), default=min(chosen))
@@ -240,15 +246,17 @@ def tile_for(num_tokens: int, device: torch.device | int | None = None,
 
 def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None,
                       tiles: tuple[Tile, ...] = TUNED_TILES
-                      ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """Times one layer's products (`weights`, one of each shape) in CUDA graphs: in the kernel at
-    each of TILE_CANDIDATES rows in every one of `tiles` the device runs (wgmma: sm_90a) whose
-    output agrees with the 64-row kernel's, and from DEQUANT_CANDIDATES rows also
-    dequantized into prepare's scratch then multiplied by cuBLAS. Each candidate row count takes
-    its fastest tile (tile_for); the products dequantize from the smallest candidate from which
-    that beats the kernel at it and every larger one (none: NEVER). Before any capture. Returns
-    (the dequantizing threshold, {rows: (kernel µs in the chosen tile, dequantized µs)});
-    tile_choice(device) gives the tiles."""
+                      ) -> dict[Shape, tuple[int, dict[int, tuple[float, float]]]]:
+    """Times the products of `weights` in CUDA graphs, shape by shape, all weights of a shape in
+    one graph (several layers' weights of a shape, so that they come from memory as a layer's
+    do, not from L2): in the kernel at each of TILE_CANDIDATES rows in every one of `tiles` the
+    device runs (wgmma: sm_90a) whose output agrees with the 64-row kernel's, and from
+    DEQUANT_CANDIDATES rows also dequantized into prepare's scratch then multiplied by cuBLAS.
+    Each candidate row count takes the shape's fastest tile (tile_for); the shape dequantizes
+    from the smallest candidate from which that beats the kernel at it and every larger one
+    (none: NEVER). Before any capture. Returns {(N, K): (its dequantizing threshold, {rows:
+    (kernel µs a product in the chosen tile, dequantized µs a product)})}; tile_choice(device)
+    gives the tiles."""
     from pagedserve_kernels.gemm import graph_us
 
     index = _index(device)
@@ -256,25 +264,32 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     scratch = _scratch.get((index, dtype))
     if scratch is None or scratch.numel() < max(w.n * w.k for w in weights):
         raise RuntimeError("tune_dequant_rows needs prepare(device, scratch_elements, dtype)")
-    _tiles.pop((index, dtype), None)
-    candidates = _agreeing_tiles(weights, dev, tiles)
-    chosen, kernel_us, dequantized = {}, {}, {}
-    for rows in TILE_CANDIDATES:
-        xs = [torch.randn(rows, w.k, dtype=dtype, device=dev) for w in weights]
-        outs = [torch.empty(rows, w.n, dtype=dtype, device=dev) for w in weights]
-        work = list(zip(xs, weights, outs))
-        timed = {tile: graph_us(lambda: [_kernel_product(x, w, None, o, tile)
-                                         for x, w, o in work])
-                 for tile in candidates}
-        chosen[rows] = min(timed, key=timed.get)
-        kernel_us[rows] = timed[chosen[rows]]
-        if rows in DEQUANT_CANDIDATES:
-            dequantized[rows] = graph_us(lambda: [_dequantized_product(x, w, None, o, scratch)
-                                                  for x, w, o in work])
-    _tiles[(index, dtype)] = chosen
-    times = {rows: (kernel_us[rows], dequantized[rows]) for rows in DEQUANT_CANDIDATES}
-    _dequant_rows[index] = dequant_threshold(times)
-    return _dequant_rows[index], times
+    by_shape: dict[Shape, list[PackedInt4]] = {}
+    for w in weights:
+        by_shape.setdefault((w.n, w.k), []).append(w)
+    candidates = _agreeing_tiles([group[0] for group in by_shape.values()], dev, tiles)
+    table = _tiles.setdefault((index, dtype), {})
+    results = {}
+    for (n, k), group in by_shape.items():
+        table.pop((n, k), None)
+        chosen, kernel_us, dequantized = {}, {}, {}
+        for rows in TILE_CANDIDATES:
+            x = torch.randn(rows, k, dtype=dtype, device=dev)
+            out = torch.empty(rows, n, dtype=dtype, device=dev)
+            timed = {tile: graph_us(lambda: [_kernel_product(x, w, None, out, tile)
+                                             for w in group]) / len(group)
+                     for tile in candidates}
+            chosen[rows] = min(timed, key=timed.get)
+            kernel_us[rows] = timed[chosen[rows]]
+            if rows in DEQUANT_CANDIDATES:
+                dequantized[rows] = graph_us(lambda: [_dequantized_product(x, w, None, out,
+                                                                           scratch)
+                                                      for w in group]) / len(group)
+        table[(n, k)] = chosen
+        times = {rows: (kernel_us[rows], dequantized[rows]) for rows in DEQUANT_CANDIDATES}
+        _dequant_rows[(index, n, k)] = dequant_threshold(times)
+        results[(n, k)] = (_dequant_rows[(index, n, k)], times)
+    return results
 
 
 def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device,
@@ -305,11 +320,12 @@ def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device,
 
 
 def tile_choice(device: torch.device | int | None = None,
-                dtype: torch.dtype = torch.bfloat16) -> dict[int, str]:
-    """{candidate rows: the kernel tuning chose there} ({} before tuning), for the logs."""
-    chosen = _tiles.get((_index(device), dtype), {})
-    return {rows: f"{family or 'm'}{cta_rows}"
-            for rows, (cta_rows, family) in sorted(chosen.items())}
+                dtype: torch.dtype = torch.bfloat16) -> dict[Shape, dict[int, str]]:
+    """{(N, K): {candidate rows: the kernel tuning chose there}} ({} before tuning), for the
+    logs."""
+    return {shape: {rows: f"{family or 'm'}{cta_rows}"
+                    for rows, (cta_rows, family) in sorted(chosen.items())}
+            for shape, chosen in _tiles.get((_index(device), dtype), {}).items()}
 
 
 def dequant_threshold(times: dict[int, tuple[float, float]]) -> int:

@@ -24,6 +24,9 @@ FEW_QUERY_MAX = 64
 # Step sizes tuned between the decode graphs' largest batch and the step budget: rungs for the
 # products of eager steps with more rows than a graph
 _STEP_RUNGS = (2048, 4096)
+# Layers whose int4 weights tuning times together: for every projection of an 8B model, a
+# shape's weights in 8 layers are more than L2 holds, so they come from memory as in a step
+_TUNING_LAYERS = 8
 # The layers' projections (LayerWeights fields) and the module names a refusal gives them
 _PROJECTIONS = {"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
                 "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"}
@@ -268,14 +271,17 @@ class CudaBackend:
                       for layer in model.layers]
             largest = max(w.n * w.k for layer in packed for w in layer)
             self._quant.prepare(self.device, largest, model.embed_tokens.dtype)
-            # where dequantizing into the scratch beats the kernel, timed on one layer's shapes
-            rows, times = self._quant.tune_dequant_rows(max(packed, key=len), self.device)
+            # each shape's row tiles, and where dequantizing into the scratch beats the kernel,
+            # timed on the weights of a few layers (more than L2 holds, as a step reads them)
+            tuned = self._quant.tune_dequant_rows(
+                [w for layer in packed[:_TUNING_LAYERS] for w in layer], self.device)
             tiles = self._quant.tile_choice(self.device, model.embed_tokens.dtype)
-            log.info("int4 kernels ready in %.2fs; row tiles by rows %s, dequantize + cuBLAS "
-                     "from %s rows (kernel / dequantized µs a layer by rows: %s)",
-                     time.perf_counter() - start, tiles,
-                     "no" if rows == self._quant.NEVER else rows,
-                     {r: (round(k), round(d)) for r, (k, d) in times.items()})
+            log.info("int4 kernels ready in %.2fs", time.perf_counter() - start)
+            for (n, k), (rows, times) in tuned.items():
+                log.info("int4 %dx%d: row tiles by rows %s, dequantize + cuBLAS from %s rows "
+                         "(kernel / dequantized µs by rows: %s)", n, k, tiles.get((n, k)),
+                         "no" if rows == self._quant.NEVER else rows,
+                         {r: (round(t, 1), round(d, 1)) for r, (t, d) in times.items()})
         groups = {name: weights for name, weights in model.linear_groups().items()
                   if all(isinstance(w, torch.Tensor) for w in weights)}  # dense products
         self.gemm.cache_dir = cache_dir

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from executor_svc.backends.cuda import CudaBackend, repack_int4
+from executor_svc.backends.cuda import _TUNING_LAYERS, CudaBackend, repack_int4
 from executor_svc.config import ExecutorConfig
 from executor_svc.model_loader import DTYPES, ModelSourceError, load_model
 from executor_svc.model_runner import ModelRunner
@@ -272,7 +272,7 @@ def _offline_backend() -> tuple[CudaBackend, list]:
     backend.device, backend.gemm, calls = torch.device("cpu"), _Tuner(), []
     backend._quant = SimpleNamespace(
         prepare=lambda *args: calls.append(("prepare", *args)),
-        tune_dequant_rows=lambda w, device: calls.append(("tune", len(w))) or (384, {}),
+        tune_dequant_rows=lambda w, device: calls.append(("tune", len(w))) or {},
         tile_choice=lambda device, dtype: {},
         NEVER=1 << 30,
         int4_linear=lambda x, w, bias=None: calls.append(("int4_linear", x, w, bias)) or "kernel")
@@ -287,8 +287,9 @@ def test_prepare_model_repacks_int4_once_and_tunes_only_dense_products(folders, 
     backend, calls = _offline_backend()
     backend.prepare_model(model, None, 512)
     largest = max(w.shape[0] * w.shape[1] for row in loaded for w in row)  # the scratch's size
+    tuned = min(len(model.layers), _TUNING_LAYERS)  # the first layers' products
     assert calls == [("prepare", torch.device("cpu"), largest, torch.bfloat16),
-                     ("tune", len(PROJECTIONS))]  # one layer's four products
+                     ("tune", len(PROJECTIONS) * tuned)]
     assert backend.gemm.groups == [["lm_head"], []]  # decode rows, then step rows (no lm_head)
     for layer, weights in zip(model.layers, loaded):
         for field, weight in zip(PROJECTIONS, weights):

@@ -369,9 +369,10 @@ def test_dequant_threshold_is_where_dequantizing_wins_from_there_up():
 
 
 def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
-    """16, 32 or 64 rows a CTA by the row count, from 33 rows the tile tuning measured fastest at
-    the largest candidate not above it (64 rows on mma.sync before tuning); the grid's third axis
-    counts the row tiles, the shared memory the tile's."""
+    """16, 32 or 64 rows a CTA by the row count, from 33 rows the tile tuning measured fastest for
+    the product's shape at the largest candidate not above it (64 rows on mma.sync before
+    tuning, and for a shape tuning did not time); the grid's third axis counts the row tiles,
+    the shared memory the tile's."""
     from pagedserve_kernels import quant
 
     launched = []
@@ -398,17 +399,23 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
     assert tiles() == [("w4a16_bf16_m16", 1, smem[1]), ("w4a16_bf16_m32", 1, smem[2]),
                        ("w4a16_bf16_m64", 1, smem[4]), ("w4a16_bf16_m64", 4, smem[4]),
                        ("w4a16_bf16_m64", 4, smem[4]), ("w4a16_bf16_m64", 16, smem[4])]
-    quant._tiles[(0, torch.bfloat16)] = {64: (64, ""), 128: (64, "wgp"), 256: (128, ""),
-                                         768: (128, "wgp")}
-    assert quant.tile_choice(0) == {64: "m64", 128: "wgp64", 256: "m128", 768: "wgp128"}
+    other = (2 * n, k)  # another shape, tuned to other tiles
+    quant._tiles[(0, torch.bfloat16)] = {
+        (n, k): {64: (64, ""), 128: (64, "wgp"), 256: (128, ""), 768: (128, "wgp")},
+        other: {64: (256, "wgt")}}
+    assert quant.tile_choice(0) == {(n, k): {64: "m64", 128: "wgp64", 256: "m128",
+                                             768: "wgp128"}, other: {64: "wgt256"}}
     assert quant.tile_choice(0, torch.float16) == {}  # tuned per dtype
     assert tiles()[2:] == [("w4a16_bf16_m64", 1, smem[4]),
                            ("w4a16_wgp_bf16_m64", 4, quant._smem_bytes(4, "wgp")),
                            ("w4a16_bf16_m128", 2, smem[8]),
                            ("w4a16_wgp_bf16_m128", 8, quant._smem_bytes(8, "wgp"))]
-    quant._tiles[(0, torch.bfloat16)] = {128: (128, "wgp")}  # below the smallest candidate: its
-    assert quant.tile_for(33, 0) == (128, "wgp") and quant.tile_for(32, 0) == (32, "")  # tile
-    assert quant.tile_for(33, 0, torch.float16) == quant.NARROW_TILE
+    assert quant.tile_for(300, 0, torch.bfloat16, other) == (256, "wgt")
+    assert quant.tile_for(300, 0, torch.bfloat16, (n, 2 * k)) == quant.NARROW_TILE  # not tuned
+    quant._tiles[(0, torch.bfloat16)] = {(n, k): {128: (128, "wgp")}}  # below the smallest
+    assert quant.tile_for(33, 0, shape=(n, k)) == (128, "wgp")  # candidate: its tile
+    assert quant.tile_for(32, 0, shape=(n, k)) == (32, "")
+    assert quant.tile_for(33, 0, torch.float16, (n, k)) == quant.NARROW_TILE
     assert smem[8] == 4 * (256 * 16 + 128 * 64 * 2 + 2 * 2 * 128 * 2)  # Cfg<8>::SMEM
     # WgCfg: 6 / 4 stages, 1 KiB to align; the fp32 output tile [rows][132] fits in the stages
     assert quant._smem_bytes(4, "wgp") == 6 * (256 * 16 + 64 * 128 + 1024) + 1024
@@ -422,6 +429,72 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
         assert 16 * mt * 132 * 4 <= smem - 1024
     assert [quant._threads(name) for name in ("w4a16_bf16_m64", "w4a16_wgp_bf16_m64",
                                               "w4a16_wgt_bf16_m256")] == [256, 256, 384]
+
+
+def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
+    """tune_dequant_rows times each shape on its own, all the weights of a shape (several
+    layers') in one graph, and each shape keeps its own fastest tile at every candidate row
+    count and its own dequantizing threshold; the tiles' agreement is checked on one weight of
+    each shape."""
+    from pagedserve_kernels import gemm, quant
+
+    def packed(n, k):
+        return quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                            torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+
+    narrow, wide = (128, 256), (512, 256)  # (N, K); three layers of each, interleaved
+    weights = [packed(*shape) for _ in range(3) for shape in (narrow, wide)]
+    timed: list = []
+
+    def kernel(x, w, bias, out, tile=None, splits=None):
+        timed.append(((w.n, w.k), x.shape[0], tile))
+        return out
+
+    def dequantized(x, w, bias, out, scratch):
+        timed.append(((w.n, w.k), x.shape[0], "dequantized"))
+        return out
+
+    def cost(shape, rows, way):
+        # narrow: the 64-row wgt tile wins everywhere; wide: the 256-row one from 256 rows, and
+        # dequantizing from 1,024; a graph's time is its products' sum
+        if way == "dequantized":
+            return rows * (0.5 if shape == wide and rows >= 1024 else 2.0)
+        if way == (64, "wgt"):
+            return rows * (0.8 if shape == narrow else 1.2)
+        if way == (256, "wgt"):
+            return rows * (1.1 if shape == narrow else (0.9 if rows >= 256 else 1.3))
+        return float(rows)
+
+    def graph_us(fn):
+        timed.clear()
+        fn()
+        assert len({entry[:2] for entry in timed}) == 1 and len(timed) == 3  # one shape's three
+        return sum(cost(*entry) for entry in timed)
+
+    monkeypatch.setattr(gemm, "graph_us", graph_us)
+    monkeypatch.setattr(quant, "_kernel_product", kernel)
+    monkeypatch.setattr(quant, "_dequantized_product", dequantized)
+    checked = []
+    monkeypatch.setattr(quant, "_agreeing_tiles", lambda w, dev, tiles: checked.append(
+        [(p.n, p.k) for p in w]) or list(tiles))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_tiles", {})
+    monkeypatch.setattr(quant, "_dequant_rows", {})
+    monkeypatch.setattr(quant, "_scratch", {(0, torch.bfloat16): torch.empty(512 * 256)})
+    monkeypatch.setattr(torch, "randn", lambda *size, **kw: torch.zeros(*size))
+    monkeypatch.setattr(torch, "empty", lambda *size, **kw: torch.zeros(*size))
+    tiles = ((64, ""), (64, "wgt"), (256, "wgt"))
+    tuned = quant.tune_dequant_rows(weights, "cuda", tiles)
+    assert sorted(tuned) == [narrow, wide]
+    assert quant.tile_choice(0)[narrow] == {rows: "wgt64" for rows in quant.TILE_CANDIDATES}
+    assert quant.tile_choice(0)[wide] == {rows: "m64" if rows < 256 else "wgt256"
+                                          for rows in quant.TILE_CANDIDATES}
+    assert tuned[narrow][0] == quant.NEVER and tuned[wide][0] == 1024
+    assert tuned[wide][1][2048] == (0.9 * 2048, 0.5 * 2048)  # a product's µs, not the graph's
+    assert quant._dequant_rows == {(0, *narrow): quant.NEVER, (0, *wide): 1024}
+    assert quant.tile_for(300, 0, torch.bfloat16, wide) == (256, "wgt")
+    assert quant.tile_for(300, 0, torch.bfloat16, narrow) == (64, "wgt")
+    assert checked == [[narrow, wide]]
 
 
 def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):

@@ -99,19 +99,19 @@ def _hopper(quant) -> bool:
 @pytest.fixture(params=[(128, ""), (64, "wgp"), (128, "wgp"), (64, "wgt"), (128, "wgt"),
                         (256, "wgt")],
                 ids=["m128", "wgp64", "wgp128", "wgt64", "wgt128", "wgt256"])
-def wide(quant, request):
-    """Each tile but the 64-row mma.sync one from 33 rows, as a tuning that found it faster at
-    every candidate sets it (the wgmma ones on Hopper only; "wgt" a candidate tuning does not
-    offer yet)."""
+def wide(quant, request, monkeypatch):
+    """Each tile but the 64-row mma.sync one from 33 rows, for every shape, as a tuning that
+    found it faster at every candidate would choose it (the wgmma ones on Hopper only)."""
     if request.param[1] and not _hopper(quant):
         pytest.skip("the wgmma kernels need the module built for sm_90a")
+    tile_for = quant.tile_for
+    monkeypatch.setattr(quant, "tile_for", lambda num_tokens, *args: (
+        tile_for(num_tokens, *args) if num_tokens <= 32 else request.param))
     index = torch.cuda.current_device()
     for dtype in (torch.bfloat16, torch.float16):
-        quant._tiles[(index, dtype)] = {64: request.param}
-        assert quant.tile_for(33, index, dtype) == request.param
-        assert quant.tile_for(32, index, dtype) == (32, "")
-    yield quant
-    quant._tiles.clear()
+        assert quant.tile_for(33, index, dtype, (128, 256)) == request.param
+        assert quant.tile_for(32, index, dtype, (128, 256)) == (32, "")
+    return quant
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -242,34 +242,45 @@ def test_large_row_counts_dequantize_then_multiply(scratch, m, n, k, group, asym
 
 
 def test_tuning_sets_the_threshold_the_products_follow(scratch):
-    """tune_dequant_rows times Llama-3-8B's four products in every tile at every candidate row
-    count and both ways from DEQUANT_CANDIDATES, takes each row count's fastest tile (every
-    tile the device runs agrees with the 64-row kernel: none was dropped) and sets the device's
-    threshold to dequant_threshold of those times; a product at the threshold then runs
-    dequantized (the scratch holds its weight), one below it the kernel."""
-    packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k))
-              for n, k in LLAMA]
-    device = torch.device("cuda")
+    """tune_dequant_rows times each of Llama-3-8B's four product shapes (two weights of each, in
+    one graph) in every tile at every candidate row count and both ways from
+    DEQUANT_CANDIDATES, takes each shape's fastest tile at each row count (every tile the device
+    runs agrees with the 64-row kernel: none was dropped) and sets each shape's threshold to
+    dequant_threshold of its times; a product at its threshold then runs dequantized (the
+    scratch holds its weight), one below it the kernel."""
+    packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k + copy))
+              for copy in range(2) for n, k in LLAMA]
+    device, index = torch.device("cuda"), torch.cuda.current_device()
     offered = scratch.TUNED_TILES
     runs = [t for t in offered if _hopper(scratch) or not t[1]]
-    assert scratch._agreeing_tiles(packed, device, offered) == runs
-    threshold, times = scratch.tune_dequant_rows(packed, tiles=offered)
-    chosen = scratch._tiles[(torch.cuda.current_device(), torch.bfloat16)]
-    print(scratch.tile_choice(), {rows: (round(k), round(d)) for rows, (k, d) in times.items()})
-    assert sorted(chosen) == list(scratch.TILE_CANDIDATES) and set(chosen.values()) <= set(runs)
-    for rows, tile in chosen.items():
-        assert scratch.tile_for(rows) == tile and scratch.tile_for(rows + 1) == tile
-    assert scratch.tile_for(33) == chosen[64] and scratch.tile_for(32) == (32, "")
-    assert sorted(times) == list(scratch.DEQUANT_CANDIDATES)
-    assert all(k > 0 and d > 0 for k, d in times.values())
-    assert threshold == scratch._dequant_rows[torch.cuda.current_device()]
-    assert threshold == scratch.dequant_threshold(times)
-    if threshold == scratch.NEVER:
-        return
-    held = scratch._scratch[(torch.cuda.current_device(), torch.bfloat16)]
-    for rows, dequantized in ((threshold - 1, False), (threshold, True)):
-        held.fill_(float("nan"))
-        x = torch.randn(rows, packed[1].k, device="cuda").to(torch.bfloat16)
-        scratch.int4_linear(x, packed[1])
-        weight = held[:packed[1].n * packed[1].k].view(packed[1].n, packed[1].k)
-        assert torch.equal(weight, scratch.dequantize(packed[1])) == dequantized, rows
+    assert scratch._agreeing_tiles(packed[:len(LLAMA)], device, offered) == runs
+    tuned = scratch.tune_dequant_rows(packed, tiles=offered)
+    table = scratch._tiles[(index, torch.bfloat16)]
+    print(scratch.tile_choice(), {shape: {rows: (round(k), round(d))
+                                          for rows, (k, d) in times.items()}
+                                  for shape, (_, times) in tuned.items()})
+    assert sorted(tuned) == sorted(table) == sorted(LLAMA)
+    for shape, (threshold, times) in tuned.items():
+        chosen = table[shape]
+        assert sorted(chosen) == list(scratch.TILE_CANDIDATES)
+        assert set(chosen.values()) <= set(runs)
+        for rows, tile in chosen.items():
+            assert scratch.tile_for(rows, shape=shape) == tile
+            assert scratch.tile_for(rows + 1, shape=shape) == tile
+        assert scratch.tile_for(33, shape=shape) == chosen[64]
+        assert scratch.tile_for(32, shape=shape) == (32, "")
+        assert sorted(times) == list(scratch.DEQUANT_CANDIDATES)
+        assert all(k > 0 and d > 0 for k, d in times.values())
+        assert threshold == scratch._dequant_rows[(index, *shape)]
+        assert threshold == scratch.dequant_threshold(times)
+    held = scratch._scratch[(index, torch.bfloat16)]
+    for w in packed[:len(LLAMA)]:
+        threshold = tuned[(w.n, w.k)][0]
+        if threshold == scratch.NEVER:
+            continue
+        for rows, dequantized in ((threshold - 1, False), (threshold, True)):
+            held.fill_(float("nan"))
+            x = torch.randn(rows, w.k, device="cuda").to(torch.bfloat16)
+            scratch.int4_linear(x, w)
+            weight = held[:w.n * w.k].view(w.n, w.k)
+            assert torch.equal(weight, scratch.dequantize(w)) == dequantized, (w.n, w.k, rows)

@@ -57,6 +57,9 @@ TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
                                  (64, "wgt"), (128, "wgt"), (256, "wgt"))
 # Tiles benchmarks and the GPU tests run but tuning does not offer yet (none now).
 CANDIDATE_TILES: tuple[Tile, ...] = ()
+# The row counts tuning picks tiles at by default; the executor adds its decode graphs' batch
+# sizes, so that a batch of 160 rows does not run the tile chosen for 128 (two row tiles of a
+# 128-row one where one 256-row tile would do).
 TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()
@@ -245,11 +248,13 @@ def tile_for(num_tokens: int, device: torch.device | int | None = None,
 
 
 def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None,
-                      tiles: tuple[Tile, ...] = TUNED_TILES
+                      tiles: tuple[Tile, ...] = TUNED_TILES,
+                      rows_list: tuple[int, ...] = TILE_CANDIDATES
                       ) -> dict[Shape, tuple[int, dict[int, tuple[float, float]]]]:
     """Times the products of `weights` in CUDA graphs, shape by shape, all weights of a shape in
     one graph (several layers' weights of a shape, so that they come from memory as a layer's
-    do, not from L2): in the kernel at each of TILE_CANDIDATES rows in every one of `tiles` the
+    do, not from L2): in the kernel at each of `rows_list` (with DEQUANT_CANDIDATES; counts
+    up to 32 left out: those run the 16- and 32-row tiles) rows in every one of `tiles` the
     device runs (wgmma: sm_90a) whose output agrees with the 64-row kernel's, and from
     DEQUANT_CANDIDATES rows also dequantized into prepare's scratch then multiplied by cuBLAS.
     Each candidate row count takes the shape's fastest tile (tile_for); the shape dequantizes
@@ -273,7 +278,7 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     for (n, k), group in by_shape.items():
         table.pop((n, k), None)
         chosen, kernel_us, dequantized = {}, {}, {}
-        for rows in TILE_CANDIDATES:
+        for rows in sorted({r for r in rows_list if r > 32} | set(DEQUANT_CANDIDATES)):
             x = torch.randn(rows, k, dtype=dtype, device=dev)
             out = torch.empty(rows, n, dtype=dtype, device=dev)
             timed = {tile: graph_us(lambda: [_kernel_product(x, w, None, out, tile)

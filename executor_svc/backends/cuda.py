@@ -273,8 +273,10 @@ class CudaBackend:
             self._quant.prepare(self.device, largest, model.embed_tokens.dtype)
             # each shape's row tiles, and where dequantizing into the scratch beats the kernel,
             # timed on the weights of a few layers (more than L2 holds, as a step reads them)
+            # at every decode graph's batch size
             tuned = self._quant.tune_dequant_rows(
-                [w for layer in packed[:_TUNING_LAYERS] for w in layer], self.device)
+                [w for layer in packed[:_TUNING_LAYERS] for w in layer], self.device,
+                rows_list=tuple(BATCH_SIZES) + self._quant.TILE_CANDIDATES)
             tiles = self._quant.tile_choice(self.device, model.embed_tokens.dtype)
             log.info("int4 kernels ready in %.2fs", time.perf_counter() - start)
             for (n, k), (rows, times) in tuned.items():

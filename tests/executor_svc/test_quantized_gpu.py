@@ -15,6 +15,7 @@ import torch
 
 from executor_svc.backends.cuda import _TUNING_LAYERS, CudaBackend, repack_int4
 from executor_svc.config import ExecutorConfig
+from executor_svc.cuda_graphs import BATCH_SIZES
 from executor_svc.model_loader import DTYPES, ModelSourceError, load_model
 from executor_svc.model_runner import ModelRunner
 from executor_svc.quantization import Int4Weight
@@ -272,7 +273,9 @@ def _offline_backend() -> tuple[CudaBackend, list]:
     backend.device, backend.gemm, calls = torch.device("cpu"), _Tuner(), []
     backend._quant = SimpleNamespace(
         prepare=lambda *args: calls.append(("prepare", *args)),
-        tune_dequant_rows=lambda w, device: calls.append(("tune", len(w))) or {},
+        tune_dequant_rows=lambda w, device, rows_list: calls.append(
+            ("tune", len(w), rows_list)) or {},
+        TILE_CANDIDATES=quant.TILE_CANDIDATES,
         tile_choice=lambda device, dtype: {},
         NEVER=1 << 30,
         int4_linear=lambda x, w, bias=None: calls.append(("int4_linear", x, w, bias)) or "kernel")
@@ -289,7 +292,7 @@ def test_prepare_model_repacks_int4_once_and_tunes_only_dense_products(folders, 
     largest = max(w.shape[0] * w.shape[1] for row in loaded for w in row)  # the scratch's size
     tuned = min(len(model.layers), _TUNING_LAYERS)  # the first layers' products
     assert calls == [("prepare", torch.device("cpu"), largest, torch.bfloat16),
-                     ("tune", len(PROJECTIONS) * tuned)]
+                     ("tune", len(PROJECTIONS) * tuned, BATCH_SIZES + quant.TILE_CANDIDATES)]
     assert backend.gemm.groups == [["lm_head"], []]  # decode rows, then step rows (no lm_head)
     for layer, weights in zip(model.layers, loaded):
         for field, weight in zip(PROJECTIONS, weights):

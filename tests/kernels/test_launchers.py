@@ -433,9 +433,9 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
 
 def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
     """tune_dequant_rows times each shape on its own, all the weights of a shape (several
-    layers') in one graph, and each shape keeps its own fastest tile at every candidate row
-    count and its own dequantizing threshold; the tiles' agreement is checked on one weight of
-    each shape."""
+    layers') in one graph, at the row counts given above 32 and where it times dequantizing,
+    and each shape keeps its own fastest tile at every one of them and its own dequantizing
+    threshold; the tiles' agreement is checked on one weight of each shape."""
     from pagedserve_kernels import gemm, quant
 
     def packed(n, k):
@@ -484,11 +484,13 @@ def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
     monkeypatch.setattr(torch, "randn", lambda *size, **kw: torch.zeros(*size))
     monkeypatch.setattr(torch, "empty", lambda *size, **kw: torch.zeros(*size))
     tiles = ((64, ""), (64, "wgt"), (256, "wgt"))
-    tuned = quant.tune_dequant_rows(weights, "cuda", tiles)
+    tuned = quant.tune_dequant_rows(weights, "cuda", tiles, (16, 160, 96))
+    # the given row counts above 32, with those where dequantizing is timed
+    candidates = sorted({96, 160} | set(quant.DEQUANT_CANDIDATES))
     assert sorted(tuned) == [narrow, wide]
-    assert quant.tile_choice(0)[narrow] == {rows: "wgt64" for rows in quant.TILE_CANDIDATES}
+    assert quant.tile_choice(0)[narrow] == {rows: "wgt64" for rows in candidates}
     assert quant.tile_choice(0)[wide] == {rows: "m64" if rows < 256 else "wgt256"
-                                          for rows in quant.TILE_CANDIDATES}
+                                          for rows in candidates}
     assert tuned[narrow][0] == quant.NEVER and tuned[wide][0] == 1024
     assert tuned[wide][1][2048] == (0.9 * 2048, 0.5 * 2048)  # a product's µs, not the graph's
     assert quant._dequant_rows == {(0, *narrow): quant.NEVER, (0, *wide): 1024}

@@ -310,20 +310,36 @@ def filtered_probs(logits: torch.Tensor, params: SamplingTensors | list[Sampling
 
 def filtered_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """The logits divided by the temperature, -inf on the tokens top-k, then top-p, then min-p
-    drop: a new [n, vocab] float32 tensor. A batch without filters skips the sort."""
+    drop: a new [n, vocab] float32 tensor. A batch without filters skips the sort; a batch with
+    them is filtered FILTER_ROWS rows at a time (each row on its own, so the same values)."""
     scaled = logits.float() / params.temperature  # [n, vocab]
     if not params.filters:
         return scaled
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [n, vocab]
+    for start in range(0, scaled.shape[0], FILTER_ROWS):
+        rows = slice(start, start + FILTER_ROWS)
+        _drop_filtered(scaled[rows], params.top_k[rows], params.top_p[rows], params.min_p[rows])
+    return scaled
+
+
+# Rows filtered at once: the sort's [rows, vocab] temporaries (values, int64 order, probs, their
+# running sums, masks) for 1,024 rows of a 128k vocabulary came to several GiB, which the memory
+# profile keeps from the KV cache twice (the eager sampler's peak and the decode graphs' pool).
+FILTER_ROWS = 256
+
+
+def _drop_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> None:
+    """-inf into scaled [rows, vocab] (a view, in place) where top-k, top-p or min-p drop."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [rows, vocab]
     rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
-    drop = rank >= params.top_k
+    drop = rank >= top_k
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Drop a token once the mass strictly before it already reaches top_p (keeps at least one).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= params.top_p
+    drop |= mass_before >= top_p
     # min-p: below that fraction of the most likely token's probability (a ratio no
     # renormalisation after top-k / top-p changes).
-    drop |= (sorted_logits - sorted_logits[:, :1]).exp() < params.min_p
+    drop |= (sorted_logits - sorted_logits[:, :1]).exp() < min_p
     drop[:, 0] = False
     mask = torch.empty_like(drop).scatter_(1, order, drop)  # back to vocab order
-    return scaled.masked_fill_(mask, float("-inf"))
+    scaled.masked_fill_(mask, float("-inf"))

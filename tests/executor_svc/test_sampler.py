@@ -2,8 +2,9 @@
 bias, penalties against transformers' processors, and raw logprobs."""
 import torch
 
+from executor_svc import sampler
 from executor_svc.sampler import (Sampler, SamplingTensors, controlled_logits, copy_to_host,
-                                  filtered_probs, from_host, top_from_host)
+                                  filtered_logits, filtered_probs, from_host, top_from_host)
 from executor_svc.step import SamplingOptions
 
 VOCAB = 50
@@ -60,6 +61,25 @@ def test_min_p_drops_tokens_below_fraction_of_max():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     probs = filtered_probs(logits, [SamplingOptions(temperature=1.0, min_p=0.25)])
     torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+def test_a_batch_filtered_in_parts_drops_what_each_row_drops_alone(monkeypatch):
+    """Past FILTER_ROWS rows the filters run a part at a time, each row with its own top-k,
+    top-p, min-p and temperature: every row comes out as it does filtered on its own."""
+    n = 2 * sampler.FILTER_ROWS + 37  # three parts, the last one short
+    logits = torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    options = [SamplingOptions(temperature=0.5 + (i % 7) / 4, top_k=(i * 13) % VOCAB,
+                               top_p=0.3 + (i % 5) / 8, min_p=(i % 3) / 20, seed=i)
+               for i in range(n)]
+    whole = filtered_logits(logits, SamplingTensors.build(options, [0] * n, VOCAB, logits.device))
+    for i in (0, sampler.FILTER_ROWS - 1, sampler.FILTER_ROWS, n - 1, *range(5, n, 41)):
+        alone = filtered_logits(logits[i:i + 1], SamplingTensors.build(
+            options[i:i + 1], [0], VOCAB, logits.device))
+        assert torch.equal(whole[i:i + 1], alone), i
+    assert (whole == float("-inf")).any(dim=1).all()  # every row dropped something
+    monkeypatch.setattr(sampler, "FILTER_ROWS", n)  # all at once: the same values
+    params = SamplingTensors.build(options, [0] * n, VOCAB, logits.device)
+    assert torch.equal(filtered_logits(logits, params), whole)
 
 
 def test_temperature_sharpens_and_flattens():

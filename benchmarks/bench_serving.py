@@ -258,6 +258,8 @@ def _services(args, name: str, scheduler_extra: tuple[str, ...] = ()):
         executor_args += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_dtype:
         executor_args += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.gpu_memory_utilization:
+        executor_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     scheduler_args = ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                       "--max-num-seqs", str(args.max_num_seqs),
                       "--max-steps-in-flight", str(args.max_steps_in_flight), *scheduler_extra]
@@ -522,6 +524,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "W4 reaches 5,115; vllm_w4.py runs vLLM at 8192)")
     p.add_argument("--kv-cache-dtype", default=None,
                    help="the executor's --kv-cache-dtype (default: its own, the model's dtype)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="the executor's --gpu-memory-utilization (default: its own)")
     p.add_argument("--swap-space", type=float, default=None,
                    help="executor swap space, GiB; default: 4 (W1, W2, W4), 32 (W3)")
     p.add_argument("--no-prefix-caching", action="store_true",

@@ -48,6 +48,7 @@ from bench_serving import (CONVERSATION_WORKLOADS, PREFIX_TTFT, WORKLOADS,  # no
 from conversations import ConversationsSpec, turn_lengths  # noqa: E402
 
 DEFAULT_PRESET = "llama3-8b"  # BENCHMARK.md's model
+VLLM_OFFLINE_UTILIZATION = 0.9  # offline_bench.py's and vllm_w4.py's gpu_memory_utilization
 W4_PRESETS = ("llama3-8b",)  # vllm_w4.py runs Llama-3-8B's shape only
 
 
@@ -425,7 +426,10 @@ def _parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list
         p.error(f"--quantization: {','.join(conversations)} runs unquantized (vllm_w4.py)")
     args.quant_folder = args.quant_dir / f"pagedserve-{args.preset}-{args.quantization}"
     model = str(args.quant_folder) if args.quantization else f"preset:{args.preset}"
-    args.pagedserve_args = ["--model", model, *args.pagedserve_args]
+    # vLLM's side (offline_bench.py) runs at 0.9 of the GPU's memory, not its server's default:
+    # ours at the same share
+    args.pagedserve_args = ["--model", model, "--gpu-memory-utilization",
+                            str(VLLM_OFFLINE_UTILIZATION), *args.pagedserve_args]
     args.vllm_args = []
     if args.quantization:
         args.vllm_args += ["--quantization", args.quantization]

@@ -21,7 +21,8 @@ class ExecutorConfig:
     kv_cache_dtype: str = "auto"
     num_gpu_blocks: int | None = None  # None = 1024 on cpu; cuda: sized from free memory
     swap_space_gib: float = 1.0  # CPU swap space (pinned on cuda)
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory weights + KV + activations may use
+    # share of the GPU's memory weights + KV + activations may use (vLLM's default)
+    gpu_memory_utilization: float = 0.92
     # Tokens and sequences in a step (step_limits.py): recommended to the scheduler and, on a GPU,
     # the largest step the memory profile and graphs are sized for; None = vLLM's rule for the device
     max_num_batched_tokens: int | None = None

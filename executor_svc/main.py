@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
             shown="1024 on cpu; cuda: sized from free memory")
     _option(p, "--swap-space", "GiB of CPU swap space for preempted sequences' pages", 1.0, float)
     _option(p, "--gpu-memory-utilization",
-            "cuda: share of GPU memory for weights, activations and the KV cache", 0.9, float)
+            "cuda: share of GPU memory for weights, activations and the KV cache (vLLM's default)",
+            0.92, float)
     _option(p, "--max-num-batched-tokens",
             "tokens in a step, recommended to the scheduler (which takes it unless its own flag is "
             "given); cuda: the largest step the memory profile leaves room for, and the scheduler "

@@ -51,6 +51,8 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "w4a16_wgp_bf16_m64", "w4a16_wgp_bf16_m128", "w4a16_wgp_fp16_m64", "w4a16_wgp_fp16_m128",
             "w4a16_wgt_bf16_m64", "w4a16_wgt_bf16_m128", "w4a16_wgt_bf16_m256",
             "w4a16_wgt_fp16_m64", "w4a16_wgt_fp16_m128", "w4a16_wgt_fp16_m256",
+            "w4a16_wgs_bf16_m64", "w4a16_wgs_bf16_m128", "w4a16_wgs_bf16_m256",
+            "w4a16_wgs_fp16_m64", "w4a16_wgs_fp16_m128", "w4a16_wgs_fp16_m256",
             "w4a16_fp16_m16", "w4a16_fp16_m32", "w4a16_fp16_m64", "w4a16_fp16_m128",
             "w4_dequant_bf16", "w4_dequant_fp16",
         ),

@@ -55,8 +55,10 @@ Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
 TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
                                  (64, "wgt"), (128, "wgt"), (256, "wgt"))
-# Tiles benchmarks and the GPU tests run but tuning does not offer yet (none now).
-CANDIDATE_TILES: tuple[Tile, ...] = ()
+# Tiles benchmarks and the GPU tests run but tuning does not offer yet: "wgs", the wgt tiles on
+# a stream-K grid (one CTA an SM, each an equal share of the tiles' K stages), so that no SM
+# idles through a last partial wave.
+CANDIDATE_TILES: tuple[Tile, ...] = ((64, "wgs"), (128, "wgs"), (256, "wgs"))
 # The row counts tuning picks tiles at by default; the executor adds its decode graphs' batch
 # sizes, so that a batch of 160 rows does not run the tile chosen for 128 (two row tiles of a
 # 128-row one where one 256-row tile would do).
@@ -64,6 +66,7 @@ TILE_CANDIDATES = (64, 128, 256, 384, 512, 768, 1024, 2048)
 
 _lock = threading.Lock()
 _workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_stream_k_parts: dict[int, torch.Tensor] = {}  # device -> the wgs kernels' fp32 parts
 _scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> flat weight
 Shape = tuple[int, int]  # a product's (N, K)
 # (device, N, K) -> the shape's measured threshold (tune_dequant_rows)
@@ -194,23 +197,28 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
                     splits: int | None = None) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
     tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp") and (64, 128
-    or 256, "wgt") on wgmma; None: tile_for's choice), K in `splits` parts (None:
+    or 256, "wgt" or "wgs") on wgmma; None: tile_for's choice), K in `splits` parts (None:
     split_k_choice's; a count past what the workspace or K allows is lowered to it:
-    bench_quant's --splits)."""
+    bench_quant's --splits; "wgs" shares K out itself)."""
     num_tokens, n = x.shape[0], packed.n
     kernel, mt, m_tiles, splits, split_stages = launch_shape(num_tokens, packed, x.device,
                                                              x.dtype, tile, splits)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
+    grid = (np_ // CTA_N, splits, m_tiles)
     ws_ptr = counters_ptr = 0
-    if splits > 1:
+    if _family(kernel) == "wgs":
+        grid = (stream_k_ctas(m_tiles * (np_ // CTA_N) * (kp // STAGE_K), x.device), 1, 1)
+        ws_ptr = _stream_k_workspace(x.device).data_ptr()
+        counters_ptr = _workspace(x.device)[1].data_ptr()
+    elif splits > 1:
         ws, counters = _workspace(x.device)
         ws_ptr, counters_ptr = ws.data_ptr(), counters.data_ptr()
     args = (out.data_ptr(), _i64(out.stride(0)), x.data_ptr(), _i64(x.stride(0)),
             packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.zeros),
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
-    _compile.launch("quant", kernel, x.device, (np_ // CTA_N, splits, m_tiles),
-                    (_threads(kernel), 1, 1), args, shared_mem=_smem_bytes(mt, _family(kernel)))
+    _compile.launch("quant", kernel, x.device, grid, (_threads(kernel), 1, 1), args,
+                    shared_mem=_smem_bytes(mt, _family(kernel)))
     return out
 
 
@@ -221,9 +229,13 @@ def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtyp
     row tiles, K splits, stages per split)."""
     rows, family = tile or tile_for(num_tokens, device, dtype, (packed.n, packed.k))
     mt = rows // 16
-    kernel = _kernel_name(dtype, rows, family)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     m_tiles = -(-num_tokens // (16 * mt))
+    if family == "wgs" and m_tiles * (np_ // CTA_N) > MAX_SPLIT_TILES:
+        family = "wgt"  # more tiles than arrival counters: the same tile without stream-K
+    kernel = _kernel_name(dtype, rows, family)
+    if family == "wgs":
+        return kernel, mt, m_tiles, 1, kp // STAGE_K
     splits, split_stages = _splits(kernel, device, m_tiles, np_ // CTA_N, kp // STAGE_K,
                                    num_tokens * np_, min(num_tokens, 16 * mt), splits)
     return kernel, mt, m_tiles, splits, split_stages
@@ -491,19 +503,19 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _family(kernel: str) -> str:
-    """A product kernel's family by its name: "" (mma.sync), "wgp" or "wgt" (wgmma)."""
-    return next((f for f in ("wgp", "wgt") if f"_{f}_" in kernel), "")
+    """A product kernel's family by its name: "" (mma.sync), "wgp", "wgt" or "wgs" (wgmma)."""
+    return next((f for f in ("wgp", "wgt", "wgs") if f"_{f}_" in kernel), "")
 
 
 def _threads(kernel: str) -> int:
-    return _WGT_THREADS if _family(kernel) == "wgt" else _THREADS
+    return _WGT_THREADS if _family(kernel) in ("wgt", "wgs") else _THREADS
 
 
 def _smem_bytes(mt: int, family: str = "") -> int:
     """Cfg<MT>::SMEM (WgCfg<MT>::SMEM, WtCfg<16 MT>::SMEM) of quant.cu: stages x (weights +
     activations + scales + zeros), with wgmma 1 KiB more to align the swizzled tiles."""
     stage = _THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2)
-    if family == "wgt":
+    if family in ("wgt", "wgs"):
         return _STAGES_WGT[mt] * stage + 1024
     return _STAGES_WG[mt] * stage + 1024 if family == "wgp" else _STAGES[mt] * stage
 
@@ -567,18 +579,39 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     return _resident[key]
 
 
+def stream_k_ctas(units: int, device: torch.device) -> int:
+    """The wgs kernels' grid: one CTA an SM (their shared memory and registers allow no more),
+    none without a K stage to share."""
+    return max(1, min(units, _sm_count(device)))
+
+
+def _stream_k_workspace(device: torch.device) -> torch.Tensor:
+    """The wgs kernels' parts: two 256 x 128 fp32 tiles a CTA (a share holds at most two tiles
+    it does not cover whole), allocated on first use."""
+    return _per_device(_stream_k_parts, device, "stream-K workspace",
+                       "run the product once before capturing it",
+                       lambda dev: torch.empty(2 * _sm_count(dev) * 256 * CTA_N,
+                                               dtype=torch.float32, device=dev))
+
+
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The device's split-K partials and per-tile arrival counters (zero between launches)."""
+    return _per_device(_workspaces, device, "split-K workspace",
+                       "call pagedserve_kernels.quant.prepare(device) first",
+                       lambda dev: (torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=dev),
+                                    torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=dev)))
+
+
+def _per_device(cache: dict, device: torch.device, what: str, remedy: str, make):
+    """cache[device index], made by make(device) on first use, never while capturing a graph
+    (nothing may be allocated then)."""
     index = _index(device)
-    found = _workspaces.get(index)
+    found = cache.get(index)
     if found is not None:
         return found
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the int4 split-K workspace is allocated while capturing a CUDA "
-                           "graph; call pagedserve_kernels.quant.prepare(device) first")
+        raise RuntimeError(f"the int4 {what} is allocated while capturing a CUDA graph; {remedy}")
     with _lock:
-        if index not in _workspaces:
-            dev = torch.device("cuda", index)
-            _workspaces[index] = (torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=dev),
-                                  torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=dev))
-        return _workspaces[index]
+        if index not in cache:
+            cache[index] = make(torch.device("cuda", index))
+        return cache[index]

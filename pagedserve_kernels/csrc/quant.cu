@@ -689,6 +689,73 @@ __device__ __forceinline__ void wgt_load(unsigned int st, int s, int p, int ncta
   }
 }
 
+// The producer's stage i (w4a16_wgt, w4a16_wgs): stage s of tile (ncta, m0) into buffer
+// i % STAGES, once the consumers released that buffer's previous fill (thread p of 128).
+template <typename T, int TOK>
+__device__ __forceinline__ void wgt_produce(int i, int s, int p, int ncta, int m0,
+                                            unsigned int smem0, unsigned int bars,
+                                            const T* __restrict__ x, long long x_stride,
+                                            const uint4* __restrict__ qw,
+                                            const T* __restrict__ scales,
+                                            const T* __restrict__ zeros, int M, int K, int Kp,
+                                            int Np, int group, int gshift) {
+  using C = WtCfg<TOK>;
+  const int b = i % C::STAGES;
+  ps::mbar_wait(bars + 8 * (C::STAGES + b), ((i / C::STAGES) & 1) ^ 1);
+  wgt_load<T, TOK>(smem0 + b * C::STAGE_BYTES, s, p, ncta, m0, x, x_stride, qw, scales, zeros, M,
+                   K, Kp >> 5, Np >> 5, group, gshift);
+  ps::cp_async_mbar_arrive(bars + 8 * b);
+}
+
+// One stage of the consumers' loop (w4a16_wgt, w4a16_wgs): wait for stage i, dequantize this
+// warp's A fragments from it, issue the warpgroup's MMAs, retire stage i - 1's MMAs and, when
+// `release`, give stage i - 1's buffer back to the producer.
+template <typename T, int TOK>
+__device__ __forceinline__ void wgt_step(int i, bool release, unsigned int (&a)[4][4],
+                                         float (&acc)[TOK / 2], unsigned int bars,
+                                         unsigned int smem0, const unsigned char* smem, int nbl,
+                                         int h, int lane, int g, bool has_zeros) {
+  using C = WtCfg<TOK>;
+  const int b = i % C::STAGES;
+  ps::mbar_wait(bars + 8 * b, (i / C::STAGES) & 1);  // stage i landed
+  ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
+  const unsigned char* st = smem + b * C::STAGE_BYTES;
+#pragma unroll
+  for (int kc = 0; kc < 2; ++kc) {  // k32 chunk kc: words 2h, 2h + 1 of this lane's uint4
+    const uint4 wq = *reinterpret_cast<const uint4*>(st + C::X_BYTES +
+                                                     ((nbl * 2 + kc) * 32 + lane) * 16);
+    const unsigned int q0 = h ? wq.z : wq.x, q1 = h ? wq.w : wq.y;
+    const int sidx = C::X_BYTES + C::W_BYTES + kc * 256 + (nbl * 32 + g * 4 + 2 * h) * 2;
+    const unsigned int sraw = *reinterpret_cast<const unsigned int*>(st + sidx);
+    const unsigned int s0w = dup_lo(sraw), s1w = dup_hi(sraw);
+    unsigned int z0w = Int4<T>::SYM_ZERO, z1w = Int4<T>::SYM_ZERO;
+    if (has_zeros) {
+      const unsigned int zraw = *reinterpret_cast<const unsigned int*>(st + sidx + C::S_BYTES);
+      z0w = dup_lo(zraw);
+      z1w = dup_hi(zraw);
+    }
+    // A fragments of k16 step kh: (row g, k 2t..) (row g + 8, k 2t..) (row g, k 2t + 8..)
+    // (row g + 8, k 2t + 8..): pairs 2 kh and 2 kh + 1 of words 2h and 2h + 1.
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh) {
+      a[2 * kc + kh][0] = Int4<T>::pair(q0 >> (8 * kh), z0w, s0w);
+      a[2 * kc + kh][1] = Int4<T>::pair(q1 >> (8 * kh), z1w, s1w);
+      a[2 * kc + kh][2] = Int4<T>::pair(q0 >> (8 * kh + 4), z0w, s0w);
+      a[2 * kc + kh][3] = Int4<T>::pair(q1 >> (8 * kh + 4), z1w, s1w);
+    }
+  }
+  // x tile as B, K-major: k16 step ks starts 32 ks bytes into each 128-byte row.
+  const unsigned long long x_desc = ps::wg_desc(smem0 + b * C::STAGE_BYTES, 16, 1024);
+  ps::fence_regs(acc);
+  ps::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wg_mma<T, TOK>(acc, a[ks], x_desc + ((ks * 32) >> 4));
+  ps::wgmma_commit();
+  ps::wgmma_wait<1>();  // stage i - 1's MMAs retired: its buffer and A fragments are free
+  ps::fence_regs(acc);
+  if (release) ps::mbar_arrive(bars + 8 * (C::STAGES + (i - 1) % C::STAGES));
+}
+
 template <typename T, int TOK>
 __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
                                           const T* __restrict__ x, long long x_stride,
@@ -727,13 +794,9 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
     ps::setmaxnreg_dec<PRODUCER_REGS>();
     const int cpg = group >> 5;
     const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
-    for (int i = 0; i < nst; ++i) {
-      const int b = i % C::STAGES;
-      ps::mbar_wait(bars + 8 * (C::STAGES + b), ((i / C::STAGES) & 1) ^ 1);
-      wgt_load<T, TOK>(smem0 + b * C::STAGE_BYTES, s0 + i, tid - THREADS, ncta, m0, x,
-                       x_stride, qw, scales, zeros, M, K, Kp >> 5, Np >> 5, group, gshift);
-      ps::cp_async_mbar_arrive(bars + 8 * b);
-    }
+    for (int i = 0; i < nst; ++i)
+      wgt_produce<T, TOK>(i, s0 + i, tid - THREADS, ncta, m0, smem0, bars, x, x_stride, qw,
+                          scales, zeros, M, K, Kp, Np, group, gshift);
     // wait_group covers only committed groups, and the copies were never committed.
     ps::cp_async_commit();
     ps::cp_async_wait<0>();  // leaves only once its copies, and so their arrivals, are complete
@@ -750,44 +813,7 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
 
   auto step = [&](int i, unsigned int (&a)[4][4]) {
-    const int b = i % C::STAGES;
-    ps::mbar_wait(bars + 8 * b, (i / C::STAGES) & 1);  // stage i landed
-    ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
-    const unsigned char* st = smem + b * C::STAGE_BYTES;
-#pragma unroll
-    for (int kc = 0; kc < 2; ++kc) {  // k32 chunk kc: words 2h, 2h + 1 of this lane's uint4
-      const uint4 wq = *reinterpret_cast<const uint4*>(st + C::X_BYTES +
-                                                       ((nbl * 2 + kc) * 32 + lane) * 16);
-      const unsigned int q0 = h ? wq.z : wq.x, q1 = h ? wq.w : wq.y;
-      const int sidx = C::X_BYTES + C::W_BYTES + kc * 256 + (nbl * 32 + g * 4 + 2 * h) * 2;
-      const unsigned int sraw = *reinterpret_cast<const unsigned int*>(st + sidx);
-      const unsigned int s0w = dup_lo(sraw), s1w = dup_hi(sraw);
-      unsigned int z0w = Int4<T>::SYM_ZERO, z1w = Int4<T>::SYM_ZERO;
-      if (has_zeros) {
-        const unsigned int zraw = *reinterpret_cast<const unsigned int*>(st + sidx + C::S_BYTES);
-        z0w = dup_lo(zraw);
-        z1w = dup_hi(zraw);
-      }
-      // A fragments of k16 step kh: (row g, k 2t..) (row g + 8, k 2t..) (row g, k 2t + 8..)
-      // (row g + 8, k 2t + 8..): pairs 2 kh and 2 kh + 1 of words 2h and 2h + 1.
-#pragma unroll
-      for (int kh = 0; kh < 2; ++kh) {
-        a[2 * kc + kh][0] = Int4<T>::pair(q0 >> (8 * kh), z0w, s0w);
-        a[2 * kc + kh][1] = Int4<T>::pair(q1 >> (8 * kh), z1w, s1w);
-        a[2 * kc + kh][2] = Int4<T>::pair(q0 >> (8 * kh + 4), z0w, s0w);
-        a[2 * kc + kh][3] = Int4<T>::pair(q1 >> (8 * kh + 4), z1w, s1w);
-      }
-    }
-    // x tile as B, K-major: k16 step ks starts 32 ks bytes into each 128-byte row.
-    const unsigned long long x_desc = ps::wg_desc(smem0 + b * C::STAGE_BYTES, 16, 1024);
-    ps::fence_regs(acc);
-    ps::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wg_mma<T, TOK>(acc, a[ks], x_desc + ((ks * 32) >> 4));
-    ps::wgmma_commit();
-    ps::wgmma_wait<1>();  // stage i - 1's MMAs retired: its buffer and A fragments are free
-    ps::fence_regs(acc);
-    if (i > 0) ps::mbar_arrive(bars + 8 * (C::STAGES + (i - 1) % C::STAGES));
+    wgt_step<T, TOK>(i, i > 0, a, acc, bars, smem0, smem, nbl, h, lane, g, has_zeros);
   };
   unsigned int a0[4][4], a1[4][4];  // stage i's fragments live until its MMAs retire
   int i = 0;
@@ -811,6 +837,165 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   sync_threads<true>();
   store_tile<T, TOK, C::OUT_STRIDE, true>(out, y, y_stride, bias, ws, counters, M, N, Np, m0,
                                           tid, ncta, blockIdx.y);
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel then
+#endif
+}
+
+// Stream-K on the wgt tile ("wgs", sm_90a): a persistent grid, each CTA an equal share of the
+// (tile, k-stage) iterations in tile order (tile t: row tile t / column blocks, column block t %
+// column blocks), so that no SM idles through a last partial wave. Its producer and consumers
+// run on across tiles without draining the pipeline. A tile inside one CTA's share is stored
+// as wgt stores it, but from registers: the stage buffers are already refilled for the next
+// tile. A tile whose stages two or more CTAs share: each writes its fp32 part into its own
+// slot of `ws` (slot 0 for the first tile of its share, 1 for the last: a share holds at most
+// two such), and the last to arrive (counters[tile], reset by it) sums the parts in CTA order
+// (deterministic) and stores y. `ws` holds 2 x gridDim.x x TOK x CTA_N floats.
+__device__ __forceinline__ long long wgs_start(long long units, int cta, int ctas) {
+  return units * cta / ctas;
+}
+__device__ __forceinline__ int wgs_cta_of(long long u, long long units, int ctas) {
+  int c = (int)(u * ctas / units);
+  while (c + 1 < ctas && wgs_start(units, c + 1, ctas) <= u) ++c;
+  while (c > 0 && wgs_start(units, c, ctas) > u) --c;
+  return c;
+}
+
+template <typename T, int TOK>
+__device__ __forceinline__ void wgs_store(T* __restrict__ y, long long y_stride,
+                                          const T* __restrict__ bias, const float (&acc)[TOK / 2],
+                                          int M, int N, int m0, int n0, int c, int w, int g,
+                                          int t) {
+#pragma unroll
+  for (int r = 0; r < TOK / 2; ++r) {
+    const int n = n0 + 64 * c + 16 * w + g + 8 * ((r >> 1) & 1);
+    const int m = m0 + 8 * (r >> 2) + 2 * t + (r & 1);
+    if (m < M && n < N)  // rounded once to nearest, as store2's pairs
+      y[(long long)m * y_stride + n] =
+          T(bias != nullptr ? acc[r] + static_cast<float>(bias[n]) : acc[r]);
+  }
+}
+
+template <typename T, int TOK>
+__device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
+                                          const T* __restrict__ x, long long x_stride,
+                                          const uint4* __restrict__ qw,
+                                          const T* __restrict__ scales,
+                                          const T* __restrict__ zeros, const T* __restrict__ bias,
+                                          float* __restrict__ ws, int* __restrict__ counters,
+                                          int M, int N, int K, int Kp, int Np, int group) {
+#if PS_HAS_WGMMA
+  using C = WtCfg<TOK>;
+  constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long s_bar[2 * C::STAGES];  // full[b], then empty[b]
+  __shared__ int s_last;
+  unsigned int dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < (unsigned int)C::SMEM) __trap();
+  const unsigned int raw_addr = ps::smem_addr(smem_raw);
+  const unsigned int smem0 = (raw_addr + 1023u) & ~1023u;
+  unsigned char* const smem = smem_raw + (smem0 - raw_addr);
+  const unsigned int bars = ps::smem_addr(s_bar);
+  const int tid = threadIdx.x, cta = blockIdx.x, ctas = gridDim.x;
+  const int S = Kp / STAGE_K, NBK = Np / CTA_N;
+  const long long units = (long long)NBK * ((M + TOK - 1) / TOK) * S;
+  const long long u0 = wgs_start(units, cta, ctas), u1 = wgs_start(units, cta + 1, ctas);
+  if (tid == 0) {
+    for (int b = 0; b < C::STAGES; ++b) {
+      ps::mbar_init(bars + 8 * b, 128);
+      ps::mbar_init(bars + 8 * (C::STAGES + b), THREADS);
+    }
+  }
+  __syncthreads();
+
+  if (tid >= THREADS) {  // the producer, through every tile of the share
+    ps::setmaxnreg_dec<PRODUCER_REGS>();
+    const int cpg = group >> 5;
+    const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
+    int i = 0;
+    for (long long u = u0; u < u1;) {
+      const int tile = (int)(u / S), sb = (int)(u - (long long)tile * S);
+      const int se = (int)min((long long)S, sb + (u1 - u));
+      for (int s = sb; s < se; ++s, ++i)
+        wgt_produce<T, TOK>(i, s, tid - THREADS, tile % NBK, (tile / NBK) * TOK, smem0, bars, x,
+                            x_stride, qw, scales, zeros, M, K, Kp, Np, group, gshift);
+      u += se - sb;
+    }
+    ps::cp_async_commit();
+    ps::cp_async_wait<0>();
+    return;
+  }
+  ps::setmaxnreg_inc<CONSUMER_REGS>();
+
+  const int c = __shfl_sync(0xffffffffu, tid >> 7, 0), w = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3, nbl = 2 * c + (w >> 1), h = w & 1;
+  const bool has_zeros = zeros != nullptr;
+  float acc[TOK / 2];
+  unsigned int a0[4][4], a1[4][4];
+  int i = 0;
+  for (long long u = u0; u < u1;) {
+    const int tile = (int)(u / S), sb = (int)(u - (long long)tile * S);
+    const int se = (int)min((long long)S, sb + (u1 - u));
+    const int n0 = (tile % NBK) * CTA_N, m0 = (tile / NBK) * TOK;
+#pragma unroll
+    for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
+    // the previous tile's last buffer was released after its MMAs retired: not again
+    const int i0 = i, i1 = i + (se - sb);
+    for (; i + 1 < i1; i += 2) {
+      wgt_step<T, TOK>(i, i > i0, a0, acc, bars, smem0, smem, nbl, h, lane, g, has_zeros);
+      wgt_step<T, TOK>(i + 1, true, a1, acc, bars, smem0, smem, nbl, h, lane, g, has_zeros);
+    }
+    if (i < i1) {
+      wgt_step<T, TOK>(i, i > i0, a0, acc, bars, smem0, smem, nbl, h, lane, g, has_zeros);
+      ++i;
+    }
+    ps::wgmma_wait<0>();
+    ps::fence_regs(acc);
+    ps::mbar_arrive(bars + 8 * (C::STAGES + (i1 - 1) % C::STAGES));
+    u += se - sb;
+    if (sb == 0 && se == S) {  // the whole tile in this share
+      wgs_store<T, TOK>(y, y_stride, bias, acc, M, N, m0, n0, c, w, g, t);
+      continue;
+    }
+    const long long tile_u = (long long)tile * S;
+    float* part = ws + (size_t)(2 * cta + (u0 >= tile_u ? 0 : 1)) * TOK * CTA_N;
+#pragma unroll
+    for (int r = 0; r < TOK / 2; ++r)
+      part[(8 * (r >> 2) + 2 * t + (r & 1)) * CTA_N + 64 * c + 16 * w + g + 8 * ((r >> 1) & 1)] =
+          acc[r];
+    __threadfence();  // the part visible device-wide before this CTA counts itself in
+    sync_threads<true>();
+    const int first = wgs_cta_of(tile_u, units, ctas);
+    const int last = wgs_cta_of(tile_u + S - 1, units, ctas);
+    if (tid == 0) {
+      s_last = atomicAdd(counters + tile, 1) == last - first;
+      if (s_last) counters[tile] = 0;  // every share has counted: ready for the next launch
+    }
+    sync_threads<true>();
+    if (!s_last) continue;
+    __threadfence();
+#pragma unroll
+    for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
+    for (int k = first; k <= last; ++k) {
+      const float* src = ws + (size_t)(2 * k + (wgs_start(units, k, ctas) >= tile_u ? 0 : 1)) *
+                                  TOK * CTA_N;
+      constexpr int BATCH = 32;  // loads in flight before their adds
+#pragma unroll
+      for (int r0 = 0; r0 < TOK / 2; r0 += BATCH) {
+        float v[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+          const int r = r0 + j;
+          v[j] = __ldcg(src + (8 * (r >> 2) + 2 * t + (r & 1)) * CTA_N + 64 * c + 16 * w + g +
+                        8 * ((r >> 1) & 1));
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) acc[r0 + j] += v[j];
+      }
+    }
+    wgs_store<T, TOK>(y, y_stride, bias, acc, M, N, m0, n0, c, w, g, t);
+  }
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
@@ -867,6 +1052,22 @@ PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m256, __nv_bfloat16, 256)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m64, __half, 64)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m128, __half, 128)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
+
+#define PS_QUANT_PRODUCT_WGS(NAME, T, TOK)                                                    \
+  extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK>::BLOCK, 1)                  \
+      NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
+           const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
+           int N, int K, int Kp, int Np, int group, int split_stages) {                        \
+    ps_quant::w4a16_wgs<T, TOK>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,          \
+                                counters, M, N, K, Kp, Np, group);                             \
+  }
+// Stream-K over the same tiles, a grid of one CTA an SM: candidate tiles (quant.py).
+PS_QUANT_PRODUCT_WGS(w4a16_wgs_bf16_m64, __nv_bfloat16, 64)
+PS_QUANT_PRODUCT_WGS(w4a16_wgs_bf16_m128, __nv_bfloat16, 128)
+PS_QUANT_PRODUCT_WGS(w4a16_wgs_bf16_m256, __nv_bfloat16, 256)
+PS_QUANT_PRODUCT_WGS(w4a16_wgs_fp16_m64, __half, 64)
+PS_QUANT_PRODUCT_WGS(w4a16_wgs_fp16_m128, __half, 128)
+PS_QUANT_PRODUCT_WGS(w4a16_wgs_fp16_m256, __half, 256)
 
 #define PS_QUANT_DEQUANT(NAME, T)                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                            \

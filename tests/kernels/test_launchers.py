@@ -524,6 +524,45 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]
 
 
+def test_stream_k_tiles_launch_one_cta_an_sm_with_their_parts(monkeypatch):
+    """A "wgs" tile launches min(SMs, tiles x K stages) CTAs of the wgt tile's 384 threads and
+    shared memory, with the stream-K parts and the arrival counters; with more tiles than
+    counters, the same tile without stream-K (wgt, split K as usual)."""
+    from pagedserve_kernels import quant
+
+    launched = []
+    monkeypatch.setattr(quant._compile, "launch",
+                        lambda module, kernel, device, grid, block, args, shared_mem=0:
+                        launched.append((kernel, grid, block[0], shared_mem, args[8], args[9])))
+    parts, (ws, counters) = torch.zeros(1), (torch.zeros(1), torch.zeros(1))
+    monkeypatch.setattr(quant, "_stream_k_workspace", lambda device: parts)
+    monkeypatch.setattr(quant, "_workspace", lambda device: (ws, counters))
+    monkeypatch.setattr(quant, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
+                        *_: (1, k_stages))
+
+    def product(m, n, k, tile):
+        packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                              torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+        launched.clear()
+        quant._kernel_product(torch.zeros(m, k, dtype=torch.bfloat16), packed, None,
+                              torch.empty(m, n, dtype=torch.bfloat16), tile)
+        return launched[0]
+
+    smem = quant._smem_bytes(8, "wgs")
+    assert smem == quant._smem_bytes(8, "wgt")
+    # 3 row tiles x 4 column blocks x 4 stages: fewer units than SMs
+    assert product(300, 512, 256, (128, "wgs")) == (
+        "w4a16_wgs_bf16_m128", (48, 1, 1), 384, smem, parts.data_ptr(), counters.data_ptr())
+    # Llama's gate/up at 256 rows: 224 tiles of 64 stages over 132 CTAs
+    assert product(256, 28672, 4096, (256, "wgs"))[:3] == ("w4a16_wgs_bf16_m256", (132, 1, 1),
+                                                           384)
+    monkeypatch.setattr(quant, "MAX_SPLIT_TILES", 8)  # 12 tiles: no counter for each
+    assert product(300, 512, 256, (128, "wgs")) == ("w4a16_wgt_bf16_m128", (4, 1, 3), 384,
+                                                    smem, 0, 0)
+
+
 def test_a_forced_split_count_keeps_within_k_and_the_workspace(monkeypatch):
     """bench_quant's --splits: `splits` replaces split_k_choice's count, lowered to what K (a
     split covers at least _MIN_SPLIT_STAGES stages) and the workspace allow, and the grid's

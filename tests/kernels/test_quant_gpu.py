@@ -97,8 +97,9 @@ def _hopper(quant) -> bool:
 
 
 @pytest.fixture(params=[(128, ""), (64, "wgp"), (128, "wgp"), (64, "wgt"), (128, "wgt"),
-                        (256, "wgt")],
-                ids=["m128", "wgp64", "wgp128", "wgt64", "wgt128", "wgt256"])
+                        (256, "wgt"), (64, "wgs"), (128, "wgs"), (256, "wgs")],
+                ids=["m128", "wgp64", "wgp128", "wgt64", "wgt128", "wgt256", "wgs64", "wgs128",
+                     "wgs256"])
 def wide(quant, request, monkeypatch):
     """Each tile but the 64-row mma.sync one from 33 rows, for every shape, as a tuning that
     found it faster at every candidate would choose it (the wgmma ones on Hopper only)."""

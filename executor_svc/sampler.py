@@ -250,7 +250,9 @@ class Sampler:
         if not params.all_greedy:
             # Gumbel-max: argmax of the filtered scaled logits plus -log(E), E ~ Exp(1), is the
             # exponential race argmax p / E without the softmax; dropped tokens stay -inf.
-            drawn = race_argmax(filtered_logits(logits, params), params.row_seeds)
+            # the controls' copy (not the model's logits, kept for logprobs) filtered in place
+            drawn = race_argmax(filtered_logits(logits, params, in_place=logits is not raw),
+                                params.row_seeds)
             token_ids = drawn if token_ids is None else torch.where(params.greedy, token_ids, drawn)
         logprobs = torch.log_softmax(raw, dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
         return token_ids, logprobs
@@ -308,11 +310,14 @@ def filtered_probs(logits: torch.Tensor, params: SamplingTensors | list[Sampling
     return filtered_logits(logits, params).softmax(dim=-1)
 
 
-def filtered_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+def filtered_logits(logits: torch.Tensor, params: SamplingTensors,
+                    in_place: bool = False) -> torch.Tensor:
     """The logits divided by the temperature, -inf on the tokens top-k, then top-p, then min-p
-    drop: a new [n, vocab] float32 tensor. A batch without filters skips the sort; a batch with
-    them is filtered FILTER_ROWS rows at a time (each row on its own, so the same values)."""
-    scaled = logits.float() / params.temperature  # [n, vocab]
+    drop: a new [n, vocab] float32 tensor (in_place: logits itself, float32, which the caller
+    no longer needs). A batch without filters skips the sort; a batch with them is filtered
+    FILTER_ROWS rows at a time (each row on its own, so the same values)."""
+    scaled = (logits.div_(params.temperature) if in_place
+              else logits.float() / params.temperature)  # [n, vocab]
     if not params.filters:
         return scaled
     for start in range(0, scaled.shape[0], FILTER_ROWS):

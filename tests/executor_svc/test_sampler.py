@@ -82,6 +82,21 @@ def test_a_batch_filtered_in_parts_drops_what_each_row_drops_alone(monkeypatch):
     assert torch.equal(filtered_logits(logits, params), whole)
 
 
+def test_sampling_with_controls_and_filters_leaves_the_callers_logits_alone():
+    """The controls' copy is filtered in place, never the logits the caller passed (the raw
+    logprobs come from them): with and without a control, the input is unchanged and the draws
+    are those of a fresh copy."""
+    logits = _logits(6, seed=5)
+    kept = logits.clone()
+    plain = [SamplingOptions(temperature=0.7, top_p=0.8, top_k=9, seed=s) for s in range(6)]
+    biased = [SamplingOptions(temperature=0.7, top_p=0.8, top_k=9, seed=s,
+                              logit_bias=((3, 2.0),)) for s in range(6)]
+    for options in (plain, biased):
+        tokens, logprobs = Sampler()(logits, options, [4] * 6)
+        assert torch.equal(logits, kept)
+        assert (tokens, logprobs) == Sampler()(kept.clone(), options, [4] * 6)
+
+
 def test_temperature_sharpens_and_flattens():
     logits = _logits(1, seed=3)
     cold = filtered_probs(logits, [SamplingOptions(temperature=0.1)])

@@ -689,6 +689,36 @@ __device__ __forceinline__ void wgt_load(unsigned int st, int s, int p, int ncta
   }
 }
 
+// The producer-fed kernels' start (w4a16_wgt, w4a16_wgs). The stage buffers' base, 1024-byte
+// aligned for the swizzle atoms, after checking the launch gave WtCfg::SMEM bytes (quant.py's
+// _smem_bytes mirrors it: a launch with less traps).
+template <int TOK>
+__device__ __forceinline__ unsigned int wgt_smem0(const unsigned char* smem_raw) {
+  unsigned int dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < (unsigned int)WtCfg<TOK>::SMEM) __trap();
+  return (ps::smem_addr(smem_raw) + 1023u) & ~1023u;
+}
+
+// The mbarriers, initialised before anyone waits on or arrives at them: full[b], then empty[b].
+template <int TOK>
+__device__ __forceinline__ void wgt_init_bars(unsigned int bars) {
+  using C = WtCfg<TOK>;
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < C::STAGES; ++b) {
+      ps::mbar_init(bars + 8 * b, 128);                    // full: one arrival a producer thread
+      ps::mbar_init(bars + 8 * (C::STAGES + b), THREADS);  // empty: one a consumer thread
+    }
+  }
+  __syncthreads();
+}
+
+// wgt_load's group shift: log2 of the k32 chunks a scale group spans, -1 if not a power of two.
+__device__ __forceinline__ int wgt_gshift(int group) {
+  const int cpg = group >> 5;
+  return (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
+}
+
 // The producer's stage i (w4a16_wgt, w4a16_wgs): stage s of tile (ncta, m0) into buffer
 // i % STAGES, once the consumers released that buffer's previous fill (thread p of 128).
 template <typename T, int TOK>
@@ -773,27 +803,16 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long s_bar[2 * C::STAGES];  // full[b], then empty[b]
-  unsigned int dyn_smem;  // quant.py's _smem_bytes mirrors WtCfg::SMEM: a launch with less traps
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (dyn_smem < (unsigned int)C::SMEM) __trap();
-  const unsigned int raw_addr = ps::smem_addr(smem_raw);
-  const unsigned int smem0 = (raw_addr + 1023u) & ~1023u;  // swizzle atoms: 1024-byte aligned
-  unsigned char* const smem = smem_raw + (smem0 - raw_addr);
+  const unsigned int smem0 = wgt_smem0<TOK>(smem_raw);
+  unsigned char* const smem = smem_raw + (smem0 - ps::smem_addr(smem_raw));
   const unsigned int bars = ps::smem_addr(s_bar);
   const int tid = threadIdx.x, ncta = blockIdx.x, m0 = blockIdx.z * TOK;
   const int s0 = blockIdx.y * split_stages, nst = min(Kp / STAGE_K - s0, split_stages);
-  if (tid == 0) {
-    for (int b = 0; b < C::STAGES; ++b) {
-      ps::mbar_init(bars + 8 * b, 128);                    // full: one arrival a producer thread
-      ps::mbar_init(bars + 8 * (C::STAGES + b), THREADS);  // empty: one a consumer thread
-    }
-  }
-  __syncthreads();  // the mbarriers are initialised before anyone waits on or arrives at them
+  wgt_init_bars<TOK>(bars);
 
   if (tid >= THREADS) {  // the producer: fill u of buffer b waits for release u - 1 (parity)
     ps::setmaxnreg_dec<PRODUCER_REGS>();
-    const int cpg = group >> 5;
-    const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
+    const int gshift = wgt_gshift(group);
     for (int i = 0; i < nst; ++i)
       wgt_produce<T, TOK>(i, s0 + i, tid - THREADS, ncta, m0, smem0, bars, x, x_stride, qw,
                           scales, zeros, M, K, Kp, Np, group, gshift);
@@ -890,29 +909,18 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long s_bar[2 * C::STAGES];  // full[b], then empty[b]
   __shared__ int s_last;
-  unsigned int dyn_smem;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (dyn_smem < (unsigned int)C::SMEM) __trap();
-  const unsigned int raw_addr = ps::smem_addr(smem_raw);
-  const unsigned int smem0 = (raw_addr + 1023u) & ~1023u;
-  unsigned char* const smem = smem_raw + (smem0 - raw_addr);
+  const unsigned int smem0 = wgt_smem0<TOK>(smem_raw);
+  unsigned char* const smem = smem_raw + (smem0 - ps::smem_addr(smem_raw));
   const unsigned int bars = ps::smem_addr(s_bar);
   const int tid = threadIdx.x, cta = blockIdx.x, ctas = gridDim.x;
   const int S = Kp / STAGE_K, NBK = Np / CTA_N;
   const long long units = (long long)NBK * ((M + TOK - 1) / TOK) * S;
   const long long u0 = wgs_start(units, cta, ctas), u1 = wgs_start(units, cta + 1, ctas);
-  if (tid == 0) {
-    for (int b = 0; b < C::STAGES; ++b) {
-      ps::mbar_init(bars + 8 * b, 128);
-      ps::mbar_init(bars + 8 * (C::STAGES + b), THREADS);
-    }
-  }
-  __syncthreads();
+  wgt_init_bars<TOK>(bars);
 
   if (tid >= THREADS) {  // the producer, through every tile of the share
     ps::setmaxnreg_dec<PRODUCER_REGS>();
-    const int cpg = group >> 5;
-    const int gshift = (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;
+    const int gshift = wgt_gshift(group);
     int i = 0;
     for (long long u = u0; u < u1;) {
       const int tile = (int)(u / S), sb = (int)(u - (long long)tile * S);

@@ -108,10 +108,12 @@ def wide(quant, request, monkeypatch):
     tile_for = quant.tile_for
     monkeypatch.setattr(quant, "tile_for", lambda num_tokens, *args: (
         tile_for(num_tokens, *args) if num_tokens <= 32 else request.param))
-    index = torch.cuda.current_device()
-    for dtype in (torch.bfloat16, torch.float16):
-        assert quant.tile_for(33, index, dtype, (128, 256)) == request.param
-        assert quant.tile_for(32, index, dtype, (128, 256)) == (32, "")
+    device = torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16):  # the products launch that tile from 33 rows
+        packed = quant.repack(*_int4(128, 256, 128, False, False, dtype, 1))
+        assert (quant.launch_shape(33, packed, device, dtype)[0]
+                == quant._kernel_name(dtype, *request.param))
+        assert quant.launch_shape(32, packed, device, dtype)[0] == quant._kernel_name(dtype, 32, "")
     return quant
 
 

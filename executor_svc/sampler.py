@@ -327,7 +327,7 @@ def filtered_logits(logits: torch.Tensor, params: SamplingTensors,
 
 
 # Rows filtered at once: the sort's [rows, vocab] temporaries (values, int64 order, probs, their
-# running sums, masks) for 1,024 rows of a 128k vocabulary came to several GiB, which the memory
+# running sums, masks) for 1,024 rows of a 128k vocabulary are several GiB, which the memory
 # profile keeps from the KV cache twice (the eager sampler's peak and the decode graphs' pool).
 FILTER_ROWS = 256
 

@@ -233,8 +233,8 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
     }
     return;
   }
-  // PER entries a thread, BATCH splits of each loaded before any is added: an entry at a time
-  // left a 256-row tile's thread waiting on L2 64 times in a row whatever the split count.
+  // PER entries a thread, BATCH splits of each loaded before any is added: entry by entry, a
+  // 256-row tile's thread would wait on L2 64 times in a row whatever the split count.
   // Each entry still adds its splits in split order, from 0, so the sums are the same bits as
   // above. These sizes keep the 64-row kernel at 128 registers (2 CTAs an SM).
   constexpr int PER = ROWS >= 128 ? 8 : 2, BATCH = ROWS >= 128 ? 2 : 4;

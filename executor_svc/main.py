@@ -144,6 +144,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
                     f"{action.option_strings[0]})")
     if not a.hello_timeout > 0:
         p.error(f"--hello-timeout must be > 0 seconds, got {a.hello_timeout}")
+    if not 0 < a.gpu_memory_utilization <= 1:  # nan fails too
+        p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
     for flag in ("--max-num-batched-tokens", "--max-num-seqs"):
         value = getattr(a, flag[2:].replace("-", "_"))
         if value is not None and not 1 <= value <= _MAX_STEP_LIMIT:

@@ -59,3 +59,19 @@ def test_a_step_limit_out_of_range_is_one_usage_line(flag, value, capsys):
     assert exited.value.code == 2
     assert (f"{flag} must be between 1 and {executor_main._MAX_STEP_LIMIT}, got {value}"
             in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.01", "5", "nan", "inf"])
+def test_a_memory_share_out_of_range_is_one_usage_line(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        executor_main.parse_config(["--gpu-memory-utilization", value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory-utilization must be in (0, 1]" in err and "Traceback" not in err
+
+
+def test_the_memory_share_defaults_to_vllms_and_takes_the_whole_range():
+    assert executor_main.parse_config([])[0].gpu_memory_utilization == 0.92
+    for value in ("1", "0.05"):
+        config = executor_main.parse_config(["--gpu-memory-utilization", value])[0]
+        assert config.gpu_memory_utilization == float(value)

@@ -43,7 +43,9 @@ DEQUANT_ROWS = 384
 DEQUANT_CANDIDATES = (128, 256, 384, 512, 768, 1024, 2048)  # the row counts tuning times
 NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 # A product's row tile: (rows a CTA takes, kernel family: "" mma.sync, "wgp" wgmma with the
-# dequantizing overlapping the warpgroup's own MMAs, "wgt" wgmma fed by a producer warpgroup).
+# dequantizing overlapping the warpgroup's own MMAs, "wgt" wgmma fed by a producer warpgroup,
+# "wgs" the wgt tile on a stream-K grid: one CTA an SM, each an equal share of the tiles' K
+# stages, so that no SM idles through a last partial wave).
 # Up to 32 rows, 16 or 32 on mma.sync; from 33, 64 on mma.sync unless tuning
 # (tune_dequant_rows) measured another of TUNED_TILES faster for the product's shape at the
 # largest of TILE_CANDIDATES not above the row count: larger tiles dequantize each weight tile
@@ -54,11 +56,10 @@ NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
 TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
-                                 (64, "wgt"), (128, "wgt"), (256, "wgt"))
-# Tiles benchmarks and the GPU tests run but tuning does not offer yet: "wgs", the wgt tiles on
-# a stream-K grid (one CTA an SM, each an equal share of the tiles' K stages), so that no SM
-# idles through a last partial wave.
-CANDIDATE_TILES: tuple[Tile, ...] = ((64, "wgs"), (128, "wgs"), (256, "wgs"))
+                                 (64, "wgt"), (128, "wgt"), (256, "wgt"),
+                                 (64, "wgs"), (128, "wgs"), (256, "wgs"))
+# Tiles benchmarks and the GPU tests run but tuning does not offer yet (none now).
+CANDIDATE_TILES: tuple[Tile, ...] = ()
 # The row counts tuning picks tiles at by default; the executor adds its decode graphs' batch
 # sizes, so that a batch of 160 rows does not run the tile chosen for 128 (two row tiles of a
 # 128-row one where one 256-row tile would do).

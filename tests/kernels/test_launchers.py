@@ -518,7 +518,8 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_90a")
     with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
         assert quant._agreeing_tiles([packed], torch.device("cpu")) == [
-            (64, ""), (128, ""), (64, "wgp"), (64, "wgt"), (128, "wgt"), (256, "wgt")]
+            (64, ""), (128, ""), (64, "wgp"), (64, "wgt"), (128, "wgt"), (256, "wgt"),
+            (64, "wgs"), (128, "wgs"), (256, "wgs")]
     assert "w4a16_wgp_bf16_m128 disagrees with w4a16_bf16_m64" in caplog.text
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_89")
     assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]

@@ -228,6 +228,8 @@ class CudaGraphs:
             self.step(key)
         torch.cuda.synchronize(self.device)
         self._keepalive = self.model.backend.graph_workspaces()
+        # what the captures add, against what the memory profile reserved for them
+        reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         for key in keys:
             graph = torch.cuda.CUDAGraph()
@@ -238,9 +240,11 @@ class CudaGraphs:
         if self.piecewise is not None:
             self.piecewise.capture(pool)
         seconds = time.perf_counter() - start
+        pool_gib = (torch.cuda.memory_reserved(self.device) - reserved) / 2**30
         log.info("captured %d graphs (decode batch sizes %s, masked up to %d seqs; small steps "
-                 "of %s tokens, up to %d seqs) in %.2fs", len(self.graphs), self.batch_sizes,
-                 self.max_masked_batch, self.token_sizes, self.max_seqs, seconds)
+                 "of %s tokens, up to %d seqs) in %.2fs, their memory pool %.2f GiB",
+                 len(self.graphs), self.batch_sizes, self.max_masked_batch, self.token_sizes,
+                 self.max_seqs, seconds, pool_gib)
         return seconds
 
     # -- replay ---------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention_metadata import build_attention_metadata
-from executor_svc.graph_sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, region_slots
+from executor_svc.graph_sampler import (MAX_CONTROLLED_BATCH, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
+                                        region_slots)
 from executor_svc.piecewise_graphs import PiecewiseGraphs
 from executor_svc.sampler import Sampler, SamplingTensors
 from executor_svc.step_limits import PIECEWISE_MAX_TOKENS
@@ -30,10 +31,10 @@ def graph_reserve_bytes(vocab_size: int, max_decode_batch: int, sampling_peak: i
                         max_logit_bias: int = MAX_LOGIT_BIAS) -> int:
     """Bytes the decode graphs and their sampling take after the KV cache is made, for batches
     of up to max_decode_batch rows: the pool's forward activations (a fixed allowance) and its
-    sampling peak (sampling_peak: measured eagerly on max_decode_batch rows with every control,
-    more than any captured variant needs), the float32 logits buffer, TokenCounts reserved for
-    the batch (int32 counts + prompt mask, ~0.6 GiB at 1,024 x 128k), and the sampler's outputs
-    and parameter region."""
+    sampling peak (sampling_peak: measured eagerly on the variants the graphs capture,
+    graph_sampling_peak), the float32 logits buffer, TokenCounts reserved for the batch (int32
+    counts + prompt mask, ~0.6 GiB at 1,024 x 128k), and the sampler's outputs and parameter
+    region."""
     logits = max_decode_batch * vocab_size * 4
     counts = TokenCounts.bytes_for(max_decode_batch, vocab_size)
     outputs = max_decode_batch * (8 + 4 + MAX_TOP_LOGPROBS * (8 + 4))
@@ -48,6 +49,7 @@ class MemoryProfile:
     activation_peak: int  # extra bytes the profiled forward + sampling allocated at peak
     sampling_peak: int  # of which the sampling of the full decode batch alone
     graph_reserve: int  # left for the decode graphs and their sampling (graph_reserve_bytes)
+    graph_sampling_peak: int  # of which their sampling (graph_sampling_peak)
     kv_bytes: int
     num_gpu_blocks: int
 
@@ -56,7 +58,7 @@ class MemoryProfile:
                 f"{self.used_after_weights / _GIB:.1f} GiB, activation peak "
                 f"{self.activation_peak / _GIB:.2f} GiB (sampling "
                 f"{self.sampling_peak / _GIB:.2f}), decode graphs {self.graph_reserve / _GIB:.2f} "
-                f"GiB -> KV cache {self.kv_bytes / _GIB:.1f} GiB = {self.num_gpu_blocks} blocks")
+                f"GiB (sampling {self.graph_sampling_peak / _GIB:.2f}) -> KV cache {self.kv_bytes / _GIB:.1f} GiB = {self.num_gpu_blocks} blocks")
 
 
 @torch.inference_mode()
@@ -79,12 +81,13 @@ def profile_num_gpu_blocks(model, block_size: int, block_bytes: int, utilization
     forward_peak = torch.cuda.max_memory_allocated(device)
     sampling_peak = profile_sampling(logits, counts)
     activation_peak = max(forward_peak, torch.cuda.max_memory_allocated(device)) - before
+    graph_sampling = graph_sampling_peak(logits, counts)
     del logits, counts
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
-    reserve = graph_reserve_bytes(cfg.vocab_size, max_decode_batch, sampling_peak)
+    reserve = graph_reserve_bytes(cfg.vocab_size, max_decode_batch, graph_sampling)
     # the piecewise graphs' static buffers (their activations share the pool's allowance)
     reserve += PiecewiseGraphs.buffer_bytes(
         cfg, min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS), model.embed_tokens.element_size())
@@ -96,8 +99,8 @@ def profile_num_gpu_blocks(model, block_size: int, block_bytes: int, utilization
             f"{activation_peak / _GIB:.2f} GiB of activations, {total / _GIB:.1f} GiB on the device "
             f"at utilization {utilization}; raise --gpu-memory-utilization or lower "
             f"--max-num-batched-tokens")
-    profile = MemoryProfile(total, used, activation_peak, sampling_peak, reserve, kv_bytes,
-                            num_blocks)
+    profile = MemoryProfile(total, used, activation_peak, sampling_peak, reserve, graph_sampling,
+                            kv_bytes, num_blocks)
     log.info("memory profile: %s", profile.line())
     return profile
 
@@ -121,12 +124,25 @@ def _profile_forward(model, block_size: int, num_tokens: int, num_rows: int,
     return model.compute_logits(hidden[rows])  # [num_rows, vocab]
 
 
+def graph_sampling_peak(logits: torch.Tensor, counts: TokenCounts,
+                        max_controlled_batch: int = MAX_CONTROLLED_BATCH) -> int:
+    """The most the decode graphs' sampling allocates (logits: [max decode batch, vocab]): their
+    controlled variant (every control) exists up to max_controlled_batch rows, the plain
+    sampled and greedy ones at every batch size. Measured on the variants themselves, not on
+    every control over the whole batch: that sort and those penalties are several GiB at 1,024
+    rows of a 128k vocabulary, which would stay out of the KV cache for nothing (0 off CUDA)."""
+    rows = min(max_controlled_batch, logits.shape[0])
+    return max(profile_sampling(logits[:rows], counts),
+               profile_sampling(logits, counts, controls=False))
+
+
 @torch.inference_mode()
-def profile_sampling(logits: torch.Tensor, counts: TokenCounts) -> int:
+def profile_sampling(logits: torch.Tensor, counts: TokenCounts, controls: bool = True) -> int:
     """Samples logits [n, vocab] with every control on every row (top-p, top-k, min-p, a logit
     bias, all three penalties over rows 0..n-1 of `counts`, 20 top logprobs), as the eager
-    Sampler and the graphs' widest variant do; returns the bytes it allocated at peak beyond
-    what was allocated before (0 off CUDA)."""
+    Sampler and the graphs' controlled variant do (controls=False: a temperature alone, the
+    graphs' sampled variant); returns the bytes it allocated at peak beyond what was allocated
+    before (0 off CUDA)."""
     n, vocab = logits.shape
     cuda = logits.device.type == "cuda"
     if cuda:
@@ -136,14 +152,16 @@ def profile_sampling(logits: torch.Tensor, counts: TokenCounts) -> int:
     options = [SamplingOptions(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=i,
                                logit_bias=((0, 1.0),), logprobs=MAX_TOP_LOGPROBS,
                                repetition_penalty=1.1, presence_penalty=0.1,
-                               frequency_penalty=0.1)
+                               frequency_penalty=0.1) if controls else
+               SamplingOptions(temperature=1.0, seed=i)
                for i in range(n)]
     params = SamplingTensors.build(options, list(range(n)), vocab, logits.device, counts,
                                    list(range(n)))
     sampler = Sampler()
     token_ids, _ = sampler.sample(logits, params)
-    counts.count(params.penalties.count_rows, token_ids)
-    sampler.top_logprobs(logits, min(params.num_top_logprobs, vocab))
+    if controls:
+        counts.count(params.penalties.count_rows, token_ids)
+        sampler.top_logprobs(logits, min(params.num_top_logprobs, vocab))
     if not cuda:
         return 0
     torch.cuda.synchronize(logits.device)

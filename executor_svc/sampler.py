@@ -13,6 +13,10 @@ from executor_svc.step import SamplingOptions
 from executor_svc.token_counts import TokenCounts
 
 _MASK64 = (1 << 64) - 1
+# Rows filtered or penalised at once: the sort's and the penalties' [rows, vocab] temporaries
+# (values, int64 order, probs, their running sums, masks) for 1,024 rows of a 128k vocabulary
+# are several GiB, which the memory profile keeps from the KV cache.
+FILTER_ROWS = 256
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -195,13 +199,18 @@ def _penalties(options: list[SamplingOptions], index: list[int], count_rows: lis
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     """In place on logits [n, vocab] float32: transformers' repetition penalty (a seen token's
     logit divided by it when positive, multiplied when not: the same float ops), then OpenAI's
-    frequency and presence penalties on the generated tokens, as vLLM applies them."""
-    rows = logits[p.index]  # [m, vocab]
-    generated = p.output_counts > 0
-    repetition = torch.where(p.prompt_mask | generated, p.repetition, 1.0)
-    rows = torch.where(rows < 0, rows * repetition, rows / repetition)
-    rows = rows - p.frequency * p.output_counts - p.presence * generated
-    logits.index_copy_(0, p.index, rows)
+    frequency and presence penalties on the generated tokens, as vLLM applies them. FILTER_ROWS
+    penalised rows at a time (each row on its own, so the same values): their [rows, vocab]
+    temporaries for every row at once would be the sampler's largest allocation."""
+    for start in range(0, p.index.shape[0], FILTER_ROWS):
+        part = slice(start, start + FILTER_ROWS)
+        index, counts = p.index[part], p.output_counts[part]
+        rows = logits[index]  # [rows, vocab]
+        generated = counts > 0
+        repetition = torch.where(p.prompt_mask[part] | generated, p.repetition[part], 1.0)
+        rows = torch.where(rows < 0, rows * repetition, rows / repetition)
+        rows = rows - p.frequency[part] * counts - p.presence[part] * generated
+        logits.index_copy_(0, index, rows)
 
 
 def add_logit_bias(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
@@ -326,10 +335,6 @@ def filtered_logits(logits: torch.Tensor, params: SamplingTensors,
     return scaled
 
 
-# Rows filtered at once: the sort's [rows, vocab] temporaries (values, int64 order, probs, their
-# running sums, masks) for 1,024 rows of a 128k vocabulary are several GiB, which the memory
-# profile keeps from the KV cache twice (the eager sampler's peak and the decode graphs' pool).
-FILTER_ROWS = 256
 
 
 def _drop_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

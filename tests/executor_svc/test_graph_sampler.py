@@ -16,7 +16,7 @@ import torch
 from executor_svc.graph_sampler import (
     CONTROLLED, GREEDY, SAMPLED, GraphSampler, StepSampling,
 )
-from executor_svc.memory_profile import graph_reserve_bytes, profile_sampling
+from executor_svc.memory_profile import graph_reserve_bytes, graph_sampling_peak, profile_sampling
 from executor_svc.sampler import Sampler, SamplingTensors
 from executor_svc.step import SamplingOptions
 from executor_svc.token_counts import TokenCounts
@@ -341,6 +341,18 @@ def test_profiled_sampling_runs_every_control_on_cpu():
     logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(5))
     assert profile_sampling(logits, counts) == 0  # no allocator to read off CUDA
     assert counts.output_counts.sum() == 8  # every row penalised: its sampled id counted
+
+
+def test_the_graphs_sampling_is_profiled_on_the_variants_they_capture():
+    """The decode graphs' reserve samples what they capture: every control on the controlled
+    variant's rows only (their sampled ids counted), a temperature alone on the whole batch."""
+    rows, controlled = 300, 256
+    counts = TokenCounts(VOCAB, torch.device("cpu"))
+    counts.reserve(rows)
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(6))
+    assert graph_sampling_peak(logits, counts, controlled) == 0  # no allocator off CUDA
+    assert counts.output_counts.sum() == controlled
+    assert not counts.output_counts[controlled:rows].any()
 
 
 # -- GPU: captured graphs replayed against the eager Sampler ----------------------------------

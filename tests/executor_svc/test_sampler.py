@@ -194,6 +194,31 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # row 1 generated nothing
 
 
+def test_a_batch_penalised_in_parts_equals_each_row_penalised_alone(monkeypatch):
+    """Past FILTER_ROWS penalised rows the penalties run a part at a time (every third row
+    unpenalised, so parts hold rows far apart): each row comes out as it does alone, and as
+    the whole batch at once."""
+    n = 2 * sampler.FILTER_ROWS + 37
+    logits = torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(8)) * 3
+    prompts = [[(i * 7 + j) % VOCAB for j in range(i % 5)] for i in range(n)]
+    outputs = [[(i * 11 + j * j) % VOCAB for j in range(i % 6)] for i in range(n)]
+    counts, rows = _counts(prompts, outputs)
+    options = [SamplingOptions() if i % 3 == 2 else
+               SamplingOptions(repetition_penalty=0.8 + (i % 4) / 5, presence_penalty=(i % 5) / 4,
+                               frequency_penalty=-(i % 3) / 3) for i in range(n)]
+    count_rows = [None if i % 3 == 2 else rows[i] for i in range(n)]
+    whole = controlled_logits(logits, SamplingTensors.build(options, [0] * n, VOCAB,
+                                                            logits.device, counts, count_rows))
+    for i in (0, 1, 2, sampler.FILTER_ROWS, n - 1, *range(4, n, 37)):
+        alone = controlled_logits(logits[i:i + 1], SamplingTensors.build(
+            options[i:i + 1], [0], VOCAB, logits.device, counts, count_rows[i:i + 1]))
+        assert torch.equal(whole[i:i + 1], alone), i
+    assert not torch.equal(whole, logits) and torch.equal(whole[2::3], logits[2::3])
+    monkeypatch.setattr(sampler, "FILTER_ROWS", n)  # all at once: the same values
+    assert torch.equal(controlled_logits(logits, SamplingTensors.build(
+        options, [0] * n, VOCAB, logits.device, counts, count_rows)), whole)
+
+
 def test_counts_follow_sampled_tokens_on_the_device():
     counts, rows = _counts([[1]], [[]])
     counts.count(torch.tensor([rows[0], rows[0]]), torch.tensor([4, 4]))

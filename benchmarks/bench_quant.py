@@ -205,6 +205,7 @@ def table(results: dict, rows_list) -> None:
     candidates = {_tile_name(tile) for tile in quant.CANDIDATE_TILES}
     tiles = sorted({key[5:-3] for r in results.values() for key in r
                     if key.startswith("int4_") and key != "int4_us"})
+
     def fastest(r: dict) -> float:  # the fastest route tuning may take for one product
         return min(v for key, v in r.items()
                    if key.startswith(("int4_", "dequant_")) and v is not None

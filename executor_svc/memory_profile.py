@@ -58,7 +58,8 @@ class MemoryProfile:
                 f"{self.used_after_weights / _GIB:.1f} GiB, activation peak "
                 f"{self.activation_peak / _GIB:.2f} GiB (sampling "
                 f"{self.sampling_peak / _GIB:.2f}), decode graphs {self.graph_reserve / _GIB:.2f} "
-                f"GiB (sampling {self.graph_sampling_peak / _GIB:.2f}) -> KV cache {self.kv_bytes / _GIB:.1f} GiB = {self.num_gpu_blocks} blocks")
+                f"GiB (sampling {self.graph_sampling_peak / _GIB:.2f}) -> KV cache "
+                f"{self.kv_bytes / _GIB:.1f} GiB = {self.num_gpu_blocks} blocks")
 
 
 @torch.inference_mode()

@@ -335,8 +335,6 @@ def filtered_logits(logits: torch.Tensor, params: SamplingTensors,
     return scaled
 
 
-
-
 def _drop_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor) -> None:
     """-inf into scaled [rows, vocab] (a view, in place) where top-k, top-p or min-p drop."""

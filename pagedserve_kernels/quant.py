@@ -58,7 +58,8 @@ NARROW_TILE: Tile = (64, "")
 TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
                                  (64, "wgt"), (128, "wgt"), (256, "wgt"),
                                  (64, "wgs"), (128, "wgs"), (256, "wgs"))
-# Tiles benchmarks and the GPU tests run but tuning does not offer yet (none now).
+# Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
+# a GPU has measured it.
 CANDIDATE_TILES: tuple[Tile, ...] = ()
 # The row counts tuning picks tiles at by default; the executor adds its decode graphs' batch
 # sizes, so that a batch of 160 rows does not run the tile chosen for 128 (two row tiles of a
@@ -205,9 +206,10 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     kernel, mt, m_tiles, splits, split_stages = launch_shape(num_tokens, packed, x.device,
                                                              x.dtype, tile, splits)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
+    family = _family(kernel)
     grid = (np_ // CTA_N, splits, m_tiles)
     ws_ptr = counters_ptr = 0
-    if _family(kernel) == "wgs":
+    if family == "wgs":
         grid = (stream_k_ctas(m_tiles * (np_ // CTA_N) * (kp // STAGE_K), x.device), 1, 1)
         ws_ptr = _stream_k_workspace(x.device).data_ptr()
         counters_ptr = _workspace(x.device)[1].data_ptr()
@@ -219,7 +221,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     _compile.launch("quant", kernel, x.device, grid, (_threads(kernel), 1, 1), args,
-                    shared_mem=_smem_bytes(mt, _family(kernel)))
+                    shared_mem=_smem_bytes(mt, family))
     return out
 
 

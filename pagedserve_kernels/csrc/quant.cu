@@ -623,10 +623,11 @@ __device__ __forceinline__ void dequant(T* __restrict__ w, const uint4* __restri
 // rows of x a CTA; at 256 a weight tile is read and dequantized once for up to 256 rows (the
 // other tiles redo both for every row tile). 3 warpgroups: warpgroup 2 produces (cp.async of a
 // stage's packed weights, x tile, scales and zero points into STAGES buffers under full/empty
-// mbarriers, then exits), 0 and 1 consume: y^T = W . x^T with W the A operand, dequantized in registers as in w4a16_wg, x the B
-// operand (TOK x 64 a stage, K-major, 128-byte swizzle). Warpgroup c multiplies columns 64c ..
-// 64c + 63 of the CTA's 128 by all TOK rows, one m64nTOK wgmma a k16 step: its warp w
-// dequantizes half w & 1 (words 2h, 2h + 1) of n32 block 2c + (w >> 1), columns 64c + 16w + r.
+// mbarriers, then exits), 0 and 1 consume: y^T = W . x^T with W the A operand, dequantized in
+// registers as in w4a16_wg, x the B operand (TOK x 64 a stage, K-major, 128-byte swizzle).
+// Warpgroup c multiplies columns 64c .. 64c + 63 of the CTA's 128 by all TOK rows, one m64nTOK
+// wgmma a k16 step: its warp w dequantizes half w & 1 (words 2h, 2h + 1) of n32 block
+// 2c + (w >> 1), columns 64c + 16w + r.
 // It dequantizes stage i while its MMAs of stage i - 1 run, and releases a stage once the MMAs
 // that read it retire. Same packed weights, grid (column blocks, splits, row tiles), split K and
 // epilogue as w4a16.
@@ -861,15 +862,18 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
 #endif
 }
 
-// Stream-K on the wgt tile ("wgs", sm_90a): a persistent grid, each CTA an equal share of the
-// (tile, k-stage) iterations in tile order (tile t: row tile t / column blocks, column block t %
-// column blocks), so that no SM idles through a last partial wave. Its producer and consumers
-// run on across tiles without draining the pipeline. A tile inside one CTA's share is stored
-// as wgt stores it, but from registers: the stage buffers are already refilled for the next
-// tile. A tile whose stages two or more CTAs share: each writes its fp32 part into its own
-// slot of `ws` (slot 0 for the first tile of its share, 1 for the last: a share holds at most
-// two such), and the last to arrive (counters[tile], reset by it) sums the parts in CTA order
-// (deterministic) and stores y. `ws` holds 2 x gridDim.x x TOK x CTA_N floats.
+// Stream-K on the wgt tile ("wgs", sm_90a): a persistent grid, each CTA an equal run of the
+// (tile, k-stage) units in tile order (tile t: row tile t / column blocks, column block t %
+// column blocks), so that no SM idles through a last partial wave. Producer and consumers run
+// on across tiles without draining the pipeline; a tile leaves from registers (the stage
+// buffers are already refilled for the next). A shared tile: the CTA holding its first stages
+// (the head, whose share ends in it, so it finishes there last) adds the others' fp32 parts to
+// its own accumulators and stores y; the others each write their part into their own slot of
+// `ws` (slot 0 for the first tile of their share, 1 for the last: a share holds at most two
+// shared tiles) and count themselves in (counters[tile]). A head that finds a part missing
+// writes its own and counts in too, and the last to count in sums. Either way the parts are
+// added in CTA order from zero, so the result does not depend on who sums. `ws` holds 2 x
+// gridDim.x x TOK x CTA_N floats.
 __device__ __forceinline__ long long wgs_start(long long units, int cta, int ctas) {
   return units * cta / ctas;
 }
@@ -878,6 +882,18 @@ __device__ __forceinline__ int wgs_cta_of(long long u, long long units, int ctas
   while (c + 1 < ctas && wgs_start(units, c + 1, ctas) <= u) ++c;
   while (c > 0 && wgs_start(units, c, ctas) > u) --c;
   return c;
+}
+
+// The next run of a share's units [u, u1) within one tile: (tile, first stage, stage end) into
+// the last three and u past it; false at the share's end.
+__device__ __forceinline__ bool wgs_next(int S, long long u1, long long& u, int& tile, int& sb,
+                                         int& se) {
+  if (u >= u1) return false;
+  tile = (int)(u / S);
+  sb = (int)(u - (long long)tile * S);
+  se = (int)min((long long)S, sb + (u1 - u));
+  u += se - sb;
+  return true;
 }
 
 template <typename T, int TOK>
@@ -892,6 +908,27 @@ __device__ __forceinline__ void wgs_store(T* __restrict__ y, long long y_stride,
     if (m < M && n < N)  // rounded once to nearest, as store2's pairs
       y[(long long)m * y_stride + n] =
           T(bias != nullptr ? acc[r] + static_cast<float>(bias[n]) : acc[r]);
+  }
+}
+
+// A thread's offset of accumulator r in a TOK x CTA_N fp32 part.
+template <int TOK>
+__device__ __forceinline__ int wgs_part_at(int r, int c, int w, int g, int t) {
+  return (8 * (r >> 2) + 2 * t + (r & 1)) * CTA_N + 64 * c + 16 * w + g + 8 * ((r >> 1) & 1);
+}
+
+// acc += the part at src, 32 loads in flight before their adds.
+template <int TOK>
+__device__ __forceinline__ void wgs_take_part(float (&acc)[TOK / 2], const float* src, int c,
+                                              int w, int g, int t) {
+  constexpr int BATCH = TOK == 256 ? 16 : 32;
+#pragma unroll
+  for (int r0 = 0; r0 < TOK / 2; r0 += BATCH) {
+    float v[BATCH];
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) v[j] = __ldcg(src + wgs_part_at<TOK>(r0 + j, c, w, g, t));
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) acc[r0 + j] += v[j];
   }
 }
 
@@ -915,21 +952,18 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
   const int tid = threadIdx.x, cta = blockIdx.x, ctas = gridDim.x;
   const int S = Kp / STAGE_K, NBK = Np / CTA_N;
   const long long units = (long long)NBK * ((M + TOK - 1) / TOK) * S;
-  const long long u0 = wgs_start(units, cta, ctas), u1 = wgs_start(units, cta + 1, ctas);
+  const long long u1 = wgs_start(units, cta + 1, ctas);
   wgt_init_bars<TOK>(bars);
 
-  if (tid >= THREADS) {  // the producer, through every tile of the share
+  if (tid >= THREADS) {  // the producer, through every run of the CTA's work
     ps::setmaxnreg_dec<PRODUCER_REGS>();
     const int gshift = wgt_gshift(group);
-    int i = 0;
-    for (long long u = u0; u < u1;) {
-      const int tile = (int)(u / S), sb = (int)(u - (long long)tile * S);
-      const int se = (int)min((long long)S, sb + (u1 - u));
+    int i = 0, tile, sb, se;
+    long long u = wgs_start(units, cta, ctas);
+    while (wgs_next(S, u1, u, tile, sb, se))
       for (int s = sb; s < se; ++s, ++i)
         wgt_produce<T, TOK>(i, s, tid - THREADS, tile % NBK, (tile / NBK) * TOK, smem0, bars, x,
                             x_stride, qw, scales, zeros, M, K, Kp, Np, group, gshift);
-      u += se - sb;
-    }
     ps::cp_async_commit();
     ps::cp_async_wait<0>();
     return;
@@ -941,14 +975,13 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
   const bool has_zeros = zeros != nullptr;
   float acc[TOK / 2];
   unsigned int a0[4][4], a1[4][4];
-  int i = 0;
-  for (long long u = u0; u < u1;) {
-    const int tile = (int)(u / S), sb = (int)(u - (long long)tile * S);
-    const int se = (int)min((long long)S, sb + (u1 - u));
+  int i = 0, tile, sb, se;
+  long long u = wgs_start(units, cta, ctas);
+  while (wgs_next(S, u1, u, tile, sb, se)) {
     const int n0 = (tile % NBK) * CTA_N, m0 = (tile / NBK) * TOK;
 #pragma unroll
     for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
-    // the previous tile's last buffer was released after its MMAs retired: not again
+    // the previous run's last buffer was released after its MMAs retired: not again
     const int i0 = i, i1 = i + (se - sb);
     for (; i + 1 < i1; i += 2) {
       wgt_step<T, TOK>(i, i > i0, a0, acc, bars, smem0, smem, nbl, h, lane, g, has_zeros);
@@ -961,47 +994,44 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
     ps::wgmma_wait<0>();
     ps::fence_regs(acc);
     ps::mbar_arrive(bars + 8 * (C::STAGES + (i1 - 1) % C::STAGES));
-    u += se - sb;
-    if (sb == 0 && se == S) {  // the whole tile in this share
+    if (sb == 0 && se == S) {  // a whole tile
       wgs_store<T, TOK>(y, y_stride, bias, acc, M, N, m0, n0, c, w, g, t);
       continue;
     }
     const long long tile_u = (long long)tile * S;
-    float* part = ws + (size_t)(2 * cta + (u0 >= tile_u ? 0 : 1)) * TOK * CTA_N;
-#pragma unroll
-    for (int r = 0; r < TOK / 2; ++r)
-      part[(8 * (r >> 2) + 2 * t + (r & 1)) * CTA_N + 64 * c + 16 * w + g + 8 * ((r >> 1) & 1)] =
-          acc[r];
-    __threadfence();  // the part visible device-wide before this CTA counts itself in
-    sync_threads<true>();
     const int first = wgs_cta_of(tile_u, units, ctas);
     const int last = wgs_cta_of(tile_u + S - 1, units, ctas);
-    if (tid == 0) {
-      s_last = atomicAdd(counters + tile, 1) == last - first;
-      if (s_last) counters[tile] = 0;  // every share has counted: ready for the next launch
+    // CTA k's part: slot 0 when the tile is its share's first, else 1
+    auto part_of = [&](int k) {
+      return ws + (size_t)(2 * k + (wgs_start(units, k, ctas) >= tile_u ? 0 : 1)) * TOK * CTA_N;
+    };
+    int from = first;  // the first part to add from ws
+    if (sb == 0) {  // the head: when every other part is in, it adds them to its own
+      sync_threads<true>();  // everyone has read s_last's previous value
+      if (tid == 0) {
+        s_last = atomicAdd(counters + tile, 0) == last - first;
+        if (s_last) counters[tile] = 0;  // every share has counted: ready for the next launch
+      }
+      sync_threads<true>();
+      if (s_last) from = first + 1;
     }
-    sync_threads<true>();
-    if (!s_last) continue;
+    if (from == first) {  // count in with a part; the last to do so sums
+      float* part = part_of(cta);
+#pragma unroll
+      for (int r = 0; r < TOK / 2; ++r) part[wgs_part_at<TOK>(r, c, w, g, t)] = acc[r];
+      __threadfence();  // the part visible device-wide before this CTA counts itself in
+      sync_threads<true>();
+      if (tid == 0) {
+        s_last = atomicAdd(counters + tile, 1) == last - first;
+        if (s_last) counters[tile] = 0;
+      }
+      sync_threads<true>();
+      if (!s_last) continue;
+    }
     __threadfence();
 #pragma unroll
-    for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
-    for (int k = first; k <= last; ++k) {
-      const float* src = ws + (size_t)(2 * k + (wgs_start(units, k, ctas) >= tile_u ? 0 : 1)) *
-                                  TOK * CTA_N;
-      constexpr int BATCH = 32;  // loads in flight before their adds
-#pragma unroll
-      for (int r0 = 0; r0 < TOK / 2; r0 += BATCH) {
-        float v[BATCH];
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          const int r = r0 + j;
-          v[j] = __ldcg(src + (8 * (r >> 2) + 2 * t + (r & 1)) * CTA_N + 64 * c + 16 * w + g +
-                        8 * ((r >> 1) & 1));
-        }
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) acc[r0 + j] += v[j];
-      }
-    }
+    for (int r = 0; r < TOK / 2; ++r) acc[r] = from == first ? 0.f : 0.f + acc[r];  // same bits
+    for (int k = from; k <= last; ++k) wgs_take_part<TOK>(acc, part_of(k), c, w, g, t);
     wgs_store<T, TOK>(y, y_stride, bias, acc, M, N, m0, n0, c, w, g, t);
   }
 #else

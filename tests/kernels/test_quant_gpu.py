@@ -136,6 +136,30 @@ def test_wide_tiles_llama_shapes(wide, m, n, k, group, asym, act_order, dtype):
         _check(wide, m, n, k, group, asym, act_order, dtype, bias=True)
 
 
+@pytest.mark.parametrize("tile,m", [((64, "wgs"), 40), ((256, "wgs"), 200)],
+                         ids=["wgs64", "wgs256"])
+@pytest.mark.parametrize("tiles", ["two_waves", "a_wave_and_3", "a_wave_and_a_half"])
+def test_stream_k_shares_at_tile_counts_around_the_grid(quant, monkeypatch, tile, m, tiles):
+    """The stream-K grid (one CTA an SM) at tile counts that give each CTA two whole tiles' K
+    stages, just over one tile's, and about one and a half: shares that start on, just past
+    and halfway into a tile, one to three CTAs a tile. Each against the reference, and again
+    bit for bit (the parts added in one order whoever sums them, the counters reset)."""
+    if not _hopper(quant):
+        pytest.skip("the wgmma kernels need the module built for sm_90a")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks = {"two_waves": 2 * sms, "a_wave_and_3": sms + 3,
+              "a_wave_and_a_half": sms + sms // 2 + 5}[tiles]
+    monkeypatch.setattr(quant, "tile_for", lambda num_tokens, *args: tile)
+    n = 128 * blocks
+    _check(quant, m, n, 1024, 128, True, False, torch.bfloat16, bias=True)
+    qweight, scales, zeros, group, perm = _int4(n, 1024, 128, False, False, torch.bfloat16, 9)
+    packed = quant.repack(qweight, scales, zeros, group, perm)
+    x = torch.randn(m, 1024, device="cuda").to(torch.bfloat16)
+    first = quant.int4_linear(x, packed).view(torch.int16)
+    for _ in range(3):
+        assert torch.equal(quant.int4_linear(x, packed).view(torch.int16), first)
+
+
 @pytest.mark.parametrize("m", [1, 40, 300])
 def test_bias_is_added_before_the_one_rounding(quant, m):
     _check(quant, m, 4096, 4096, 128, True, False, torch.bfloat16, bias=True)

@@ -78,6 +78,12 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
         packed = int4_weights(n, k, group, asym, copies_for(n * k // 2))
         scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
         for rows in rows_list:
+            # the 16- and 32-row tiles in each K part count tuning times (SMALL_TILES)
+            parts = {count: time_products(
+                lambda x, p, count=count: quant._kernel_product(
+                    x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device),
+                    None, count), packed, rows, k)
+                for count in quant.SPLIT_CANDIDATES} if rows <= 32 else {}
             out[f"{name} {rows}"] = {
                 "bf16_us": time_products(F.linear, dense, rows, k),
                 "int4_us": time_products(quant.int4_linear, packed, rows, k),
@@ -92,6 +98,8 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
                 # the untuned tile with K in each of --splits parts, beside the model's count
                 "splits": quant.launch_shape(rows, packed[0], torch.device("cuda"),
                                              torch.bfloat16)[3],
+                "int4_parts_us": min(parts.values()) if parts else None,
+                "parts": min(parts, key=parts.get) if parts else None,
                 **{f"int4_s{count}_us": time_products(
                     lambda x, p, count=count: quant._kernel_product(
                         x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device),
@@ -212,7 +220,7 @@ def table(results: dict, rows_list) -> None:
                    and not re.fullmatch(r"int4_s\d+_us", key)  # not a forced split
                    and key[5:-3] not in candidates)  # nor a candidate tile
 
-    print("| product | rows | K splits | bf16 µs | int4 µs | int4 vs bf16 | "
+    print("| product | rows | K splits (model, fastest tuned) | bf16 µs | int4 µs | int4 vs bf16 | "
           + "".join(f"int4, {t} µs | " for t in tiles)
           + "dequant+cuBLAS µs | ours, fastest µs | fastest vs bf16 | Marlin µs | "
           "ours (fastest) vs Marlin | Machete µs | ours (fastest) vs Machete |")
@@ -222,7 +230,8 @@ def table(results: dict, rows_list) -> None:
             if name == "layer":  # the four products of one decoder layer
                 parts = [results[f"{s} {rows}"] for s, _, _ in SHAPES]
                 r = {key: sum(p[key] for p in parts) for key in parts[0]
-                     if key != "splits" and all(p.get(key) is not None for p in parts)}
+                     if key not in ("splits", "parts")
+                     and all(p.get(key) is not None for p in parts)}
                 # tuning takes each shape's own fastest route, so the layer's is their sum
                 best = sum(fastest(p) for p in parts)
             else:
@@ -233,7 +242,10 @@ def table(results: dict, rows_list) -> None:
                 for key in ("marlin_us", "machete_us"))
             cells = ["-" if r.get(f"int4_{t}_us") is None else f"{r[f'int4_{t}_us']:.1f}"
                      for t in tiles]
-            print(f"| {name} | {rows} | {r.get('splits', '-')} | {r['bf16_us']:.1f} | "
+            split = r.get("splits", "-")
+            if r.get("parts"):  # and the count of the fastest tuning candidate
+                split = f"{split}, {r['parts']}"
+            print(f"| {name} | {rows} | {split} | {r['bf16_us']:.1f} | "
                   f"{r['int4_us']:.1f} | "
                   f"{r['bf16_us'] / r['int4_us']:.2f}x | " + "".join(c + " | " for c in cells)
                   + f"{r['dequant_cublas_us']:.1f} | {best:.1f} | {r['bf16_us'] / best:.2f}x | "

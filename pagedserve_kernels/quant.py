@@ -61,6 +61,11 @@ TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # a GPU has measured it.
 CANDIDATE_TILES: tuple[Tile, ...] = ()
+# K part counts tuning times for the 16- and 32-row tiles beside split_k_choice's own: even
+# parts of K (a power of two of its stages) can beat the model's count, which weighs waves of
+# thread blocks, not the uneven last part or the memory parallelism of more blocks.
+SPLIT_CANDIDATES = (1, 2, 4, 8, 16)
+SMALL_TILES = (16, 32)  # the row tiles of up to 32 rows, tuned at their full row count
 # The row counts tuning picks tiles at by default; the executor adds its decode graphs' batch
 # sizes, so that a batch of 160 rows does not run the tile chosen for 128 (two row tiles of a
 # 128-row one where one 256-row tile would do).
@@ -76,6 +81,9 @@ _dequant_rows: dict[tuple[int, int, int], int] = {}
 # (device, dtype) -> {(N, K): {TILE_CANDIDATES row count: its tile}}: tuned, and checked, per
 # dtype and shape
 _tiles: dict[tuple[int, torch.dtype], dict[Shape, dict[int, Tile]]] = {}
+# (device, dtype) -> {(N, K): {16 or 32: the K parts tuning measured fastest for that tile}}; a
+# tile without an entry keeps split_k_choice's count
+_split_counts: dict[tuple[int, torch.dtype], dict[Shape, dict[int, int]]] = {}
 _resident: dict[tuple[str, int], int] = {}
 
 
@@ -200,8 +208,9 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
     tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp") and (64, 128
     or 256, "wgt" or "wgs") on wgmma; None: tile_for's choice), K in `splits` parts (None:
-    split_k_choice's; a count past what the workspace or K allows is lowered to it:
-    bench_quant's --splits; "wgs" shares K out itself)."""
+    what tuning measured fastest for the 16- and 32-row tiles, else split_k_choice's; a count
+    past what the workspace or K allows is lowered to it: bench_quant's --splits; "wgs" shares
+    K out itself)."""
     num_tokens, n = x.shape[0], packed.n
     kernel, mt, m_tiles, splits, split_stages = launch_shape(num_tokens, packed, x.device,
                                                              x.dtype, tile, splits)
@@ -239,6 +248,9 @@ def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtyp
     kernel = _kernel_name(dtype, rows, family)
     if family == "wgs":
         return kernel, mt, m_tiles, 1, kp // STAGE_K
+    if splits is None and rows in SMALL_TILES and not family and _split_counts:
+        splits = _split_counts.get((_index(device), dtype), {}).get((packed.n, packed.k),
+                                                                    {}).get(rows)
     splits, split_stages = _splits(kernel, device, m_tiles, np_ // CTA_N, kp // STAGE_K,
                                    num_tokens * np_, min(num_tokens, 16 * mt), splits)
     return kernel, mt, m_tiles, splits, split_stages
@@ -268,8 +280,10 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
                       ) -> dict[Shape, tuple[int, dict[int, tuple[float, float]]]]:
     """Times the products of `weights` in CUDA graphs, shape by shape, all weights of a shape in
     one graph (several layers' weights of a shape, so that they come from memory as a layer's
-    do, not from L2): in the kernel at each of `rows_list` (with DEQUANT_CANDIDATES; counts
-    up to 32 left out: those run the 16- and 32-row tiles) rows in every one of `tiles` the
+    do, not from L2): the 16- and 32-row tiles at 16 and 32 rows in each of SPLIT_CANDIDATES
+    K parts and split_k_choice's, each tile keeping the fastest for the rows it serves; the
+    kernel at each of `rows_list` (with DEQUANT_CANDIDATES; counts up to 32 left out: those
+    run the 16- and 32-row tiles) rows in every one of `tiles` the
     device runs (wgmma: sm_90a) whose output agrees with the 64-row kernel's, and from
     DEQUANT_CANDIDATES rows also dequantized into prepare's scratch then multiplied by cuBLAS.
     Each candidate row count takes the shape's fastest tile (tile_for); the shape dequantizes
@@ -289,9 +303,22 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
         by_shape.setdefault((w.n, w.k), []).append(w)
     candidates = _agreeing_tiles([group[0] for group in by_shape.values()], dev, tiles)
     table = _tiles.setdefault((index, dtype), {})
+    split_table = _split_counts.setdefault((index, dtype), {})
     results = {}
     for (n, k), group in by_shape.items():
         table.pop((n, k), None)
+        split_table.pop((n, k), None)
+        counts = {}
+        for rows in SMALL_TILES:
+            x = torch.randn(rows, k, dtype=dtype, device=dev)
+            out = torch.empty(rows, n, dtype=dtype, device=dev)
+            timed = {count: graph_us(lambda: [_kernel_product(x, w, None, out, None, count)
+                                              for w in group])
+                     for count in (None, *SPLIT_CANDIDATES)}  # None: the model's, kept on a tie
+            best = min(timed, key=timed.get)
+            if best is not None:
+                counts[rows] = best
+        split_table[(n, k)] = counts
         chosen, kernel_us, dequantized = {}, {}, {}
         for rows in sorted({r for r in rows_list if r > 32} | set(DEQUANT_CANDIDATES)):
             x = torch.randn(rows, k, dtype=dtype, device=dev)
@@ -342,10 +369,14 @@ def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device,
 def tile_choice(device: torch.device | int | None = None,
                 dtype: torch.dtype = torch.bfloat16) -> dict[Shape, dict[int, str]]:
     """{(N, K): {candidate rows: the kernel tuning chose there}} ({} before tuning), for the
-    logs."""
-    return {shape: {rows: f"{family or 'm'}{cta_rows}"
-                    for rows, (cta_rows, family) in sorted(chosen.items())}
-            for shape, chosen in _tiles.get((_index(device), dtype), {}).items()}
+    logs; the 16- and 32-row tiles too where tuning chose their K parts ("m16/k8": 8 parts)."""
+    index = _index(device)
+    parts = _split_counts.get((index, dtype), {})
+    return {shape: {**{rows: f"m{rows}/k{count}"
+                       for rows, count in sorted(parts.get(shape, {}).items())},
+                    **{rows: f"{family or 'm'}{cta_rows}"
+                       for rows, (cta_rows, family) in sorted(chosen.items())}}
+            for shape, chosen in _tiles.get((index, dtype), {}).items()}
 
 
 def dequant_threshold(times: dict[int, tuple[float, float]]) -> int:

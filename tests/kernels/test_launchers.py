@@ -479,6 +479,7 @@ def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
         [(p.n, p.k) for p in w]) or list(tiles))
     monkeypatch.setattr(quant, "_index", lambda device: 0)
     monkeypatch.setattr(quant, "_tiles", {})
+    monkeypatch.setattr(quant, "_split_counts", {})
     monkeypatch.setattr(quant, "_dequant_rows", {})
     monkeypatch.setattr(quant, "_scratch", {(0, torch.bfloat16): torch.empty(512 * 256)})
     monkeypatch.setattr(torch, "randn", lambda *size, **kw: torch.zeros(*size))
@@ -497,6 +498,68 @@ def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
     assert quant.tile_for(300, 0, torch.bfloat16, wide) == (256, "wgt")
     assert quant.tile_for(300, 0, torch.bfloat16, narrow) == (64, "wgt")
     assert checked == [[narrow, wide]]
+
+
+def test_int4_tuning_takes_each_shapes_fastest_k_parts_for_the_small_tiles(monkeypatch):
+    """At 16 and 32 rows tune_dequant_rows times the 16- and 32-row tiles with K in each of
+    SPLIT_CANDIDATES parts and in split_k_choice's (None), a shape's weights in one graph; each
+    tile keeps its fastest count for its shape, the model's on a tie (no entry), and every row
+    count the tile serves then launches that count; tile_choice names it for the logs."""
+    from pagedserve_kernels import gemm, quant
+
+    def packed(n, k):
+        return quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                            torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+
+    narrow, wide = (128, 256), (512, 256)
+    weights = [packed(*shape) for _ in range(2) for shape in (narrow, wide)]
+    timed: list = []
+
+    def kernel(x, w, bias, out, tile=None, splits=None):
+        timed.append(((w.n, w.k), x.shape[0], tile, splits))
+        return out
+
+    def cost(shape, rows, tile, splits):
+        if tile is not None or rows > 32:
+            return 1.0
+        if shape == narrow:  # 8 parts at 16 rows; at 32 the model and 4 parts tie
+            return {8: 1.0, 4: 2.0, None: 2.0}.get(splits, 3.0) if rows == 16 else \
+                {4: 2.0, None: 2.0}.get(splits, 3.0)
+        return 1.0 if splits == 4 else 2.0  # wide: 4 parts at both
+
+    def graph_us(fn):
+        timed.clear()
+        fn()
+        assert len({entry[:2] for entry in timed}) == 1 and len(timed) == 2  # one shape's two
+        return sum(cost(*entry) for entry in timed)
+
+    monkeypatch.setattr(gemm, "graph_us", graph_us)
+    monkeypatch.setattr(quant, "_kernel_product", kernel)
+    monkeypatch.setattr(quant, "_dequantized_product", lambda x, w, bias, out, scratch: kernel(
+        x, w, bias, out, "dequantized"))
+    monkeypatch.setattr(quant, "_agreeing_tiles", lambda w, dev, tiles: list(tiles))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_tiles", {})
+    monkeypatch.setattr(quant, "_split_counts", {(0, torch.bfloat16): {(64, 64): {16: 2}}})
+    monkeypatch.setattr(quant, "_dequant_rows", {})
+    monkeypatch.setattr(quant, "_scratch", {(0, torch.bfloat16): torch.empty(512 * 256)})
+    monkeypatch.setattr(torch, "randn", lambda *size, **kw: torch.zeros(*size))
+    monkeypatch.setattr(torch, "empty", lambda *size, **kw: torch.zeros(*size))
+    quant.tune_dequant_rows(weights, "cuda", ((64, ""),), (64,))
+    assert quant._split_counts == {(0, torch.bfloat16): {(64, 64): {16: 2}, narrow: {16: 8},
+                                                         wide: {16: 4, 32: 4}}}
+    assert quant.tile_choice(0)[narrow] == {16: "m16/k8", **{
+        rows: "m64" for rows in sorted({64} | set(quant.DEQUANT_CANDIDATES))}}
+    forced = []
+    monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
+                        partial, tile_rows, count=None: forced.append(count) or (1, k_stages))
+    for rows in (1, 16, 17, 32, 33):
+        quant.launch_shape(rows, weights[0], "cuda", torch.bfloat16)  # narrow
+        quant.launch_shape(rows, weights[1], "cuda", torch.bfloat16)  # wide
+    assert forced == [8, 4, 8, 4, None, 4, None, 4, None, None]
+    quant.launch_shape(16, weights[0], "cuda", torch.bfloat16, None, 2)  # bench_quant's --splits
+    quant.launch_shape(16, weights[0], "cuda", torch.float16)  # tuned per dtype
+    assert forced[-2:] == [2, None]
 
 
 def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):

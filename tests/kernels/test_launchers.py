@@ -431,30 +431,59 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
                                               "w4a16_wgt_bf16_m256")] == [256, 256, 384]
 
 
+def _packed_int4(n: int, k: int):
+    from pagedserve_kernels import quant
+
+    return quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                        torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+
+
+def _offline_int4_tuning(monkeypatch, cost, weights_a_shape: int, split_counts=None) -> list:
+    """tune_dequant_rows without a GPU: every product records (shape, rows, its tile or
+    "dequantized", its K parts), a graph (one shape's weights, each once) takes cost() summed
+    over its products, every tile agrees. Returns the shapes whose agreement was checked."""
+    from pagedserve_kernels import gemm, quant
+
+    timed: list = []
+    checked: list = []
+
+    def kernel(x, w, bias, out, tile=None, splits=None):
+        timed.append(((w.n, w.k), x.shape[0], tile, splits))
+        return out
+
+    def graph_us(fn):
+        timed.clear()
+        fn()
+        assert len({entry[:2] for entry in timed}) == 1 and len(timed) == weights_a_shape
+        return sum(cost(*entry) for entry in timed)
+
+    monkeypatch.setattr(gemm, "graph_us", graph_us)
+    monkeypatch.setattr(quant, "_kernel_product", kernel)
+    monkeypatch.setattr(quant, "_dequantized_product", lambda x, w, bias, out, scratch: kernel(
+        x, w, bias, out, "dequantized"))
+    monkeypatch.setattr(quant, "_agreeing_tiles", lambda w, dev, tiles: checked.append(
+        [(p.n, p.k) for p in w]) or list(tiles))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_tiles", {})
+    monkeypatch.setattr(quant, "_split_counts", split_counts or {})
+    monkeypatch.setattr(quant, "_dequant_rows", {})
+    monkeypatch.setattr(quant, "_scratch", {(0, torch.bfloat16): torch.empty(512 * 256)})
+    monkeypatch.setattr(torch, "randn", lambda *size, **kw: torch.zeros(*size))
+    monkeypatch.setattr(torch, "empty", lambda *size, **kw: torch.zeros(*size))
+    return checked
+
+
 def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
     """tune_dequant_rows times each shape on its own, all the weights of a shape (several
     layers') in one graph, at the row counts given above 32 and where it times dequantizing,
     and each shape keeps its own fastest tile at every one of them and its own dequantizing
     threshold; the tiles' agreement is checked on one weight of each shape."""
-    from pagedserve_kernels import gemm, quant
-
-    def packed(n, k):
-        return quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
-                            torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+    from pagedserve_kernels import quant
 
     narrow, wide = (128, 256), (512, 256)  # (N, K); three layers of each, interleaved
-    weights = [packed(*shape) for _ in range(3) for shape in (narrow, wide)]
-    timed: list = []
+    weights = [_packed_int4(*shape) for _ in range(3) for shape in (narrow, wide)]
 
-    def kernel(x, w, bias, out, tile=None, splits=None):
-        timed.append(((w.n, w.k), x.shape[0], tile))
-        return out
-
-    def dequantized(x, w, bias, out, scratch):
-        timed.append(((w.n, w.k), x.shape[0], "dequantized"))
-        return out
-
-    def cost(shape, rows, way):
+    def cost(shape, rows, way, splits):
         # narrow: the 64-row wgt tile wins everywhere; wide: the 256-row one from 256 rows, and
         # dequantizing from 1,024; a graph's time is its products' sum
         if way == "dequantized":
@@ -465,25 +494,7 @@ def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
             return rows * (1.1 if shape == narrow else (0.9 if rows >= 256 else 1.3))
         return float(rows)
 
-    def graph_us(fn):
-        timed.clear()
-        fn()
-        assert len({entry[:2] for entry in timed}) == 1 and len(timed) == 3  # one shape's three
-        return sum(cost(*entry) for entry in timed)
-
-    monkeypatch.setattr(gemm, "graph_us", graph_us)
-    monkeypatch.setattr(quant, "_kernel_product", kernel)
-    monkeypatch.setattr(quant, "_dequantized_product", dequantized)
-    checked = []
-    monkeypatch.setattr(quant, "_agreeing_tiles", lambda w, dev, tiles: checked.append(
-        [(p.n, p.k) for p in w]) or list(tiles))
-    monkeypatch.setattr(quant, "_index", lambda device: 0)
-    monkeypatch.setattr(quant, "_tiles", {})
-    monkeypatch.setattr(quant, "_split_counts", {})
-    monkeypatch.setattr(quant, "_dequant_rows", {})
-    monkeypatch.setattr(quant, "_scratch", {(0, torch.bfloat16): torch.empty(512 * 256)})
-    monkeypatch.setattr(torch, "randn", lambda *size, **kw: torch.zeros(*size))
-    monkeypatch.setattr(torch, "empty", lambda *size, **kw: torch.zeros(*size))
+    checked = _offline_int4_tuning(monkeypatch, cost, 3)
     tiles = ((64, ""), (64, "wgt"), (256, "wgt"))
     tuned = quant.tune_dequant_rows(weights, "cuda", tiles, (16, 160, 96))
     # the given row counts above 32, with those where dequantizing is timed
@@ -505,19 +516,10 @@ def test_int4_tuning_takes_each_shapes_fastest_k_parts_for_the_small_tiles(monke
     SPLIT_CANDIDATES parts and in split_k_choice's (None), a shape's weights in one graph; each
     tile keeps its fastest count for its shape, the model's on a tie (no entry), and every row
     count the tile serves then launches that count; tile_choice names it for the logs."""
-    from pagedserve_kernels import gemm, quant
-
-    def packed(n, k):
-        return quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
-                            torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+    from pagedserve_kernels import quant
 
     narrow, wide = (128, 256), (512, 256)
-    weights = [packed(*shape) for _ in range(2) for shape in (narrow, wide)]
-    timed: list = []
-
-    def kernel(x, w, bias, out, tile=None, splits=None):
-        timed.append(((w.n, w.k), x.shape[0], tile, splits))
-        return out
+    weights = [_packed_int4(*shape) for _ in range(2) for shape in (narrow, wide)]
 
     def cost(shape, rows, tile, splits):
         if tile is not None or rows > 32:
@@ -527,24 +529,7 @@ def test_int4_tuning_takes_each_shapes_fastest_k_parts_for_the_small_tiles(monke
                 {4: 2.0, None: 2.0}.get(splits, 3.0)
         return 1.0 if splits == 4 else 2.0  # wide: 4 parts at both
 
-    def graph_us(fn):
-        timed.clear()
-        fn()
-        assert len({entry[:2] for entry in timed}) == 1 and len(timed) == 2  # one shape's two
-        return sum(cost(*entry) for entry in timed)
-
-    monkeypatch.setattr(gemm, "graph_us", graph_us)
-    monkeypatch.setattr(quant, "_kernel_product", kernel)
-    monkeypatch.setattr(quant, "_dequantized_product", lambda x, w, bias, out, scratch: kernel(
-        x, w, bias, out, "dequantized"))
-    monkeypatch.setattr(quant, "_agreeing_tiles", lambda w, dev, tiles: list(tiles))
-    monkeypatch.setattr(quant, "_index", lambda device: 0)
-    monkeypatch.setattr(quant, "_tiles", {})
-    monkeypatch.setattr(quant, "_split_counts", {(0, torch.bfloat16): {(64, 64): {16: 2}}})
-    monkeypatch.setattr(quant, "_dequant_rows", {})
-    monkeypatch.setattr(quant, "_scratch", {(0, torch.bfloat16): torch.empty(512 * 256)})
-    monkeypatch.setattr(torch, "randn", lambda *size, **kw: torch.zeros(*size))
-    monkeypatch.setattr(torch, "empty", lambda *size, **kw: torch.zeros(*size))
+    _offline_int4_tuning(monkeypatch, cost, 2, {(0, torch.bfloat16): {(64, 64): {16: 2}}})
     quant.tune_dequant_rows(weights, "cuda", ((64, ""),), (64,))
     assert quant._split_counts == {(0, torch.bfloat16): {(64, 64): {16: 2}, narrow: {16: 8},
                                                          wide: {16: 4, 32: 4}}}

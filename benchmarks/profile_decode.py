@@ -17,12 +17,19 @@ step of the same seq; with --decodes D, the chunk beside D one-token seqs (a mix
     PYTHONPATH=. python3 benchmarks/profile_decode.py --batch 128 --mixed 544 --skip-decode \
         --variants fused piecewise    (eager against the piecewise graphs, same step)
 
+The model is prepared as the executor prepares it before serving (int4 weights repacked and their
+tiles tuned, GEMM algorithms chosen), so `--model` may be a quantized folder (AWQ, GPTQ, FP8):
+
+    PYTHONPATH=. python3 benchmarks/profile_decode.py --model /tmp/qawq/pagedserve-llama3-8b-awq \
+        --batch 128 256 512
+
 Floor printed beside it: weights + this batch's K/V read once at the copy bandwidth measured in the
 same run. GPU only.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -239,10 +246,15 @@ def main() -> None:
                         "launches), piecewise (mixed and prompt steps through the piecewise "
                         "graphs, as the executor serves steps up to their ceiling)")
     p.add_argument("--rounds", type=int, default=1, help="time the variants in turn this often")
+    p.add_argument("--gemm-cache", help="keep the GEMM choices here (the executor's "
+                   "--fingerprint-cache-dir); default: chosen again each run")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     backend = CudaBackend()
     model, config, _, _ = load_model(args.model, torch.bfloat16, backend.device, 0, backend)
+    # as the executor does before it serves: int4 weights repacked and their tiles tuned, the
+    # dense products' GEMM algorithms chosen
+    backend.prepare_model(model, args.gemm_cache, 8192)
     width = 4096 // BLOCK_SIZE  # the executor's graph width at max_model_len 4096
     rng = random.Random(0)
     lens_of = {batch: [rng.randint(*args.context) for _ in range(batch)] for batch in args.batch}
@@ -384,7 +396,11 @@ def _kv_token_bytes(model) -> int:
 def _weights(model) -> list[torch.Tensor]:
     tensors = [model.norm, model.lm_head]  # of the embedding only the batch's rows are read
     for layer in model.layers:
-        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif dataclasses.is_dataclass(value):  # a quantized linear's tensors (int4, FP8)
+                tensors += [t for t in vars(value).values() if isinstance(t, torch.Tensor)]
     return tensors
 
 

@@ -79,6 +79,14 @@ LAZY: frozenset[str] = frozenset({"quant", "kv_fp8"})
 # defined that adds them to it, compiled on their first launch, never by warmup().
 # module name -> (source file, the macro, the candidate kernels it adds)
 ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    # the producer-fed W4A16 tiles recording when each run of K stages starts, retires and is
+    # out (benchmarks/trace_quant.py); the same kernels as quant's otherwise
+    "quant_trace": (
+        "quant.cu",
+        "PS_QUANT_TRACE",
+        tuple(f"w4a16_{family}_{dtype}_m{rows}" for family in ("wgt", "wgs")
+              for dtype in ("bf16", "fp16") for rows in (64, 128, 256)),
+    ),
     "attention_variants": (
         "attention.cu",
         "PS_VARIANTS",

@@ -11,6 +11,53 @@ constexpr int THREADS = 256;  // 8 warps: 4 along N (32 columns each) x 2 along 
 constexpr int CTA_N = 128;
 constexpr int STAGE_K = 64;   // one k32 chunk per K warp
 
+#ifdef PS_QUANT_TRACE
+// Diagnostics only (module "quant_trace", benchmarks/trace_quant.py): for each CTA and run of K
+// stages of the wgt and wgs kernels, consumer thread 0 records the SM, the stages, how the
+// output left (TRACE_*), clock64 and globaltimer at the run's start, clock64 when its MMAs
+// retired, and clock64 and globaltimer when its output was out.
+constexpr int TRACE_RUNS = 8, TRACE_FIELDS = 6;
+enum { TRACE_STORED = 1, TRACE_PART = 2, TRACE_HEAD_SUM = 3, TRACE_LAST_SUM = 4 };
+__device__ unsigned long long ps_quant_trace[4096 * TRACE_RUNS * TRACE_FIELDS];
+__device__ __forceinline__ unsigned long long trace_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+struct TraceRun {
+  unsigned long long* slot;
+  unsigned long long start, start_ns, mma;
+  __device__ __forceinline__ TraceRun(int cta, int run) {
+    slot = run < TRACE_RUNS && cta < 4096 && threadIdx.x == 0
+               ? ps_quant_trace + ((size_t)cta * TRACE_RUNS + run) * TRACE_FIELDS
+               : nullptr;
+    start_ns = trace_globaltimer();
+    start = clock64();
+    mma = 0;
+  }
+  __device__ __forceinline__ void retired() { mma = clock64(); }
+  __device__ __forceinline__ void out(int stages, int how) const {
+    if (slot == nullptr) return;
+    const unsigned long long end = clock64(), end_ns = trace_globaltimer();
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    slot[0] = sm | (unsigned long long)stages << 16 | (unsigned long long)how << 48;
+    slot[1] = start;
+    slot[2] = mma;
+    slot[3] = end;
+    slot[4] = start_ns;
+    slot[5] = end_ns;
+  }
+};
+#define PS_TRACE_RUN(cta, run) TraceRun trace_run(cta, run)
+#define PS_TRACE_RETIRED() trace_run.retired()
+#define PS_TRACE_OUT(stages, how) trace_run.out(stages, how)
+#else
+#define PS_TRACE_RUN(cta, run)
+#define PS_TRACE_RETIRED()
+#define PS_TRACE_OUT(stages, how)
+#endif
+
 // (q & mask) | base in one instruction, where the compiler emits an AND and an OR: it runs for
 // every pair of weights, and at small row counts the loop is mostly such instructions.
 template <unsigned int BASE>
@@ -823,6 +870,7 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
     return;
   }
   ps::setmaxnreg_inc<CONSUMER_REGS>();
+  PS_TRACE_RUN(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), 0);
 
   // c by shuffle: provably warp-uniform, so the descriptors stay in uniform registers
   const int c = __shfl_sync(0xffffffffu, tid >> 7, 0), w = (tid >> 5) & 3, lane = tid & 31;
@@ -844,6 +892,7 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   if (i < nst) step(i, a0);
   ps::wgmma_wait<0>();
   ps::fence_regs(acc);
+  PS_TRACE_RETIRED();
   sync_threads<true>();  // both warpgroups' MMAs retired: the stage buffers hold the output
 
   // The fp32 tile [TOK][CTA_N], then out by rows (store_tile).
@@ -857,6 +906,7 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   sync_threads<true>();
   store_tile<T, TOK, C::OUT_STRIDE, true>(out, y, y_stride, bias, ws, counters, M, N, Np, m0,
                                           tid, ncta, blockIdx.y);
+  PS_TRACE_OUT(nst, TRACE_STORED);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
@@ -976,8 +1026,12 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
   float acc[TOK / 2];
   unsigned int a0[4][4], a1[4][4];
   int i = 0, tile, sb, se;
+#ifdef PS_QUANT_TRACE
+  int run = 0;
+#endif
   long long u = wgs_start(units, cta, ctas);
   while (wgs_next(S, u1, u, tile, sb, se)) {
+    PS_TRACE_RUN(cta, run++);
     const int n0 = (tile % NBK) * CTA_N, m0 = (tile / NBK) * TOK;
 #pragma unroll
     for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
@@ -993,9 +1047,11 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
     }
     ps::wgmma_wait<0>();
     ps::fence_regs(acc);
+    PS_TRACE_RETIRED();
     ps::mbar_arrive(bars + 8 * (C::STAGES + (i1 - 1) % C::STAGES));
     if (sb == 0 && se == S) {  // a whole tile
       wgs_store<T, TOK>(y, y_stride, bias, acc, M, N, m0, n0, c, w, g, t);
+      PS_TRACE_OUT(se - sb, TRACE_STORED);
       continue;
     }
     const long long tile_u = (long long)tile * S;
@@ -1026,13 +1082,17 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
         if (s_last) counters[tile] = 0;
       }
       sync_threads<true>();
-      if (!s_last) continue;
+      if (!s_last) {
+        PS_TRACE_OUT(se - sb, TRACE_PART);
+        continue;
+      }
     }
     __threadfence();
 #pragma unroll
     for (int r = 0; r < TOK / 2; ++r) acc[r] = from == first ? 0.f : 0.f + acc[r];  // same bits
     for (int k = from; k <= last; ++k) wgs_take_part<TOK>(acc, part_of(k), c, w, g, t);
     wgs_store<T, TOK>(y, y_stride, bias, acc, M, N, m0, n0, c, w, g, t);
+    PS_TRACE_OUT(se - sb, from == first ? TRACE_LAST_SUM : TRACE_HEAD_SUM);
   }
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then

@@ -1,0 +1,51 @@
+"""benchmarks/trace_quant.py: the trace build's module lists production's wide tiles, and the
+summary reads a trace as quant.cu's PS_QUANT_TRACE writes it (per CTA and run: the SM, stages
+and how the output left, clock64 at the start, at the MMAs' retiring and at the output, and
+globaltimer at the start and at the output)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedserve_kernels import _compile
+
+import trace_quant  # benchmarks/ is on the path (conftest)
+
+
+def test_the_trace_module_builds_production_kernels_with_its_macro():
+    source, macro, kernels = _compile.ON_DEMAND[trace_quant.TRACE_MODULE]
+    assert (source, macro) == ("quant.cu", "PS_QUANT_TRACE")
+    assert set(kernels) <= set(_compile.MODULES["quant"][1])
+    assert {k for k in _compile.MODULES["quant"][1] if "_wgt_" in k or "_wgs_" in k} \
+        == set(kernels)
+    text = _compile.load_source("quant.cu")
+    assert text.count("#ifdef PS_QUANT_TRACE") >= 2  # the recorder, and the run counter
+    assert "TRACE_RUNS = 8, TRACE_FIELDS = 6" in text  # the layout trace_quant reads
+    assert (trace_quant.TRACE_RUNS, trace_quant.TRACE_FIELDS) == (8, 6)
+
+
+def _record(raw, cta, run, sm, stages, how, start, mma, end, start_ns, end_ns):
+    slot = raw.reshape(4096, trace_quant.TRACE_RUNS, trace_quant.TRACE_FIELDS)[cta, run]
+    slot[:] = [sm | stages << 16 | how << 48, start, mma, end, start_ns, end_ns]
+
+
+def test_summary_of_two_ctas_at_two_ghz():
+    raw = np.zeros(4096 * trace_quant.TRACE_RUNS * trace_quant.TRACE_FIELDS, dtype=np.uint64)
+    # CTA 0: a whole tile of 64 stages, 1 µs each, stored in 2 µs; then 10 stages of a shared
+    # tile, 1.5 µs each, its part written in 3 µs, 1 µs after the first run's end
+    _record(raw, 0, 0, 5, 64, 1, 1000, 1000 + 128000, 1000 + 132000, 0, 66000)
+    _record(raw, 0, 1, 5, 10, 2, 134000, 134000 + 30000, 134000 + 36000, 67000, 85000)
+    # CTA 1 starts 0.5 µs later: 54 stages at 1.5 µs, then sums as the head in 4 µs
+    _record(raw, 1, 0, 9, 54, 3, 500, 500 + 162000, 500 + 170000, 500, 85500)
+    s = trace_quant.summary(trace_quant.runs_of(raw))
+    assert s["ctas"] == 2 and s["runs"] == 3 and s["ghz"] == pytest.approx(2.0)
+    assert s["span_us"] == pytest.approx(85.5)
+    assert s["loop_us_per_stage"]["whole"]["median"] == pytest.approx(1.0)
+    assert s["loop_us_per_stage"]["shared"]["median"] == pytest.approx(1.5)
+    assert s["loop_us_per_stage"]["shared"]["n"] == 2
+    assert s["epilogue_us"]["stored"]["median"] == pytest.approx(2.0)
+    assert s["epilogue_us"]["part written"]["median"] == pytest.approx(3.0)
+    assert s["epilogue_us"]["head summed"]["median"] == pytest.approx(4.0)
+    assert s["epilogue_us"]["last summed"] == {}
+    assert s["gaps_us"]["median"] == pytest.approx(1.0) and s["gaps_us"]["n"] == 1
+    assert s["starts_us"]["max"] == pytest.approx(0.5)

@@ -264,19 +264,49 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
   __threadfence();
   const int total = min(ROWS, M - m0) * (CTA_N / 2), splits = gridDim.y;
   if constexpr (ROWS <= 32) {
-    // An entry at a time: the compiler batches each entry's splits (16 loads at 16 splits), and
-    // a thread has at most 8 entries; the batched form below would cost these kernels the
-    // registers of a CTA an SM.
-    for (int e = tid; e < total; e += THREADS) {
-      const int m = m0 + e / (CTA_N / 2), n = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
-      if (n >= N) continue;
-      float2 sum = make_float2(0.f, 0.f);
-      for (int sp = 0; sp < splits; ++sp) {
-        const float2 v = ld_l2(ws + ((size_t)sp * M + m) * Np + n);
-        sum.x += v.x;
-        sum.y += v.y;
+    // The splits' partials of the tile's rows come into the (idle) pipeline buffers by cp.async,
+    // as many splits a round as they hold, then each thread adds its entries (at most 4 float2
+    // for 16 rows, 8 for 32) split by split from 0 in its registers. Loading them entry by entry
+    // into registers took one L2 round trip an entry, on the kernel's critical path: at 16 rows
+    // four, where a split-free product pays none (and 16 rows cost what 1 row does).
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int PER = ROWS * (CTA_N / 2) / THREADS;  // entries a thread
+    const int rows = min(ROWS, M - m0);
+    const int split_bytes = rows * CTA_N * 4;
+    const int per_round = Cfg<ROWS / 16>::SMEM / split_bytes;
+    const unsigned int base = ps::smem_addr(smem);
+    float2 sum[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) sum[u] = make_float2(0.f, 0.f);
+    for (int s0 = 0; s0 < splits; s0 += per_round) {
+      const int round = min(per_round, splits - s0);
+      for (int c = tid; c < round * rows * (CTA_N / 4); c += THREADS) {  // 16-byte chunks
+        const int r = c / (rows * (CTA_N / 4)), rest = c % (rows * (CTA_N / 4));
+        const int m = m0 + rest / (CTA_N / 4), n = ncta * CTA_N + (rest % (CTA_N / 4)) * 4;
+        ps::cp_async16(base + c * 16, ws + ((size_t)(s0 + r) * M + m) * Np + n, 16);
       }
-      store2(y, y_stride, m, n, sum.x, sum.y, bias);
+      ps::cp_async_commit();
+      ps::cp_async_wait<0>();
+      __syncthreads();
+      const float* part = reinterpret_cast<const float*>(smem);
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int e = tid + u * THREADS;
+        if (e >= total) break;
+        for (int r = 0; r < round; ++r) {
+          const float2 v = *reinterpret_cast<const float2*>(part + r * rows * CTA_N + e * 2);
+          sum[u].x += v.x;
+          sum[u].y += v.y;
+        }
+      }
+      __syncthreads();  // the buffers are read before the next round overwrites them
+    }
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int e = tid + u * THREADS;
+      if (e >= total) break;
+      const int m = m0 + e / (CTA_N / 2), n = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
+      if (n < N) store2(y, y_stride, m, n, sum[u].x, sum[u].y, bias);
     }
     return;
   }

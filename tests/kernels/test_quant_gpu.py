@@ -160,6 +160,25 @@ def test_stream_k_shares_at_tile_counts_around_the_grid(quant, monkeypatch, tile
         assert torch.equal(quant.int4_linear(x, packed).view(torch.int16), first)
 
 
+@pytest.mark.parametrize("m", [1, 7, 16, 20, 32])
+@pytest.mark.parametrize("splits", [2, 5, 8, 16])
+def test_small_tiles_sum_their_k_parts_through_shared_memory(quant, monkeypatch, m, splits):
+    """The 16- and 32-row tiles at every K part count tuning may pick (and 5: rounds of the
+    pipeline buffers that do not divide the count): against the reference, with a bias, and
+    again bit for bit."""
+    monkeypatch.setattr(quant, "_split_counts", {(0, torch.bfloat16): {(4096, 4096): {
+        16: splits, 32: splits}}})
+    assert quant.launch_shape(m, quant.repack(*_int4(4096, 4096, 128, True, False,
+                                                     torch.bfloat16, 2)[:3], 128),
+                              torch.device("cuda"), torch.bfloat16)[3] == splits
+    _check(quant, m, 4096, 4096, 128, True, False, torch.bfloat16, bias=True)
+    qweight, scales, zeros, group, perm = _int4(4096, 4096, 128, True, False, torch.bfloat16, 3)
+    packed = quant.repack(qweight, scales, zeros, group, perm)
+    x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+    first = quant.int4_linear(x, packed).view(torch.int16)
+    assert torch.equal(quant.int4_linear(x, packed).view(torch.int16), first)
+
+
 @pytest.mark.parametrize("m", [1, 40, 300])
 def test_bias_is_added_before_the_one_rounding(quant, m):
     _check(quant, m, 4096, 4096, 128, True, False, torch.bfloat16, bias=True)

@@ -50,6 +50,16 @@ def time_products(product, weights: list, rows: int, k: int) -> float:
     return ms * 1e3 / len(weights)
 
 
+def kernel_us(packed: list, rows: int, k: int, tile=None, count=None) -> float:
+    """µs per product of quant's kernel in row tile `tile` with K in `count` parts (None: the
+    launcher's choice of each)."""
+    from pagedserve_kernels import quant
+
+    return time_products(lambda x, p: quant._kernel_product(
+        x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device), tile, count),
+        packed, rows, k)
+
+
 def int4_weights(n: int, k: int, group: int, asym: bool, count: int) -> list:
     from pagedserve_kernels import quant
 
@@ -79,20 +89,15 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
         scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
         for rows in rows_list:
             # the 16- and 32-row tiles in each K part count tuning times (SMALL_TILES)
-            parts = {count: time_products(
-                lambda x, p, count=count: quant._kernel_product(
-                    x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device),
-                    None, count), packed, rows, k)
-                for count in quant.SPLIT_CANDIDATES} if rows <= 32 else {}
+            parts = {count: kernel_us(packed, rows, k, count=count)
+                     for count in quant.SPLIT_CANDIDATES} if rows <= 32 else {}
             out[f"{name} {rows}"] = {
                 "bf16_us": time_products(F.linear, dense, rows, k),
                 "int4_us": time_products(quant.int4_linear, packed, rows, k),
                 # the tiles tuning may take instead (never below 33 rows, where 16 or 32 hold
                 # a step)
-                **{f"int4_{_tile_name(tile)}_us": time_products(
-                    lambda x, p, tile=tile: quant._kernel_product(
-                        x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device),
-                        tile), packed, rows, k) if rows > 32 else None for tile in others},
+                **{f"int4_{_tile_name(tile)}_us":
+                   kernel_us(packed, rows, k, tile) if rows > 32 else None for tile in others},
                 "dequant_cublas_us": time_products(
                     lambda x, p: F.linear(x, quant.dequantize(p, scratch)), packed, rows, k),
                 # the untuned tile with K in each of --splits parts, beside the model's count
@@ -100,10 +105,8 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
                                              torch.bfloat16)[3],
                 "int4_parts_us": min(parts.values()) if parts else None,
                 "parts": min(parts, key=parts.get) if parts else None,
-                **{f"int4_s{count}_us": time_products(
-                    lambda x, p, count=count: quant._kernel_product(
-                        x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device),
-                        None, count), packed, rows, k) for count in splits},
+                **{f"int4_s{count}_us": kernel_us(packed, rows, k, count=count)
+                   for count in splits},
             }
             print(name, rows, {key: v if v is None else round(v, 1)
                                for key, v in out[f"{name} {rows}"].items()},
@@ -220,8 +223,8 @@ def table(results: dict, rows_list) -> None:
                    and not re.fullmatch(r"int4_s\d+_us", key)  # not a forced split
                    and key[5:-3] not in candidates)  # nor a candidate tile
 
-    print("| product | rows | K splits (model, fastest tuned) | bf16 µs | int4 µs | int4 vs bf16 | "
-          + "".join(f"int4, {t} µs | " for t in tiles)
+    print("| product | rows | K splits (model, fastest tuned) | bf16 µs | int4 µs | "
+          "int4 vs bf16 | " + "".join(f"int4, {t} µs | " for t in tiles)
           + "dequant+cuBLAS µs | ours, fastest µs | fastest vs bf16 | Marlin µs | "
           "ours (fastest) vs Marlin | Machete µs | ours (fastest) vs Machete |")
     print("|---|---|---|---|---|---|" + "---|" * len(tiles) + "---|---|---|---|---|---|---|")

@@ -75,17 +75,17 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
 # the executor serves).
 LAZY: frozenset[str] = frozenset({"quant", "kv_fp8"})
 
-# Modules of candidate kernels only benchmarks and tests launch: a source built with a macro
-# defined that adds them to it, compiled on their first launch, never by warmup().
-# module name -> (source file, the macro, the candidate kernels it adds)
+# Modules only benchmarks and tests launch, compiled on their first launch, never by warmup():
+# a source built with a macro defined that adds candidate kernels to it, or that makes a
+# diagnostic build of production kernels.
+# module name -> (source file, the macro, the kernels launched from it)
 ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # the producer-fed W4A16 tiles recording when each run of K stages starts, retires and is
     # out (benchmarks/trace_quant.py); the same kernels as quant's otherwise
     "quant_trace": (
         "quant.cu",
         "PS_QUANT_TRACE",
-        tuple(f"w4a16_{family}_{dtype}_m{rows}" for family in ("wgt", "wgs")
-              for dtype in ("bf16", "fp16") for rows in (64, 128, 256)),
+        tuple(k for k in MODULES["quant"][1] if "_wgt_" in k or "_wgs_" in k),
     ),
     "attention_variants": (
         "attention.cu",

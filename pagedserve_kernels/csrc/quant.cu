@@ -266,9 +266,8 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
   if constexpr (ROWS <= 32) {
     // The splits' partials of the tile's rows come into the (idle) pipeline buffers by cp.async,
     // as many splits a round as they hold, then each thread adds its entries (at most 4 float2
-    // for 16 rows, 8 for 32) split by split from 0 in its registers. Loading them entry by entry
-    // into registers took one L2 round trip an entry, on the kernel's critical path: at 16 rows
-    // four, where a split-free product pays none (and 16 rows cost what 1 row does).
+    // for 16 rows, 8 for 32) split by split from 0 in its registers: one L2 round trip a round
+    // on the kernel's critical path, not one an entry, and no registers held for the loads.
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr int PER = ROWS * (CTA_N / 2) / THREADS;  // entries a thread
     const int rows = min(ROWS, M - m0);

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from executor_svc.config import KV_CACHE_DTYPES, ExecutorConfig
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
-from pagedserve_common.listener_flags import is_loopback, read_token
+from pagedserve_common.listener_flags import LOG_LEVELS, is_loopback, log_level, read_token
 
 log = logging.getLogger("executor_svc")
 
@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--auth-token-file", "file holding the shared token (instead of --auth-token)")
     _option(p, "--hello-timeout", "seconds a call may take to send its first message (an Execute "
             "stream: its lease hello) before it is closed", 5.0, float)
-    _option(p, "--log-level", "DEBUG, INFO, WARNING or ERROR", "INFO")
+    _option(p, "--log-level", "DEBUG, INFO, WARNING, ERROR or CRITICAL, any case", "INFO",
+            log_level, choices=LOG_LEVELS)
     return p
 
 
@@ -202,6 +203,8 @@ def _cuda_available() -> bool:
 def main(argv: list[str] | None = None) -> None:
     """Exit status: 0 stopped by SIGTERM or SIGINT once serving, 1 or 2 a failed start (one
     line), 130 interrupted (Ctrl-C) before serving (one line)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored by a shell
+        signal.signal(signal.SIGINT, _note_sigint)
     try:
         _serve(argv)
     except KeyboardInterrupt:
@@ -212,13 +215,29 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(130)
 
 
+_sigint_seen = False
+
+
+def _note_sigint(signum, frame) -> None:
+    """Python's own Ctrl-C (KeyboardInterrupt), remembered: one that lands in an import or in a
+    library call can come out wrapped in another exception (a RuntimeError from a class body's
+    __set_name__) or be swallowed, and is still an interruption."""
+    global _sigint_seen
+    _sigint_seen = True
+    raise KeyboardInterrupt
+
+
 def _serve(argv: list[str] | None) -> None:
     config, transport, log_level = parse_config(argv)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server, port, info = _start(config, transport)
     except Exception as err:  # noqa: BLE001 - any start failure: one line, traceback on debug
+        if _sigint_seen:
+            raise KeyboardInterrupt from err
         _start_failed(err, config, log_level)
+    if _sigint_seen:
+        raise KeyboardInterrupt
     stop = _stop_on_signals()  # before the ready line: a Ctrl-C after it stops cleanly
     from executor_svc.step_limits import describe as describe_step_limits
 

@@ -1,9 +1,17 @@
-"""The listener flags both services read the same way: a secret from a flag or from its file,
-and whether a host accepts connections from this machine only (no token needed then)."""
+"""The flags both services read the same way: a secret from a flag or from its file, whether a
+host accepts connections from this machine only (no token needed then), and the log level."""
 from __future__ import annotations
 
 import argparse
 import ipaddress
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(value: str) -> str:
+    """--log-level in any case (debug as DEBUG: logging itself takes only upper case); argparse
+    then checks it against LOG_LEVELS."""
+    return value.strip().upper()
 
 
 def read_token(parser: argparse.ArgumentParser, value: str | None, path: str | None,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
-from pagedserve_common.listener_flags import is_loopback, read_token
+from pagedserve_common.listener_flags import LOG_LEVELS, is_loopback, log_level, read_token
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.connection_gate import GateLimits
 from scheduler_svc.engine_types import EngineConfig
@@ -176,8 +176,8 @@ _FLAGS = (
     _Flag("--executor-retry-interval", 2.0, "longest wait between two rounds over the executor "
           "addresses while none answers (the waits start at 0.05s and double; at most 0.25s "
           "until the first attach): how soon an executor that came back is attached", float),
-    _Flag("--log-level", "INFO", "DEBUG adds a line per request admitted, finished or "
-          "cancelled"),
+    _Flag("--log-level", "INFO", "DEBUG, INFO, WARNING, ERROR or CRITICAL, any case; DEBUG adds "
+          "a line per request admitted, finished or cancelled", log_level, LOG_LEVELS),
     _Flag("--log-stats-interval", 10.0, "seconds between stats lines (sequences, KV pages, "
           "tokens/s), logged only for an interval in which a step ran, and between lines saying "
           "what the scheduler waits for while no executor is attached (0: off)", float),
@@ -301,21 +301,17 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
 
 
 def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.max_steps_in_flight not in _STEPS_IN_FLIGHT:  # argparse checks no environment default
-        p.error(f"--max-steps-in-flight must be one of {_STEPS_IN_FLIGHT} (from "
-                f"{_ENV_PREFIX}MAX_STEPS_IN_FLIGHT), got {a.max_steps_in_flight}")
+    for flag in _FLAGS:  # argparse checks the command line's choices, not an environment default
+        value = getattr(a, flag.name[2:].replace("-", "_"))
+        if flag.choices and value is not None and value not in flag.choices:
+            p.error(f"{flag.name} must be one of {', '.join(map(str, flag.choices))} (from "
+                    f"{flag.env}), got {value!r}")
     for flag in ("--max-num-batched-tokens", "--max-num-seqs"):
         value = getattr(a, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
     if a.stream_interval < 0:
         p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
-    if a.generation_config not in _GENERATION_CONFIGS:  # argparse checks no environment default
-        p.error(f"--generation-config must be one of {', '.join(_GENERATION_CONFIGS)} (from "
-                f"{_ENV_PREFIX}GENERATION_CONFIG), got {a.generation_config!r}")
-    if a.tool_call_parser not in (None, *TOOL_CALL_PARSERS):  # argparse checks no env default
-        p.error(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)} (from "
-                f"{_ENV_PREFIX}TOOL_CALL_PARSER), got {a.tool_call_parser!r}")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         p.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool call "
                 f"format: {', '.join(TOOL_CALL_PARSERS)})")

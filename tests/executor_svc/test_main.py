@@ -75,3 +75,21 @@ def test_the_memory_share_defaults_to_vllms_and_takes_the_whole_range():
     for value in ("1", "0.05"):
         config = executor_main.parse_config(["--gpu-memory-utilization", value])[0]
         assert config.gpu_memory_utilization == float(value)
+
+
+@pytest.mark.parametrize("given", ["debug", "Warning", " ERROR "])
+def test_the_log_level_takes_any_case_from_the_flag_and_the_variable(given, monkeypatch):
+    assert executor_main.parse_config(["--log-level", given])[2] == given.strip().upper()
+    monkeypatch.setenv(f"{ENV}LOG_LEVEL", given)
+    assert executor_main.parse_config([])[2] == given.strip().upper()
+
+
+@pytest.mark.parametrize("env", [False, True])
+def test_an_unknown_log_level_is_one_usage_line(env, monkeypatch, capsys):
+    if env:
+        monkeypatch.setenv(f"{ENV}LOG_LEVEL", "verbose")
+    with pytest.raises(SystemExit) as exited:
+        executor_main.parse_config([] if env else ["--log-level", "verbose"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "'VERBOSE'" in err and "DEBUG" in err and "Traceback" not in err

@@ -48,6 +48,36 @@ def test_ctrl_c_while_loading_exits_130_with_one_line():
                     "started"], lines
 
 
+# A start whose library turns the Ctrl-C into its own error (as a class body's __set_name__
+# does on Python 3.11: RuntimeError), or swallows it and goes on: run by the real main.
+_LIBRARY_CATCHES_IT = """
+import os, signal, sys
+from executor_svc import main
+
+def start(config, transport):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10**6):  # the handler runs between two bytecodes
+            pass
+    except KeyboardInterrupt as err:
+        if sys.argv[1] == "wraps":
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance") from err
+    return None, 0, None
+
+main._start = start
+main.main(["--backend", "cpu", "--port", sys.argv[2]])
+"""
+
+
+@pytest.mark.parametrize("library", ["wraps", "swallows"])
+def test_ctrl_c_that_a_library_catches_while_loading_still_exits_130(library):
+    proc = subprocess.run([sys.executable, "-c", _LIBRARY_CATCHES_IT, library, str(free_port())],
+                          capture_output=True, text=True, timeout=60, preexec_fn=default_sigint)
+    assert proc.returncode == 130, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        "pagedserve-executor: interrupted (SIGINT) before serving; nothing was started"]
+
+
 def test_ctrl_c_once_ready_stops_and_exits_0():
     code, lines = interrupted("preset:tiny", "executor ready")
     assert code == 0

@@ -140,11 +140,25 @@ def test_a_grammar_timeout_that_is_not_positive_is_one_usage_line(value, capsys)
     ([], {"PAGEDSERVE_SCHEDULER_TOOL_CALL_PARSER": "mistral"},
      "--tool-call-parser must be one of hermes, llama3_json (from "
      "PAGEDSERVE_SCHEDULER_TOOL_CALL_PARSER), got 'mistral'"),
+    ([], {"PAGEDSERVE_SCHEDULER_PREEMPTION_MODE": "evict"},
+     "--preemption-mode must be one of swap, recompute (from "
+     "PAGEDSERVE_SCHEDULER_PREEMPTION_MODE), got 'evict'"),
+    ([], {"PAGEDSERVE_SCHEDULER_LOG_LEVEL": "verbose"},
+     "--log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (from "
+     "PAGEDSERVE_SCHEDULER_LOG_LEVEL), got 'VERBOSE'"),
+    (["--log-level", "verbose"], {}, "invalid choice: 'VERBOSE'"),
 ])
-def test_bad_step_limit_and_tool_flags_are_one_usage_line(argv, env, says, monkeypatch, capsys):
+def test_bad_step_limit_tool_and_choice_flags_are_one_usage_line(argv, env, says, monkeypatch, capsys):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exited:
         main.parse_config(argv)
     assert exited.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["debug", "Warning"])
+def test_the_log_level_takes_any_case_from_the_flag_and_the_variable(given, monkeypatch):
+    assert main.parse_config(["--log-level", given]).log_level == given.upper()
+    monkeypatch.setenv("PAGEDSERVE_SCHEDULER_LOG_LEVEL", given)
+    assert main.parse_config([]).log_level == given.upper()

@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from executor_svc.config import KV_CACHE_DTYPES, ExecutorConfig
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
+from pagedserve_common.interrupt import interrupted_before_serving
 from pagedserve_common.listener_flags import LOG_LEVELS, is_loopback, log_level, read_token
 
 log = logging.getLogger("executor_svc")
@@ -203,28 +204,8 @@ def _cuda_available() -> bool:
 def main(argv: list[str] | None = None) -> None:
     """Exit status: 0 stopped by SIGTERM or SIGINT once serving, 1 or 2 a failed start (one
     line), 130 interrupted (Ctrl-C) before serving (one line)."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored by a shell
-        signal.signal(signal.SIGINT, _note_sigint)
-    try:
+    with interrupted_before_serving(_PROG):
         _serve(argv)
-    except KeyboardInterrupt:
-        # A Ctrl-C lands wherever loading is (torch, a thread start, a log write): nothing was
-        # served, so end at once without waiting on loader threads or printing where it hit.
-        print(f"\n{_PROG}: interrupted (SIGINT) before serving; nothing was started",
-              file=sys.stderr, flush=True)
-        os._exit(130)
-
-
-_sigint_seen = False
-
-
-def _note_sigint(signum, frame) -> None:
-    """Python's own Ctrl-C (KeyboardInterrupt), remembered: one that lands in an import or in a
-    library call can come out wrapped in another exception (a RuntimeError from a class body's
-    __set_name__) or be swallowed, and is still an interruption."""
-    global _sigint_seen
-    _sigint_seen = True
-    raise KeyboardInterrupt
 
 
 def _serve(argv: list[str] | None) -> None:
@@ -233,11 +214,7 @@ def _serve(argv: list[str] | None) -> None:
     try:
         server, port, info = _start(config, transport)
     except Exception as err:  # noqa: BLE001 - any start failure: one line, traceback on debug
-        if _sigint_seen:
-            raise KeyboardInterrupt from err
         _start_failed(err, config, log_level)
-    if _sigint_seen:
-        raise KeyboardInterrupt
     stop = _stop_on_signals()  # before the ready line: a Ctrl-C after it stops cleanly
     from executor_svc.step_limits import describe as describe_step_limits
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
+from pagedserve_common.interrupt import interrupted_before_serving
 from pagedserve_common.listener_flags import LOG_LEVELS, is_loopback, log_level, read_token
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.connection_gate import GateLimits
@@ -608,7 +609,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(serve(config))
+        with interrupted_before_serving(_PROG):  # until serve() installs its stop handler
+            asyncio.run(serve(config))
     except StartError as err:
         _fail(str(err), code=1)
     except Exception as err:  # noqa: BLE001 - a start failure: one line, traceback on debug

@@ -1,5 +1,6 @@
 """Ctrl-C (SIGINT) on a standalone executor, a real process: while the model loads it exits 130
-with one line, once ready it stops serving and exits 0; never a traceback.
+with one line, once ready it stops serving and exits 0; never a traceback. A scheduler interrupted
+while it starts exits 130 with one line too.
 """
 from __future__ import annotations
 
@@ -48,34 +49,48 @@ def test_ctrl_c_while_loading_exits_130_with_one_line():
                     "started"], lines
 
 
-# A start whose library turns the Ctrl-C into its own error (as a class body's __set_name__
-# does on Python 3.11: RuntimeError), or swallows it and goes on: run by the real main.
+# A start whose library would turn a KeyboardInterrupt into its own error (as a class body's
+# __set_name__ does on Python 3.11: RuntimeError) or swallow it and go on: the real main, its
+# start replaced by one that is interrupted inside such a library call.
 _LIBRARY_CATCHES_IT = """
 import os, signal, sys
-from executor_svc import main
 
-def start(config, transport):
+def library_call():
     try:
         os.kill(os.getpid(), signal.SIGINT)
-        for _ in range(10**6):  # the handler runs between two bytecodes
+        for _ in range(10**6):  # a handler runs between two bytecodes
             pass
     except KeyboardInterrupt as err:
         if sys.argv[1] == "wraps":
             raise RuntimeError("Error calling __set_name__ on 'Field' instance") from err
+
+def start(config, transport):
+    library_call()
     return None, 0, None
 
-main._start = start
-main.main(["--backend", "cpu", "--port", sys.argv[2]])
+async def serve(config):
+    library_call()
+
+if sys.argv[2] == "executor":
+    from executor_svc import main
+    main._start = start
+    main.main(["--backend", "cpu", "--port", sys.argv[3]])
+else:
+    from scheduler_svc import main
+    main.serve = serve
+    main.main(["--port", sys.argv[3]])
 """
 
 
 @pytest.mark.parametrize("library", ["wraps", "swallows"])
-def test_ctrl_c_that_a_library_catches_while_loading_still_exits_130(library):
-    proc = subprocess.run([sys.executable, "-c", _LIBRARY_CATCHES_IT, library, str(free_port())],
+@pytest.mark.parametrize("service", ["executor", "scheduler"])
+def test_ctrl_c_inside_a_library_call_while_starting_exits_130(service, library):
+    proc = subprocess.run([sys.executable, "-c", _LIBRARY_CATCHES_IT, library, service,
+                           str(free_port())],
                           capture_output=True, text=True, timeout=60, preexec_fn=default_sigint)
     assert proc.returncode == 130, proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
-        "pagedserve-executor: interrupted (SIGINT) before serving; nothing was started"]
+        f"pagedserve-{service}: interrupted (SIGINT) before serving; nothing was started"]
 
 
 def test_ctrl_c_once_ready_stops_and_exits_0():

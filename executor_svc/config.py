@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+BLOCK_SIZES = (8, 16, 32)  # the paged attention kernels take powers of two from 8; vLLM's CUDA sizes
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3, as on vLLM's CUDA
 
 

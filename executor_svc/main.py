@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import queue
 import signal
@@ -13,7 +14,7 @@ import sys
 import traceback
 from typing import NoReturn
 
-from executor_svc.config import KV_CACHE_DTYPES, ExecutorConfig
+from executor_svc.config import BLOCK_SIZES, KV_CACHE_DTYPES, ExecutorConfig
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
 from pagedserve_common.interrupt import interrupted_before_serving
 from pagedserve_common.listener_flags import LOG_LEVELS, is_loopback, log_level, read_token
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
             choices=["auto", "cpu", "cuda"])
     _option(p, "--dtype", "auto: float32 on the cpu backend, bfloat16 on cuda", "auto",
             choices=["auto", "float32", "bfloat16", "float16"])
-    _option(p, "--block-size", "tokens per KV cache page", 16, int)
+    _option(p, "--block-size", "tokens per KV cache page (vLLM's sizes on CUDA)", 16, int,
+            choices=BLOCK_SIZES)
     _option(p, "--kv-cache-dtype", "KV cache element type: auto (the model's dtype), or fp8 / "
             "fp8_e4m3 (FP8 e4m3 pages with per-layer scales from the checkpoint, else 1.0: twice "
             "the pages of a 16-bit cache in the same memory)", "auto",
@@ -135,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_swap_space(p: argparse.ArgumentParser, gib: float) -> None:
+    """vLLM's bound: the swap space may take up to 70% of the machine's memory."""
+    if not gib >= 0:  # nan fails too
+        p.error(f"--swap-space must be >= 0 GiB, got {gib}")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if gib > 0.7 * total:
+        p.error(f"--swap-space {gib:g} GiB is more than 70% of this machine's {total:.1f} GiB "
+                "of memory: lower it")
+
+
 def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, TransportConfig, str]:
     p = build_parser()
     a = p.parse_args(argv)
@@ -142,10 +154,18 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
         value = getattr(a, action.dest, None)
         if action.choices and value not in action.choices:
             name = _ENV_PREFIX + action.option_strings[0][2:].upper().replace("-", "_")
-            p.error(f"{name}={value!r} is not one of {', '.join(action.choices)} (it sets "
+            choices = ", ".join(map(str, action.choices))
+            p.error(f"{name}={value!r} is not one of {choices} (it sets "
                     f"{action.option_strings[0]})")
-    if not a.hello_timeout > 0:
-        p.error(f"--hello-timeout must be > 0 seconds, got {a.hello_timeout}")
+    if not 0 < a.hello_timeout < math.inf:  # inf would let a silent call hold its slot forever
+        p.error(f"--hello-timeout must be > 0 seconds and finite, got {a.hello_timeout}")
+    if not 0 <= a.port <= 65535:  # gRPC would take 99999 as 34463
+        p.error(f"--port must be a port number, 0 to 65535, got {a.port}")
+    for flag in ("--num-gpu-blocks", "--max-model-len"):
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    _check_swap_space(p, a.swap_space)
     if not 0 < a.gpu_memory_utilization <= 1:  # nan fails too
         p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
     for flag in ("--max-num-batched-tokens", "--max-num-seqs"):

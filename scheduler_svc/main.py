@@ -307,10 +307,19 @@ def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if flag.choices and value is not None and value not in flag.choices:
             p.error(f"{flag.name} must be one of {', '.join(map(str, flag.choices))} (from "
                     f"{flag.env}), got {value!r}")
-    for flag in ("--max-num-batched-tokens", "--max-num-seqs"):
+    for flag in ("--port", "--admin-port", "--http-port", "--metrics-port"):
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if not 0 <= value <= 65535:  # gRPC would take 99999 as 34463
+            p.error(f"{flag} must be a port number, 0 to 65535, got {value}")
+    for flag in ("--max-num-batched-tokens", "--max-num-seqs", "--max-waiting",
+                 "--max-prompt-bytes", "--max-chat-messages"):
         value = getattr(a, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
+    for flag in ("--shutdown-timeout", "--unavailable-grace", "--log-stats-interval"):
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if not value >= 0:  # nan fails too
+            p.error(f"{flag} must be >= 0 seconds, got {value}")
     if a.stream_interval < 0:
         p.error(f"--stream-interval must be >= 0, got {a.stream_interval}")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
@@ -319,7 +328,8 @@ def _check_values(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not a.executor_keepalive >= 1:
         p.error(f"--executor-keepalive must be >= 1 second, got {a.executor_keepalive}")
     for flag in ("--executor-connect-timeout", "--executor-retry-interval", "--grammar-timeout",
-                 "--http-header-timeout", "--http-body-timeout", "--http-keep-alive-timeout"):
+                 "--step-timeout", "--http-header-timeout", "--http-body-timeout",
+                 "--http-keep-alive-timeout"):
         value = getattr(a, flag[2:].replace("-", "_"))
         if not value > 0:
             p.error(f"{flag} must be > 0 seconds, got {value}")
@@ -359,9 +369,12 @@ def _connection_limits(p: argparse.ArgumentParser, a: argparse.Namespace
 
 def _executor_addresses(spec: str) -> tuple[str, ...]:
     try:
-        return read_addresses(spec)
+        addresses = read_addresses(spec)
     except OSError as err:
         _fail(f"--executor {spec}: {err.strerror or err}: give host:port[,host:port...] or @FILE")
+    if not addresses:
+        _fail(f"--executor {spec!r} names no address: give host:port[,host:port...] or @FILE")
+    return addresses
 
 
 def read_addresses(spec: str) -> tuple[str, ...]:

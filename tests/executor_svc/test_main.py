@@ -93,3 +93,31 @@ def test_an_unknown_log_level_is_one_usage_line(env, monkeypatch, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "'VERBOSE'" in err and "DEBUG" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--port", "99999"], "--port must be a port number, 0 to 65535, got 99999"),
+    (["--port", "-1"], "--port must be a port number, 0 to 65535, got -1"),
+    (["--block-size", "7"], "invalid choice: 7"),
+    (["--block-size", "0"], "invalid choice: 0"),
+    (["--num-gpu-blocks", "0"], "--num-gpu-blocks must be >= 1, got 0"),
+    (["--max-model-len", "-5"], "--max-model-len must be >= 1, got -5"),
+    (["--swap-space", "-1"], "--swap-space must be >= 0 GiB, got -1.0"),
+    (["--swap-space", "nan"], "--swap-space must be >= 0 GiB, got nan"),
+    (["--swap-space", "1e12"], "--swap-space 1e+12 GiB is more than 70% of this machine's"),
+    (["--hello-timeout", "inf"], "--hello-timeout must be > 0 seconds and finite, got inf"),
+])
+def test_a_value_out_of_its_range_is_one_usage_line(argv, says, capsys):
+    """Each of these loaded the model first, then failed in torch, ran on a wrapped port, or
+    was taken as the default."""
+    with pytest.raises(SystemExit) as exited:
+        executor_main.parse_config(argv)
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_block_size_from_the_variable_is_checked_too(monkeypatch, capsys):
+    monkeypatch.setenv(f"{ENV}BLOCK_SIZE", "12")
+    with pytest.raises(SystemExit):
+        executor_main.parse_config([])
+    assert f"{ENV}BLOCK_SIZE=12 is not one of 8, 16, 32" in capsys.readouterr().err

@@ -147,8 +147,17 @@ def test_a_grammar_timeout_that_is_not_positive_is_one_usage_line(value, capsys)
      "--log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (from "
      "PAGEDSERVE_SCHEDULER_LOG_LEVEL), got 'VERBOSE'"),
     (["--log-level", "verbose"], {}, "invalid choice: 'VERBOSE'"),
+    (["--port", "99999"], {}, "--port must be a port number, 0 to 65535, got 99999"),
+    (["--http-port", "-1"], {}, "--http-port must be a port number, 0 to 65535, got -1"),
+    (["--max-waiting", "0"], {}, "--max-waiting must be >= 1, got 0"),
+    (["--max-prompt-bytes", "0"], {}, "--max-prompt-bytes must be >= 1, got 0"),
+    (["--max-chat-messages", "-1"], {}, "--max-chat-messages must be >= 1, got -1"),
+    (["--shutdown-timeout", "nan"], {}, "--shutdown-timeout must be >= 0 seconds, got nan"),
+    (["--unavailable-grace", "-3"], {}, "--unavailable-grace must be >= 0 seconds, got -3.0"),
+    (["--step-timeout", "0"], {}, "--step-timeout must be > 0 seconds, got 0.0"),
+    (["--executor", ",,"], {}, "--executor ',,' names no address"),
 ])
-def test_bad_step_limit_tool_and_choice_flags_are_one_usage_line(argv, env, says, monkeypatch, capsys):
+def test_a_bad_flag_value_is_one_usage_line(argv, env, says, monkeypatch, capsys):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exited:

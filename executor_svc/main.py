@@ -17,7 +17,8 @@ from typing import NoReturn
 from executor_svc.config import BLOCK_SIZES, KV_CACHE_DTYPES, ExecutorConfig
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
 from pagedserve_common.interrupt import interrupted_before_serving
-from pagedserve_common.listener_flags import LOG_LEVELS, is_loopback, log_level, read_token
+from pagedserve_common.listener_flags import (LOG_LEVELS, check_certificate, is_loopback, log_level,
+                                              read_token)
 
 log = logging.getLogger("executor_svc")
 
@@ -175,6 +176,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[ExecutorConfig, Transpo
     if a.tokenizer and not _is_tokenizer_source(a.tokenizer):
         p.error(f"--tokenizer {a.tokenizer}: expected a folder with tokenizer.json or a .gguf "
                 "file")
+    check_certificate(p, a.tls_cert, a.tls_key)
     auth_token = read_token(p, a.auth_token, a.auth_token_file, "--auth-token")
     if auth_token is None and not is_loopback(a.host):
         p.error(f"--host {a.host} is not a loopback address: set --auth-token (or "

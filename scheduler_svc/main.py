@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from pagedserve_common.interrupt import interrupted_before_serving
-from pagedserve_common.listener_flags import LOG_LEVELS, is_loopback, log_level, read_token
+from pagedserve_common.listener_flags import (LOG_LEVELS, check_ca_bundle, is_loopback, log_level,
+                                              read_token)
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.connection_gate import GateLimits
 from scheduler_svc.engine_types import EngineConfig
@@ -269,6 +270,7 @@ def parse_config(argv: list[str] | None = None) -> ServiceConfig:
     if admin_token is None and not is_loopback(a.admin_host):
         p.error(f"--admin-host {a.admin_host} is not a loopback address: set --admin-token "
                 "(or --admin-token-file) so that only operators can call Admin")
+    check_ca_bundle(p, "--executor-tls-ca", a.executor_tls_ca)
     executor_token = read_token(p, a.executor_token, a.executor_token_file, "--executor-token")
     api_key = read_token(p, a.api_key, a.api_key_file, "--api-key")
     scheduler, given = _step_limits(a)

@@ -121,3 +121,30 @@ def test_a_block_size_from_the_variable_is_checked_too(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         executor_main.parse_config([])
     assert f"{ENV}BLOCK_SIZE=12 is not one of 8, 16, 32" in capsys.readouterr().err
+
+
+def test_tls_files_are_read_before_the_model_loads(tmp_path, capsys):
+    """A missing or non-PEM certificate, a key of another certificate, or one flag of the pair:
+    one usage line at once (gRPC reads them only when it binds, and blamed the port)."""
+    pairs = {}
+    for name in ("a", "b"):
+        key, cert = tmp_path / f"{name}.key", tmp_path / f"{name}.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+                       check=True, capture_output=True)
+        pairs[name] = str(cert), str(key)
+    (tmp_path / "text.pem").write_text("not a certificate\n")
+    assert executor_main.parse_config(["--tls-cert", pairs["a"][0], "--tls-key",
+                                       pairs["a"][1]])[1].tls_cert == pairs["a"][0]
+    for argv, says in [
+            (["--tls-cert", pairs["a"][0]], "--tls-cert and --tls-key go together"),
+            (["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", pairs["a"][1]],
+             "No such file or directory"),
+            (["--tls-cert", str(tmp_path / "text.pem"), "--tls-key", pairs["a"][1]],
+             "not a PEM certificate"),
+            (["--tls-cert", pairs["a"][0], "--tls-key", pairs["b"][1]],
+             "not a PEM certificate and its unencrypted private key")]:
+        with pytest.raises(SystemExit) as exited:
+            executor_main.parse_config(argv)
+        assert exited.value.code == 2
+        assert says in capsys.readouterr().err, argv

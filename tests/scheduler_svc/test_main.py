@@ -171,3 +171,14 @@ def test_the_log_level_takes_any_case_from_the_flag_and_the_variable(given, monk
     assert main.parse_config(["--log-level", given]).log_level == given.upper()
     monkeypatch.setenv("PAGEDSERVE_SCHEDULER_LOG_LEVEL", given)
     assert main.parse_config([]).log_level == given.upper()
+
+
+def test_the_executor_ca_bundle_is_read_at_start(tmp_path, capsys):
+    """A missing CA file left the link retrying without a word; a non-PEM one, gRPC's errors."""
+    (tmp_path / "text.pem").write_text("not a certificate\n")
+    for path, says in [(tmp_path / "none.pem", "No such file or directory"),
+                       (tmp_path / "text.pem", "not a readable PEM CA bundle")]:
+        with pytest.raises(SystemExit) as exited:
+            main.parse_config(["--executor-tls-ca", str(path)])
+        assert exited.value.code == 2
+        assert f"--executor-tls-ca {path}: " in (err := capsys.readouterr().err) and says in err

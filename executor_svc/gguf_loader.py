@@ -1,17 +1,19 @@
-"""GGUF files in llama.cpp's layout: metadata to a ModelConfig, tensors dequantized by the gguf
-package and renamed to transformers' names, with llama.cpp's conversions undone (the Q/K
+"""GGUF files in llama.cpp's layout: metadata to a ModelConfig, tensors (found by our own header
+reader) dequantized by the gguf package and renamed to transformers' names, with llama.cpp's conversions undone (the Q/K
 permutation of llama-arch RoPE). Imports torch, numpy and gguf; never transformers.
 """
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from executor_svc.model_config import GGUF_ARCHITECTURES, ModelConfig, from_gguf
-from pagedserve_common.gguf_metadata import read_gguf_metadata
+from pagedserve_common.gguf_metadata import read_gguf_header, read_gguf_metadata
 
 # llama.cpp's per-layer tensor names -> transformers' (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -87,30 +89,56 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device
     return config, weights
 
 
-def _read(path) -> tuple[dict, dict]:
-    """(metadata but the vocabulary, tensors by name) through the gguf package's reader."""
-    from gguf import GGUFReader, GGUFValueType
-
-    reader = GGUFReader(str(path))
-    metadata = {}
-    for name, field in reader.fields.items():
-        if not field.types:
-            continue
-        # the vocabulary's arrays are the tokenizer's (the scheduler reads them); skip the copy
-        if field.types[0] == GGUFValueType.ARRAY and name.startswith("tokenizer."):
-            continue
-        metadata[name] = field.contents()
-    return metadata, {t.name: t for t in reader.tensors}
+class _Tensor(NamedTuple):
+    data: np.ndarray  # the file's bytes, [rows, bytes of a row], a view of its memory map
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # llama.cpp's order: the row length first
 
 
-def _dequantize(tensor) -> np.ndarray:
+def _read(path) -> tuple[dict, dict[str, _Tensor]]:
+    """(metadata but the vocabulary, tensors by name): the header by our own reader, each
+    tensor's bytes a view of the file's memory map."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        metadata, places = read_gguf_header(str(path))
+    except (ValueError, struct.error, UnicodeDecodeError) as err:
+        raise GgufError(f"not a readable GGUF file: {err}") from None
+    # the vocabulary's arrays are the tokenizer's (the scheduler reads them); skip the copy
+    metadata = {key: value for key, value in metadata.items()
+                if not (key.startswith("tokenizer.") and isinstance(value, list))}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for place in places:
+        try:
+            kind = GGMLQuantizationType(place.ggml_type)
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError):
+            raise GgufError(f"GGUF tensor {place.name!r} has ggml type {place.ggml_type}, "
+                            "which the gguf package cannot dequantize") from None
+        row = place.dims[0] if place.dims else 1
+        rows = math.prod(place.dims[1:])
+        if row % block:
+            raise GgufError(f"GGUF tensor {place.name!r}: its rows of {row} are not whole "
+                            f"{kind.name} blocks of {block}")
+        row_bytes = row // block * block_bytes
+        end = place.offset + rows * row_bytes
+        if end > data.size:
+            raise GgufError(f"GGUF tensor {place.name!r} runs past the end of the file "
+                            f"({end} > {data.size} bytes): the file is cut short")
+        tensors[place.name] = _Tensor(data[place.offset:end].reshape(rows, row_bytes), kind,
+                                      place.dims)
+    return metadata, tensors
+
+
+def _dequantize(tensor: _Tensor) -> np.ndarray:
     """The tensor in float32, numpy order (llama.cpp's shape reversed); the gguf package's own
     dequantization, which llama.cpp's matches."""
     from gguf import quants
 
     values = quants.dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    # a copy: an F32 tensor's values are a read-only view of the file's memory map
+    # a copy: the values of an F32 tensor are a read-only view of the file's memory map
     return np.array(values, dtype=np.float32, copy=True).reshape(shape)
 
 

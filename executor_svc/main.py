@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
             shown="the model's, at most 4096")
     _option(p, "--seed", "seed of random weights for preset models", 0, int)
     _option(p, "--fingerprint-cache-dir",
-            "where weight-file digests of the model fingerprint and the GEMM algorithms chosen on "
-            "this GPU are cached ('' or none: no cache)",
+            "where weight-file digests of the model fingerprint, the GEMM algorithms chosen on "
+            "this GPU and the random weights of small presets are cached ('' or none: no cache)",
             shown="$XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve")
     _option(p, "--host", "address to listen on; anything but loopback needs --auth-token",
             "127.0.0.1")

@@ -3,6 +3,8 @@ built as transformers configs. Imports transformers config classes only; no weig
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -103,6 +105,26 @@ class ModelConfig:
 
     def layer_window(self, i: int) -> int | None:
         return self.layer_windows[i] if self.layer_windows else None
+
+    def to_json(self) -> str:
+        """The config as JSON, its RoPE scaling tagged with its kind (from_json reads it back)."""
+        fields = dataclasses.asdict(self)
+        if self.rope_scaling is not None:
+            fields["rope_scaling"] = {"kind": type(self.rope_scaling).__name__,
+                                      **fields["rope_scaling"]}
+        return json.dumps(fields, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        fields = json.loads(text)
+        rope = fields.get("rope_scaling")
+        if rope is not None:
+            kind = {c.__name__: c for c in (RopeScaling, LinearRope, LongRope)}[rope.pop("kind")]
+            fields["rope_scaling"] = kind(**{k: tuple(v) if isinstance(v, list) else v
+                                             for k, v in rope.items()})
+        for name in ("eos_token_ids", "layer_windows"):
+            fields[name] = tuple(fields[name])
+        return cls(**fields)
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "ModelConfig":

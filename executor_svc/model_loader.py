@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from executor_svc import preset_cache
 from executor_svc.gguf_loader import GgufError, load_gguf, read_architecture
 from executor_svc.model_config import PRESETS, ModelConfig, check_model_type, preset_hf_config
 from executor_svc.models.llama import LlamaModel
@@ -166,10 +167,11 @@ def model_name(source: str) -> str:
 
 
 def load_model(source: str, dtype: torch.dtype | str, device: str | torch.device = "cpu",
-               seed: int = 0, backend=None) -> tuple[LlamaModel, ModelConfig, str, str]:
+               seed: int = 0, backend=None, cache_dir: str | None = None
+               ) -> tuple[LlamaModel, ModelConfig, str, str]:
     """(model, config, tokenizer source, model name) for `source`: "preset:NAME", a local HF
     folder or a .gguf path. The model's attention runs on `backend` (default: the backend for
-    `device`'s type); weights go to `device`."""
+    `device`'s type); weights go to `device`. A small preset's draw is kept in `cache_dir`."""
     from executor_svc.backends import get_backend
 
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -186,6 +188,16 @@ def load_model(source: str, dtype: torch.dtype | str, device: str | torch.device
             raise ModelSourceError(str(err)) from None
         model = LlamaModel(config, weights, backend)
         return model, config, tokenizer_source(source), model_name(source)
+    if is_preset(source):
+        preset = source[len(_PRESET_PREFIX):]
+        drawn = preset_cache.load(cache_dir, preset, seed, dtype, device)
+        if drawn is None:
+            hf_model = build_hf_model(preset, seed, dtype, device)
+            drawn = ModelConfig.from_hf_config(hf_model.config), hf_weights(hf_model)
+            preset_cache.store(cache_dir, preset, seed, dtype, device, *drawn)
+        config, weights = drawn
+        return (LlamaModel(config, weights, backend), config, tokenizer_source(source),
+                model_name(source))
     hf_model = load_hf_model(source, seed, dtype, device)
     config = ModelConfig.from_hf_config(hf_model.config)
     model = model_from_hf(hf_model, config, backend)
@@ -222,7 +234,11 @@ def load_quantized_folder(path: Path, quantization_config: dict, dtype: torch.dt
         raise ModelSourceError(str(err)) from None
 
 
+def hf_weights(hf_model: Any) -> dict[str, torch.Tensor]:
+    """A transformers model's tensors by name, not copied."""
+    return {k: v.detach() for k, v in hf_model.state_dict().items()}
+
+
 def model_from_hf(hf_model: Any, config: ModelConfig, backend) -> LlamaModel:
     """Our LlamaModel on the same tensors as a transformers model (no copy except fusion)."""
-    weights = {k: v.detach() for k, v in hf_model.state_dict().items()}
-    return LlamaModel(config, weights, backend)
+    return LlamaModel(config, hf_weights(hf_model), backend)

@@ -90,7 +90,8 @@ class Worker:
         none."""
         identity = start_source_identity(source, self.config.fingerprint_cache_dir)
         model, model_config, tokenizer, name = load_model(
-            source, dtype, self.backend.device, self.config.seed, self.backend)
+            source, dtype, self.backend.device, self.config.seed, self.backend,
+            self.config.fingerprint_cache_dir)
         identity = identity.result()
         if self.config.tokenizer:
             tokenizer = str(Path(self.config.tokenizer).resolve())

@@ -1,0 +1,88 @@
+"""The random weights of a small preset, kept in the cache folder once drawn: a draw needs
+transformers' model classes, whose import takes seconds at every start; reading the weights back
+takes none. An entry is keyed by all that makes the draw (the preset, seed, dtype and device type,
+the torch and transformers versions, and our presets' and loader's source), so a changed one is
+drawn again; it is written atomically, and one that cannot be read is drawn again.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from executor_svc.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MAX_BYTES = 64 << 20  # the test-sized presets; a large preset's draw is not worth its disk
+_FOLDER = "presets"
+# what defines a preset's config and its draw
+_SOURCES = ("model_config.py", "model_loader.py")
+
+
+def _path(cache_dir: str, preset: str, seed: int, dtype: torch.dtype, device) -> Path:
+    digest = hashlib.sha256("\0".join(
+        (preset, str(seed), str(dtype), torch.device(device).type, torch.__version__,
+         importlib.metadata.version("transformers"))).encode())
+    for name in _SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return Path(cache_dir) / _FOLDER / f"{preset}-{digest.hexdigest()[:24]}.safetensors"
+
+
+def load(cache_dir: str | None, preset: str, seed: int, dtype: torch.dtype, device
+         ) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    """(config, weights by transformers' names on `device`) as drawn before, or None."""
+    if not cache_dir:
+        return None
+    path = _path(cache_dir, preset, seed, dtype, device)
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
+            config = ModelConfig.from_json(f.metadata()["config"])
+            return config, {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # noqa: BLE001 - any unreadable entry: drawn again, and rewritten
+        log.warning("preset cache %s not read (%s): drawing the weights again", path, err)
+        return None
+
+
+def store(cache_dir: str | None, preset: str, seed: int, dtype: torch.dtype, device,
+          config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Keeps a draw of at most MAX_BYTES (a tensor tied to another once), replacing the
+    preset's older entries; an unwritable folder costs a draw at the next start, no failure."""
+    if not cache_dir:
+        return
+    unique, seen = {}, set()
+    for name, tensor in weights.items():
+        if tensor.data_ptr() not in seen:  # tied (lm_head = embed_tokens): the model reties it
+            seen.add(tensor.data_ptr())
+            unique[name] = tensor
+    if sum(t.numel() * t.element_size() for t in unique.values()) > MAX_BYTES:
+        return
+    unique = {name: t.detach().contiguous().cpu() for name, t in unique.items()}
+    from safetensors.torch import save_file
+
+    path = _path(cache_dir, preset, seed, dtype, device)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(unique, tmp, metadata={"config": config.to_json()})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        for old in path.parent.glob(f"{preset}-*.safetensors"):
+            if old != path:
+                old.unlink(missing_ok=True)
+    except OSError as err:
+        log.warning("preset cache %s not written (%s): the weights will be drawn again at the "
+                    "next start", path, err)

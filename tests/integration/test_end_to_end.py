@@ -133,7 +133,8 @@ def preemption_executor_args(mode: str, executor_args: list[str] = ()) -> list[s
 
 def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
                      device: str = "cpu", shared_prefix: int = 0,
-                     scheduler_args: list[str] = (), executor: LoneExecutor | None = None) -> str:
+                     scheduler_args: list[str] = (), executor: LoneExecutor | None = None,
+                     max_tokens: int = 40) -> str:
     """Ten requests on a 24-page GPU pool: `mode` preemption must happen and every output stay
     identical to transformers' (weights drawn on `device`); returns the executor's log.
     With `shared_prefix` tokens common to all prompts (a request of the prefix first, so that
@@ -151,9 +152,9 @@ def check_preemption(tmp_path, mode: str, executor_args: list[str] = (),
                 prefix = random_prompts(1, seed=6, low=shared_prefix, high=shared_prefix)[0]
                 prompts = [prefix + p[:16] for p in prompts]
                 generate(stub, prefix + [7], max_tokens=1)
-            results = list(pool.map(lambda p: generate(stub, p, max_tokens=40), prompts))
+            results = list(pool.map(lambda p: generate(stub, p, max_tokens=max_tokens), prompts))
         for prompt, (ids, _, _) in zip(prompts, results):
-            assert ids == hf_greedy(TINY, prompt, 40, device=device)
+            assert ids == hf_greedy(TINY, prompt, max_tokens, device=device)
         m = services.metrics()
         assert m[f'pagedserve_preemptions_total{{mode="{mode}"}}'] > 0, m
         if mode == "swap":
@@ -201,8 +202,11 @@ def test_three_steps_in_flight_keep_outputs_identical(tmp_path, mode, preemption
 
 
 def test_swap_preemption_copies_a_shared_prefix_once(tmp_path, preemption_executors):
-    """Issue 12: ten prompts that start with the same 32 tokens (two pages, cached)."""
-    check_preemption(tmp_path, "swap", shared_prefix=32, executor=preemption_executors["swap"])
+    """Issue 12: ten prompts that start with the same 32 tokens (two pages, cached). Outputs
+    long enough that two swap-outs happen however the ten arrive: at 40 tokens a busy machine
+    that admitted them a few steps apart saw one."""
+    check_preemption(tmp_path, "swap", shared_prefix=32, executor=preemption_executors["swap"],
+                     max_tokens=72)
 
 
 def test_stop_rules_through_the_api(tiny_services, channel):

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from executor_svc.config import BLOCK_SIZES, KV_CACHE_DTYPES, ExecutorConfig
 from executor_svc.transport import AddressInUse, TransportConfig, check_can_listen
-from pagedserve_common.interrupt import interrupted_before_serving
+from pagedserve_common.interrupt import SIGNAL_POLL_S, interrupted_before_serving
 from pagedserve_common.listener_flags import (LOG_LEVELS, check_certificate, is_loopback, log_level,
                                               read_token)
 
@@ -252,9 +252,18 @@ def _serve(argv: list[str] | None) -> None:
     gc.collect()
     gc.freeze()
     log.debug("%d objects frozen out of the garbage collector's scans", gc.get_freeze_count())
-    signum = stop.get()
+    signum = _wait_for_signal(stop)
     log.info("%s: stopping (open streams get 2 s)", signal.Signals(signum).name)
     server.stop(grace=2).wait()
+
+
+def _wait_for_signal(stop: queue.SimpleQueue) -> int:
+    """The first signal's number, its handler run however the kernel delivered it."""
+    while True:
+        try:
+            return stop.get(timeout=SIGNAL_POLL_S)
+        except queue.Empty:
+            pass
 
 
 def _stop_on_signals() -> queue.SimpleQueue:

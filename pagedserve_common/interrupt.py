@@ -1,9 +1,16 @@
-"""Ctrl-C before a service serves: one line and exit status 130, at once, wherever loading is."""
+"""Ctrl-C before a service serves: one line and exit status 130, at once, wherever loading is;
+and how long a main thread may wait at a time where a signal handler must run."""
 from __future__ import annotations
 
 import os
 import signal
 from contextlib import contextmanager
+
+# The kernel hands a process's signal to any of its threads (a gRPC or a watcher thread); Python
+# then only notes it, and runs the handler when the main thread next runs bytecode: a main thread
+# blocked without a timeout (a queue's get, a condition's wait, waitpid) would never get there.
+# Such waits wake this often.
+SIGNAL_POLL_S = 0.5
 
 
 @contextmanager

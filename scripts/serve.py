@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 
+from pagedserve_common.interrupt import SIGNAL_POLL_S
+
 _PROG = "pagedserve-serve"
 _PR_SET_PDEATHSIG = 1
 _EXECUTOR_READY = "executor ready on"
@@ -46,8 +48,9 @@ class Launcher:
         threading.Thread(target=self._relay_executor, daemon=True).start()
         for proc in (self.executor, self.scheduler):
             threading.Thread(target=self._watch, args=(proc,), daemon=True).start()
-        with self._exited:
-            self._exited.wait_for(self._should_stop)
+        with self._exited:  # timed waits: the signal handler runs however it was delivered
+            while not self._exited.wait_for(self._should_stop, timeout=SIGNAL_POLL_S):
+                pass
         return self._stop()
 
     def _should_stop(self) -> bool:
@@ -125,7 +128,12 @@ def _terminate(proc: subprocess.Popen) -> int:
     (still starting) counts as a clean stop."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        return 0 if proc.wait() == -signal.SIGTERM else proc.returncode
+        while True:  # timed waits: a second Ctrl-C's handler runs meanwhile
+            try:
+                return 0 if proc.wait(timeout=SIGNAL_POLL_S) == -signal.SIGTERM else \
+                    proc.returncode
+            except subprocess.TimeoutExpired:
+                pass
     return proc.returncode
 
 

@@ -4,19 +4,37 @@ benchmarks/bench_serving.py, and is re-exported here for the tests.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import subprocess
 from dataclasses import dataclass
+
+import pytest
 
 from protos import generate_pb2
 from scripts.local_services import (START_TIMEOUT_S, Services, free_port, start_executor,
                                     start_services, wait_serving, wait_started)
 
 __all__ = ["START_TIMEOUT_S", "LoneExecutor", "Services", "StreamedToken", "attach_scheduler",
-           "default_sigint", "free_port", "generate", "openai_client", "start_executor",
+           "default_sigint", "free_port", "generate", "openai_client", "signal_another_thread",
+           "start_executor",
            "start_lone_executor",
            "start_services", "start_services_with", "streamed_tokens", "wait_serving",
            "wait_started"]
+
+
+_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+
+
+def signal_another_thread(pid: int, sig: int) -> None:
+    """`sig` to one of process `pid`'s threads other than its main one (tgkill), as the kernel
+    may deliver a process's signal; pytest.skip where tgkill's number is not known here."""
+    if _TGKILL is None:
+        pytest.skip("tgkill's number is known for x86_64 and aarch64")
+    other = next(int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(_TGKILL, pid, other, sig) == 0, os.strerror(ctypes.get_errno())
 
 
 def default_sigint() -> None:

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tests.integration.harness import default_sigint, free_port
+from tests.integration.harness import (default_sigint, free_port, signal_another_thread,
+                                       start_lone_executor)
 
 pytestmark = pytest.mark.slow
 
@@ -98,3 +99,16 @@ def test_ctrl_c_once_ready_stops_and_exits_0():
     assert code == 0
     assert "Traceback" not in "\n".join(lines)
     assert len(lines) == 2 and lines[1].endswith("SIGINT: stopping (open streams get 2 s)"), lines
+
+
+def test_sigterm_taken_by_another_thread_still_stops_a_ready_executor(tmp_path):
+    """The kernel hands a process's signal to any of its threads; one of gRPC's threads taking
+    it once left the executor waiting forever (docker stop would end in SIGKILL)."""
+    executor = start_lone_executor(tmp_path, ["--model", "preset:tiny"])
+    try:
+        signal_another_thread(executor.proc.pid, signal.SIGTERM)
+        assert executor.proc.wait(timeout=15) == 0
+        with open(executor.log) as f:
+            assert "SIGTERM: stopping" in f.read()
+    finally:
+        executor.proc.kill()

@@ -17,7 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generate_pb2, generate_pb2_grpc
-from tests.integration.harness import free_port, start_services, wait_serving
+from tests.integration.harness import (free_port, signal_another_thread, start_services,
+                                       wait_serving)
 from tests.integration.test_end_to_end import TINY, assert_pools_whole, random_prompts
 from tests.integration.test_resilience import Load
 
@@ -92,6 +93,21 @@ def test_signal_drains_then_stops_executor(tmp_path, sig, through_make):
     executor_exit = text.index("executor exited (status 0)")
     assert draining < scheduler_exit < executor_exit
     assert "Traceback" not in text
+
+
+def test_sigterm_taken_by_a_watcher_thread_still_stops_the_launcher(tmp_path):
+    """The kernel may hand the launcher's SIGTERM to one of its threads (a child's watcher): its
+    main thread, waiting on them, once never ran the handler."""
+    proc, address, log = start_launcher(tmp_path, "--model preset:tiny")
+    try:
+        wait_serving(address)
+        signal_another_thread(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert text.index("SIGTERM: draining the scheduler") < text.index("executor exited (status 0)")
 
 
 def test_executor_start_error_ends_launcher(tmp_path):

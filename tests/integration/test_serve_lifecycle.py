@@ -35,7 +35,7 @@ def start_launcher(tmp_path, executor_args: str,
     everything they printed). `make` gets `-o .venv/bin/.installed`: it installs nothing."""
     ex_port, sch_port, admin_port = free_port(), free_port(), free_port()
     log = tmp_path / "serve.log"
-    executor_args = f"--port {ex_port} --backend cpu --fingerprint-cache-dir none {executor_args}"
+    executor_args = f"--port {ex_port} --backend cpu {executor_args}"
     scheduler_args = (f"--port {sch_port} --admin-port {admin_port} --http-port 0 "
                       f"--executor 127.0.0.1:{ex_port} --shutdown-timeout 60")
     if through_make:

@@ -25,13 +25,18 @@ _FOLDER = "presets"
 _SOURCES = ("model_config.py", "model_loader.py")
 
 
+def _draw(preset: str, seed: int, dtype: torch.dtype, device) -> str:
+    """What is drawn, in a file name: an entry of it made by other code replaces the last."""
+    return f"{preset}-seed{seed}-{str(dtype).removeprefix('torch.')}-{torch.device(device).type}"
+
+
 def _path(cache_dir: str, preset: str, seed: int, dtype: torch.dtype, device) -> Path:
+    draw = _draw(preset, seed, dtype, device)
     digest = hashlib.sha256("\0".join(
-        (preset, str(seed), str(dtype), torch.device(device).type, torch.__version__,
-         importlib.metadata.version("transformers"))).encode())
+        (draw, torch.__version__, importlib.metadata.version("transformers"))).encode())
     for name in _SOURCES:
         digest.update((Path(__file__).parent / name).read_bytes())
-    return Path(cache_dir) / _FOLDER / f"{preset}-{digest.hexdigest()[:24]}.safetensors"
+    return Path(cache_dir) / _FOLDER / f"{draw}-{digest.hexdigest()[:24]}.safetensors"
 
 
 def load(cache_dir: str | None, preset: str, seed: int, dtype: torch.dtype, device
@@ -55,8 +60,9 @@ def load(cache_dir: str | None, preset: str, seed: int, dtype: torch.dtype, devi
 
 def store(cache_dir: str | None, preset: str, seed: int, dtype: torch.dtype, device,
           config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Keeps a draw of at most MAX_BYTES (a tensor tied to another once), replacing the
-    preset's older entries; an unwritable folder costs a draw at the next start, no failure."""
+    """Keeps a draw of at most MAX_BYTES (a tensor tied to another once), replacing the same
+    draw's entry by other code or versions; an unwritable folder costs a draw at the next start,
+    no failure."""
     if not cache_dir:
         return
     unique, seen = {}, set()
@@ -80,7 +86,7 @@ def store(cache_dir: str | None, preset: str, seed: int, dtype: torch.dtype, dev
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        for old in path.parent.glob(f"{preset}-*.safetensors"):
+        for old in path.parent.glob(f"{_draw(preset, seed, dtype, device)}-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)
     except OSError as err:

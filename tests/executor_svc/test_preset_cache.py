@@ -18,7 +18,7 @@ def _entries(cache):
 def test_the_kept_draw_is_the_draw(tmp_path):
     drawn, config, *_ = load_model("preset:tiny", torch.float32, cache_dir=str(tmp_path))
     [entry] = _entries(tmp_path)
-    assert entry.startswith("tiny-")
+    assert entry.startswith("tiny-seed0-float32-cpu-")
     kept, kept_config, *_ = load_model("preset:tiny", torch.float32, cache_dir=str(tmp_path))
     assert kept_config == config
     reference = hf_weights(build_hf_model("tiny"))
@@ -29,17 +29,25 @@ def test_the_kept_draw_is_the_draw(tmp_path):
     assert torch.equal(*logits)
 
 
-def test_another_seed_or_dtype_is_drawn_apart(tmp_path):
+def test_another_seed_or_dtype_is_drawn_apart_and_other_code_replaces_its_entry(
+        tmp_path, monkeypatch):
     load_model("preset:tiny", torch.float32, cache_dir=str(tmp_path))
     load_model("preset:tiny", torch.float32, seed=1, cache_dir=str(tmp_path))
-    # the preset's older entry goes: one entry a preset, the last drawn
-    [entry] = _entries(tmp_path)
+    assert [name.split("-")[:3] for name in _entries(tmp_path)] == [
+        ["tiny", "seed0", "float32"], ["tiny", "seed1", "float32"]]
     seed1 = preset_cache.load(str(tmp_path), "tiny", 1, torch.float32, "cpu")
-    assert seed1 is not None and preset_cache.load(str(tmp_path), "tiny", 0, torch.float32,
-                                                   "cpu") is None
     assert not torch.equal(seed1[1]["model.embed_tokens.weight"],
                            hf_weights(build_hf_model("tiny"))["model.embed_tokens.weight"])
     assert preset_cache.load(str(tmp_path), "tiny", 1, torch.bfloat16, "cpu") is None
+    # another transformers draws anew and its entry takes the old one's place
+    version = preset_cache.importlib.metadata.version
+    monkeypatch.setattr(preset_cache.importlib.metadata, "version",
+                        lambda name: "0.0" if name == "transformers" else version(name))
+    assert preset_cache.load(str(tmp_path), "tiny", 1, torch.float32, "cpu") is None
+    before = set(_entries(tmp_path))
+    load_model("preset:tiny", torch.float32, seed=1, cache_dir=str(tmp_path))
+    after = set(_entries(tmp_path))
+    assert len(after) == 2 and len(after - before) == 1 and "seed1" in (after - before).pop()
 
 
 def test_an_unreadable_entry_is_drawn_again_and_rewritten(tmp_path, caplog):

@@ -62,7 +62,8 @@ def check_certificate(parser: argparse.ArgumentParser, cert: str | None, key: st
 
 
 def check_ca_bundle(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
-    """A PEM CA bundle given as `flag` (a missing one left the link retrying, saying nothing)."""
+    """A PEM CA bundle given as `flag`, read at start: the link would only fail at each attempt
+    to reach an executor, retrying without end."""
     if not path:
         return
     try:

@@ -108,8 +108,8 @@ def test_an_unknown_log_level_is_one_usage_line(env, monkeypatch, capsys):
     (["--hello-timeout", "inf"], "--hello-timeout must be > 0 seconds and finite, got inf"),
 ])
 def test_a_value_out_of_its_range_is_one_usage_line(argv, says, capsys):
-    """Each of these loaded the model first, then failed in torch, ran on a wrapped port, or
-    was taken as the default."""
+    """Refused before the model loads: unchecked, each would fail in torch after it, run on a
+    wrapped port, or be taken as the default."""
     with pytest.raises(SystemExit) as exited:
         executor_main.parse_config(argv)
     assert exited.value.code == 2
@@ -125,7 +125,7 @@ def test_a_block_size_from_the_variable_is_checked_too(monkeypatch, capsys):
 
 def test_tls_files_are_read_before_the_model_loads(tmp_path, capsys):
     """A missing or non-PEM certificate, a key of another certificate, or one flag of the pair:
-    one usage line at once (gRPC reads them only when it binds, and blamed the port)."""
+    one usage line at once (gRPC reads them only when it binds, and then blames the port)."""
     pairs = {}
     for name in ("a", "b"):
         key, cert = tmp_path / f"{name}.key", tmp_path / f"{name}.pem"

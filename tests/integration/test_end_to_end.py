@@ -203,8 +203,8 @@ def test_three_steps_in_flight_keep_outputs_identical(tmp_path, mode, preemption
 
 def test_swap_preemption_copies_a_shared_prefix_once(tmp_path, preemption_executors):
     """Issue 12: ten prompts that start with the same 32 tokens (two pages, cached). Outputs
-    long enough that two swap-outs happen however the ten arrive: at 40 tokens a busy machine
-    that admitted them a few steps apart saw one."""
+    long enough that two swap-outs (what the shared-copy check needs) happen however the ten
+    arrive, also when a busy machine admits them a few steps apart."""
     check_preemption(tmp_path, "swap", shared_prefix=32, executor=preemption_executors["swap"],
                      max_tokens=72)
 

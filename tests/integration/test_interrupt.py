@@ -102,8 +102,8 @@ def test_ctrl_c_once_ready_stops_and_exits_0():
 
 
 def test_sigterm_taken_by_another_thread_still_stops_a_ready_executor(tmp_path):
-    """The kernel hands a process's signal to any of its threads; one of gRPC's threads taking
-    it once left the executor waiting forever (docker stop would end in SIGKILL)."""
+    """The kernel hands a process's signal to any of its threads; with one of gRPC's taking it
+    the executor must still stop, or docker stop ends in SIGKILL."""
     executor = start_lone_executor(tmp_path, ["--model", "preset:tiny"])
     try:
         signal_another_thread(executor.proc.pid, signal.SIGTERM)

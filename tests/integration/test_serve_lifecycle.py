@@ -97,7 +97,7 @@ def test_signal_drains_then_stops_executor(tmp_path, sig, through_make):
 
 def test_sigterm_taken_by_a_watcher_thread_still_stops_the_launcher(tmp_path):
     """The kernel may hand the launcher's SIGTERM to one of its threads (a child's watcher): its
-    main thread, waiting on them, once never ran the handler."""
+    main thread, waiting on them, must still run the handler."""
     proc, address, log = start_launcher(tmp_path, "--model preset:tiny")
     try:
         wait_serving(address)

@@ -174,7 +174,7 @@ def test_the_log_level_takes_any_case_from_the_flag_and_the_variable(given, monk
 
 
 def test_the_executor_ca_bundle_is_read_at_start(tmp_path, capsys):
-    """A missing CA file left the link retrying without a word; a non-PEM one, gRPC's errors."""
+    """A missing or non-PEM CA file is one usage line at start, not link attempts failing."""
     (tmp_path / "text.pem").write_text("not a certificate\n")
     for path, says in [(tmp_path / "none.pem", "No such file or directory"),
                        (tmp_path / "text.pem", "not a readable PEM CA bundle")]:

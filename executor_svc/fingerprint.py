@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from executor_svc.cache_files import write_atomically
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_loader import is_preset, tokenizer_source
 
@@ -63,7 +63,7 @@ class DigestCache:
         merged = {p: e for p, e in merged.items() if os.path.exists(p)}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomically(self.path, json.dumps(merged, indent=1, sort_keys=True))
+            write_atomically(self.path, json.dumps(merged, indent=1, sort_keys=True))
         except OSError as err:
             log.warning("fingerprint cache %s not written (%s): weights will be hashed again "
                         "at the next start", self.path, err)
@@ -88,17 +88,6 @@ class DigestCache:
 
 def _stat_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def digest_files(paths: list[Path], cache: DigestCache) -> dict[Path, str]:

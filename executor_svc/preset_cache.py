@@ -9,12 +9,11 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from executor_svc.cache_files import write_atomically
 from executor_svc.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -72,20 +71,14 @@ def store(cache_dir: str | None, preset: str, seed: int, dtype: torch.dtype, dev
             unique[name] = tensor
     if sum(t.numel() * t.element_size() for t in unique.values()) > MAX_BYTES:
         return
-    unique = {name: t.detach().contiguous().cpu() for name, t in unique.items()}
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
+    data = save({name: t.detach().contiguous().cpu() for name, t in unique.items()},
+                metadata={"config": config.to_json()})
     path = _path(cache_dir, preset, seed, dtype, device)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(unique, tmp, metadata={"config": config.to_json()})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_atomically(path, data)
         for old in path.parent.glob(f"{_draw(preset, seed, dtype, device)}-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)

@@ -18,10 +18,8 @@ from scripts.local_services import (START_TIMEOUT_S, Services, free_port, start_
 
 __all__ = ["START_TIMEOUT_S", "LoneExecutor", "Services", "StreamedToken", "attach_scheduler",
            "default_sigint", "free_port", "generate", "openai_client", "signal_another_thread",
-           "start_executor",
-           "start_lone_executor",
-           "start_services", "start_services_with", "streamed_tokens", "wait_serving",
-           "wait_started"]
+           "start_executor", "start_lone_executor", "start_services", "start_services_with",
+           "streamed_tokens", "wait_serving", "wait_started"]
 
 
 _TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)

@@ -94,6 +94,10 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
             out[f"{name} {rows}"] = {
                 "bf16_us": time_products(F.linear, dense, rows, k),
                 "int4_us": time_products(quant.int4_linear, packed, rows, k),
+                # the same launched plainly: what programmatic launches (prepare()'s default
+                # where the device takes them) save between consecutive products
+                "plain_int4_us": plain_launches(
+                    lambda: time_products(quant.int4_linear, packed, rows, k)),
                 # the tiles tuning may take instead (never below 33 rows, where 16 or 32 hold
                 # a step)
                 **{f"int4_{_tile_name(tile)}_us":
@@ -114,6 +118,19 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
         del dense, packed, scratch
         torch.cuda.empty_cache()
     return out
+
+
+def plain_launches(measure):
+    """measure() with the products launched plainly, then the setting restored."""
+    from pagedserve_kernels import quant
+
+    device = torch.device("cuda")
+    before = quant._programmatic.get(device.index, False)
+    quant.set_programmatic(device, False)
+    try:
+        return measure()
+    finally:
+        quant.set_programmatic(device, before)
 
 
 def _tile_name(tile) -> str:
@@ -224,10 +241,10 @@ def table(results: dict, rows_list) -> None:
                    and key[5:-3] not in candidates)  # nor a candidate tile
 
     print("| product | rows | K splits (model, fastest tuned) | bf16 µs | int4 µs | "
-          "int4 vs bf16 | " + "".join(f"int4, {t} µs | " for t in tiles)
+          "int4 vs bf16 | int4, plain launches µs | " + "".join(f"int4, {t} µs | " for t in tiles)
           + "dequant+cuBLAS µs | ours, fastest µs | fastest vs bf16 | Marlin µs | "
           "ours (fastest) vs Marlin | Machete µs | ours (fastest) vs Machete |")
-    print("|---|---|---|---|---|---|" + "---|" * len(tiles) + "---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(tiles) + "---|---|---|---|---|---|---|")
     for name, _, _ in list(SHAPES) + [("layer", 0, 0)]:
         for rows in rows_list:
             if name == "layer":  # the four products of one decoder layer
@@ -250,7 +267,9 @@ def table(results: dict, rows_list) -> None:
                 split = f"{split}, {r['parts']}"
             print(f"| {name} | {rows} | {split} | {r['bf16_us']:.1f} | "
                   f"{r['int4_us']:.1f} | "
-                  f"{r['bf16_us'] / r['int4_us']:.2f}x | " + "".join(c + " | " for c in cells)
+                  f"{r['bf16_us'] / r['int4_us']:.2f}x | "
+                  + ("-" if r.get("plain_int4_us") is None else f"{r['plain_int4_us']:.1f}")
+                  + " | " + "".join(c + " | " for c in cells)
                   + f"{r['dequant_cublas_us']:.1f} | {best:.1f} | {r['bf16_us'] / best:.2f}x | "
                   f"{against} |")
 

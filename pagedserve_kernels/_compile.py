@@ -3,6 +3,7 @@ caches, launches on torch's current stream and `warmup()`. Imports cupy lazily, 
 """
 from __future__ import annotations
 
+import ctypes
 import re
 import threading
 import time
@@ -213,15 +214,109 @@ def current_stream(device: torch.device) -> Any:
 
 
 def launch(module: str, kernel: str, device: torch.device, grid: tuple[int, ...],
-           block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+           block: tuple[int, ...], args: tuple, shared_mem: int = 0,
+           programmatic: bool = False) -> None:
     """Launch on torch's current stream of `device` (always an explicit stream: a launch on
-    CuPy's default stream would silently drop out of a CUDA-graph capture)."""
+    CuPy's default stream would silently drop out of a CUDA-graph capture). `programmatic`:
+    as a programmatic dependent launch (the kernel must call ps::grid_dependency_wait before it
+    touches what the kernel before it reads or writes; see programmatic_launch)."""
     import cupy
 
     index = _device_index(device)
     fn = get_function(module, kernel, index, shared_mem)
     with cupy.cuda.Device(index):
-        fn(grid, block, args, shared_mem=shared_mem, stream=current_stream(device))
+        if programmatic:
+            _launch_programmatic(fn, grid, block, args, shared_mem,
+                                 torch.cuda.current_stream(index).cuda_stream)
+        else:
+            fn(grid, block, args, shared_mem=shared_mem, stream=current_stream(device))
+
+
+# Programmatic dependent launch (Hopper and later): the grid may start while the kernel before
+# it in the stream finishes, and waits for it where the kernel says (griddepcontrol.wait);
+# CUDA-graph capture keeps the edge programmatic. CuPy launches only plainly, so this calls the
+# driver's cuLaunchKernelEx with cuda.h's structures.
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: 72 bytes, the value at 8
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig: 56 bytes
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_driver: Any = None
+
+
+def _driver_api() -> Any:
+    global _driver
+    if _driver is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorString.restype = ctypes.c_int
+        _driver = lib
+    return _driver
+
+
+def kernel_arguments(args: tuple) -> list:
+    """ctypes values of a launch's arguments as the kernels declare them: Python ints are
+    pointers, numpy scalars (i32, i64, f32) keep their C type."""
+    import numpy as np
+
+    out = []
+    for a in args:
+        if isinstance(a, np.int32):
+            out.append(ctypes.c_int32(int(a)))
+        elif isinstance(a, np.int64):
+            out.append(ctypes.c_int64(int(a)))
+        elif isinstance(a, np.float32):
+            out.append(ctypes.c_float(float(a)))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            out.append(ctypes.c_uint64(a))
+        else:
+            raise TypeError(f"a launch argument of type {type(a).__name__}")
+    return out
+
+
+def _launch_programmatic(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+                         shared_mem: int, stream: int) -> None:
+    lib = _driver_api()
+    values = kernel_arguments(args)
+    params = (ctypes.c_void_p * max(1, len(values)))(
+        *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    config = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
+                           ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
+    err = lib.cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(fn.ptr), params, None)
+    if err:
+        text = ctypes.c_char_p()
+        lib.cuGetErrorString(err, ctypes.byref(text))
+        raise RuntimeError(f"cuLaunchKernelEx failed ({err}: "
+                           f"{(text.value or b'unknown').decode()})")
+
+
+def programmatic_launch(device: torch.device | int | None = None) -> bool:
+    """Whether kernels on `device` can be launched programmatically: compute capability 9.0 or
+    later and a driver with cuLaunchKernelEx."""
+    if not torch.cuda.is_available():
+        return False
+    index = _device_index(device)
+    if torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        _driver_api()
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def arch_used(device: torch.device | int | None = None, module: str = "attention") -> str | None:

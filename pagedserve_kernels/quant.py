@@ -85,6 +85,10 @@ _tiles: dict[tuple[int, torch.dtype], dict[Shape, dict[int, Tile]]] = {}
 # tile without an entry keeps split_k_choice's count
 _split_counts: dict[tuple[int, torch.dtype], dict[Shape, dict[int, int]]] = {}
 _resident: dict[tuple[str, int], int] = {}
+# device -> whether the products are launched programmatically (prepare() decides; see
+# set_programmatic): each product kernel's start and first weight loads overlap the end of the
+# kernel before it, which matters most for the short products of decode steps.
+_programmatic: dict[int, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,8 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     _compile.launch("quant", kernel, x.device, grid, (_threads(kernel), 1, 1), args,
-                    shared_mem=_smem_bytes(mt, family))
+                    shared_mem=_smem_bytes(mt, family),
+                    programmatic=_programmatic.get(x.device.index, False))
     return out
 
 
@@ -422,10 +427,63 @@ def prepare(device: torch.device | int | None = None, scratch_elements: int = 0,
     for name in _compile.MODULES["quant"][1]:
         _compile.get_function("quant", name, device)
     _workspace(device)
+    if device.index not in _programmatic:
+        set_programmatic(device, _compile.programmatic_launch(device))
     key = (device.index, dtype)
     with _lock:
         if scratch_elements and (key not in _scratch or _scratch[key].numel() < scratch_elements):
             _scratch[key] = torch.empty(scratch_elements, dtype=dtype, device=device)
+
+
+def set_programmatic(device: torch.device | int | None, on: bool) -> bool:
+    """Launch the products on `device` programmatically (on) or plainly; on only where
+    _compile.programmatic_launch says the device and driver can, and a programmatic launch of
+    a small product (in a CUDA graph too) gives the plain launch's bits. Returns the setting."""
+    index = _index(device)
+    if on and _compile.programmatic_launch(index):
+        try:
+            on = _programmatic_agrees(torch.device("cuda", index))
+        except RuntimeError as exc:  # the driver refused the launch or its capture
+            log.warning("W4A16 products launch plainly: %s", exc)
+            on = False
+    else:
+        on = False
+    _programmatic[index] = on
+    return on
+
+
+def _programmatic_agrees(device: torch.device) -> bool:
+    """Two dependent products (the second multiplies the first's output), launched plainly,
+    then programmatically, eagerly and from a CUDA graph: the same bits each way."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n = k = 256
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, device=device,
+                            dtype=torch.int32)
+    scales = torch.rand(k // 128, n, generator=g, device=device).to(torch.bfloat16) * 0.01
+    packed = repack(qweight, scales, None, 128)
+    x = torch.randn(3, k, generator=g, device=device).to(torch.bfloat16)
+
+    def two(out):
+        _kernel_product(x, packed, None, out[0])
+        return _kernel_product(out[0], packed, None, out[1])
+
+    outs = {}
+    for mode in (False, True):
+        _programmatic[device.index] = mode
+        eager = torch.empty(2, 3, n, dtype=x.dtype, device=device)
+        two(eager)
+        graphed = torch.empty_like(eager)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            two(graphed)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        outs[mode] = (eager, graphed)
+    _programmatic.pop(device.index)
+    agree = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+    if not agree:
+        log.warning("W4A16 products launch plainly: a programmatic launch gave other bits")
+    return agree
 
 
 # ---- layout helpers (torch only) ----

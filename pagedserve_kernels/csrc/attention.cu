@@ -1537,6 +1537,8 @@ PS_PREFILL_WG(prefill_wg1_bf16_hd64, __nv_bfloat16, 64, 1)  // benchmark compari
 PS_PREFILL_WGP(prefill_wgp_bf16_hd128, __nv_bfloat16, 128)
 PS_PREFILL_WGP(prefill_wgp_fp16_hd128, __half, 128)
 
+// Decode attention and its combine come before the output projection: they let a W4A16 product
+// launched programmatically start as soon as they all run (ps::launch_dependents).
 #define PS_DECODE(NAME, T, HD, STAGES, MIN_CTAS)                                                 \
   extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                           \
       NAME(const T* q, T* out, float* part_o, float* part_lse, const T* k_cache,                 \
@@ -1544,6 +1546,7 @@ PS_PREFILL_WGP(prefill_wgp_fp16_hd128, __half, 128)
            long long q_stride_tok, int q_stride_head, long long o_stride_tok, int o_stride_head, \
            int num_heads, int num_kv_heads, int block_size_log2, int max_blocks_per_seq,         \
            int chunk_pages, int num_splits, float scale_log2, int window, float soft_cap) {      \
+    ps::launch_dependents();                                                                     \
     ps::decode_impl<T, HD, STAGES>(q, out, part_o, part_lse, k_cache, v_cache, block_tables,     \
                                    seq_lens, q_stride_tok, q_stride_head, o_stride_tok,          \
                                    o_stride_head, num_heads, num_kv_heads, block_size_log2,      \
@@ -1568,6 +1571,7 @@ PS_DECODE(decode_s2_bf16_hd128, __nv_bfloat16, 128, 2, 3)
            int q_stride_head, long long o_stride_tok, int o_stride_head, int num_heads,          \
            int num_kv_heads, int block_size_log2, int max_blocks_per_seq, int chunk_pages,       \
            int num_splits, float scale_log2, int window, float soft_cap) {                       \
+    ps::launch_dependents();                                                                     \
     ps::decode_impl<T, HD, STAGES, true, KS>(q, out, part_o, part_lse, k_cache, v_cache,         \
                                              block_tables, seq_lens, q_stride_tok,               \
                                              q_stride_head, o_stride_tok, o_stride_head,         \
@@ -1594,6 +1598,7 @@ PS_DECODE_MQ(decode_mqks_fp16_hd128, __half, 128, 3, 2, true)
   extern "C" __global__ void NAME(const float* part_o, const float* part_lse, T* out,            \
                                   long long o_stride_tok, int o_stride_head, int num_heads,      \
                                   int num_splits, int head_dim) {                                \
+    ps::launch_dependents();                                                                     \
     ps::decode_combine_impl<T>(part_o, part_lse, out, o_stride_tok, o_stride_head, num_heads,    \
                                num_splits, head_dim);                                            \
   }

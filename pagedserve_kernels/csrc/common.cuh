@@ -78,6 +78,22 @@ __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, in
                "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Programmatic dependent launch (sm_90 and later; no-ops before, and in a grid launched without
+// the attribute). grid_dependency_wait: the grid this one follows has completed and its writes
+// are visible; a kernel launched programmatically reads or writes nothing another kernel
+// touches before it. launch_dependents: the next grid, if launched programmatically, may start
+// once every CTA of this one has passed here (it still waits for this one's end to read).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

@@ -521,10 +521,13 @@ __device__ __forceinline__ void silu_and_mul_fp8_row(unsigned char* out, float* 
 }  // namespace ps_ops
 
 #ifndef PS_KV_FP8  // kv_fp8.cu defines the FP8 cache's entry points, not these
+// The ops before a W4A16 product (the norms, silu_and_mul) let it launch as soon as they all
+// run (ps::launch_dependents): it loads its first weights while they finish.
 #define PS_OPS(NAME, T)                                                                          \
   extern "C" __global__ void __launch_bounds__(1024)                                             \
       rms_norm_##NAME(T* out, long long out_stride, const T* x, long long x_stride,              \
                       const T* weight, int hidden, float eps, int vec) {                         \
+    ps::launch_dependents();                                                                     \
     ps_ops::rms_norm_row<T, false>(out, out_stride, x, x_stride, nullptr, 0, weight, hidden,     \
                                    eps, vec);                                                    \
   }                                                                                              \
@@ -532,6 +535,7 @@ __device__ __forceinline__ void silu_and_mul_fp8_row(unsigned char* out, float* 
       fused_add_rms_norm_##NAME(T* x, long long x_stride, T* residual,                           \
                                 long long residual_stride, const T* weight, int hidden,          \
                                 float eps, int vec) {                                            \
+    ps::launch_dependents();                                                                     \
     ps_ops::rms_norm_row<T, true>(x, x_stride, x, x_stride, residual, residual_stride, weight,   \
                                   hidden, eps, vec);                                             \
   }                                                                                              \
@@ -580,6 +584,7 @@ __device__ __forceinline__ void silu_and_mul_fp8_row(unsigned char* out, float* 
   extern "C" __global__ void __launch_bounds__(256)                                              \
       silu_and_mul_##NAME(T* out, long long out_stride, const T* x, long long x_stride, int d,   \
                           int vec) {                                                             \
+    ps::launch_dependents();                                                                     \
     ps_ops::silu_and_mul_row<T>(out, out_stride, x, x_stride, d, vec);                           \
   }
 PS_OPS(bf16, __nv_bfloat16)

@@ -167,16 +167,33 @@ __device__ __forceinline__ Tile tile_of(const uint4* qw, int Kp, int Np, int gro
 
 // Stage s (absolute) into shared memory at st, laid out [weights: one uint4 a thread][x: ROWS x
 // 64, 16-byte chunks XOR-swizzled by row (the 128-byte swizzle wgmma reads)][scales: the stage's
-// two k32 chunks x 128 columns][zeros: as scales].
+// two k32 chunks x 128 columns][zeros: as scales]. load_stage_weights copies what the model
+// holds (weights, scales, zero points), load_stage_x the activations, which the kernel before
+// this one writes (see grid_dependency_wait).
 template <typename T, int ROWS>
-__device__ __forceinline__ void load_stage(const Tile& q, unsigned int st, int s, const T* x,
-                                           long long x_stride, const T* scales, const T* zeros,
-                                           int M, int K, int group) {
+__device__ __forceinline__ void load_stage_weights(const Tile& q, unsigned int st, int s,
+                                                   const T* scales, const T* zeros, int group) {
   using L = Stage<ROWS>;
   constexpr int W_BYTES = L::W_BYTES, X_BYTES = L::X_BYTES, S_BYTES = L::S_BYTES;
-  constexpr int X_CHUNKS = ROWS * 8;  // a stage's 16-byte chunks of activations
   ps::cp_async16(st + q.tid * 16, q.wsrc + (size_t)s * 64, 16);
-  const unsigned int xs = st + W_BYTES;
+  if (q.tid < 64) {  // 32 threads copy the scales, 32 the zeros: 2 chunks x 256 bytes each
+    const T* base = q.tid < 32 ? scales : zeros;
+    if (base != nullptr) {
+      const int c = q.tid & 31, half = c >> 4, part = c & 15;
+      const int grp =
+          q.gshift >= 0 ? (2 * s + half) >> q.gshift : (s * STAGE_K + half * 32) / group;
+      const T* src = base + ((size_t)grp * q.NB + q.ncta * 4) * 32 + part * 8;
+      ps::cp_async16(st + W_BYTES + X_BYTES + (q.tid < 32 ? 0 : S_BYTES) + half * 256 + part * 16,
+                     src, 16);
+    }
+  }
+}
+
+template <typename T, int ROWS>
+__device__ __forceinline__ void load_stage_x(const Tile& q, unsigned int st, int s, const T* x,
+                                             long long x_stride, int M, int K) {
+  constexpr int X_CHUNKS = ROWS * 8;  // a stage's 16-byte chunks of activations
+  const unsigned int xs = st + Stage<ROWS>::W_BYTES;
 #pragma unroll
   for (int r = 0; r < (X_CHUNKS + THREADS - 1) / THREADS; ++r) {
     const int c = q.tid + r * THREADS;
@@ -189,17 +206,14 @@ __device__ __forceinline__ void load_stage(const Tile& q, unsigned int st, int s
                      ok ? x + (long long)m * x_stride + k : x, ok ? 16 : 0);
     }
   }
-  if (q.tid < 64) {  // 32 threads copy the scales, 32 the zeros: 2 chunks x 256 bytes each
-    const T* base = q.tid < 32 ? scales : zeros;
-    if (base != nullptr) {
-      const int c = q.tid & 31, half = c >> 4, part = c & 15;
-      const int grp =
-          q.gshift >= 0 ? (2 * s + half) >> q.gshift : (s * STAGE_K + half * 32) / group;
-      const T* src = base + ((size_t)grp * q.NB + q.ncta * 4) * 32 + part * 8;
-      ps::cp_async16(st + W_BYTES + X_BYTES + (q.tid < 32 ? 0 : S_BYTES) + half * 256 + part * 16,
-                     src, 16);
-    }
-  }
+}
+
+template <typename T, int ROWS>
+__device__ __forceinline__ void load_stage(const Tile& q, unsigned int st, int s, const T* x,
+                                           long long x_stride, const T* scales, const T* zeros,
+                                           int M, int K, int group) {
+  load_stage_weights<T, ROWS>(q, st, s, scales, zeros, group);
+  load_stage_x<T, ROWS>(q, st, s, x, x_stride, M, K);
 }
 
 // This thread's packed weights of a landed stage (at st) and the scales and zero points (bf16x2 /
@@ -403,9 +417,20 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mt][j][r] = 0.f;
 
+  // The first stages' weights load before waiting for the kernel before this one (which writes
+  // x, the workspace or y's memory): launched programmatically, this grid's start and those
+  // loads overlap that kernel's end. They join stage 0's copy group.
+#pragma unroll
+  for (int i = 0; i < C::STAGES - 1; ++i)
+    if (i < nst)
+      load_stage_weights<T, C::ROWS>(q, smem0 + i * C::STAGE_BYTES, q.s0 + i, scales, zeros,
+                                     group);
+  ps::grid_dependency_wait();
+  ps::launch_dependents();
 #pragma unroll
   for (int i = 0; i < C::STAGES - 1; ++i) {
-    if (i < nst) load(i);
+    if (i < nst)
+      load_stage_x<T, C::ROWS>(q, smem0 + i * C::STAGE_BYTES, q.s0 + i, x, x_stride, M, K);
     ps::cp_async_commit();
   }
   for (int i = 0; i < nst; ++i) {
@@ -565,9 +590,18 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
   // ahead than the buffers allow: the buffer refilled at step i was read by the MMAs of stage
   // i - 2, which every warpgroup waited for before the step's barrier.
   constexpr int AHEAD = C::STAGES - 2;
+  // The first stages' weights before waiting for the kernel before this one, as in w4a16.
+#pragma unroll
+  for (int i = 0; i < AHEAD; ++i)
+    if (i < nst)
+      load_stage_weights<T, C::ROWS>(q, smem0 + i * C::STAGE_BYTES, q.s0 + i, scales, zeros,
+                                     group);
+  ps::grid_dependency_wait();
+  ps::launch_dependents();
 #pragma unroll
   for (int i = 0; i < AHEAD; ++i) {
-    if (i < nst) load(i);
+    if (i < nst)
+      load_stage_x<T, C::ROWS>(q, smem0 + i * C::STAGE_BYTES, q.s0 + i, x, x_stride, M, K);
     ps::cp_async_commit();
   }
   auto step = [&](int i, unsigned int (&a)[2][2][4]) {
@@ -886,6 +920,10 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   const int tid = threadIdx.x, ncta = blockIdx.x, m0 = blockIdx.z * TOK;
   const int s0 = blockIdx.y * split_stages, nst = min(Kp / STAGE_K - s0, split_stages);
   wgt_init_bars<TOK>(bars);
+  // Launched programmatically, this grid starts while the kernel before it ends; nothing of
+  // what that kernel writes is read or written before here.
+  ps::grid_dependency_wait();
+  ps::launch_dependents();
 
   if (tid >= THREADS) {  // the producer: fill u of buffer b waits for release u - 1 (parity)
     ps::setmaxnreg_dec<PRODUCER_REGS>();
@@ -1033,6 +1071,8 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
   const long long units = (long long)NBK * ((M + TOK - 1) / TOK) * S;
   const long long u1 = wgs_start(units, cta + 1, ctas);
   wgt_init_bars<TOK>(bars);
+  ps::grid_dependency_wait();  // as in w4a16_wgt
+  ps::launch_dependents();
 
   if (tid >= THREADS) {  // the producer, through every run of the CTA's work
     ps::setmaxnreg_dec<PRODUCER_REGS>();
@@ -1138,10 +1178,11 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
     ps_quant::w4a16<T, MT>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws, counters, M, \
                            N, K, Kp, Np, group, split_stages);                                 \
   }
-PS_QUANT_PRODUCT(w4a16_bf16_m16, __nv_bfloat16, 1, 3)
+// 16 rows: four CTAs an SM (at most 64 registers), as many as their shared memory allows.
+PS_QUANT_PRODUCT(w4a16_bf16_m16, __nv_bfloat16, 1, 4)
 PS_QUANT_PRODUCT(w4a16_bf16_m32, __nv_bfloat16, 2, 2)
 PS_QUANT_PRODUCT(w4a16_bf16_m64, __nv_bfloat16, 4, 1)
-PS_QUANT_PRODUCT(w4a16_fp16_m16, __half, 1, 3)
+PS_QUANT_PRODUCT(w4a16_fp16_m16, __half, 1, 4)
 PS_QUANT_PRODUCT(w4a16_fp16_m32, __half, 2, 2)
 PS_QUANT_PRODUCT(w4a16_fp16_m64, __half, 4, 1)
 // 128 rows a CTA: the weight tile dequantized once for twice the rows, at one CTA an SM (its

@@ -377,7 +377,7 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
 
     launched = []
     monkeypatch.setattr(quant._compile, "launch",
-                        lambda module, kernel, device, grid, block, args, shared_mem=0:
+                        lambda module, kernel, device, grid, block, args, shared_mem=0, programmatic=False:
                         launched.append((kernel, grid[2], shared_mem)))
     monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
                         *_: (1, k_stages))
@@ -581,7 +581,7 @@ def test_stream_k_tiles_launch_one_cta_an_sm_with_their_parts(monkeypatch):
 
     launched = []
     monkeypatch.setattr(quant._compile, "launch",
-                        lambda module, kernel, device, grid, block, args, shared_mem=0:
+                        lambda module, kernel, device, grid, block, args, shared_mem=0, programmatic=False:
                         launched.append((kernel, grid, block[0], shared_mem, args[8], args[9])))
     parts, (ws, counters) = torch.zeros(1), (torch.zeros(1), torch.zeros(1))
     monkeypatch.setattr(quant, "_stream_k_workspace", lambda device: parts)
@@ -620,7 +620,7 @@ def test_a_forced_split_count_keeps_within_k_and_the_workspace(monkeypatch):
 
     launched = []
     monkeypatch.setattr(quant._compile, "launch",
-                        lambda module, kernel, device, grid, block, args, shared_mem=0:
+                        lambda module, kernel, device, grid, block, args, shared_mem=0, programmatic=False:
                         launched.append((grid[1], args[-1])))
     monkeypatch.setattr(quant, "_workspace", lambda device: (torch.zeros(1), torch.zeros(1)))
     monkeypatch.setattr(quant, "_index", lambda device: 0)
@@ -655,3 +655,29 @@ def test_split_k_avoids_spilling_a_few_blocks_into_another_wave():
     for tiles, k, slots, most in ((48, 64, 264, 16), (224, 64, 132, 16), (7, 224, 396, 56)):
         splits, per = split_k_choice(tiles, k, slots, most)
         assert 1 <= splits <= most and splits * per >= k > (splits - 1) * per
+
+
+def test_programmatic_launch_structures_have_cuda_h_layout():
+    """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out (on
+    x86-64): a field out of place launches another grid or drops the attribute silently."""
+    import ctypes
+
+    attr, config = _compile._LaunchAttribute, _compile._LaunchConfig
+    assert ctypes.sizeof(attr) == 72 and attr.value.offset == 8
+    assert ctypes.sizeof(config) == 56
+    assert (config.shared_mem.offset, config.stream.offset, config.attrs.offset,
+            config.num_attrs.offset) == (24, 32, 40, 48)
+    assert _compile._PROGRAMMATIC_STREAM_SERIALIZATION == 6
+
+
+def test_kernel_arguments_keep_each_c_type():
+    import ctypes
+
+    import numpy as np
+
+    values = _compile.kernel_arguments((2**40 + 16, np.int64(-3), np.int32(7), np.float32(0.5), 0))
+    assert [type(v) for v in values] == [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32,
+                                         ctypes.c_float, ctypes.c_uint64]
+    assert [v.value for v in values] == [2**40 + 16, -3, 7, 0.5, 0]
+    with pytest.raises(TypeError, match="float"):
+        _compile.kernel_arguments((1.5,))

@@ -242,6 +242,62 @@ def _graph_replays_match_eager(quant):
                 assert torch.equal(static_out, expected), m
 
 
+@pytest.mark.parametrize("m,tile", [(1, None), (16, (16, "")), (20, (32, "")), (64, (64, "")),
+                                    (64, (64, "wgt")), (200, (128, "wgs")), (256, (256, "wgt"))])
+def test_programmatic_launches_give_the_plain_launches_bits(quant, m, tile):
+    """A decode layer's order of kernels, each reading what the one before wrote: an rms_norm
+    (which lets the next grid start early), a product, silu_and_mul, a product, again; the
+    products launched programmatically give the plain launches' bits, eagerly and replayed
+    from a CUDA graph (split K's counters shared by consecutive products)."""
+    from pagedserve_kernels import ops
+
+    dev = torch.device("cuda")
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    if tile is not None and tile[1] and not hopper:
+        pytest.skip("wgmma tiles need sm_90a")
+    qweight, scales, zeros, group, perm = _int4(4096, 2048, 128, True, False, torch.bfloat16, 8)
+    up = quant.repack(qweight, scales, zeros, group, perm)  # 2048 -> 4096 (gate | up)
+    qweight, scales, zeros, group, perm = _int4(2048, 2048, 64, False, False, torch.bfloat16, 9)
+    down = quant.repack(qweight, scales, zeros, group, perm)
+    g = torch.Generator(device="cuda").manual_seed(10)
+    x = torch.randn(m, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    norm_w = (torch.rand(2048, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+
+    def layers(x):
+        h = x
+        for _ in range(3):
+            h = ops.rms_norm(h, norm_w, 1e-6)
+            h = quant._kernel_product(h, up, None, torch.empty(m, 4096, dtype=h.dtype,
+                                                               device=dev), tile)
+            h = ops.silu_and_mul(h)
+            h = quant._kernel_product(h, down, None, torch.empty(m, 2048, dtype=h.dtype,
+                                                                 device=dev), tile)
+        return h
+
+    results = {}
+    try:
+        for on in (False, True):
+            assert quant.set_programmatic(dev, on) == (on and hopper)
+            eager = layers(x)
+            static_x = x.clone()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = layers(static_x)
+            replays = []
+            for _ in range(3):
+                graph.replay()
+                replays.append(static_out.clone())
+            torch.cuda.synchronize()
+            assert torch.isfinite(eager.float()).all()
+            results[on] = (eager, replays)
+    finally:
+        quant.set_programmatic(dev, True)
+    assert torch.equal(results[True][0], results[False][0])
+    for replay in results[True][1] + results[False][1]:
+        assert torch.equal(replay, results[False][0])
+
+
 def test_refuses_inputs_it_cannot_multiply(quant):
     qweight, scales, zeros, group, _ = _int4(256, 512, 128, True, False, torch.bfloat16, 8)
     packed = quant.repack(qweight, scales, zeros, group)

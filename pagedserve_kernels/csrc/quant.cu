@@ -757,28 +757,16 @@ struct WtCfg : Stage<TOK> {
   static_assert(TOK * OUT_STRIDE * 4 <= STAGES * STAGE_BYTES, "the output tile reuses them");
 };
 
-// The producer: stage s of the split into buffer `st` (128 threads, p = 0..127).
+// The producer: stage s of the split into buffer `st` (128 threads, p = 0..127), in two parts:
+// what the model holds (packed weights, scales, zero points), which a grid launched
+// programmatically loads for its first stages before the kernel before it has ended, and x.
 template <typename T, int TOK>
-__device__ __forceinline__ void wgt_load(unsigned int st, int s, int p, int ncta, int m0,
-                                         const T* __restrict__ x, long long x_stride,
-                                         const uint4* __restrict__ qw,
-                                         const T* __restrict__ scales, const T* __restrict__ zeros,
-                                         int M, int K, int KC, int NB, int group, int gshift) {
+__device__ __forceinline__ void wgt_load_weights(unsigned int st, int s, int p, int ncta,
+                                                 const uint4* __restrict__ qw,
+                                                 const T* __restrict__ scales,
+                                                 const T* __restrict__ zeros, int KC, int NB,
+                                                 int group, int gshift) {
   using C = WtCfg<TOK>;
-  // x: TOK rows of 8 16-byte chunks; this thread takes chunk p & 7 of rows p / 8 + 16 r, whose
-  // swizzled column is the same for every r (16 r leaves row & 7 alone): one destination plus
-  // constants, one source pointer stepped by 16 rows.
-  const int row0 = p >> 3, ch = p & 7, k = s * STAGE_K + ch * 8;
-  const bool k_ok = k < K;  // past K: zeros
-  const unsigned int d0 = st + row0 * 128 + ((ch ^ (row0 & 7)) << 4);
-  const T* src = x + (long long)(m0 + row0) * x_stride + k;
-#pragma unroll
-  for (int r = 0; r < TOK / 16; ++r) {
-    // Rows past M are not loaded: their stale shared memory reaches only their own output
-    // rows, which are never stored.
-    if (m0 + row0 + 16 * r < M) ps::cp_async16(d0 + r * 2048, k_ok ? src : x, k_ok ? 16 : 0);
-    src += 16 * x_stride;
-  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {  // weights: entry e = n32 block e >> 6, k32 chunk, lane
     const int e = p + r * 128;
@@ -797,6 +785,26 @@ __device__ __forceinline__ void wgt_load(unsigned int st, int s, int p, int ncta
                          part * 16,
                      src, 16);
     }
+  }
+}
+
+template <typename T, int TOK>
+__device__ __forceinline__ void wgt_load_x(unsigned int st, int s, int p, int m0,
+                                           const T* __restrict__ x, long long x_stride, int M,
+                                           int K) {
+  // x: TOK rows of 8 16-byte chunks; this thread takes chunk p & 7 of rows p / 8 + 16 r, whose
+  // swizzled column is the same for every r (16 r leaves row & 7 alone): one destination plus
+  // constants, one source pointer stepped by 16 rows.
+  const int row0 = p >> 3, ch = p & 7, k = s * STAGE_K + ch * 8;
+  const bool k_ok = k < K;  // past K: zeros
+  const unsigned int d0 = st + row0 * 128 + ((ch ^ (row0 & 7)) << 4);
+  const T* src = x + (long long)(m0 + row0) * x_stride + k;
+#pragma unroll
+  for (int r = 0; r < TOK / 16; ++r) {
+    // Rows past M are not loaded: their stale shared memory reaches only their own output
+    // rows, which are never stored.
+    if (m0 + row0 + 16 * r < M) ps::cp_async16(d0 + r * 2048, k_ok ? src : x, k_ok ? 16 : 0);
+    src += 16 * x_stride;
   }
 }
 
@@ -831,7 +839,8 @@ __device__ __forceinline__ int wgt_gshift(int group) {
 }
 
 // The producer's stage i (w4a16_wgt, w4a16_wgs): stage s of tile (ncta, m0) into buffer
-// i % STAGES, once the consumers released that buffer's previous fill (thread p of 128).
+// i % STAGES, once the consumers released that buffer's previous fill (thread p of 128); its
+// weights only where `prefetched` does not say they are in already (wgt_prefetch).
 template <typename T, int TOK>
 __device__ __forceinline__ void wgt_produce(int i, int s, int p, int ncta, int m0,
                                             unsigned int smem0, unsigned int bars,
@@ -839,12 +848,14 @@ __device__ __forceinline__ void wgt_produce(int i, int s, int p, int ncta, int m
                                             const uint4* __restrict__ qw,
                                             const T* __restrict__ scales,
                                             const T* __restrict__ zeros, int M, int K, int Kp,
-                                            int Np, int group, int gshift) {
+                                            int Np, int group, int gshift, bool prefetched) {
   using C = WtCfg<TOK>;
   const int b = i % C::STAGES;
+  const unsigned int st = smem0 + b * C::STAGE_BYTES;
   ps::mbar_wait(bars + 8 * (C::STAGES + b), ((i / C::STAGES) & 1) ^ 1);
-  wgt_load<T, TOK>(smem0 + b * C::STAGE_BYTES, s, p, ncta, m0, x, x_stride, qw, scales, zeros, M,
-                   K, Kp >> 5, Np >> 5, group, gshift);
+  if (!prefetched)
+    wgt_load_weights<T, TOK>(st, s, p, ncta, qw, scales, zeros, Kp >> 5, Np >> 5, group, gshift);
+  wgt_load_x<T, TOK>(st, s, p, m0, x, x_stride, M, K);
   ps::cp_async_mbar_arrive(bars + 8 * b);
 }
 
@@ -920,22 +931,29 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   const int tid = threadIdx.x, ncta = blockIdx.x, m0 = blockIdx.z * TOK;
   const int s0 = blockIdx.y * split_stages, nst = min(Kp / STAGE_K - s0, split_stages);
   wgt_init_bars<TOK>(bars);
-  // Launched programmatically, this grid starts while the kernel before it ends; nothing of
-  // what that kernel writes is read or written before here.
-  ps::grid_dependency_wait();
-  ps::launch_dependents();
 
   if (tid >= THREADS) {  // the producer: fill u of buffer b waits for release u - 1 (parity)
     ps::setmaxnreg_dec<PRODUCER_REGS>();
     const int gshift = wgt_gshift(group);
+    // Launched programmatically, this grid starts while the kernel before it ends: the first
+    // fill's weights (its buffers are free) load before waiting for that kernel, whose writes
+    // (x, the workspace, y's memory) nothing here touches before the wait.
+    const int pre = min(nst, C::STAGES);
+    for (int i = 0; i < pre; ++i)
+      wgt_load_weights<T, TOK>(smem0 + i * C::STAGE_BYTES, s0 + i, tid - THREADS, ncta, qw,
+                               scales, zeros, Kp >> 5, Np >> 5, group, gshift);
+    ps::grid_dependency_wait();
+    ps::launch_dependents();
     for (int i = 0; i < nst; ++i)
       wgt_produce<T, TOK>(i, s0 + i, tid - THREADS, ncta, m0, smem0, bars, x, x_stride, qw,
-                          scales, zeros, M, K, Kp, Np, group, gshift);
+                          scales, zeros, M, K, Kp, Np, group, gshift, i < pre);
     // wait_group covers only committed groups, and the copies were never committed.
     ps::cp_async_commit();
     ps::cp_async_wait<0>();  // leaves only once its copies, and so their arrivals, are complete
     return;
   }
+  ps::grid_dependency_wait();  // the consumers write y and the workspace: after that kernel
+  ps::launch_dependents();
   ps::setmaxnreg_inc<CONSUMER_REGS>();
   PS_TRACE_RUN(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), 0);
 
@@ -1071,22 +1089,32 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
   const long long units = (long long)NBK * ((M + TOK - 1) / TOK) * S;
   const long long u1 = wgs_start(units, cta + 1, ctas);
   wgt_init_bars<TOK>(bars);
-  ps::grid_dependency_wait();  // as in w4a16_wgt
-  ps::launch_dependents();
 
   if (tid >= THREADS) {  // the producer, through every run of the CTA's work
     ps::setmaxnreg_dec<PRODUCER_REGS>();
     const int gshift = wgt_gshift(group);
     int i = 0, tile, sb, se;
     long long u = wgs_start(units, cta, ctas);
+    // the first fill's weights before waiting for the kernel before this one, as in w4a16_wgt
+    while (i < C::STAGES && wgs_next(S, u1, u, tile, sb, se))
+      for (int s = sb; s < se && i < C::STAGES; ++s, ++i)
+        wgt_load_weights<T, TOK>(smem0 + i * C::STAGE_BYTES, s, tid - THREADS, tile % NBK, qw,
+                                 scales, zeros, Kp >> 5, Np >> 5, group, gshift);
+    const int pre = i;
+    ps::grid_dependency_wait();
+    ps::launch_dependents();
+    i = 0;
+    u = wgs_start(units, cta, ctas);
     while (wgs_next(S, u1, u, tile, sb, se))
       for (int s = sb; s < se; ++s, ++i)
         wgt_produce<T, TOK>(i, s, tid - THREADS, tile % NBK, (tile / NBK) * TOK, smem0, bars, x,
-                            x_stride, qw, scales, zeros, M, K, Kp, Np, group, gshift);
+                            x_stride, qw, scales, zeros, M, K, Kp, Np, group, gshift, i < pre);
     ps::cp_async_commit();
     ps::cp_async_wait<0>();
     return;
   }
+  ps::grid_dependency_wait();  // as in w4a16_wgt
+  ps::launch_dependents();
   ps::setmaxnreg_inc<CONSUMER_REGS>();
 
   const int c = __shfl_sync(0xffffffffu, tid >> 7, 0), w = (tid >> 5) & 3, lane = tid & 31;

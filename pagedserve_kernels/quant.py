@@ -452,6 +452,10 @@ def set_programmatic(device: torch.device | int | None, on: bool) -> bool:
     return on
 
 
+def launches_programmatically(device: torch.device | int | None = None) -> bool:
+    return _programmatic.get(_index(device), False)
+
+
 def _programmatic_agrees(device: torch.device) -> bool:
     """Two dependent products (the second multiplies the first's output), launched plainly,
     then programmatically, eagerly and from a CUDA graph: the same bits each way."""

@@ -278,7 +278,9 @@ class CudaBackend:
                 [w for layer in packed[:_TUNING_LAYERS] for w in layer], self.device,
                 rows_list=tuple(BATCH_SIZES) + self._quant.TILE_CANDIDATES)
             tiles = self._quant.tile_choice(self.device, model.embed_tokens.dtype)
-            log.info("int4 kernels ready in %.2fs", time.perf_counter() - start)
+            log.info("int4 kernels ready in %.2fs (launched %s)", time.perf_counter() - start,
+                     "programmatically" if self._quant.launches_programmatically(self.device)
+                     else "plainly")
             for (n, k), (rows, times) in tuned.items():
                 log.info("int4 %dx%d: row tiles by rows %s, dequantize + cuBLAS from %s rows "
                          "(kernel / dequantized µs by rows: %s)", n, k, tiles.get((n, k)),

@@ -89,6 +89,9 @@ _resident: dict[tuple[str, int], int] = {}
 # set_programmatic): each product kernel's start and first weight loads overlap the end of the
 # kernel before it, which matters most for the short products of decode steps.
 _programmatic: dict[int, bool] = {}
+# Up to this many rows: past them a product's ramp is a sliver of its time, and a launch through
+# cuLaunchKernelEx costs more host time than CuPy's.
+PROGRAMMATIC_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,8 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     _compile.launch("quant", kernel, x.device, grid, (_threads(kernel), 1, 1), args,
                     shared_mem=_smem_bytes(mt, family),
-                    programmatic=_programmatic.get(x.device.index, False))
+                    programmatic=num_tokens <= PROGRAMMATIC_ROWS
+                    and _programmatic.get(x.device.index, False))
     return out
 
 

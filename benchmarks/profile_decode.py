@@ -244,7 +244,8 @@ def main() -> None:
                         "mixed and prompt steps eagerly), unfused (torch's elementwise ops), "
                         "rope-cache-apart (as fused but RoPE and the cache write as two "
                         "launches), piecewise (mixed and prompt steps through the piecewise "
-                        "graphs, as the executor serves steps up to their ceiling)")
+                        "graphs, as the executor serves steps up to their ceiling), "
+                        "plain-launches (as fused, the W4A16 products launched plainly)")
     p.add_argument("--rounds", type=int, default=1, help="time the variants in turn this often")
     p.add_argument("--gemm-cache", help="keep the GEMM choices here (the executor's "
                    "--fingerprint-cache-dir); default: chosen again each run")
@@ -328,7 +329,8 @@ def w1_prompts(num_tokens: int) -> list[int]:
     return prompts
 
 
-VARIANTS = ("fused", "unfused", "rope-cache-apart", "piecewise")
+VARIANTS = ("fused", "unfused", "rope-cache-apart", "piecewise", "plain-launches")
+_PROGRAMMATIC: dict = {}  # device index -> whether prepare_model left the int4 launches programmatic
 
 
 def run_name(label: str, round_: int, rounds: int) -> str:
@@ -337,7 +339,14 @@ def run_name(label: str, round_: int, rounds: int) -> str:
 
 def set_variant(backend, label: str) -> None:
     """Sets the backend up as the decode-step variant `label` (VARIANTS)."""
+    from pagedserve_kernels import quant
+
     backend.fused_ops = label != "unfused"
+    # plain-launches: as fused, with the W4A16 products launched plainly (a quantized model)
+    index = backend.device.index
+    on = _PROGRAMMATIC.setdefault(index, quant.launches_programmatically(backend.device))
+    if on:
+        quant.set_programmatic(backend.device, label != "plain-launches")
     if label == "rope-cache-apart":
         def apart(positions, q, k, value, cos, sin, k_cache, v_cache, slots, interleaved=False,
                   k_scale=None, v_scale=None):

@@ -286,17 +286,20 @@ def kernel_arguments(args: tuple) -> list:
     return out
 
 
+_PROGRAMMATIC_ATTR = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+
+
 def _launch_programmatic(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
                          shared_mem: int, stream: int) -> None:
     lib = _driver_api()
     values = kernel_arguments(args)
-    params = (ctypes.c_void_p * max(1, len(values)))(
-        *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-    config = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem,
-                           ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
-    err = lib.cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(fn.ptr), params, None)
+    params = (ctypes.c_void_p * max(1, len(values)))(*map(ctypes.addressof, values))
+    config = _LaunchConfig()
+    config.grid[:] = (tuple(grid) + (1, 1))[:3]
+    config.block[:] = (tuple(block) + (1, 1))[:3]
+    config.shared_mem, config.stream = shared_mem, stream
+    config.attrs, config.num_attrs = ctypes.pointer(_PROGRAMMATIC_ATTR), 1
+    err = lib.cuLaunchKernelEx(ctypes.byref(config), fn.ptr, params, None)
     if err:
         text = ctypes.c_char_p()
         lib.cuGetErrorString(err, ctypes.byref(text))

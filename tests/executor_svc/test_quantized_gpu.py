@@ -277,6 +277,7 @@ def _offline_backend() -> tuple[CudaBackend, list]:
             ("tune", len(w), rows_list)) or {},
         TILE_CANDIDATES=quant.TILE_CANDIDATES,
         tile_choice=lambda device, dtype: {},
+        launches_programmatically=lambda device: False,
         NEVER=1 << 30,
         int4_linear=lambda x, w, bias=None: calls.append(("int4_linear", x, w, bias)) or "kernel")
     return backend, calls

@@ -4,6 +4,7 @@ bf16/fp16 activations, any row count, capturable. Imports cupy only when launchi
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import threading
@@ -447,7 +448,8 @@ def set_programmatic(device: torch.device | int | None, on: bool) -> bool:
     if on and _compile.programmatic_launch(index):
         try:
             on = _programmatic_agrees(torch.device("cuda", index))
-        except RuntimeError as exc:  # the driver refused the launch or its capture
+        except (RuntimeError, OSError, TypeError, ctypes.ArgumentError) as exc:
+            # the driver refused the launch or its capture, or its entry point differs
             log.warning("W4A16 products launch plainly: %s", exc)
             on = False
     else:

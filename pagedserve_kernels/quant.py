@@ -459,6 +459,7 @@ def set_programmatic(device: torch.device | int | None, on: bool) -> bool:
 
 
 def launches_programmatically(device: torch.device | int | None = None) -> bool:
+    """What prepare() or set_programmatic left for `device` (False before either)."""
     return _programmatic.get(_index(device), False)
 
 

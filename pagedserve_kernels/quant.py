@@ -240,7 +240,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     _compile.launch("quant", kernel, x.device, grid, (_threads(kernel), 1, 1), args,
                     shared_mem=_smem_bytes(mt, family),
                     programmatic=num_tokens <= PROGRAMMATIC_ROWS
-                    and _programmatic.get(x.device.index, False))
+                    and _programmatic.get(_index(x.device), False))
     return out
 
 

@@ -377,7 +377,8 @@ def test_int4_products_take_the_cta_rows_tuning_measured(monkeypatch):
 
     launched = []
     monkeypatch.setattr(quant._compile, "launch",
-                        lambda module, kernel, device, grid, block, args, shared_mem=0, programmatic=False:
+                        lambda module, kernel, device, grid, block, args, shared_mem=0,
+                        programmatic=False:
                         launched.append((kernel, grid[2], shared_mem)))
     monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
                         *_: (1, k_stages))
@@ -581,7 +582,8 @@ def test_stream_k_tiles_launch_one_cta_an_sm_with_their_parts(monkeypatch):
 
     launched = []
     monkeypatch.setattr(quant._compile, "launch",
-                        lambda module, kernel, device, grid, block, args, shared_mem=0, programmatic=False:
+                        lambda module, kernel, device, grid, block, args, shared_mem=0,
+                        programmatic=False:
                         launched.append((kernel, grid, block[0], shared_mem, args[8], args[9])))
     parts, (ws, counters) = torch.zeros(1), (torch.zeros(1), torch.zeros(1))
     monkeypatch.setattr(quant, "_stream_k_workspace", lambda device: parts)
@@ -620,7 +622,8 @@ def test_a_forced_split_count_keeps_within_k_and_the_workspace(monkeypatch):
 
     launched = []
     monkeypatch.setattr(quant._compile, "launch",
-                        lambda module, kernel, device, grid, block, args, shared_mem=0, programmatic=False:
+                        lambda module, kernel, device, grid, block, args, shared_mem=0,
+                        programmatic=False:
                         launched.append((grid[1], args[-1])))
     monkeypatch.setattr(quant, "_workspace", lambda device: (torch.zeros(1), torch.zeros(1)))
     monkeypatch.setattr(quant, "_index", lambda device: 0)
@@ -681,3 +684,48 @@ def test_kernel_arguments_keep_each_c_type():
     assert [v.value for v in values] == [2**40 + 16, -3, 7, 0.5, 0]
     with pytest.raises(TypeError, match="float"):
         _compile.kernel_arguments((1.5,))
+
+
+def test_products_launch_programmatically_only_where_set_and_up_to_the_row_limit(monkeypatch,
+                                                                                 caplog):
+    """set_programmatic turns the launches on only where the device can and the bit check
+    passes (a refused launch or other bits leave them plain, with a warning); then products up
+    to PROGRAMMATIC_ROWS rows launch programmatically, larger ones plainly."""
+    from pagedserve_kernels import quant
+
+    launched = []
+    monkeypatch.setattr(quant._compile, "launch",
+                        lambda module, kernel, device, grid, block, args, shared_mem=0,
+                        programmatic=False: launched.append(programmatic))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_programmatic", {})
+    monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
+                        *_: (1, k_stages))
+    k, n = 256, 128
+    packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                          torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+
+    def launches() -> list:
+        launched.clear()
+        for m in (1, quant.PROGRAMMATIC_ROWS, quant.PROGRAMMATIC_ROWS + 1):
+            quant._kernel_product(torch.zeros(m, k, dtype=torch.bfloat16), packed, None,
+                                  torch.empty(m, n, dtype=torch.bfloat16), (64, ""))
+        return launched[:]
+
+    assert launches() == [False] * 3  # not prepared: plain
+    monkeypatch.setattr(quant._compile, "programmatic_launch", lambda device: False)
+    assert quant.set_programmatic(0, True) is False and launches() == [False] * 3
+    monkeypatch.setattr(quant._compile, "programmatic_launch", lambda device: True)
+
+    def refused(device):
+        raise RuntimeError("cuLaunchKernelEx failed (1: invalid argument)")
+
+    for check, warning in ((refused, "invalid argument"), (lambda device: False, None)):
+        monkeypatch.setattr(quant, "_programmatic_agrees", check)
+        caplog.clear()
+        assert quant.set_programmatic(0, True) is False and launches() == [False] * 3
+        assert warning is None or warning in caplog.text
+    monkeypatch.setattr(quant, "_programmatic_agrees", lambda device: True)
+    assert quant.set_programmatic(0, True) is True and quant.launches_programmatically(0)
+    assert launches() == [True, True, False]
+    assert quant.set_programmatic(0, False) is False and launches() == [False] * 3

@@ -125,7 +125,7 @@ def plain_launches(measure):
     from pagedserve_kernels import quant
 
     device = torch.device("cuda")
-    before = quant._programmatic.get(device.index, False)
+    before = quant.launches_programmatically(device)
     quant.set_programmatic(device, False)
     try:
         return measure()

@@ -90,8 +90,8 @@ _resident: dict[tuple[str, int], int] = {}
 # set_programmatic): each product kernel's start and first weight loads overlap the end of the
 # kernel before it, which matters most for the short products of decode steps.
 _programmatic: dict[int, bool] = {}
-# Up to this many rows: past them a product's ramp is a sliver of its time, and a launch through
-# cuLaunchKernelEx costs more host time than CuPy's.
+# Up to this many rows (the decode graphs' sizes, whose launches are captured once): past them a
+# product's ramp is a sliver of its time, and an eager launch through ctypes costs host time.
 PROGRAMMATIC_ROWS = 1024
 
 

@@ -832,7 +832,7 @@ __device__ __forceinline__ void wgt_init_bars(unsigned int bars) {
   __syncthreads();
 }
 
-// wgt_load's group shift: log2 of the k32 chunks a scale group spans, -1 if not a power of two.
+// wgt_load_weights' group shift: log2 of the k32 chunks a scale group spans, -1 if not a power of two.
 __device__ __forceinline__ int wgt_gshift(int group) {
   const int cpg = group >> 5;
   return (group & 31) == 0 && (cpg & (cpg - 1)) == 0 ? __ffs(cpg) - 1 : -1;

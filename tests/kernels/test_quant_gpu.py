@@ -274,7 +274,7 @@ def test_programmatic_launches_give_the_plain_launches_bits(quant, m, tile):
                                                                  device=dev), tile)
         return h
 
-    results = {}
+    results, before = {}, quant.launches_programmatically(dev)
     try:
         for on in (False, True):
             assert quant.set_programmatic(dev, on) == (on and hopper)
@@ -292,7 +292,7 @@ def test_programmatic_launches_give_the_plain_launches_bits(quant, m, tile):
             assert torch.isfinite(eager.float()).all()
             results[on] = (eager, replays)
     finally:
-        quant.set_programmatic(dev, True)
+        quant.set_programmatic(dev, before)
     assert torch.equal(results[True][0], results[False][0])
     for replay in results[True][1] + results[False][1]:
         assert torch.equal(replay, results[False][0])

@@ -88,6 +88,12 @@ ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "PS_QUANT_TRACE",
         tuple(k for k in MODULES["quant"][1] if "_wgt_" in k or "_wgs_" in k),
     ),
+    # W4A16 tiles not yet measured on a GPU (quant.CANDIDATE_TILES): the 256-column wgmma tiles
+    "quant_wide": (
+        "quant.cu",
+        "PS_QUANT_WIDE",
+        tuple(f"w4a16_wgw_{dtype}_m{rows}" for dtype in ("bf16", "fp16") for rows in (64, 128)),
+    ),
     "attention_variants": (
         "attention.cu",
         "PS_VARIANTS",

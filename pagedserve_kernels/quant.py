@@ -31,6 +31,7 @@ DEQUANT_CHUNKS = 8  # k32 chunks a dequantize CTA takes (quant.cu's DQ_CHUNKS)
 _STAGES = {1: 6, 2: 5, 4: 4, 8: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
 _STAGES_WG = {4: 6, 8: 4}  # the same for the wgmma kernels (WgCfg in quant.cu)
 _STAGES_WGT = {4: 8, 8: 6, 16: 4}  # the same for the producer-fed wgmma tiles (WtCfg)
+_STAGES_WGW = 8  # the same for their 256-column form (WwCfg)
 _WGT_THREADS = 384  # their two consumer warpgroups and their producer warpgroup
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
 PROLOGUE_STAGES = 2  # a thread block's pipeline fill, in stage-times (split_k_choice's model)
@@ -46,7 +47,8 @@ NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 # A product's row tile: (rows a CTA takes, kernel family: "" mma.sync, "wgp" wgmma with the
 # dequantizing overlapping the warpgroup's own MMAs, "wgt" wgmma fed by a producer warpgroup,
 # "wgs" the wgt tile on a stream-K grid: one CTA an SM, each an equal share of the tiles' K
-# stages, so that no SM idles through a last partial wave).
+# stages, so that no SM idles through a last partial wave; "wgw" the wgt tile over 256 columns,
+# which reads x from L2 half as often).
 # Up to 32 rows, 16 or 32 on mma.sync; from 33, 64 on mma.sync unless tuning
 # (tune_dequant_rows) measured another of TUNED_TILES faster for the product's shape at the
 # largest of TILE_CANDIDATES not above the row count: larger tiles dequantize each weight tile
@@ -60,8 +62,8 @@ TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
                                  (64, "wgt"), (128, "wgt"), (256, "wgt"),
                                  (64, "wgs"), (128, "wgs"), (256, "wgs"))
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
-# a GPU has measured it.
-CANDIDATE_TILES: tuple[Tile, ...] = ()
+# a GPU has measured it (its kernels are built into _compile's "quant_wide" module meanwhile).
+CANDIDATE_TILES: tuple[Tile, ...] = ((64, "wgw"), (128, "wgw"))
 # K part counts tuning times for the 16- and 32-row tiles beside split_k_choice's own: even
 # parts of K (a power of two of its stages) can beat the model's count, which weighs waves of
 # thread blocks, not the uneven last part or the memory parallelism of more blocks.
@@ -214,8 +216,9 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
 def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
                     splits: int | None = None) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
-    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp") and (64, 128
-    or 256, "wgt" or "wgs") on wgmma; None: tile_for's choice), K in `splits` parts (None:
+    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp"), (64, 128
+    or 256, "wgt" or "wgs") and (64 or 128, "wgw") on wgmma; None: tile_for's choice), K in
+    `splits` parts (None:
     what tuning measured fastest for the 16- and 32-row tiles, else split_k_choice's; a count
     past what the workspace or K allows is lowered to it: bench_quant's --splits; "wgs" shares
     K out itself)."""
@@ -224,7 +227,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
                                                              x.dtype, tile, splits)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     family = _family(kernel)
-    grid = (np_ // CTA_N, splits, m_tiles)
+    grid = (_column_blocks(np_, family), splits, m_tiles)
     ws_ptr = counters_ptr = 0
     if family == "wgs":
         grid = (stream_k_ctas(m_tiles * (np_ // CTA_N) * (kp // STAGE_K), x.device), 1, 1)
@@ -237,7 +240,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.zeros),
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
-    _compile.launch("quant", kernel, x.device, grid, (_threads(kernel), 1, 1), args,
+    _compile.launch(_module(kernel), kernel, x.device, grid, (_threads(kernel), 1, 1), args,
                     shared_mem=_smem_bytes(mt, family),
                     programmatic=num_tokens <= PROGRAMMATIC_ROWS
                     and _programmatic.get(_index(x.device), False))
@@ -261,8 +264,9 @@ def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtyp
     if splits is None and rows in SMALL_TILES and not family and _split_counts:
         splits = _split_counts.get((_index(device), dtype), {}).get((packed.n, packed.k),
                                                                     {}).get(rows)
-    splits, split_stages = _splits(kernel, device, m_tiles, np_ // CTA_N, kp // STAGE_K,
-                                   num_tokens * np_, min(num_tokens, 16 * mt), splits)
+    splits, split_stages = _splits(kernel, device, m_tiles, _column_blocks(np_, family),
+                                   kp // STAGE_K, num_tokens * np_, min(num_tokens, 16 * mt),
+                                   splits)
     return kernel, mt, m_tiles, splits, split_stages
 
 
@@ -606,17 +610,37 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _family(kernel: str) -> str:
-    """A product kernel's family by its name: "" (mma.sync), "wgp", "wgt" or "wgs" (wgmma)."""
-    return next((f for f in ("wgp", "wgt", "wgs") if f"_{f}_" in kernel), "")
+    """A product kernel's family by its name: "" (mma.sync), "wgp", "wgt", "wgs" or "wgw"
+    (wgmma)."""
+    return next((f for f in ("wgp", "wgt", "wgs", "wgw") if f"_{f}_" in kernel), "")
+
+
+def _module(kernel: str) -> str:
+    """The _compile module a product kernel is built into."""
+    return "quant_wide" if _family(kernel) == "wgw" else "quant"
+
+
+def _cta_n(family: str) -> int:
+    """Output columns a thread block of the family takes."""
+    return 2 * CTA_N if family == "wgw" else CTA_N
+
+
+def _column_blocks(np_: int, family: str) -> int:
+    """The grid's column blocks over the padded N (a 256-column tile's last may be half past
+    it: the kernel reads zeros there)."""
+    return -(-np_ // _cta_n(family))
 
 
 def _threads(kernel: str) -> int:
-    return _WGT_THREADS if _family(kernel) in ("wgt", "wgs") else _THREADS
+    return _WGT_THREADS if _family(kernel) in ("wgt", "wgs", "wgw") else _THREADS
 
 
 def _smem_bytes(mt: int, family: str = "") -> int:
     """Cfg<MT>::SMEM (WgCfg<MT>::SMEM, WtCfg<16 MT>::SMEM) of quant.cu: stages x (weights +
     activations + scales + zeros), with wgmma 1 KiB more to align the swizzled tiles."""
+    if family == "wgw":  # WwCfg: 256 columns' weights, scales and zeros
+        return _STAGES_WGW * (2 * _THREADS * 16 + 16 * mt * STAGE_K * 2
+                              + 2 * (2 * 2 * CTA_N * 2)) + 1024
     stage = _THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2)
     if family in ("wgt", "wgs"):
         return _STAGES_WGT[mt] * stage + 1024
@@ -636,7 +660,8 @@ def _splits(kernel: str, device: torch.device, m_tiles: int, n_blocks: int, k_st
         per = -(-k_stages // max(1, min(forced, most)))
         return -(-k_stages // per), per
     # a block's fp32 partials against the bytes a stage streams (its weights and activations)
-    partial_stages = tile_rows * CTA_N * 4 / (_THREADS * 16 + tile_rows * STAGE_K * 2)
+    cta_n = _cta_n(_family(kernel))
+    partial_stages = tile_rows * cta_n * 4 / (cta_n * STAGE_K // 2 + tile_rows * STAGE_K * 2)
     return split_k_choice(tiles, k_stages, _sm_count(device) * _resident_ctas(kernel, device),
                           most, partial_stages)
 
@@ -671,7 +696,7 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     if key not in _resident:
         mt = int(kernel.rsplit("_m", 1)[1]) // 16
         smem, threads = _smem_bytes(mt, _family(kernel)), _threads(kernel)
-        fn = _compile.get_function("quant", kernel, index, smem)
+        fn = _compile.get_function(_module(kernel), kernel, index, smem)
         props = torch.cuda.get_device_properties(index)
         regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp
         regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))

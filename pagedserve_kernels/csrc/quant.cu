@@ -260,10 +260,11 @@ __device__ __forceinline__ void sync_threads() {
     __syncthreads();
 }
 
-template <typename T, int ROWS, bool CONSUMERS = false>
+template <typename T, int ROWS, bool CONSUMERS = false, int CN = CTA_N>
 __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T* bias,
                                               const float* ws, int* counters, int M, int N,
                                               int Np, int m0) {
+  static_assert(CN == CTA_N || ROWS > 32, "the small tiles' sums assume CTA_N columns");
   __shared__ int s_last;
   const int tid = threadIdx.x, ncta = blockIdx.x;
   __threadfence();  // partials visible device-wide before this CTA counts itself in
@@ -276,7 +277,7 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
   sync_threads<CONSUMERS>();
   if (!s_last) return;
   __threadfence();
-  const int total = min(ROWS, M - m0) * (CTA_N / 2), splits = gridDim.y;
+  const int total = min(ROWS, M - m0) * (CN / 2), splits = gridDim.y;
   if constexpr (ROWS <= 32) {
     // The splits' partials of the tile's rows come into the (idle) pipeline buffers by cp.async,
     // as many splits a round as they hold, then each thread adds its entries (at most 4 float2
@@ -336,8 +337,8 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
 #pragma unroll
     for (int u = 0; u < PER; ++u) {
       const int e = e0 + u * THREADS;
-      m[u] = m0 + e / (CTA_N / 2);
-      n[u] = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
+      m[u] = m0 + e / (CN / 2);
+      n[u] = ncta * CN + (e % (CN / 2)) * 2;
       ok[u] = e < total && n[u] < N;
       sum[u] = make_float2(0.f, 0.f);
     }
@@ -364,17 +365,17 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
   }
 }
 
-// The fp32 output tile [ROWS][CTA_N] (rows OUT_STRIDE floats apart) out by rows, THREADS
+// The fp32 output tile [ROWS][CN] (rows OUT_STRIDE floats apart) out by rows, THREADS
 // threads (CONSUMERS: see sync_threads): a warp stores 64 adjacent columns of a row, plus bias,
 // into y; with split K this split's partials, then finish_splits.
-template <typename T, int ROWS, int OUT_STRIDE, bool CONSUMERS>
+template <typename T, int ROWS, int OUT_STRIDE, bool CONSUMERS, int CN = CTA_N>
 __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_stride,
                                            const T* bias, float* ws, int* counters, int M, int N,
                                            int Np, int m0, int tid, int ncta, int split) {
   const int rows = min(ROWS, M - m0);
-  for (int e = tid; e < rows * (CTA_N / 2); e += THREADS) {
-    const int ml = e / (CTA_N / 2), nl = (e % (CTA_N / 2)) * 2;
-    const int m = m0 + ml, n = ncta * CTA_N + nl;
+  for (int e = tid; e < rows * (CN / 2); e += THREADS) {
+    const int ml = e / (CN / 2), nl = (e % (CN / 2)) * 2;
+    const int m = m0 + ml, n = ncta * CN + nl;
     if (n >= N) continue;
     const float2 v = *reinterpret_cast<const float2*>(out + ml * OUT_STRIDE + nl);
     if (gridDim.y == 1)
@@ -383,7 +384,7 @@ __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_s
       *reinterpret_cast<float2*>(ws + ((size_t)split * M + m) * Np + n) = v;
   }
   if (gridDim.y == 1) return;
-  finish_splits<T, ROWS, CONSUMERS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
+  finish_splits<T, ROWS, CONSUMERS, CN>(y, y_stride, bias, ws, counters, M, N, Np, m0);
 }
 
 // Grid (Np / 128, splits, ceil(M / ROWS)); 256 threads. Split s covers K stages
@@ -997,6 +998,217 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Wide producer-fed tiles ("wgw", sm_90a): the wgt tile over 256 columns a CTA, TOK = 64 or 128
+// rows. At a few hundred rows a product streams its x tile from L2 once for every column block,
+// which is what bounds the wgt tiles there, not their tensor cores: 256 columns a CTA read x
+// half as often for the same MMAs (each weight is read and dequantized once a row tile, as in
+// the 128-row wgt tile). Consumer warpgroup c takes columns 128c .. 128c + 127 as two m64
+// halves u, each one m64nTOK wgmma group a stage: its warp w dequantizes half w & 1 of n32
+// block 4c + 2u + (w >> 1). Half 1's fragments are dequantized while half 0's MMAs run and
+// half 0's (of the next stage) while half 1's do; a stage's buffer goes back to the producer
+// once its second group retires. Same packed weights, split K (grid: column blocks of 256,
+// splits, row tiles) and epilogue as w4a16_wgt; a last block past Np reads zeros.
+template <int TOK>
+struct WwCfg {
+  static constexpr int CN = 2 * CTA_N;               // output columns a CTA
+  static constexpr int X_BYTES = TOK * STAGE_K * 2;  // [TOK][64], 128-byte swizzle
+  static constexpr int W_BYTES = CN * STAGE_K / 2;   // packed weights: 512 x 16 bytes
+  static constexpr int S_BYTES = 2 * CN * 2;         // scales of the stage's two k32 chunks
+  static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + 2 * S_BYTES;  // + zeros, as scales
+  static constexpr int STAGES = 8;                   // quant.py mirrors
+  static constexpr int BLOCK = THREADS + 128;        // 2 consumer warpgroups, then the producer
+  static constexpr int OUT_STRIDE = CN + 4;          // fp32 tile rows: distinct banks
+  static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;  // + the 1024-byte alignment
+  static_assert(STAGE_BYTES % 1024 == 0, "swizzle atoms need 1024-byte aligned stages");
+  static_assert(TOK * OUT_STRIDE * 4 <= STAGES * STAGE_BYTES, "the output tile reuses them");
+};
+
+// The producer's part of stage s that the model holds (128 threads, p = 0..127): the packed
+// weights of n32 blocks 8 ncta .. 8 ncta + 7 (entry e: block e >> 6, k32 chunk, lane), then the
+// scales (threads 0..63) and zero points (64..127) of the stage's two k32 chunks; blocks past
+// the padded N (NB blocks) are zeros.
+template <typename T, int TOK>
+__device__ __forceinline__ void wgw_load_weights(unsigned int st, int s, int p, int ncta,
+                                                 const uint4* __restrict__ qw,
+                                                 const T* __restrict__ scales,
+                                                 const T* __restrict__ zeros, int KC, int NB,
+                                                 int group, int gshift) {
+  using C = WwCfg<TOK>;
+  const int valid = min(8, NB - ncta * 8);  // n32 blocks of this CTA inside the padded N
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int e = p + r * 128, b = e >> 6;
+    const bool ok = b < valid;
+    ps::cp_async16(st + C::X_BYTES + e * 16,
+                   ok ? qw + ((size_t)(ncta * 8 + b) * KC + 2 * s + ((e >> 5) & 1)) * 32 +
+                            (e & 31)
+                      : qw,
+                   ok ? 16 : 0);
+  }
+  const T* base = p < 64 ? scales : zeros;
+  if (base != nullptr) {  // 16-byte part `part` (8 entries: one n32 block's g..) of chunk half
+    const int c = p & 63, half = c >> 5, part = c & 31;
+    const bool ok = (part >> 2) < valid;
+    const int grp = gshift >= 0 ? (2 * s + half) >> gshift : (s * STAGE_K + half * 32) / group;
+    const T* src = base + ((size_t)grp * NB + ncta * 8) * 32 + part * 8;
+    ps::cp_async16(st + C::X_BYTES + C::W_BYTES + (p < 64 ? 0 : C::S_BYTES) + half * 512 +
+                       part * 16,
+                   ok ? src : base, ok ? 16 : 0);
+  }
+}
+
+template <int TOK>
+__device__ __forceinline__ unsigned int wgw_smem0(const unsigned char* smem_raw) {
+  unsigned int dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < (unsigned int)WwCfg<TOK>::SMEM) __trap();
+  return (ps::smem_addr(smem_raw) + 1023u) & ~1023u;
+}
+
+// This warp's A fragments of one m64 half (n32 block nbl, half h of it) for the four k16 steps
+// of the landed stage at st, as wgt_step dequantizes them.
+template <typename T, int TOK>
+__device__ __forceinline__ void wgw_dequant(const unsigned char* st, int nbl, int h, int lane,
+                                            int g, bool has_zeros, unsigned int (&a)[4][4]) {
+  using C = WwCfg<TOK>;
+#pragma unroll
+  for (int kc = 0; kc < 2; ++kc) {
+    const uint4 wq = *reinterpret_cast<const uint4*>(st + C::X_BYTES +
+                                                     ((nbl * 2 + kc) * 32 + lane) * 16);
+    const unsigned int q0 = h ? wq.z : wq.x, q1 = h ? wq.w : wq.y;
+    const int sidx = C::X_BYTES + C::W_BYTES + kc * 512 + (nbl * 32 + g * 4 + 2 * h) * 2;
+    const unsigned int sraw = *reinterpret_cast<const unsigned int*>(st + sidx);
+    const unsigned int s0w = dup_lo(sraw), s1w = dup_hi(sraw);
+    unsigned int z0w = Int4<T>::SYM_ZERO, z1w = Int4<T>::SYM_ZERO;
+    if (has_zeros) {
+      const unsigned int zraw = *reinterpret_cast<const unsigned int*>(st + sidx + C::S_BYTES);
+      z0w = dup_lo(zraw);
+      z1w = dup_hi(zraw);
+    }
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh) {
+      a[2 * kc + kh][0] = Int4<T>::pair(q0 >> (8 * kh), z0w, s0w);
+      a[2 * kc + kh][1] = Int4<T>::pair(q1 >> (8 * kh), z1w, s1w);
+      a[2 * kc + kh][2] = Int4<T>::pair(q0 >> (8 * kh + 4), z0w, s0w);
+      a[2 * kc + kh][3] = Int4<T>::pair(q1 >> (8 * kh + 4), z1w, s1w);
+    }
+  }
+}
+
+// One m64nTOK wgmma group: half `acc` += a . x tile (4 k16 steps), committed.
+template <typename T, int TOK>
+__device__ __forceinline__ void wgw_group(float (&acc)[TOK / 2], const unsigned int (&a)[4][4],
+                                          unsigned long long x_desc) {
+  ps::fence_regs(acc);
+  ps::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wg_mma<T, TOK>(acc, a[ks], x_desc + ((ks * 32) >> 4));
+  ps::wgmma_commit();
+}
+
+template <typename T, int TOK>
+__device__ __forceinline__ void w4a16_wgw(T* __restrict__ y, long long y_stride,
+                                          const T* __restrict__ x, long long x_stride,
+                                          const uint4* __restrict__ qw,
+                                          const T* __restrict__ scales,
+                                          const T* __restrict__ zeros, const T* __restrict__ bias,
+                                          float* __restrict__ ws, int* __restrict__ counters,
+                                          int M, int N, int K, int Kp, int Np, int group,
+                                          int split_stages) {
+#if PS_HAS_WGMMA
+  static_assert(TOK == 64 || TOK == 128, "two m64nTOK accumulators a consumer thread");
+  using C = WwCfg<TOK>;
+  // As w4a16_wgt: 168 registers a thread at launch, the producer's given to the consumers.
+  constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long s_bar[2 * C::STAGES];  // full[b], then empty[b]
+  const unsigned int smem0 = wgw_smem0<TOK>(smem_raw);
+  unsigned char* const smem = smem_raw + (smem0 - ps::smem_addr(smem_raw));
+  const unsigned int bars = ps::smem_addr(s_bar);
+  const int tid = threadIdx.x, ncta = blockIdx.x, m0 = blockIdx.z * TOK;
+  const int s0 = blockIdx.y * split_stages, nst = min(Kp / STAGE_K - s0, split_stages);
+  if (tid == 0) {
+    for (int b = 0; b < C::STAGES; ++b) {
+      ps::mbar_init(bars + 8 * b, 128);                    // full: one arrival a producer thread
+      ps::mbar_init(bars + 8 * (C::STAGES + b), THREADS);  // empty: one a consumer thread
+    }
+  }
+  __syncthreads();
+
+  if (tid >= THREADS) {  // the producer, as w4a16_wgt's
+    ps::setmaxnreg_dec<PRODUCER_REGS>();
+    const int p = tid - THREADS, gshift = wgt_gshift(group), KC = Kp >> 5, NB = Np >> 5;
+    const int pre = min(nst, C::STAGES);
+    for (int i = 0; i < pre; ++i)
+      wgw_load_weights<T, TOK>(smem0 + i * C::STAGE_BYTES, s0 + i, p, ncta, qw, scales, zeros,
+                               KC, NB, group, gshift);
+    ps::grid_dependency_wait();
+    ps::launch_dependents();
+    for (int i = 0; i < nst; ++i) {
+      const int b = i % C::STAGES;
+      const unsigned int st = smem0 + b * C::STAGE_BYTES;
+      ps::mbar_wait(bars + 8 * (C::STAGES + b), ((i / C::STAGES) & 1) ^ 1);
+      if (i >= pre)
+        wgw_load_weights<T, TOK>(st, s0 + i, p, ncta, qw, scales, zeros, KC, NB, group, gshift);
+      wgt_load_x<T, TOK>(st, s0 + i, p, m0, x, x_stride, M, K);
+      ps::cp_async_mbar_arrive(bars + 8 * b);
+    }
+    ps::cp_async_commit();
+    ps::cp_async_wait<0>();  // leaves only once its copies, and so their arrivals, are complete
+    return;
+  }
+  ps::grid_dependency_wait();  // the consumers write y and the workspace: after that kernel
+  ps::launch_dependents();
+  ps::setmaxnreg_inc<CONSUMER_REGS>();
+
+  const int c = __shfl_sync(0xffffffffu, tid >> 7, 0), w = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3, h = w & 1;
+  const int nbl0 = 4 * c + (w >> 1), nbl1 = nbl0 + 2;  // the halves' n32 blocks
+  const bool has_zeros = zeros != nullptr;
+  float acc0[TOK / 2], acc1[TOK / 2];
+#pragma unroll
+  for (int r = 0; r < TOK / 2; ++r) acc0[r] = acc1[r] = 0.f;
+
+  unsigned int a0[4][4], a1[4][4];  // each half's fragments live until its group retires
+  for (int i = 0; i < nst; ++i) {
+    const int b = i % C::STAGES;
+    ps::mbar_wait(bars + 8 * b, (i / C::STAGES) & 1);  // stage i landed
+    ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
+    const unsigned char* st = smem + b * C::STAGE_BYTES;
+    const unsigned long long x_desc = ps::wg_desc(smem0 + b * C::STAGE_BYTES, 16, 1024);
+    wgw_dequant<T, TOK>(st, nbl0, h, lane, g, has_zeros, a0);  // stage i - 1's half 0: retired
+    wgw_group<T, TOK>(acc0, a0, x_desc);
+    ps::wgmma_wait<1>();  // stage i - 1's half 1 retired: a1 and that stage's buffer are free
+    ps::fence_regs(acc1);
+    if (i > 0) ps::mbar_arrive(bars + 8 * (C::STAGES + (i - 1) % C::STAGES));
+    wgw_dequant<T, TOK>(st, nbl1, h, lane, g, has_zeros, a1);
+    wgw_group<T, TOK>(acc1, a1, x_desc);
+    ps::wgmma_wait<1>();  // this stage's half 0 retired: a0 is free
+    ps::fence_regs(acc0);
+  }
+  ps::wgmma_wait<0>();
+  ps::fence_regs(acc0);
+  ps::fence_regs(acc1);
+  sync_threads<true>();  // both warpgroups' MMAs retired: the stage buffers hold the output
+
+  // The fp32 tile [TOK][CN], then out by rows (store_tile).
+  float* out = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int r = 0; r < TOK / 2; ++r) {
+    const int n = 128 * c + 16 * w + g + 8 * ((r >> 1) & 1);
+    const int m = 8 * (r >> 2) + 2 * t + (r & 1);
+    out[m * C::OUT_STRIDE + n] = acc0[r];
+    out[m * C::OUT_STRIDE + n + 64] = acc1[r];
+  }
+  sync_threads<true>();
+  store_tile<T, TOK, C::OUT_STRIDE, true, C::CN>(out, y, y_stride, bias, ws, counters, M, N, Np,
+                                                 m0, tid, ncta, blockIdx.y);
+#else
+  __trap();  // built without sm_90a: the launcher never picks this kernel then
+#endif
+}
+
 // Stream-K on the wgt tile ("wgs", sm_90a): a persistent grid, each CTA an equal run of the
 // (tile, k-stage) units in tile order (tile t: row tile t / column blocks, column block t %
 // column blocks), so that no SM idles through a last partial wave. Producer and consumers run
@@ -1248,6 +1460,23 @@ PS_QUANT_PRODUCT_WGT(w4a16_wgt_bf16_m256, __nv_bfloat16, 256)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m64, __half, 64)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m128, __half, 128)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
+
+#define PS_QUANT_PRODUCT_WGW(NAME, T, TOK)                                                    \
+  extern "C" __global__ void __launch_bounds__(ps_quant::WwCfg<TOK>::BLOCK, 1)                  \
+      NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
+           const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
+           int N, int K, int Kp, int Np, int group, int split_stages) {                        \
+    ps_quant::w4a16_wgw<T, TOK>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,          \
+                                counters, M, N, K, Kp, Np, group, split_stages);               \
+  }
+// 256 columns a CTA at 64 or 128 rows: candidates (quant.py's CANDIDATE_TILES), built only into
+// the module that defines PS_QUANT_WIDE until a GPU has measured them.
+#ifdef PS_QUANT_WIDE
+PS_QUANT_PRODUCT_WGW(w4a16_wgw_bf16_m64, __nv_bfloat16, 64)
+PS_QUANT_PRODUCT_WGW(w4a16_wgw_bf16_m128, __nv_bfloat16, 128)
+PS_QUANT_PRODUCT_WGW(w4a16_wgw_fp16_m64, __half, 64)
+PS_QUANT_PRODUCT_WGW(w4a16_wgw_fp16_m128, __half, 128)
+#endif
 
 #define PS_QUANT_PRODUCT_WGS(NAME, T, TOK)                                                    \
   extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK>::BLOCK, 1)                  \

@@ -614,6 +614,47 @@ def test_stream_k_tiles_launch_one_cta_an_sm_with_their_parts(monkeypatch):
                                                     smem, 0, 0)
 
 
+def test_wide_tiles_launch_256_columns_a_cta_from_their_own_module(monkeypatch):
+    """A "wgw" tile: ceil(Np / 256) column blocks (a last half block past Np included), the wgt
+    tile's 384 threads, WwCfg's shared memory (8 stages of 256 columns' weights, scales and
+    zeros plus x, 1 KiB to align; its fp32 output tile [rows][260] within them), built into
+    the "quant_wide" module; its split-K model counts 256-column blocks."""
+    from pagedserve_kernels import quant
+
+    launched, split_args = [], []
+    monkeypatch.setattr(quant._compile, "launch",
+                        lambda module, kernel, device, grid, block, args, shared_mem=0,
+                        programmatic=False:
+                        launched.append((module, kernel, grid, block[0], shared_mem)))
+    monkeypatch.setattr(quant, "_workspace", lambda device: (torch.zeros(1), torch.zeros(1)))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
+                        *_: split_args.append((kernel, m_tiles, n_blocks)) or (1, k_stages))
+
+    def product(m, n, k, tile):
+        packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                              torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+        launched.clear()
+        quant._kernel_product(torch.zeros(m, k, dtype=torch.bfloat16), packed, None,
+                              torch.empty(m, n, dtype=torch.bfloat16), tile)
+        return launched[0]
+
+    for mt in (4, 8):
+        smem = quant._smem_bytes(mt, "wgw")
+        assert smem == 8 * (256 * 32 + 16 * mt * 128 + 2048) + 1024 <= 227 * 1024
+        assert 16 * mt * 260 * 4 <= smem - 1024
+    assert product(256, 28672, 4096, (128, "wgw")) == (
+        "quant_wide", "w4a16_wgw_bf16_m128", (112, 1, 2), 384, quant._smem_bytes(8, "wgw"))
+    assert split_args[-1] == ("w4a16_wgw_bf16_m128", 2, 112)
+    # N = 136 pads to 256: one block; 384 to 3 blocks of 128, so 2 of 256 (the last half past)
+    assert product(40, 136, 256, (64, "wgw"))[1:3] == ("w4a16_wgw_bf16_m64", (1, 1, 1))
+    assert product(130, 264, 256, (64, "wgw"))[2] == (2, 1, 3)
+    assert product(130, 264, 256, (64, "wgt"))[:3] == ("quant", "w4a16_wgt_bf16_m64", (3, 1, 3))
+    assert set(quant.CANDIDATE_TILES) <= {(64, "wgw"), (128, "wgw")}
+    assert all(quant._kernel_name(dtype, *tile) in quant._compile.ON_DEMAND["quant_wide"][2]
+               for tile in quant.CANDIDATE_TILES for dtype in (torch.bfloat16, torch.float16))
+
+
 def test_a_forced_split_count_keeps_within_k_and_the_workspace(monkeypatch):
     """bench_quant's --splits: `splits` replaces split_k_choice's count, lowered to what K (a
     split covers at least _MIN_SPLIT_STAGES stages) and the workspace allow, and the grid's

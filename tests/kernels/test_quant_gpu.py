@@ -97,9 +97,10 @@ def _hopper(quant) -> bool:
 
 
 @pytest.fixture(params=[(128, ""), (64, "wgp"), (128, "wgp"), (64, "wgt"), (128, "wgt"),
-                        (256, "wgt"), (64, "wgs"), (128, "wgs"), (256, "wgs")],
+                        (256, "wgt"), (64, "wgs"), (128, "wgs"), (256, "wgs"), (64, "wgw"),
+                        (128, "wgw")],
                 ids=["m128", "wgp64", "wgp128", "wgt64", "wgt128", "wgt256", "wgs64", "wgs128",
-                     "wgs256"])
+                     "wgs256", "wgw64", "wgw128"])
 def wide(quant, request, monkeypatch):
     """Each tile but the 64-row mma.sync one from 33 rows, for every shape, as a tuning that
     found it faster at every candidate would choose it (the wgmma ones on Hopper only)."""
@@ -243,7 +244,8 @@ def _graph_replays_match_eager(quant):
 
 
 @pytest.mark.parametrize("m,tile", [(1, None), (16, (16, "")), (20, (32, "")), (64, (64, "")),
-                                    (64, (64, "wgt")), (200, (128, "wgs")), (256, (256, "wgt"))])
+                                    (64, (64, "wgt")), (200, (128, "wgs")), (256, (256, "wgt")),
+                                    (200, (128, "wgw"))])
 def test_programmatic_launches_give_the_plain_launches_bits(quant, m, tile):
     """A decode layer's order of kernels, each reading what the one before wrote: an rms_norm
     (which lets the next grid start early), a product, silu_and_mul, a product, again; the

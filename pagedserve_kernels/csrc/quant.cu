@@ -742,18 +742,21 @@ __device__ __forceinline__ void dequant(T* __restrict__ w, const uint4* __restri
 // It dequantizes stage i while its MMAs of stage i - 1 run, and releases a stage once the MMAs
 // that read it retire. Same packed weights, grid (column blocks, splits, row tiles), split K and
 // epilogue as w4a16.
-// A stage holds what Stage<TOK> holds, laid out [x][weights][scales][zeros]: x, which the tensor
+// A stage holds what Stage<TOK> holds (CN = CTA_N; for CN = 256, the "wgw" tile below, twice the
+// weights, scales and zero points), laid out [x][weights][scales][zeros]: x, which the tensor
 // cores read, at the stage's 1024-byte-aligned start.
-template <int TOK>
-struct WtCfg : Stage<TOK> {
-  using Stage<TOK>::X_BYTES;
-  using Stage<TOK>::W_BYTES;
-  using Stage<TOK>::S_BYTES;
-  using Stage<TOK>::STAGE_BYTES;
-  static constexpr int STAGES = TOK == 256 ? 4 : (TOK == 128 ? 6 : 8);  // quant.py mirrors
+template <int TOK, int CN = CTA_N>
+struct WtCfg {
+  static constexpr int X_BYTES = TOK * STAGE_K * 2;  // [TOK][64], 128-byte swizzle
+  static constexpr int W_BYTES = CN * STAGE_K / 2;   // packed weights: CN / 32 x 32 lanes x 16 B
+  static constexpr int S_BYTES = 2 * CN * 2;         // scales of the stage's two k32 chunks
+  static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + 2 * S_BYTES;  // + zeros, as scales
+  static constexpr int STAGES =  // quant.py mirrors
+      CN > CTA_N ? 8 : (TOK == 256 ? 4 : (TOK == 128 ? 6 : 8));
   static constexpr int BLOCK = THREADS + 128;  // 2 consumer warpgroups, then the producer
-  static constexpr int OUT_STRIDE = CTA_N + 4;  // fp32 tile rows: distinct banks
+  static constexpr int OUT_STRIDE = CN + 4;  // fp32 tile rows: distinct banks
   static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;  // + the 1024-byte alignment
+  static_assert(CN == CTA_N || CN == 2 * CTA_N, "128 or 256 columns a CTA");
   static_assert(STAGE_BYTES % 1024 == 0, "swizzle atoms need 1024-byte aligned stages");
   static_assert(TOK * OUT_STRIDE * 4 <= STAGES * STAGE_BYTES, "the output tile reuses them");
 };
@@ -761,30 +764,39 @@ struct WtCfg : Stage<TOK> {
 // The producer: stage s of the split into buffer `st` (128 threads, p = 0..127), in two parts:
 // what the model holds (packed weights, scales, zero points), which a grid launched
 // programmatically loads for its first stages before the kernel before it has ended, and x.
-template <typename T, int TOK>
+// The CTA's CN / 32 n32 blocks from ncta * CN / 32; with CN = 256, blocks past the padded N (NB
+// blocks: a multiple of 4) read zeros.
+template <typename T, int TOK, int CN = CTA_N>
 __device__ __forceinline__ void wgt_load_weights(unsigned int st, int s, int p, int ncta,
                                                  const uint4* __restrict__ qw,
                                                  const T* __restrict__ scales,
                                                  const T* __restrict__ zeros, int KC, int NB,
                                                  int group, int gshift) {
-  using C = WtCfg<TOK>;
+  using C = WtCfg<TOK, CN>;
+  constexpr int BLOCKS = CN / 32, PARTS = CN / 8;  // n32 blocks; 16-byte parts of a scale chunk
+  const int valid = CN > CTA_N ? NB - ncta * BLOCKS : BLOCKS;  // blocks inside the padded N
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {  // weights: entry e = n32 block e >> 6, k32 chunk, lane
+  for (int r = 0; r < CN / 64; ++r) {  // weights: entry e = n32 block e >> 6, k32 chunk, lane
     const int e = p + r * 128;
+    const bool ok = CN == CTA_N || (e >> 6) < valid;
     ps::cp_async16(st + C::X_BYTES + e * 16,
-                   qw + ((size_t)(ncta * 4 + (e >> 6)) * KC + 2 * s + ((e >> 5) & 1)) * 32 +
-                       (e & 31),
-                   16);
+                   ok ? qw + ((size_t)(ncta * BLOCKS + (e >> 6)) * KC + 2 * s + ((e >> 5) & 1)) *
+                                 32 +
+                            (e & 31)
+                      : qw,
+                   ok ? 16 : 0);
   }
-  if (p < 64) {  // 32 threads copy the scales, 32 the zero points: 2 chunks x 256 bytes each
-    const T* base = p < 32 ? scales : zeros;
+  // PARTS x 2 threads copy the scales, as many the zero points: 2 chunks x 2 CN bytes each
+  if (p < 4 * PARTS) {
+    const T* base = p < 2 * PARTS ? scales : zeros;
     if (base != nullptr) {
-      const int c = p & 31, half = c >> 4, part = c & 15;
+      const int c = p & (2 * PARTS - 1), half = c / PARTS, part = c & (PARTS - 1);
+      const bool ok = CN == CTA_N || (part >> 2) < valid;
       const int grp = gshift >= 0 ? (2 * s + half) >> gshift : (s * STAGE_K + half * 32) / group;
-      const T* src = base + ((size_t)grp * NB + ncta * 4) * 32 + part * 8;
-      ps::cp_async16(st + C::X_BYTES + C::W_BYTES + (p < 32 ? 0 : C::S_BYTES) + half * 256 +
-                         part * 16,
-                     src, 16);
+      const T* src = base + ((size_t)grp * NB + ncta * BLOCKS) * 32 + part * 8;
+      ps::cp_async16(st + C::X_BYTES + C::W_BYTES + (p < 2 * PARTS ? 0 : C::S_BYTES) +
+                         half * (2 * CN) + part * 16,
+                     ok ? src : base, ok ? 16 : 0);
     }
   }
 }
@@ -812,18 +824,18 @@ __device__ __forceinline__ void wgt_load_x(unsigned int st, int s, int p, int m0
 // The producer-fed kernels' start (w4a16_wgt, w4a16_wgs). The stage buffers' base, 1024-byte
 // aligned for the swizzle atoms, after checking the launch gave WtCfg::SMEM bytes (quant.py's
 // _smem_bytes mirrors it: a launch with less traps).
-template <int TOK>
+template <int TOK, int CN = CTA_N>
 __device__ __forceinline__ unsigned int wgt_smem0(const unsigned char* smem_raw) {
   unsigned int dyn_smem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (dyn_smem < (unsigned int)WtCfg<TOK>::SMEM) __trap();
+  if (dyn_smem < (unsigned int)WtCfg<TOK, CN>::SMEM) __trap();
   return (ps::smem_addr(smem_raw) + 1023u) & ~1023u;
 }
 
 // The mbarriers, initialised before anyone waits on or arrives at them: full[b], then empty[b].
-template <int TOK>
+template <int TOK, int CN = CTA_N>
 __device__ __forceinline__ void wgt_init_bars(unsigned int bars) {
-  using C = WtCfg<TOK>;
+  using C = WtCfg<TOK, CN>;
   if (threadIdx.x == 0) {
     for (int b = 0; b < C::STAGES; ++b) {
       ps::mbar_init(bars + 8 * b, 128);                    // full: one arrival a producer thread
@@ -842,7 +854,7 @@ __device__ __forceinline__ int wgt_gshift(int group) {
 // The producer's stage i (w4a16_wgt, w4a16_wgs): stage s of tile (ncta, m0) into buffer
 // i % STAGES, once the consumers released that buffer's previous fill (thread p of 128); its
 // weights only where `prefetched` does not say they are in already (wgt_prefetch).
-template <typename T, int TOK>
+template <typename T, int TOK, int CN = CTA_N>
 __device__ __forceinline__ void wgt_produce(int i, int s, int p, int ncta, int m0,
                                             unsigned int smem0, unsigned int bars,
                                             const T* __restrict__ x, long long x_stride,
@@ -850,35 +862,29 @@ __device__ __forceinline__ void wgt_produce(int i, int s, int p, int ncta, int m
                                             const T* __restrict__ scales,
                                             const T* __restrict__ zeros, int M, int K, int Kp,
                                             int Np, int group, int gshift, bool prefetched) {
-  using C = WtCfg<TOK>;
+  using C = WtCfg<TOK, CN>;
   const int b = i % C::STAGES;
   const unsigned int st = smem0 + b * C::STAGE_BYTES;
   ps::mbar_wait(bars + 8 * (C::STAGES + b), ((i / C::STAGES) & 1) ^ 1);
   if (!prefetched)
-    wgt_load_weights<T, TOK>(st, s, p, ncta, qw, scales, zeros, Kp >> 5, Np >> 5, group, gshift);
+    wgt_load_weights<T, TOK, CN>(st, s, p, ncta, qw, scales, zeros, Kp >> 5, Np >> 5, group,
+                                 gshift);
   wgt_load_x<T, TOK>(st, s, p, m0, x, x_stride, M, K);
   ps::cp_async_mbar_arrive(bars + 8 * b);
 }
 
-// One stage of the consumers' loop (w4a16_wgt, w4a16_wgs): wait for stage i, dequantize this
-// warp's A fragments from it, issue the warpgroup's MMAs, retire stage i - 1's MMAs and, when
-// `release`, give stage i - 1's buffer back to the producer.
-template <typename T, int TOK>
-__device__ __forceinline__ void wgt_step(int i, bool release, unsigned int (&a)[4][4],
-                                         float (&acc)[TOK / 2], unsigned int bars,
-                                         unsigned int smem0, const unsigned char* smem, int nbl,
-                                         int h, int lane, int g, bool has_zeros) {
-  using C = WtCfg<TOK>;
-  const int b = i % C::STAGES;
-  ps::mbar_wait(bars + 8 * b, (i / C::STAGES) & 1);  // stage i landed
-  ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
-  const unsigned char* st = smem + b * C::STAGE_BYTES;
+// This warp's A fragments (n32 block nbl of the CTA's, half h of it) for the four k16 steps of
+// the landed stage at st.
+template <typename T, int TOK, int CN = CTA_N>
+__device__ __forceinline__ void wgt_dequant(const unsigned char* st, int nbl, int h, int lane,
+                                            int g, bool has_zeros, unsigned int (&a)[4][4]) {
+  using C = WtCfg<TOK, CN>;
 #pragma unroll
   for (int kc = 0; kc < 2; ++kc) {  // k32 chunk kc: words 2h, 2h + 1 of this lane's uint4
     const uint4 wq = *reinterpret_cast<const uint4*>(st + C::X_BYTES +
                                                      ((nbl * 2 + kc) * 32 + lane) * 16);
     const unsigned int q0 = h ? wq.z : wq.x, q1 = h ? wq.w : wq.y;
-    const int sidx = C::X_BYTES + C::W_BYTES + kc * 256 + (nbl * 32 + g * 4 + 2 * h) * 2;
+    const int sidx = C::X_BYTES + C::W_BYTES + kc * (2 * CN) + (nbl * 32 + g * 4 + 2 * h) * 2;
     const unsigned int sraw = *reinterpret_cast<const unsigned int*>(st + sidx);
     const unsigned int s0w = dup_lo(sraw), s1w = dup_hi(sraw);
     unsigned int z0w = Int4<T>::SYM_ZERO, z1w = Int4<T>::SYM_ZERO;
@@ -897,16 +903,69 @@ __device__ __forceinline__ void wgt_step(int i, bool release, unsigned int (&a)[
       a[2 * kc + kh][3] = Int4<T>::pair(q1 >> (8 * kh + 4), z1w, s1w);
     }
   }
-  // x tile as B, K-major: k16 step ks starts 32 ks bytes into each 128-byte row.
-  const unsigned long long x_desc = ps::wg_desc(smem0 + b * C::STAGE_BYTES, 16, 1024);
+}
+
+// One wgmma group over a stage: acc (m64 x TOK) += a (this warp's fragments, 4 k16 steps) . x
+// tile as B, K-major (k16 step ks starts 32 ks bytes into each 128-byte row), committed.
+template <typename T, int TOK>
+__device__ __forceinline__ void wgt_group(float (&acc)[TOK / 2], const unsigned int (&a)[4][4],
+                                          unsigned long long x_desc) {
   ps::fence_regs(acc);
   ps::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) wg_mma<T, TOK>(acc, a[ks], x_desc + ((ks * 32) >> 4));
   ps::wgmma_commit();
+}
+
+// One stage of the consumers' loop (w4a16_wgt, w4a16_wgs): wait for stage i, dequantize this
+// warp's A fragments from it, issue the warpgroup's MMAs, retire stage i - 1's MMAs and, when
+// `release`, give stage i - 1's buffer back to the producer.
+template <typename T, int TOK>
+__device__ __forceinline__ void wgt_step(int i, bool release, unsigned int (&a)[4][4],
+                                         float (&acc)[TOK / 2], unsigned int bars,
+                                         unsigned int smem0, const unsigned char* smem, int nbl,
+                                         int h, int lane, int g, bool has_zeros) {
+  using C = WtCfg<TOK>;
+  const int b = i % C::STAGES;
+  ps::mbar_wait(bars + 8 * b, (i / C::STAGES) & 1);  // stage i landed
+  ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
+  const unsigned char* st = smem + b * C::STAGE_BYTES;
+  wgt_dequant<T, TOK>(st, nbl, h, lane, g, has_zeros, a);
+  const unsigned long long x_desc = ps::wg_desc(smem0 + b * C::STAGE_BYTES, 16, 1024);
+  wgt_group<T, TOK>(acc, a, x_desc);
   ps::wgmma_wait<1>();  // stage i - 1's MMAs retired: its buffer and A fragments are free
   ps::fence_regs(acc);
   if (release) ps::mbar_arrive(bars + 8 * (C::STAGES + (i - 1) % C::STAGES));
+}
+
+// The producer warpgroup of a wgt / wgw CTA (thread THREADS + p): the split's nst stages from s0
+// of tile (ncta, m0) into the buffers; fill u of buffer b waits for release u - 1 (parity).
+// Leaves only once its copies, and so their arrivals, are complete.
+template <typename T, int TOK, int CN = CTA_N>
+__device__ __forceinline__ void wgt_producer(int p, int ncta, int m0, int s0, int nst,
+                                             unsigned int smem0, unsigned int bars,
+                                             const T* __restrict__ x, long long x_stride,
+                                             const uint4* __restrict__ qw,
+                                             const T* __restrict__ scales,
+                                             const T* __restrict__ zeros, int M, int K, int Kp,
+                                             int Np, int group) {
+  using C = WtCfg<TOK, CN>;
+  const int gshift = wgt_gshift(group);
+  // Launched programmatically, this grid starts while the kernel before it ends: the first
+  // fill's weights (its buffers are free) load before waiting for that kernel, whose writes
+  // (x, the workspace, y's memory) nothing here touches before the wait.
+  const int pre = min(nst, C::STAGES);
+  for (int i = 0; i < pre; ++i)
+    wgt_load_weights<T, TOK, CN>(smem0 + i * C::STAGE_BYTES, s0 + i, p, ncta, qw, scales, zeros,
+                                 Kp >> 5, Np >> 5, group, gshift);
+  ps::grid_dependency_wait();
+  ps::launch_dependents();
+  for (int i = 0; i < nst; ++i)
+    wgt_produce<T, TOK, CN>(i, s0 + i, p, ncta, m0, smem0, bars, x, x_stride, qw, scales, zeros,
+                            M, K, Kp, Np, group, gshift, i < pre);
+  // wait_group covers only committed groups, and the copies were never committed.
+  ps::cp_async_commit();
+  ps::cp_async_wait<0>();
 }
 
 template <typename T, int TOK>
@@ -933,24 +992,10 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   const int s0 = blockIdx.y * split_stages, nst = min(Kp / STAGE_K - s0, split_stages);
   wgt_init_bars<TOK>(bars);
 
-  if (tid >= THREADS) {  // the producer: fill u of buffer b waits for release u - 1 (parity)
+  if (tid >= THREADS) {
     ps::setmaxnreg_dec<PRODUCER_REGS>();
-    const int gshift = wgt_gshift(group);
-    // Launched programmatically, this grid starts while the kernel before it ends: the first
-    // fill's weights (its buffers are free) load before waiting for that kernel, whose writes
-    // (x, the workspace, y's memory) nothing here touches before the wait.
-    const int pre = min(nst, C::STAGES);
-    for (int i = 0; i < pre; ++i)
-      wgt_load_weights<T, TOK>(smem0 + i * C::STAGE_BYTES, s0 + i, tid - THREADS, ncta, qw,
-                               scales, zeros, Kp >> 5, Np >> 5, group, gshift);
-    ps::grid_dependency_wait();
-    ps::launch_dependents();
-    for (int i = 0; i < nst; ++i)
-      wgt_produce<T, TOK>(i, s0 + i, tid - THREADS, ncta, m0, smem0, bars, x, x_stride, qw,
-                          scales, zeros, M, K, Kp, Np, group, gshift, i < pre);
-    // wait_group covers only committed groups, and the copies were never committed.
-    ps::cp_async_commit();
-    ps::cp_async_wait<0>();  // leaves only once its copies, and so their arrivals, are complete
+    wgt_producer<T, TOK>(tid - THREADS, ncta, m0, s0, nst, smem0, bars, x, x_stride, qw, scales,
+                         zeros, M, K, Kp, Np, group);
     return;
   }
   ps::grid_dependency_wait();  // the consumers write y and the workspace: after that kernel
@@ -1000,112 +1045,15 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
 
 // ---------------------------------------------------------------------------------------------
 // Wide producer-fed tiles ("wgw", sm_90a): the wgt tile over 256 columns a CTA, TOK = 64 or 128
-// rows. At a few hundred rows a product streams its x tile from L2 once for every column block,
-// which is what bounds the wgt tiles there, not their tensor cores: 256 columns a CTA read x
-// half as often for the same MMAs (each weight is read and dequantized once a row tile, as in
-// the 128-row wgt tile). Consumer warpgroup c takes columns 128c .. 128c + 127 as two m64
-// halves u, each one m64nTOK wgmma group a stage: its warp w dequantizes half w & 1 of n32
-// block 4c + 2u + (w >> 1). Half 1's fragments are dequantized while half 0's MMAs run and
-// half 0's (of the next stage) while half 1's do; a stage's buffer goes back to the producer
-// once its second group retires. Same packed weights, split K (grid: column blocks of 256,
-// splits, row tiles) and epilogue as w4a16_wgt; a last block past Np reads zeros.
-template <int TOK>
-struct WwCfg {
-  static constexpr int CN = 2 * CTA_N;               // output columns a CTA
-  static constexpr int X_BYTES = TOK * STAGE_K * 2;  // [TOK][64], 128-byte swizzle
-  static constexpr int W_BYTES = CN * STAGE_K / 2;   // packed weights: 512 x 16 bytes
-  static constexpr int S_BYTES = 2 * CN * 2;         // scales of the stage's two k32 chunks
-  static constexpr int STAGE_BYTES = X_BYTES + W_BYTES + 2 * S_BYTES;  // + zeros, as scales
-  static constexpr int STAGES = 8;                   // quant.py mirrors
-  static constexpr int BLOCK = THREADS + 128;        // 2 consumer warpgroups, then the producer
-  static constexpr int OUT_STRIDE = CN + 4;          // fp32 tile rows: distinct banks
-  static constexpr int SMEM = STAGES * STAGE_BYTES + 1024;  // + the 1024-byte alignment
-  static_assert(STAGE_BYTES % 1024 == 0, "swizzle atoms need 1024-byte aligned stages");
-  static_assert(TOK * OUT_STRIDE * 4 <= STAGES * STAGE_BYTES, "the output tile reuses them");
-};
-
-// The producer's part of stage s that the model holds (128 threads, p = 0..127): the packed
-// weights of n32 blocks 8 ncta .. 8 ncta + 7 (entry e: block e >> 6, k32 chunk, lane), then the
-// scales (threads 0..63) and zero points (64..127) of the stage's two k32 chunks; blocks past
-// the padded N (NB blocks) are zeros.
-template <typename T, int TOK>
-__device__ __forceinline__ void wgw_load_weights(unsigned int st, int s, int p, int ncta,
-                                                 const uint4* __restrict__ qw,
-                                                 const T* __restrict__ scales,
-                                                 const T* __restrict__ zeros, int KC, int NB,
-                                                 int group, int gshift) {
-  using C = WwCfg<TOK>;
-  const int valid = min(8, NB - ncta * 8);  // n32 blocks of this CTA inside the padded N
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int e = p + r * 128, b = e >> 6;
-    const bool ok = b < valid;
-    ps::cp_async16(st + C::X_BYTES + e * 16,
-                   ok ? qw + ((size_t)(ncta * 8 + b) * KC + 2 * s + ((e >> 5) & 1)) * 32 +
-                            (e & 31)
-                      : qw,
-                   ok ? 16 : 0);
-  }
-  const T* base = p < 64 ? scales : zeros;
-  if (base != nullptr) {  // 16-byte part `part` (8 entries: one n32 block's g..) of chunk half
-    const int c = p & 63, half = c >> 5, part = c & 31;
-    const bool ok = (part >> 2) < valid;
-    const int grp = gshift >= 0 ? (2 * s + half) >> gshift : (s * STAGE_K + half * 32) / group;
-    const T* src = base + ((size_t)grp * NB + ncta * 8) * 32 + part * 8;
-    ps::cp_async16(st + C::X_BYTES + C::W_BYTES + (p < 64 ? 0 : C::S_BYTES) + half * 512 +
-                       part * 16,
-                   ok ? src : base, ok ? 16 : 0);
-  }
-}
-
-template <int TOK>
-__device__ __forceinline__ unsigned int wgw_smem0(const unsigned char* smem_raw) {
-  unsigned int dyn_smem;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-  if (dyn_smem < (unsigned int)WwCfg<TOK>::SMEM) __trap();
-  return (ps::smem_addr(smem_raw) + 1023u) & ~1023u;
-}
-
-// This warp's A fragments of one m64 half (n32 block nbl, half h of it) for the four k16 steps
-// of the landed stage at st, as wgt_step dequantizes them.
-template <typename T, int TOK>
-__device__ __forceinline__ void wgw_dequant(const unsigned char* st, int nbl, int h, int lane,
-                                            int g, bool has_zeros, unsigned int (&a)[4][4]) {
-  using C = WwCfg<TOK>;
-#pragma unroll
-  for (int kc = 0; kc < 2; ++kc) {
-    const uint4 wq = *reinterpret_cast<const uint4*>(st + C::X_BYTES +
-                                                     ((nbl * 2 + kc) * 32 + lane) * 16);
-    const unsigned int q0 = h ? wq.z : wq.x, q1 = h ? wq.w : wq.y;
-    const int sidx = C::X_BYTES + C::W_BYTES + kc * 512 + (nbl * 32 + g * 4 + 2 * h) * 2;
-    const unsigned int sraw = *reinterpret_cast<const unsigned int*>(st + sidx);
-    const unsigned int s0w = dup_lo(sraw), s1w = dup_hi(sraw);
-    unsigned int z0w = Int4<T>::SYM_ZERO, z1w = Int4<T>::SYM_ZERO;
-    if (has_zeros) {
-      const unsigned int zraw = *reinterpret_cast<const unsigned int*>(st + sidx + C::S_BYTES);
-      z0w = dup_lo(zraw);
-      z1w = dup_hi(zraw);
-    }
-#pragma unroll
-    for (int kh = 0; kh < 2; ++kh) {
-      a[2 * kc + kh][0] = Int4<T>::pair(q0 >> (8 * kh), z0w, s0w);
-      a[2 * kc + kh][1] = Int4<T>::pair(q1 >> (8 * kh), z1w, s1w);
-      a[2 * kc + kh][2] = Int4<T>::pair(q0 >> (8 * kh + 4), z0w, s0w);
-      a[2 * kc + kh][3] = Int4<T>::pair(q1 >> (8 * kh + 4), z1w, s1w);
-    }
-  }
-}
-
-// One m64nTOK wgmma group: half `acc` += a . x tile (4 k16 steps), committed.
-template <typename T, int TOK>
-__device__ __forceinline__ void wgw_group(float (&acc)[TOK / 2], const unsigned int (&a)[4][4],
-                                          unsigned long long x_desc) {
-  ps::fence_regs(acc);
-  ps::wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) wg_mma<T, TOK>(acc, a[ks], x_desc + ((ks * 32) >> 4));
-  ps::wgmma_commit();
-}
+// rows. At a few hundred rows a product streams its x tile from L2 once for every column block:
+// 256 columns a CTA read x half as often for the same MMAs (each weight is read and dequantized
+// once a row tile, as in the 128-row wgt tile). Consumer warpgroup c takes columns 128c ..
+// 128c + 127 as two m64 halves u, each one m64nTOK wgmma group a stage: its warp w dequantizes
+// half w & 1 of n32 block 4c + 2u + (w >> 1). Half 1's fragments are dequantized while half 0's
+// MMAs run and half 0's (of the next stage) while half 1's do; a stage's buffer goes back to the
+// producer once its second group retires. The producer is wgt's (WtCfg<TOK, 256>); same packed
+// weights, split K (grid: column blocks of 256, splits, row tiles) and epilogue as w4a16_wgt.
+constexpr int WIDE_N = 2 * CTA_N;
 
 template <typename T, int TOK>
 __device__ __forceinline__ void w4a16_wgw(T* __restrict__ y, long long y_stride,
@@ -1118,44 +1066,22 @@ __device__ __forceinline__ void w4a16_wgw(T* __restrict__ y, long long y_stride,
                                           int split_stages) {
 #if PS_HAS_WGMMA
   static_assert(TOK == 64 || TOK == 128, "two m64nTOK accumulators a consumer thread");
-  using C = WwCfg<TOK>;
+  using C = WtCfg<TOK, WIDE_N>;
   // As w4a16_wgt: 168 registers a thread at launch, the producer's given to the consumers.
   constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long s_bar[2 * C::STAGES];  // full[b], then empty[b]
-  const unsigned int smem0 = wgw_smem0<TOK>(smem_raw);
+  const unsigned int smem0 = wgt_smem0<TOK, WIDE_N>(smem_raw);
   unsigned char* const smem = smem_raw + (smem0 - ps::smem_addr(smem_raw));
   const unsigned int bars = ps::smem_addr(s_bar);
   const int tid = threadIdx.x, ncta = blockIdx.x, m0 = blockIdx.z * TOK;
   const int s0 = blockIdx.y * split_stages, nst = min(Kp / STAGE_K - s0, split_stages);
-  if (tid == 0) {
-    for (int b = 0; b < C::STAGES; ++b) {
-      ps::mbar_init(bars + 8 * b, 128);                    // full: one arrival a producer thread
-      ps::mbar_init(bars + 8 * (C::STAGES + b), THREADS);  // empty: one a consumer thread
-    }
-  }
-  __syncthreads();
+  wgt_init_bars<TOK, WIDE_N>(bars);
 
-  if (tid >= THREADS) {  // the producer, as w4a16_wgt's
+  if (tid >= THREADS) {
     ps::setmaxnreg_dec<PRODUCER_REGS>();
-    const int p = tid - THREADS, gshift = wgt_gshift(group), KC = Kp >> 5, NB = Np >> 5;
-    const int pre = min(nst, C::STAGES);
-    for (int i = 0; i < pre; ++i)
-      wgw_load_weights<T, TOK>(smem0 + i * C::STAGE_BYTES, s0 + i, p, ncta, qw, scales, zeros,
-                               KC, NB, group, gshift);
-    ps::grid_dependency_wait();
-    ps::launch_dependents();
-    for (int i = 0; i < nst; ++i) {
-      const int b = i % C::STAGES;
-      const unsigned int st = smem0 + b * C::STAGE_BYTES;
-      ps::mbar_wait(bars + 8 * (C::STAGES + b), ((i / C::STAGES) & 1) ^ 1);
-      if (i >= pre)
-        wgw_load_weights<T, TOK>(st, s0 + i, p, ncta, qw, scales, zeros, KC, NB, group, gshift);
-      wgt_load_x<T, TOK>(st, s0 + i, p, m0, x, x_stride, M, K);
-      ps::cp_async_mbar_arrive(bars + 8 * b);
-    }
-    ps::cp_async_commit();
-    ps::cp_async_wait<0>();  // leaves only once its copies, and so their arrivals, are complete
+    wgt_producer<T, TOK, WIDE_N>(tid - THREADS, ncta, m0, s0, nst, smem0, bars, x, x_stride, qw,
+                                 scales, zeros, M, K, Kp, Np, group);
     return;
   }
   ps::grid_dependency_wait();  // the consumers write y and the workspace: after that kernel
@@ -1177,13 +1103,13 @@ __device__ __forceinline__ void w4a16_wgw(T* __restrict__ y, long long y_stride,
     ps::fence_proxy_async();  // cp.async writes -> visible to the tensor cores' (async) proxy
     const unsigned char* st = smem + b * C::STAGE_BYTES;
     const unsigned long long x_desc = ps::wg_desc(smem0 + b * C::STAGE_BYTES, 16, 1024);
-    wgw_dequant<T, TOK>(st, nbl0, h, lane, g, has_zeros, a0);  // stage i - 1's half 0: retired
-    wgw_group<T, TOK>(acc0, a0, x_desc);
+    wgt_dequant<T, TOK, WIDE_N>(st, nbl0, h, lane, g, has_zeros, a0);  // i - 1's half 0 retired
+    wgt_group<T, TOK>(acc0, a0, x_desc);
     ps::wgmma_wait<1>();  // stage i - 1's half 1 retired: a1 and that stage's buffer are free
     ps::fence_regs(acc1);
     if (i > 0) ps::mbar_arrive(bars + 8 * (C::STAGES + (i - 1) % C::STAGES));
-    wgw_dequant<T, TOK>(st, nbl1, h, lane, g, has_zeros, a1);
-    wgw_group<T, TOK>(acc1, a1, x_desc);
+    wgt_dequant<T, TOK, WIDE_N>(st, nbl1, h, lane, g, has_zeros, a1);
+    wgt_group<T, TOK>(acc1, a1, x_desc);
     ps::wgmma_wait<1>();  // this stage's half 0 retired: a0 is free
     ps::fence_regs(acc0);
   }
@@ -1192,7 +1118,7 @@ __device__ __forceinline__ void w4a16_wgw(T* __restrict__ y, long long y_stride,
   ps::fence_regs(acc1);
   sync_threads<true>();  // both warpgroups' MMAs retired: the stage buffers hold the output
 
-  // The fp32 tile [TOK][CN], then out by rows (store_tile).
+  // The fp32 tile [TOK][WIDE_N], then out by rows (store_tile).
   float* out = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int r = 0; r < TOK / 2; ++r) {
@@ -1202,7 +1128,7 @@ __device__ __forceinline__ void w4a16_wgw(T* __restrict__ y, long long y_stride,
     out[m * C::OUT_STRIDE + n + 64] = acc1[r];
   }
   sync_threads<true>();
-  store_tile<T, TOK, C::OUT_STRIDE, true, C::CN>(out, y, y_stride, bias, ws, counters, M, N, Np,
+  store_tile<T, TOK, C::OUT_STRIDE, true, WIDE_N>(out, y, y_stride, bias, ws, counters, M, N, Np,
                                                  m0, tid, ncta, blockIdx.y);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
@@ -1462,7 +1388,7 @@ PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m128, __half, 128)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
 
 #define PS_QUANT_PRODUCT_WGW(NAME, T, TOK)                                                    \
-  extern "C" __global__ void __launch_bounds__(ps_quant::WwCfg<TOK>::BLOCK, 1)                  \
+  extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK, ps_quant::WIDE_N>::BLOCK, 1)                  \
       NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
            const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
            int N, int K, int Kp, int Np, int group, int split_stages) {                        \

@@ -574,6 +574,22 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]
 
 
+def _launch_of(launched: list):
+    """product(m, n, k, tile): launches a zero product of m rows on an [n, k] weight in `tile`
+    (with _compile.launch recording into `launched`) and returns what the launch recorded."""
+    from pagedserve_kernels import quant
+
+    def product(m, n, k, tile):
+        packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                              torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+        launched.clear()
+        quant._kernel_product(torch.zeros(m, k, dtype=torch.bfloat16), packed, None,
+                              torch.empty(m, n, dtype=torch.bfloat16), tile)
+        return launched[0]
+
+    return product
+
+
 def test_stream_k_tiles_launch_one_cta_an_sm_with_their_parts(monkeypatch):
     """A "wgs" tile launches min(SMs, tiles x K stages) CTAs of the wgt tile's 384 threads and
     shared memory, with the stream-K parts and the arrival counters; with more tiles than
@@ -592,14 +608,7 @@ def test_stream_k_tiles_launch_one_cta_an_sm_with_their_parts(monkeypatch):
     monkeypatch.setattr(quant, "_index", lambda device: 0)
     monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
                         *_: (1, k_stages))
-
-    def product(m, n, k, tile):
-        packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
-                              torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
-        launched.clear()
-        quant._kernel_product(torch.zeros(m, k, dtype=torch.bfloat16), packed, None,
-                              torch.empty(m, n, dtype=torch.bfloat16), tile)
-        return launched[0]
+    product = _launch_of(launched)
 
     smem = quant._smem_bytes(8, "wgs")
     assert smem == quant._smem_bytes(8, "wgt")
@@ -630,14 +639,7 @@ def test_wide_tiles_launch_256_columns_a_cta_from_their_own_module(monkeypatch):
     monkeypatch.setattr(quant, "_index", lambda device: 0)
     monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
                         *_: split_args.append((kernel, m_tiles, n_blocks)) or (1, k_stages))
-
-    def product(m, n, k, tile):
-        packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
-                              torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
-        launched.clear()
-        quant._kernel_product(torch.zeros(m, k, dtype=torch.bfloat16), packed, None,
-                              torch.empty(m, n, dtype=torch.bfloat16), tile)
-        return launched[0]
+    product = _launch_of(launched)
 
     for mt in (4, 8):
         smem = quant._smem_bytes(mt, "wgw")

@@ -31,7 +31,7 @@ DEQUANT_CHUNKS = 8  # k32 chunks a dequantize CTA takes (quant.cu's DQ_CHUNKS)
 _STAGES = {1: 6, 2: 5, 4: 4, 8: 4}  # m16 tiles per CTA -> pipeline stages (Cfg in quant.cu)
 _STAGES_WG = {4: 6, 8: 4}  # the same for the wgmma kernels (WgCfg in quant.cu)
 _STAGES_WGT = {4: 8, 8: 6, 16: 4}  # the same for the producer-fed wgmma tiles (WtCfg)
-_STAGES_WGW = 8  # the same for their 256-column form (WwCfg)
+_STAGES_WGW = 8  # the same for their 256-column form (WtCfg<TOK, 256>)
 _WGT_THREADS = 384  # their two consumer warpgroups and their producer warpgroup
 _MIN_SPLIT_STAGES = 4  # a split-K part covers at least 256 input rows
 PROLOGUE_STAGES = 2  # a thread block's pipeline fill, in stage-times (split_k_choice's model)
@@ -638,7 +638,7 @@ def _threads(kernel: str) -> int:
 def _smem_bytes(mt: int, family: str = "") -> int:
     """Cfg<MT>::SMEM (WgCfg<MT>::SMEM, WtCfg<16 MT>::SMEM) of quant.cu: stages x (weights +
     activations + scales + zeros), with wgmma 1 KiB more to align the swizzled tiles."""
-    if family == "wgw":  # WwCfg: 256 columns' weights, scales and zeros
+    if family == "wgw":  # WtCfg<TOK, 256>: 256 columns' weights, scales and zeros
         return _STAGES_WGW * (2 * _THREADS * 16 + 16 * mt * STAGE_K * 2
                               + 2 * (2 * 2 * CTA_N * 2)) + 1024
     stage = _THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2)

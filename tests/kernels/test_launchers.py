@@ -625,9 +625,9 @@ def test_stream_k_tiles_launch_one_cta_an_sm_with_their_parts(monkeypatch):
 
 def test_wide_tiles_launch_256_columns_a_cta_from_their_own_module(monkeypatch):
     """A "wgw" tile: ceil(Np / 256) column blocks (a last half block past Np included), the wgt
-    tile's 384 threads, WtCfg<rows, 256>'s shared memory (8 stages of 256 columns' weights, scales and
-    zeros plus x, 1 KiB to align; its fp32 output tile [rows][260] within them), built into
-    the "quant_wide" module; its split-K model counts 256-column blocks."""
+    tile's 384 threads, WtCfg<rows, 256>'s shared memory (8 stages of 256 columns' weights,
+    scales and zeros plus x, 1 KiB to align; its fp32 output tile [rows][260] within them),
+    built into the "quant_wide" module; its split-K model counts 256-column blocks."""
     from pagedserve_kernels import quant
 
     launched, split_args = [], []

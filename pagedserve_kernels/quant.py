@@ -218,10 +218,9 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
     tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp"), (64, 128
     or 256, "wgt" or "wgs") and (64 or 128, "wgw") on wgmma; None: tile_for's choice), K in
-    `splits` parts (None:
-    what tuning measured fastest for the 16- and 32-row tiles, else split_k_choice's; a count
-    past what the workspace or K allows is lowered to it: bench_quant's --splits; "wgs" shares
-    K out itself)."""
+    `splits` parts (None: what tuning measured fastest for the 16- and 32-row tiles, else
+    split_k_choice's; a count past what the workspace or K allows is lowered to it:
+    bench_quant's --splits; "wgs" shares K out itself)."""
     num_tokens, n = x.shape[0], packed.n
     kernel, mt, m_tiles, splits, split_stages = launch_shape(num_tokens, packed, x.device,
                                                              x.dtype, tile, splits)
@@ -636,8 +635,9 @@ def _threads(kernel: str) -> int:
 
 
 def _smem_bytes(mt: int, family: str = "") -> int:
-    """Cfg<MT>::SMEM (WgCfg<MT>::SMEM, WtCfg<16 MT>::SMEM) of quant.cu: stages x (weights +
-    activations + scales + zeros), with wgmma 1 KiB more to align the swizzled tiles."""
+    """Cfg<MT>::SMEM (WgCfg<MT>::SMEM, WtCfg<16 MT>::SMEM, for "wgw" WtCfg<16 MT, 256>::SMEM)
+    of quant.cu: stages x (weights + activations + scales + zeros), with wgmma 1 KiB more to
+    align the swizzled tiles."""
     if family == "wgw":  # WtCfg<TOK, 256>: 256 columns' weights, scales and zeros
         return _STAGES_WGW * (2 * _THREADS * 16 + 16 * mt * STAGE_K * 2
                               + 2 * (2 * 2 * CTA_N * 2)) + 1024

@@ -239,7 +239,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.zeros),
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
-    _compile.launch(_module(kernel), kernel, x.device, grid, (_threads(kernel), 1, 1), args,
+    _compile.launch(_module(family), kernel, x.device, grid, (_threads(kernel), 1, 1), args,
                     shared_mem=_smem_bytes(mt, family),
                     programmatic=num_tokens <= PROGRAMMATIC_ROWS
                     and _programmatic.get(_index(x.device), False))
@@ -614,9 +614,9 @@ def _family(kernel: str) -> str:
     return next((f for f in ("wgp", "wgt", "wgs", "wgw") if f"_{f}_" in kernel), "")
 
 
-def _module(kernel: str) -> str:
-    """The _compile module a product kernel is built into."""
-    return "quant_wide" if _family(kernel) == "wgw" else "quant"
+def _module(family: str) -> str:
+    """The _compile module a product kernel family is built into."""
+    return "quant_wide" if family == "wgw" else "quant"
 
 
 def _cta_n(family: str) -> int:
@@ -638,10 +638,10 @@ def _smem_bytes(mt: int, family: str = "") -> int:
     """Cfg<MT>::SMEM (WgCfg<MT>::SMEM, WtCfg<16 MT>::SMEM, for "wgw" WtCfg<16 MT, 256>::SMEM)
     of quant.cu: stages x (weights + activations + scales + zeros), with wgmma 1 KiB more to
     align the swizzled tiles."""
-    if family == "wgw":  # WtCfg<TOK, 256>: 256 columns' weights, scales and zeros
-        return _STAGES_WGW * (2 * _THREADS * 16 + 16 * mt * STAGE_K * 2
-                              + 2 * (2 * 2 * CTA_N * 2)) + 1024
-    stage = _THREADS * 16 + 16 * mt * STAGE_K * 2 + 2 * (2 * CTA_N * 2)
+    cta_n = _cta_n(family)  # the packed weights (4 bits), x, and scales + zeros of two k32 chunks
+    stage = cta_n * STAGE_K // 2 + 16 * mt * STAGE_K * 2 + 2 * (2 * cta_n * 2)
+    if family == "wgw":
+        return _STAGES_WGW * stage + 1024
     if family in ("wgt", "wgs"):
         return _STAGES_WGT[mt] * stage + 1024
     return _STAGES_WG[mt] * stage + 1024 if family == "wgp" else _STAGES[mt] * stage
@@ -696,7 +696,7 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     if key not in _resident:
         mt = int(kernel.rsplit("_m", 1)[1]) // 16
         smem, threads = _smem_bytes(mt, _family(kernel)), _threads(kernel)
-        fn = _compile.get_function(_module(kernel), kernel, index, smem)
+        fn = _compile.get_function(_module(_family(kernel)), kernel, index, smem)
         props = torch.cuda.get_device_properties(index)
         regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp
         regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))

@@ -305,7 +305,8 @@ def _launch_programmatic(fn: Any, grid: tuple[int, ...], block: tuple[int, ...],
     config.block[:] = (tuple(block) + (1, 1))[:3]
     config.shared_mem, config.stream = shared_mem, stream
     config.attrs, config.num_attrs = ctypes.pointer(_PROGRAMMATIC_ATTR), 1
-    err = lib.cuLaunchKernelEx(ctypes.byref(config), fn.ptr, params, None)
+    # a RawKernel holds its loaded CUfunction in .kernel (a cupy.cuda.Function)
+    err = lib.cuLaunchKernelEx(ctypes.byref(config), fn.kernel.ptr, params, None)
     if err:
         text = ctypes.c_char_p()
         lib.cuGetErrorString(err, ctypes.byref(text))

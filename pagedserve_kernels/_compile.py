@@ -54,6 +54,8 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "w4a16_wgt_fp16_m64", "w4a16_wgt_fp16_m128", "w4a16_wgt_fp16_m256",
             "w4a16_wgs_bf16_m64", "w4a16_wgs_bf16_m128", "w4a16_wgs_bf16_m256",
             "w4a16_wgs_fp16_m64", "w4a16_wgs_fp16_m128", "w4a16_wgs_fp16_m256",
+            "w4a16_wgw_bf16_m64", "w4a16_wgw_bf16_m128", "w4a16_wgw_fp16_m64",
+            "w4a16_wgw_fp16_m128",
             "w4a16_fp16_m16", "w4a16_fp16_m32", "w4a16_fp16_m64", "w4a16_fp16_m128",
             "w4_dequant_bf16", "w4_dequant_fp16",
         ),
@@ -87,12 +89,6 @@ ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "quant.cu",
         "PS_QUANT_TRACE",
         tuple(k for k in MODULES["quant"][1] if "_wgt_" in k or "_wgs_" in k),
-    ),
-    # W4A16 tiles not yet measured on a GPU (quant.CANDIDATE_TILES): the 256-column wgmma tiles
-    "quant_wide": (
-        "quant.cu",
-        "PS_QUANT_WIDE",
-        tuple(f"w4a16_wgw_{dtype}_m{rows}" for dtype in ("bf16", "fp16") for rows in (64, 128)),
     ),
     "attention_variants": (
         "attention.cu",

@@ -60,10 +60,11 @@ Tile = tuple[int, str]
 NARROW_TILE: Tile = (64, "")
 TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
                                  (64, "wgt"), (128, "wgt"), (256, "wgt"),
-                                 (64, "wgs"), (128, "wgs"), (256, "wgs"))
+                                 (64, "wgs"), (128, "wgs"), (256, "wgs"),
+                                 (64, "wgw"), (128, "wgw"))
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
-# a GPU has measured it (its kernels are built into _compile's "quant_wide" module meanwhile).
-CANDIDATE_TILES: tuple[Tile, ...] = ((64, "wgw"), (128, "wgw"))
+# a GPU has measured it.
+CANDIDATE_TILES: tuple[Tile, ...] = ()
 # K part counts tuning times for the 16- and 32-row tiles beside split_k_choice's own: even
 # parts of K (a power of two of its stages) can beat the model's count, which weighs waves of
 # thread blocks, not the uneven last part or the memory parallelism of more blocks.
@@ -95,6 +96,10 @@ _programmatic: dict[int, bool] = {}
 # Up to this many rows (the decode graphs' sizes, whose launches are captured once): past them a
 # product's ramp is a sliver of its time, and an eager launch through ctypes costs host time.
 PROGRAMMATIC_ROWS = 1024
+# From this many rows: in decode steps the 16-row tile launched programmatically after decode
+# attention or silu_and_mul ran slower than launched plainly (the cause is not yet known; see
+# NOTES.md), while the larger tiles gained.
+PROGRAMMATIC_MIN_ROWS = SMALL_TILES[0] + 1
 
 
 @dataclass(frozen=True)
@@ -239,9 +244,9 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.zeros),
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
-    _compile.launch(_module(family), kernel, x.device, grid, (_threads(kernel), 1, 1), args,
+    _compile.launch("quant", kernel, x.device, grid, (_threads(kernel), 1, 1), args,
                     shared_mem=_smem_bytes(mt, family),
-                    programmatic=num_tokens <= PROGRAMMATIC_ROWS
+                    programmatic=PROGRAMMATIC_MIN_ROWS <= num_tokens <= PROGRAMMATIC_ROWS
                     and _programmatic.get(_index(x.device), False))
     return out
 
@@ -475,7 +480,7 @@ def _programmatic_agrees(device: torch.device) -> bool:
                             dtype=torch.int32)
     scales = torch.rand(k // 128, n, generator=g, device=device).to(torch.bfloat16) * 0.01
     packed = repack(qweight, scales, None, 128)
-    x = torch.randn(3, k, generator=g, device=device).to(torch.bfloat16)
+    x = torch.randn(PROGRAMMATIC_MIN_ROWS, k, generator=g, device=device).to(torch.bfloat16)
 
     def two(out):
         _kernel_product(x, packed, None, out[0])
@@ -484,7 +489,7 @@ def _programmatic_agrees(device: torch.device) -> bool:
     outs = {}
     for mode in (False, True):
         _programmatic[device.index] = mode
-        eager = torch.empty(2, 3, n, dtype=x.dtype, device=device)
+        eager = torch.empty(2, x.shape[0], n, dtype=x.dtype, device=device)
         two(eager)
         graphed = torch.empty_like(eager)
         graph = torch.cuda.CUDAGraph()
@@ -614,11 +619,6 @@ def _family(kernel: str) -> str:
     return next((f for f in ("wgp", "wgt", "wgs", "wgw") if f"_{f}_" in kernel), "")
 
 
-def _module(family: str) -> str:
-    """The _compile module a product kernel family is built into."""
-    return "quant_wide" if family == "wgw" else "quant"
-
-
 def _cta_n(family: str) -> int:
     """Output columns a thread block of the family takes."""
     return 2 * CTA_N if family == "wgw" else CTA_N
@@ -696,7 +696,7 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     if key not in _resident:
         mt = int(kernel.rsplit("_m", 1)[1]) // 16
         smem, threads = _smem_bytes(mt, _family(kernel)), _threads(kernel)
-        fn = _compile.get_function(_module(_family(kernel)), kernel, index, smem)
+        fn = _compile.get_function("quant", kernel, index, smem)
         props = torch.cuda.get_device_properties(index)
         regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp
         regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))

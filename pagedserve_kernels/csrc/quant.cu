@@ -1395,14 +1395,12 @@ PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
     ps_quant::w4a16_wgw<T, TOK>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,          \
                                 counters, M, N, K, Kp, Np, group, split_stages);               \
   }
-// 256 columns a CTA at 64 or 128 rows: candidates (quant.py's CANDIDATE_TILES), built only into
-// the module that defines PS_QUANT_WIDE until a GPU has measured them.
-#ifdef PS_QUANT_WIDE
+// 256 columns a CTA at 64 or 128 rows: a wide product's x is read from L2 by half as many
+// column blocks.
 PS_QUANT_PRODUCT_WGW(w4a16_wgw_bf16_m64, __nv_bfloat16, 64)
 PS_QUANT_PRODUCT_WGW(w4a16_wgw_bf16_m128, __nv_bfloat16, 128)
 PS_QUANT_PRODUCT_WGW(w4a16_wgw_fp16_m64, __half, 64)
 PS_QUANT_PRODUCT_WGW(w4a16_wgw_fp16_m128, __half, 128)
-#endif
 
 #define PS_QUANT_PRODUCT_WGS(NAME, T, TOK)                                                    \
   extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK>::BLOCK, 1)                  \

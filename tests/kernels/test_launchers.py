@@ -568,7 +568,7 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
         assert quant._agreeing_tiles([packed], torch.device("cpu")) == [
             (64, ""), (128, ""), (64, "wgp"), (64, "wgt"), (128, "wgt"), (256, "wgt"),
-            (64, "wgs"), (128, "wgs"), (256, "wgs")]
+            (64, "wgs"), (128, "wgs"), (256, "wgs"), (64, "wgw"), (128, "wgw")]
     assert "w4a16_wgp_bf16_m128 disagrees with w4a16_bf16_m64" in caplog.text
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_89")
     assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]
@@ -623,11 +623,12 @@ def test_stream_k_tiles_launch_one_cta_an_sm_with_their_parts(monkeypatch):
                                                     smem, 0, 0)
 
 
-def test_wide_tiles_launch_256_columns_a_cta_from_their_own_module(monkeypatch):
+def test_wide_tiles_launch_256_columns_a_cta(monkeypatch):
     """A "wgw" tile: ceil(Np / 256) column blocks (a last half block past Np included), the wgt
     tile's 384 threads, WtCfg<rows, 256>'s shared memory (8 stages of 256 columns' weights,
     scales and zeros plus x, 1 KiB to align; its fp32 output tile [rows][260] within them),
-    built into the "quant_wide" module; its split-K model counts 256-column blocks."""
+    from the "quant" module as every product; its split-K model counts 256-column blocks, and
+    tuning offers it."""
     from pagedserve_kernels import quant
 
     launched, split_args = [], []
@@ -646,15 +647,16 @@ def test_wide_tiles_launch_256_columns_a_cta_from_their_own_module(monkeypatch):
         assert smem == 8 * (256 * 32 + 16 * mt * 128 + 2048) + 1024 <= 227 * 1024
         assert 16 * mt * 260 * 4 <= smem - 1024
     assert product(256, 28672, 4096, (128, "wgw")) == (
-        "quant_wide", "w4a16_wgw_bf16_m128", (112, 1, 2), 384, quant._smem_bytes(8, "wgw"))
+        "quant", "w4a16_wgw_bf16_m128", (112, 1, 2), 384, quant._smem_bytes(8, "wgw"))
     assert split_args[-1] == ("w4a16_wgw_bf16_m128", 2, 112)
     # N = 136 pads to 256: one block; 384 to 3 blocks of 128, so 2 of 256 (the last half past)
     assert product(40, 136, 256, (64, "wgw"))[1:3] == ("w4a16_wgw_bf16_m64", (1, 1, 1))
     assert product(130, 264, 256, (64, "wgw"))[2] == (2, 1, 3)
     assert product(130, 264, 256, (64, "wgt"))[:3] == ("quant", "w4a16_wgt_bf16_m64", (3, 1, 3))
-    assert set(quant.CANDIDATE_TILES) <= {(64, "wgw"), (128, "wgw")}
-    assert all(quant._kernel_name(dtype, *tile) in quant._compile.ON_DEMAND["quant_wide"][2]
-               for tile in quant.CANDIDATE_TILES for dtype in (torch.bfloat16, torch.float16))
+    assert {(64, "wgw"), (128, "wgw")} <= set(quant.TUNED_TILES)
+    assert all(quant._kernel_name(dtype, *tile) in quant._compile.MODULES["quant"][1]
+               for tile in quant.TUNED_TILES + quant.CANDIDATE_TILES
+               for dtype in (torch.bfloat16, torch.float16))
 
 
 def test_a_forced_split_count_keeps_within_k_and_the_workspace(monkeypatch):
@@ -732,8 +734,8 @@ def test_kernel_arguments_keep_each_c_type():
 def test_products_launch_programmatically_only_where_set_and_up_to_the_row_limit(monkeypatch,
                                                                                  caplog):
     """set_programmatic turns the launches on only where the device can and the bit check
-    passes (a refused launch or other bits leave them plain, with a warning); then products up
-    to PROGRAMMATIC_ROWS rows launch programmatically, larger ones plainly."""
+    passes (a refused launch or other bits leave them plain, with a warning); then products of
+    PROGRAMMATIC_MIN_ROWS to PROGRAMMATIC_ROWS rows launch programmatically, others plainly."""
     from pagedserve_kernels import quant
 
     launched = []
@@ -750,14 +752,15 @@ def test_products_launch_programmatically_only_where_set_and_up_to_the_row_limit
 
     def launches() -> list:
         launched.clear()
-        for m in (1, quant.PROGRAMMATIC_ROWS, quant.PROGRAMMATIC_ROWS + 1):
+        for m in (1, quant.PROGRAMMATIC_MIN_ROWS - 1, quant.PROGRAMMATIC_MIN_ROWS,
+                  quant.PROGRAMMATIC_ROWS, quant.PROGRAMMATIC_ROWS + 1):
             quant._kernel_product(torch.zeros(m, k, dtype=torch.bfloat16), packed, None,
                                   torch.empty(m, n, dtype=torch.bfloat16), (64, ""))
         return launched[:]
 
-    assert launches() == [False] * 3  # not prepared: plain
+    assert launches() == [False] * 5  # not prepared: plain
     monkeypatch.setattr(quant._compile, "programmatic_launch", lambda device: False)
-    assert quant.set_programmatic(0, True) is False and launches() == [False] * 3
+    assert quant.set_programmatic(0, True) is False and launches() == [False] * 5
     monkeypatch.setattr(quant._compile, "programmatic_launch", lambda device: True)
 
     def refused(device):
@@ -766,9 +769,9 @@ def test_products_launch_programmatically_only_where_set_and_up_to_the_row_limit
     for check, warning in ((refused, "invalid argument"), (lambda device: False, None)):
         monkeypatch.setattr(quant, "_programmatic_agrees", check)
         caplog.clear()
-        assert quant.set_programmatic(0, True) is False and launches() == [False] * 3
+        assert quant.set_programmatic(0, True) is False and launches() == [False] * 5
         assert warning is None or warning in caplog.text
     monkeypatch.setattr(quant, "_programmatic_agrees", lambda device: True)
     assert quant.set_programmatic(0, True) is True and quant.launches_programmatically(0)
-    assert launches() == [True, True, False]
-    assert quant.set_programmatic(0, False) is False and launches() == [False] * 3
+    assert launches() == [False, False, True, True, False]
+    assert quant.set_programmatic(0, False) is False and launches() == [False] * 5

@@ -246,12 +246,15 @@ def _graph_replays_match_eager(quant):
 @pytest.mark.parametrize("m,tile", [(1, None), (16, (16, "")), (20, (32, "")), (64, (64, "")),
                                     (64, (64, "wgt")), (200, (128, "wgs")), (256, (256, "wgt")),
                                     (200, (128, "wgw"))])
-def test_programmatic_launches_give_the_plain_launches_bits(quant, m, tile):
+def test_programmatic_launches_give_the_plain_launches_bits(quant, monkeypatch, m, tile):
     """A decode layer's order of kernels, each reading what the one before wrote: an rms_norm
     (which lets the next grid start early), a product, silu_and_mul, a product, again; the
     products launched programmatically give the plain launches' bits, eagerly and replayed
-    from a CUDA graph (split K's counters shared by consecutive products)."""
+    from a CUDA graph (split K's counters shared by consecutive products). The 16-row tile too,
+    which the launcher launches plainly (PROGRAMMATIC_MIN_ROWS) but bench_quant times both ways."""
     from pagedserve_kernels import ops
+
+    monkeypatch.setattr(quant, "PROGRAMMATIC_MIN_ROWS", 1)
 
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability()[0] >= 9

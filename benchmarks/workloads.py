@@ -9,4 +9,8 @@ WORKLOADS = {  # name: (requests, prompt range, output range)
     # Short prompts, long outputs, hundreds of sequences at once: decode steps dominate, where
     # weight-only quantization pays (bench_online's decode-heavy lengths).
     "decode-heavy": (512, (64, 256), (512, 1024)),
+    # One and sixteen sequences decoding 1,024 tokens each: tokens/s is the batch over a decode
+    # step's time, so the same run quantized and in bf16 gives their steps' ratio on either side.
+    "decode-1": (1, (128, 128), (1024, 1024)),
+    "decode-16": (16, (64, 256), (1024, 1024)),
 }

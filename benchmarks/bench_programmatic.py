@@ -13,7 +13,8 @@ read from L2:
 --no-trigger builds the ops module without the early start (its source patched in this process
 only, so CuPy compiles it apart); run it beside a plain run in the same call to compare. Every
 row count launches programmatically here, the 16-row tile included (the launcher's own range is
-quant.PROGRAMMATIC_MIN_ROWS to PROGRAMMATIC_ROWS). µs per pair, median of the replays.
+quant.PROGRAMMATIC_MIN_ROWS to PROGRAMMATIC_ROWS). µs per pair: each mode timed twice, alternated
+(a median of the replays each time), the lower kept.
 """
 from __future__ import annotations
 

@@ -1045,9 +1045,10 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
 
 // ---------------------------------------------------------------------------------------------
 // Wide producer-fed tiles ("wgw", sm_90a): the wgt tile over 256 columns a CTA, TOK = 64 or 128
-// rows. At a few hundred rows a product streams its x tile from L2 once for every column block:
-// 256 columns a CTA read x half as often for the same MMAs (each weight is read and dequantized
-// once a row tile, as in the 128-row wgt tile). Consumer warpgroup c takes columns 128c ..
+// rows. A product streams its x tile from L2 once for every column block: 256 columns a CTA read
+// x half as often for the same MMAs (each weight is read and dequantized once a row tile, as in
+// the 128-row wgt tile); tuning takes it for the shapes and row counts where it times fastest.
+// Consumer warpgroup c takes columns 128c ..
 // 128c + 127 as two m64 halves u, each one m64nTOK wgmma group a stage: its warp w dequantizes
 // half w & 1 of n32 block 4c + 2u + (w >> 1). Half 1's fragments are dequantized while half 0's
 // MMAs run and half 0's (of the next stage) while half 1's do; a stage's buffer goes back to the

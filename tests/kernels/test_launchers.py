@@ -731,8 +731,8 @@ def test_kernel_arguments_keep_each_c_type():
         _compile.kernel_arguments((1.5,))
 
 
-def test_products_launch_programmatically_only_where_set_and_up_to_the_row_limit(monkeypatch,
-                                                                                 caplog):
+def test_products_launch_programmatically_only_where_set_and_within_the_row_range(monkeypatch,
+                                                                                   caplog):
     """set_programmatic turns the launches on only where the device can and the bit check
     passes (a refused launch or other bits leave them plain, with a warning); then products of
     PROGRAMMATIC_MIN_ROWS to PROGRAMMATIC_ROWS rows launch programmatically, others plainly."""

@@ -251,7 +251,8 @@ def test_programmatic_launches_give_the_plain_launches_bits(quant, monkeypatch, 
     (which lets the next grid start early), a product, silu_and_mul, a product, again; the
     products launched programmatically give the plain launches' bits, eagerly and replayed
     from a CUDA graph (split K's counters shared by consecutive products). The 16-row tile too,
-    which the launcher launches plainly (PROGRAMMATIC_MIN_ROWS) but bench_quant times both ways."""
+    which the launcher launches plainly (PROGRAMMATIC_MIN_ROWS) but bench_programmatic times both
+    ways."""
     from pagedserve_kernels import ops
 
     monkeypatch.setattr(quant, "PROGRAMMATIC_MIN_ROWS", 1)

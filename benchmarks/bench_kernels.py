@@ -151,16 +151,26 @@ def decode_inputs(num_seqs, ctx, heads, kv_heads, head_dim, block_size):
     return k_cache, v_cache, tables, qs, lens, torch.empty_like(qs[0])
 
 
-def bench_decode(num_seqs, ctx, copy_bw, heads=32, kv_heads=8, head_dim=128, block_size=16):
+FP8_KV_SCALE = 4 / 448  # standard normal K/V: the few past 4 sigma saturate
+
+
+def bench_decode(num_seqs, ctx, copy_bw, heads=32, kv_heads=8, head_dim=128, block_size=16,
+                 fp8=False):
+    """fp8: the same pages in an FP8 (e4m3) cache, --kv-cache-dtype fp8's, half the bytes."""
     k_cache, v_cache, tables, qs, lens, out = decode_inputs(num_seqs, ctx, heads, kv_heads,
                                                             head_dim, block_size)
+    scales = {}
+    if fp8:
+        scale = torch.tensor(FP8_KV_SCALE, device="cuda")
+        k_cache, v_cache = (reference.quantize_kv(c, scale) for c in (k_cache, v_cache))
+        scales = dict(k_scale=scale, v_scale=scale)
     # 7 blocks of 40 timed calls (after a warm-up); the median of the block medians is reported,
     # with the spread of the blocks (the 1 GB of K/V does not fit in L2: rotation only varies q).
     blocks = [median_ms(lambda i: attention.paged_decode_attention(
-        qs[i % 2], k_cache, v_cache, tables[i % 2], lens, head_dim**-0.5, out=out),
+        qs[i % 2], k_cache, v_cache, tables[i % 2], lens, head_dim**-0.5, out=out, **scales),
         iters=40, warmup=10 if b == 0 else 2) for b in range(7)]
     ms = statistics.median(blocks)
-    kv_bytes = 2 * num_seqs * ctx * kv_heads * head_dim * 2
+    kv_bytes = 2 * num_seqs * ctx * kv_heads * head_dim * k_cache.element_size()
     splits, _ = attention.decode_splits(num_seqs, kv_heads, tables[0].shape[1], block_size,
                                         torch.cuda.get_device_properties(0).multi_processor_count)
     bw = kv_bytes / (ms * 1e-3)
@@ -425,30 +435,45 @@ def fa3_worker(path: Path, heads=32, kv_heads=8, block_size=16) -> None:
     [blocks, block_size, kv_heads, head_dim]), shuffled pages, inputs rotated as for ours."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    def inputs(num_seqs, ctx, q_len, head_dim, seed):
+    def inputs(num_seqs, ctx, q_len, head_dim, seed, fp8=False):
+        """fp8: an FP8 cache as vLLM's FA3 backend reads one, q quantized to FP8 too (it
+        quantizes q when the cache is FP8) with per-sequence, per-KV-head descales."""
         g = torch.Generator(device="cuda").manual_seed(seed)
         pages = ctx // block_size
         shape = (num_seqs * pages, block_size, kv_heads, head_dim)
         k = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+        descale = {}
+        if fp8:
+            k, v = ((c.float() / FP8_KV_SCALE).to(torch.float8_e4m3fn) for c in (k, v))
+            one = torch.full((num_seqs, kv_heads), FP8_KV_SCALE, device="cuda")
+            descale = dict(q_descale=torch.ones_like(one), k_descale=one, v_descale=one)
         tables = [torch.randperm(num_seqs * pages, generator=g, device="cuda").to(torch.int32)
                   .view(num_seqs, pages) for _ in range(2)]
         qs = [torch.randn(num_seqs * q_len, heads, head_dim, generator=g, device="cuda",
                           dtype=torch.bfloat16) for _ in range(2)]
+        if fp8:
+            qs = [q.to(torch.float8_e4m3fn) for q in qs]
         cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
         used = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
         return lambda i: flash_attn_varlen_func(
             qs[i % 2], k, v, max_seqlen_q=q_len, cu_seqlens_q=cu, max_seqlen_k=ctx,
-            seqused_k=used, causal=True, block_table=tables[i % 2], fa_version=3)
+            seqused_k=used, causal=True, block_table=tables[i % 2], fa_version=3, **descale)
 
     out = {}
     for name, head_dim, q_len, ctx, num_seqs in PREFILL_CASES:
         out[name] = {"ms": median_ms(inputs(num_seqs, ctx, q_len, head_dim, 0))}
-    for num_seqs, ctx in DECODE_CASES:
-        fn = inputs(num_seqs, ctx, 1, 128, 2)
-        blocks = [median_ms(fn, iters=40, warmup=10 if b == 0 else 2) for b in range(7)]
-        out[f"decode {num_seqs}x{ctx}"] = {"ms": statistics.median(blocks), "block_ms_min": min(blocks),
-                                           "block_ms_max": max(blocks)}
+    for fp8 in (False, True):
+        for num_seqs, ctx in DECODE_CASES:
+            try:
+                fn = inputs(num_seqs, ctx, 1, 128, 2, fp8)
+                blocks = [median_ms(fn, iters=40, warmup=10 if b == 0 else 2) for b in range(7)]
+            except Exception as e:  # noqa: BLE001  (an FP8 call FA3 refuses: the others stand)
+                print(f"FA3 decode {num_seqs}x{ctx} fp8={fp8}: {e!r}", flush=True)
+                continue
+            out[f"decode {num_seqs}x{ctx}{' fp8 cache' * fp8}"] = {
+                "ms": statistics.median(blocks), "block_ms_min": min(blocks),
+                "block_ms_max": max(blocks)}
     path.write_text(json.dumps(out))
 
 
@@ -549,8 +574,8 @@ def main() -> None:
                              "(e.g. /tmp/vllm_site) on the prefill and decode shapes")
     parser.add_argument("--fa3-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", default=None,
-                        help="subset of: prefill decode ragged swap compile fusions matmul "
-                             "sampling")
+                        help="subset of: prefill decode decode_fp8 ragged swap compile fusions "
+                             "matmul sampling")
     parser.add_argument("--ragged-context", type=int, nargs=2, default=[64, 1792],
                         metavar=("LO", "HI"), help="ragged: contexts drawn uniformly in LO..HI")
     parser.add_argument("--ragged-width", type=int, default=512,
@@ -588,10 +613,11 @@ def main() -> None:
                   flush=True)
             rows.append((name, f"{r['ms']:.3f} ms", f"{r['tflops']:.0f} TFLOP/s",
                          f"SDPA flash {r['sdpa_tflops']:.0f} TFLOP/s", f"{r['ratio']:.2f}x"))
-    if "decode" in only:
+    for fp8 in [False] * ("decode" in only) + [True] * ("decode_fp8" in only):
         for seqs, ctx in DECODE_CASES * 2:  # twice: the spread
-            name = f"decode {seqs}x{ctx}" + (" (again)" if f"decode {seqs}x{ctx}" in results else "")
-            r = bench_decode(seqs, ctx, copy_bw)
+            name = f"decode {seqs}x{ctx}{' fp8 cache' * fp8}"
+            name += " (again)" if name in results else ""
+            r = bench_decode(seqs, ctx, copy_bw, fp8=fp8)
             results[name] = r
             print(name, json.dumps(r), flush=True)
             rows.append((name, f"{r['ms'] * 1e3:.0f} us", f"{r['GBps']:.0f} GB/s K+V read",

@@ -683,6 +683,47 @@ def _check_fp8_decode(kern_fp8, dtype, head_dim, heads, kv_heads, block_size, se
                         lens[keep], head_dim**-0.5, window, cap)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kernel", ["decode", "few_query", *PREFILL_VARIANTS])
+def test_fp8_pages_read_back_exactly(kern_fp8, dtype, head_dim, kernel):
+    """Every e4m3 code, NaN included, read by each attention kernel as the twin reads it: one key
+    a sequence, so its softmax weight is exactly 1 and, with v_scale 1, the output row is the V
+    row converted; each sequence's V holds all 256 codes in another order (a NaN's 8-byte chunk
+    takes bf16's exact slow path, the others the integer one)."""
+    attention = kern_fp8[0]
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_codes", dtype, head_dim, kernel))
+    kv_heads, block_size, num_seqs = 256 // head_dim, 16, 5
+    heads = 2 * kv_heads
+    shape = (num_seqs + 3, kv_heads, block_size, head_dim)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], device="cuda")
+    k_cache = finite[torch.randint(0, len(finite), shape, generator=gen, device="cuda")]
+    v_cache = torch.randint(0, 256, shape, generator=gen, device="cuda")
+    tables = torch.randperm(shape[0], generator=gen, device="cuda")[:num_seqs].to(torch.int32)
+    for i, block in enumerate(tables.tolist()):
+        order = torch.randperm(256, generator=gen, device="cuda")
+        v_cache[block, :, 0] = order.view(kv_heads, head_dim)
+    k_cache, v_cache = (c.to(torch.uint8).view(FP8) for c in (k_cache, v_cache))
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen, device="cuda").to(dtype)
+    lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    k_scale, v_scale = torch.tensor(0.01, device="cuda"), torch.tensor(1.0, device="cuda")
+    out = torch.zeros_like(q)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, out=out)
+    tables = tables.view(num_seqs, 1)
+    if kernel == "decode":
+        attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1, **scales)
+    elif kernel == "few_query":
+        attention.paged_few_query_attention(q, k_cache, v_cache, tables, cu, lens, 0.1, **scales)
+    else:
+        attention.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.1,
+                                          variant=kernel, **scales)
+    want = v_cache[tables.flatten().long(), :, 0].float()  # [seqs, kv_heads, hd], NaN codes NaN
+    want = want.repeat_interleave(heads // kv_heads, dim=1)
+    assert torch.isnan(want).sum() == 2 * num_seqs * heads // kv_heads
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=0, equal_nan=True)
+
+
 def fp8_special_values(scale: float) -> torch.Tensor:
     """x such that x / scale (scale a power of two: exact) is every e4m3 value and every midpoint
     of two neighbours (ties, to even), past the range, infinite, or below the subnormals; zeros

@@ -80,37 +80,14 @@ template <> struct FromE4m3<__half> {
     return r;
   }
 };
-// bf16 has no conversion from e4m3 in hardware; through f16 and f32 it takes four conversions
-// a pair, and the conversion units then bound decode over FP8 pages below the memory's speed.
-// So integer operations: the e4m3 bits shifted into bf16's place read as value * 2^-120, e4m3's
-// subnormals landing on bf16's, and one exact multiply by 2^120 restores the value. e4m3's NaN
-// (what a NaN written to the cache becomes) would read as +-480 that way: a stage holding one
-// takes the conversion through f16 instead.
 template <> struct FromE4m3<__nv_bfloat16> {
-  // Bytes i, i + 1 of w -> bf16x2; SEL puts byte i in the low byte of the low half and its sign
-  // replicated in the high byte (prmt's sign mode), byte i + 1 likewise in the high half.
-  template <unsigned int SEL>
-  static __device__ __forceinline__ unsigned int pair(unsigned int w) {
-    unsigned int x, r;
-    asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(x) : "r"(w), "n"(SEL));
-    const unsigned int h = (x << 4) & 0x87F087F0u;  // sign, then eeee mmm at bf16's bits 10-4
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(h), "r"(0x7B807B80u), "r"(0x80008000u));
-    return r;  // h * 2^120 (+ -0: keeps -0), exact
-  }
   static __device__ __forceinline__ unsigned int word(unsigned int h) {
     const float2 f = Pack<__half>::unpack(h);
     return Pack<__nv_bfloat16>::two(f.x, f.y);
   }
   static __device__ __forceinline__ uint4 eight(uint2 raw) {
-    // A byte whose low seven bits are all ones is a NaN: + 1 carries into its bit 7 alone.
-    const unsigned int nan = (((raw.x & 0x7F7F7F7Fu) + 0x01010101u) |
-                              ((raw.y & 0x7F7F7F7Fu) + 0x01010101u)) & 0x80808080u;
-    if (nan != 0u) {
-      const uint4 h = FromE4m3<__half>::eight(raw);
-      return make_uint4(word(h.x), word(h.y), word(h.z), word(h.w));
-    }
-    return make_uint4(pair<0x9180u>(raw.x), pair<0xB3A2u>(raw.x), pair<0x9180u>(raw.y),
-                      pair<0xB3A2u>(raw.y));
+    const uint4 h = FromE4m3<__half>::eight(raw);
+    return make_uint4(word(h.x), word(h.y), word(h.z), word(h.w));
   }
 };
 

@@ -689,8 +689,7 @@ def _check_fp8_decode(kern_fp8, dtype, head_dim, heads, kv_heads, block_size, se
 def test_fp8_pages_read_back_exactly(kern_fp8, dtype, head_dim, kernel):
     """Every e4m3 code, NaN included, read by each attention kernel as the twin reads it: one key
     a sequence, so its softmax weight is exactly 1 and, with v_scale 1, the output row is the V
-    row converted; each sequence's V holds all 256 codes in another order (a NaN's 8-byte chunk
-    takes bf16's exact slow path, the others the integer one)."""
+    row converted; each sequence's V holds all 256 codes in another order."""
     attention = kern_fp8[0]
     gen = torch.Generator(device="cuda").manual_seed(seed_of("fp8_codes", dtype, head_dim, kernel))
     kv_heads, block_size, num_seqs = 256 // head_dim, 16, 5

@@ -9,11 +9,14 @@ read from L2:
     (4096 x 14336)
 
     PYTHONPATH=. python3 benchmarks/bench_programmatic.py [--rows 4 8 16 32 64] [--no-trigger]
+        [--tuned]
 
 --no-trigger builds the ops module without the early start (its source patched in this process
 only, so CuPy compiles it apart); run it beside a plain run in the same call to compare. Every
 row count launches programmatically here, the 16-row tile included (the launcher's own range is
-quant.PROGRAMMATIC_MIN_ROWS to PROGRAMMATIC_ROWS). µs per pair: each mode timed twice, alternated
+quant.PROGRAMMATIC_MIN_ROWS to PROGRAMMATIC_ROWS). --tuned tunes each shape's tiles and K parts
+first (quant.tune_dequant_rows, as the executor does at load), where the launcher's defaults
+serve otherwise; each row shows the kernel and K parts it ran. µs per pair: each mode timed twice, alternated
 (a median of the replays each time), the lower kept.
 """
 from __future__ import annotations
@@ -49,15 +52,17 @@ def without_early_trigger() -> None:
     _compile.load_source = load_source
 
 
-def measure(rows_list, replays: int) -> dict:
+def measure(rows_list, replays: int, tuned: bool = False) -> dict:
     from pagedserve_kernels import ops, quant
 
     dev = torch.device("cuda")
-    quant.prepare(dev)
+    quant.prepare(dev, max(n * k for _, n, k in PAIRS) if tuned else 0, torch.bfloat16)
     quant.PROGRAMMATIC_MIN_ROWS = 1  # the 16-row tile too
     out = {}
     for name, n, k in PAIRS:
         weights = int4_weights(n, k, 128, True, copies_for(n * k // 2))
+        if tuned:  # the shape's tiles and K parts as the executor tunes them at load
+            quant.tune_dequant_rows(weights, dev, rows_list=tuple(r for r in rows_list if r > 32))
         for rows in rows_list:
             # the ops kernel's input: hidden rows for a norm, gate | up rows for silu_and_mul
             width = 2 * k if name.startswith("silu") else k
@@ -78,11 +83,14 @@ def measure(rows_list, replays: int) -> dict:
             for mode in (False, True, False, True):  # alternated: drift shows as spread
                 assert quant.set_programmatic(dev, mode) == mode, "no programmatic launches here"
                 timed.setdefault(mode, []).append(graph_us(pairs, replays) / len(weights))
+            kernel, _, _, splits, _ = quant.launch_shape(rows, weights[0], dev, torch.bfloat16)
             out[f"{name} {rows}"] = {"plain_us": min(timed[False]),
-                                     "programmatic_us": min(timed[True])}
+                                     "programmatic_us": min(timed[True]), "kernel": kernel,
+                                     "splits": splits}
             r = out[f"{name} {rows}"]
-            print(f"| {name} | {rows} | {r['plain_us']:.1f} | {r['programmatic_us']:.1f} | "
-                  f"{r['programmatic_us'] / r['plain_us']:.2f}x |", flush=True)
+            print(f"| {name} | {rows} | {kernel}, {splits} K parts | {r['plain_us']:.1f} | "
+                  f"{r['programmatic_us']:.1f} | {r['programmatic_us'] / r['plain_us']:.2f}x |",
+                  flush=True)
         del weights
         torch.cuda.empty_cache()
     return out
@@ -93,6 +101,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     p.add_argument("--no-trigger", action="store_true",
                    help="the ops kernels built without their early launch_dependents")
+    p.add_argument("--tuned", action="store_true",
+                   help="each shape's tiles and K parts tuned first, as the executor does")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -100,9 +110,10 @@ def main() -> None:
         without_early_trigger()
     torch.manual_seed(0)
     print(f"ops' early start: {'compiled out' if args.no_trigger else 'kept'}")
-    print("| pair | rows | plain µs | programmatic µs | programmatic / plain |")
-    print("|---|---|---|---|---|")
-    results = measure(args.rows, args.replays)
+    print(f"tiles and K parts: {'tuned' if args.tuned else 'the launcher defaults'}")
+    print("| pair | rows | kernel | plain µs | programmatic µs | programmatic / plain |")
+    print("|---|---|---|---|---|---|")
+    results = measure(args.rows, args.replays, args.tuned)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

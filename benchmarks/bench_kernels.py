@@ -5,7 +5,8 @@
 
 Ratios are measured in the same run: prefill vs torch SDPA's flash backend on contiguous KV,
 decode and copy_blocks vs a measured device-to-device copy, swap_blocks vs one large pinned copy
-and vs a loop of cudaMemcpyAsync per page and layer; `--only sampling`: the seeded draw through
+and vs a loop of cudaMemcpyAsync per page and layer; `--only decode_fp8`: decode over the same
+pages in an FP8 cache (their bytes counted as FP8's); `--only sampling`: the seeded draw through
 the race kernel against the torch ops it replaces; with --fusions, the elementwise ops of a
 Llama-3-8B layer (pagedserve_kernels.ops) vs their torch twins; with --vllm-fa3 SITE, prefill and
 paged decode also side by side with vLLM's FlashAttention-3 (`vllm.vllm_flash_attn` from SITE, as

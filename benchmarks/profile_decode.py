@@ -245,7 +245,9 @@ def main() -> None:
                         "rope-cache-apart (as fused but RoPE and the cache write as two "
                         "launches), piecewise (mixed and prompt steps through the piecewise "
                         "graphs, as the executor serves steps up to their ceiling), "
-                        "plain-launches (as fused, the W4A16 products launched plainly)")
+                        "plain-launches (as fused, the W4A16 products launched plainly), "
+                        "all-programmatic (as fused, the 16-row W4A16 tile launched "
+                        "programmatically too)")
     p.add_argument("--rounds", type=int, default=1, help="time the variants in turn this often")
     p.add_argument("--gemm-cache", help="keep the GEMM choices here (the executor's "
                    "--fingerprint-cache-dir); default: chosen again each run")
@@ -329,8 +331,10 @@ def w1_prompts(num_tokens: int) -> list[int]:
     return prompts
 
 
-VARIANTS = ("fused", "unfused", "rope-cache-apart", "piecewise", "plain-launches")
+VARIANTS = ("fused", "unfused", "rope-cache-apart", "piecewise", "plain-launches",
+            "all-programmatic")
 _PROGRAMMATIC: dict = {}  # device index -> whether prepare_model left the int4 launches programmatic
+_MIN_ROWS: list = []  # quant.PROGRAMMATIC_MIN_ROWS as the launcher has it
 
 
 def run_name(label: str, round_: int, rounds: int) -> str:
@@ -347,6 +351,10 @@ def set_variant(backend, label: str) -> None:
     on = _PROGRAMMATIC.setdefault(index, quant.launches_programmatically(backend.device))
     if on:
         quant.set_programmatic(backend.device, label != "plain-launches")
+    # all-programmatic: as fused, the 16-row tile launched programmatically too
+    if not _MIN_ROWS:
+        _MIN_ROWS.append(quant.PROGRAMMATIC_MIN_ROWS)
+    quant.PROGRAMMATIC_MIN_ROWS = 1 if label == "all-programmatic" else _MIN_ROWS[0]
     if label == "rope-cache-apart":
         def apart(positions, q, k, value, cos, sin, k_cache, v_cache, slots, interleaved=False,
                   k_scale=None, v_scale=None):

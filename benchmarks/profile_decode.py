@@ -47,8 +47,11 @@ from executor_svc.cache_engine import CacheEngine  # noqa: E402
 from executor_svc.cuda_graphs import BATCH_SIZES  # noqa: E402
 from executor_svc.model_loader import load_model  # noqa: E402
 from executor_svc.piecewise_graphs import PiecewiseGraphs  # noqa: E402
+from pagedserve_kernels import quant  # noqa: E402
 
 from bench_kernels import copy_bandwidth, median_ms  # noqa: E402  (this script's folder)
+
+_LAUNCHER_MIN_ROWS = quant.PROGRAMMATIC_MIN_ROWS  # where the launcher starts programmatic launches
 
 BLOCK_SIZE = 16
 KINDS = (  # (kind, substrings of kernel names), first match wins
@@ -334,7 +337,6 @@ def w1_prompts(num_tokens: int) -> list[int]:
 VARIANTS = ("fused", "unfused", "rope-cache-apart", "piecewise", "plain-launches",
             "all-programmatic")
 _PROGRAMMATIC: dict = {}  # device index -> whether prepare_model left the int4 launches programmatic
-_MIN_ROWS: list = []  # quant.PROGRAMMATIC_MIN_ROWS as the launcher has it
 
 
 def run_name(label: str, round_: int, rounds: int) -> str:
@@ -343,8 +345,6 @@ def run_name(label: str, round_: int, rounds: int) -> str:
 
 def set_variant(backend, label: str) -> None:
     """Sets the backend up as the decode-step variant `label` (VARIANTS)."""
-    from pagedserve_kernels import quant
-
     backend.fused_ops = label != "unfused"
     # plain-launches: as fused, with the W4A16 products launched plainly (a quantized model)
     index = backend.device.index
@@ -352,9 +352,7 @@ def set_variant(backend, label: str) -> None:
     if on:
         quant.set_programmatic(backend.device, label != "plain-launches")
     # all-programmatic: as fused, the 16-row tile launched programmatically too
-    if not _MIN_ROWS:
-        _MIN_ROWS.append(quant.PROGRAMMATIC_MIN_ROWS)
-    quant.PROGRAMMATIC_MIN_ROWS = 1 if label == "all-programmatic" else _MIN_ROWS[0]
+    quant.PROGRAMMATIC_MIN_ROWS = 1 if label == "all-programmatic" else _LAUNCHER_MIN_ROWS
     if label == "rope-cache-apart":
         def apart(positions, q, k, value, cos, sin, k_cache, v_cache, slots, interleaved=False,
                   k_scale=None, v_scale=None):

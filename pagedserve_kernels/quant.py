@@ -96,9 +96,8 @@ _programmatic: dict[int, bool] = {}
 # Up to this many rows (the decode graphs' sizes, whose launches are captured once): past them a
 # product's ramp is a sliver of its time, and an eager launch through ctypes costs host time.
 PROGRAMMATIC_ROWS = 1024
-# From this many rows: in decode steps the 16-row tile launched programmatically after decode
-# attention or silu_and_mul ran slower than launched plainly (the cause is not yet known; see
-# NOTES.md), while the larger tiles gained.
+# From this many rows: launched programmatically, the 16-row tile slows decode steps of 4-16
+# seqs (the o and down products; the cause is open, NOTES.md) where the larger tiles gain.
 PROGRAMMATIC_MIN_ROWS = SMALL_TILES[0] + 1
 
 

@@ -699,7 +699,7 @@ def test_fp8_pages_read_back_exactly(kern_fp8, dtype, head_dim, kernel):
     k_cache = finite[torch.randint(0, len(finite), shape, generator=gen, device="cuda")]
     v_cache = torch.randint(0, 256, shape, generator=gen, device="cuda")
     tables = torch.randperm(shape[0], generator=gen, device="cuda")[:num_seqs].to(torch.int32)
-    for i, block in enumerate(tables.tolist()):
+    for block in tables.tolist():
         order = torch.randperm(256, generator=gen, device="cuda")
         v_cache[block, :, 0] = order.view(kv_heads, head_dim)
     k_cache, v_cache = (c.to(torch.uint8).view(FP8) for c in (k_cache, v_cache))

@@ -1,6 +1,7 @@
 """Where one decode step of the W1 model goes: a CUDA-graph replay of the executor's forward
 (embedding to float32 logits) for a batch of sequences mid-generation, timed with and without the
-fused elementwise kernels, and the kernels of one eager step grouped by kind (torch profiler).
+fused elementwise kernels, the kernels of one eager step grouped by kind, and those of a replay by
+kind and name with the device's idle time between them (torch profiler).
 With --mixed N, also a mixed step as the executor runs it eagerly (the decodes plus one N-token
 prompt chunk): its host launch time, GPU time and kernels by kind. With --chunk N --cached C, a
 step of one seq's N new tokens over C cached ones (a chat turn whose prefix is cached) through
@@ -58,7 +59,7 @@ KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("decode_", "prefill_", "query_tiles")),
     ("cache write", ("reshape_and_cache",)),
     ("fused elementwise", ("rms_norm", "rotary", "silu_and_mul", "quantize_fp8")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "splitk", "sm90")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "splitk", "sm90", "w4a16")),
 )
 
 
@@ -301,7 +302,8 @@ def main() -> None:
                 set_variant(backend, label)
                 with torch.inference_mode():
                     step.capture()
-                e = {"replay_ms": step.replay_ms(), **eager_breakdown(step)}
+                e = {"replay_ms": step.replay_ms(), **eager_breakdown(step),
+                     "replay_kernels": kernel_breakdown(step.graph.replay)}
                 step.graph = None
                 torch.cuda.synchronize()
                 name = run_name(label, round_, args.rounds)
@@ -310,6 +312,13 @@ def main() -> None:
                       f"{floor_ms:.2f}); eager kernels {e['kernels']}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in sorted(e["ms_by_kind"].items())),
                       flush=True)
+                replayed = e["replay_kernels"]
+                print("  replayed: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in sorted(replayed["ms_by_kind"].items()))
+                    + f"; idle between kernels {replayed['idle_between_kernels_ms']:.3f} ms",
+                    flush=True)
+                for kernel, ms in replayed["top_kernels_ms"].items():
+                    print(f"    {ms:8.3f} ms  {kernel[:150]}", flush=True)
                 rows.append((f"batch {batch}, {name}", f"{e['replay_ms']:.3f} ms",
                              f"{floor_ms:.2f} ms", f"{100 * floor_ms / e['replay_ms']:.0f}%",
                              str(e["kernels"])))

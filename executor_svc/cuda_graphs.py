@@ -19,6 +19,7 @@ from executor_svc.graph_sampler import (
 from executor_svc.host_staging import HostStaging
 from executor_svc.piecewise_graphs import PiecewiseGraphs
 from executor_svc.token_counts import TokenCounts
+from pagedserve_kernels import graph_capture
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class CudaGraphs:
         pool = torch.cuda.graph_pool_handle()
         for key in keys:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with graph_capture(graph, pool):
                 self.step(key)
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)

@@ -11,6 +11,7 @@ import time
 import torch
 
 from executor_svc.attention_metadata import AttentionMetadata
+from pagedserve_kernels import graph_capture
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class PiecewiseGraphs:
         torch.cuda.synchronize(self.input_ids.device)
         for key in keys:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with graph_capture(graph, pool):
                 self.step(key)
             self.graphs[key] = graph
         torch.cuda.synchronize(self.input_ids.device)

@@ -3,7 +3,9 @@ caches, launches on torch's current stream and `warmup()`. Imports cupy lazily, 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import re
 import threading
 import time
@@ -323,6 +325,41 @@ def programmatic_launch(device: torch.device | int | None = None) -> bool:
     except (OSError, AttributeError):
         return False
     return True
+
+
+# Python's garbage collector stays off while any thread captures a CUDA graph: a collection
+# inside a capture may destroy an unreachable CUDAGraph (a dead runner's, held by a reference
+# cycle), whose teardown the driver refuses while a stream captures, and that refusal
+# invalidates the capture in progress.
+_captures = 0
+_collector_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """No garbage collection inside the block (nestable, across threads); garbage made there
+    waits for the next collection after it."""
+    global _captures, _collector_was_enabled
+    with _lock:
+        if _captures == 0:
+            _collector_was_enabled = gc.isenabled()
+            gc.disable()
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _captures -= 1
+            if _captures == 0 and _collector_was_enabled:
+                gc.enable()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None):
+    """torch.cuda.graph(graph, pool=pool) with the garbage collector paused (collector_paused):
+    how every capture in the services is taken."""
+    with collector_paused(), torch.cuda.graph(graph, pool=pool):
+        yield
 
 
 def arch_used(device: torch.device | int | None = None, module: str = "attention") -> str | None:

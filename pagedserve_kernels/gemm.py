@@ -15,6 +15,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
+from pagedserve_kernels import _compile
+
 log = logging.getLogger(__name__)
 
 # cuBLAS / cuBLASLt enums (library_types.h, cublas_api.h, cublasLt.h)
@@ -391,7 +393,7 @@ def graph_us(fn, replays: int = 5) -> float:
     fn()  # loads kernels, sizes workspaces, before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with _compile.graph_capture(graph):
         fn()
     graph.replay()
     times = []

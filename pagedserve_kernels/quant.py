@@ -492,7 +492,7 @@ def _programmatic_agrees(device: torch.device) -> bool:
         two(eager)
         graphed = torch.empty_like(eager)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with _compile.graph_capture(graph):
             two(graphed)
         graph.replay()
         torch.cuda.synchronize(device)

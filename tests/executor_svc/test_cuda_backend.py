@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import random
 
 import numpy as np
@@ -460,6 +461,41 @@ def _assert_same_distribution(eager: list, other: list) -> None:
                                        atol=0.05, rtol=0.0)
             close_call = a.top_logprobs[0] - a.top_logprobs[1] < 0.05
             assert a.token_id == b.token_id or close_call, (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
+def test_no_garbage_collection_runs_inside_a_capture():
+    """With a collector that runs at nearly every allocation, the executor's captures (the decode,
+    small-step and piecewise ladders) see no collection start while a stream captures: one there
+    may destroy a dead runner's graphs, which the driver refuses mid-capture, invalidating the
+    capture. Its graphs then replay transformers' greedy tokens."""
+    hf = build_hf_model("tiny", seed=0, dtype=torch.float32, device="cuda")
+    inside = []
+
+    def watch(phase, info):
+        if phase == "start" and torch.cuda.is_current_stream_capturing():
+            inside.append(info["generation"])
+
+    gc.collect()
+    gc.freeze()  # what is alive now leaves the scans, so that frequent collections stay cheap
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, *threshold[1:])
+    gc.callbacks.append(watch)
+    try:
+        runner = gpu_runner(hf, "float32", small_graphs=True, piece_sizes=(64,))
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+    assert runner.graphs.graphs and runner.graphs.piecewise.graphs
+    assert inside == []
+    rng = random.Random(31)
+    prompts = {s: random_prompt(rng, n) for s, n in zip(range(1, 4), (5, 17, 40))}
+    driver = PlanDriver(runner)
+    decode_all(driver, prompts, 16)
+    for seq_id, prompt in prompts.items():
+        assert driver.tokens[seq_id][len(prompt):len(prompt) + 16] == hf_generate(hf, prompt, 16)
 
 
 @pytest.mark.gpu

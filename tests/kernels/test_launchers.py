@@ -1,11 +1,13 @@
 """CPU checks of the kernel launchers: input validation raises ValueError before any launch, the
-decode split plan (with and without a window), kernel variants by argument, and the source loader
-(CI; needs neither CuPy nor a GPU)."""
+decode split plan (with and without a window), kernel variants by argument, the source loader
+and the garbage collector's pause around captures (CI; needs neither CuPy nor a GPU)."""
 from __future__ import annotations
 
+import gc
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,39 @@ def test_importing_launchers_does_not_import_cupy():
             "pagedserve_kernels.cache_ops, pagedserve_kernels.ops, pagedserve_kernels._compile; "
             "assert 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_the_collector_stays_paused_until_the_last_capture_ends_and_then_as_it_was():
+    """Nested and overlapping pauses (two threads capturing) keep the collector off until the
+    last one ends, then leave it as it was before the first: on, or off where the caller had
+    turned it off."""
+    assert gc.isenabled()
+    outer_in, inner_done = threading.Event(), threading.Event()
+
+    def other_thread():
+        with _compile.collector_paused():
+            outer_in.set()
+            inner_done.wait(10)
+
+    thread = threading.Thread(target=other_thread)
+    with _compile.collector_paused():
+        assert not gc.isenabled()
+        with _compile.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+        thread.start()
+        outer_in.wait(10)
+    assert not gc.isenabled()  # the other thread still captures
+    inner_done.set()
+    thread.join(10)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _compile.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_prefill_rejects_cpu_and_bad_dtypes():

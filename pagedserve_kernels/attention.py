@@ -17,6 +17,7 @@ _THREADS = 128
 _PREFILL_BM, _PREFILL_BN = 128, 64
 _DECODE_BN = 64
 _DECODE_STAGES = {64: 4, 128: 3}  # pipeline stages of the default decode kernels (attention.cu)
+_DECODE_STAGES_FP8 = {64: 4, 128: 2}  # the same over an FP8 cache (kv_fp8.cu)
 # Pages one decode split may span: bounds its smem page list (4 KiB beside hd128's 96 KiB of
 # stages, 2 CTAs per SM either way), and lets a decode graph of max_model_len 8,192 (512-page
 # tables) give each seq one split, with no combine, when seqs are many.
@@ -112,7 +113,7 @@ def decode_kernel(dtype: torch.dtype, head_dim: int, variant: str = "default",
     if fp8:
         if variant != "default":
             raise ValueError(f"the decode variant {variant!r} has no kernel over an FP8 cache")
-        return f"{kernel}_fp8", stages[head_dim]
+        return f"{kernel}_fp8", _DECODE_STAGES_FP8[head_dim]
     if variant != "default":
         _candidate(kernel)
     return kernel, stages[head_dim]
@@ -356,7 +357,7 @@ def paged_few_query_attention(
     _compile.launch(_module_of(kernel), kernel, device, (splits, num_kv_heads, num_entries),
                     (_THREADS, 1, 1), args,
                     shared_mem=_decode_smem(_DECODE_STAGES[head_dim], head_dim, q,
-                                            fp8=bool(scales)))
+                                            fp8=bool(scales), few_query=True))
     _combine_splits(out, part_o, part_lse, total, num_heads, splits)
     return out
 
@@ -392,12 +393,15 @@ def _few_query_tiles(cu_seqlens_q: torch.Tensor, num_seqs: int, total: int, tpc:
 
 
 def _decode_smem(stages: int, head_dim: int, q: torch.Tensor,
-                 max_pages: int = _DECODE_MAX_PAGES, fp8: bool = False) -> int:
+                 max_pages: int = _DECODE_MAX_PAGES, fp8: bool = False,
+                 few_query: bool = False) -> int:
     """Dynamic shared memory of a decode-family kernel: its K/V stages and its page list; over an
-    FP8 cache, stages of bytes and the one K/V tile of q's dtype they are converted into."""
+    FP8 cache, stages of bytes and the tile of q's dtype they are converted into: K and V for the
+    few-query kernel, K then V in the same tile for the one-token kernel (attention.cu)."""
     tile = 2 * _DECODE_BN * head_dim * q.element_size()
     if fp8:
-        return stages * 2 * _DECODE_BN * head_dim + tile + max_pages * 4
+        return (stages * 2 * _DECODE_BN * head_dim + (tile if few_query else tile // 2)
+                + max_pages * 4)
     return stages * tile + max_pages * 4
 
 

@@ -1074,7 +1074,9 @@ __device__ __forceinline__ void prefill_wgp_impl(
 // most 16 rows (a one-token seq, a chunk's last few tokens) is served as the one-token kernel
 // serves a seq, its warps splitting the keys, rather than by one warp with three idle.
 // F8 (C = kv_fp8): the stages hold bytes; each stage is converted into one K/V tile of T, a
-// warp's own 16 keys when the warps split the keys (no barrier), else all of them.
+// warp's own 16 keys when the warps split the keys (no barrier), else all of them. The one-token
+// kernel (!MQ) converts a warp's K into its rows of a K-sized tile and, once its scores are
+// computed, V into the same rows: the smaller footprint lets a third CTA onto an SM.
 template <typename T, int HD, int STAGES, bool MQ = false, bool KS = false, typename C = T>
 __device__ __forceinline__ void decode_impl(
     const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,
@@ -1086,6 +1088,7 @@ __device__ __forceinline__ void decode_impl(
     const int2* __restrict__ tiles = nullptr, int tpc = 1,
     const float* __restrict__ k_scale = nullptr, const float* __restrict__ v_scale = nullptr) {
   constexpr bool F8 = sizeof(C) == 1;
+  constexpr bool REUSE = F8 && !MQ;  // one converted tile, K then V (the one-token kernel)
   constexpr int BN = kDecodeBN;
   constexpr int CH = HD / 8;
   constexpr int ROW_STEP = kThreads / CH;
@@ -1097,7 +1100,8 @@ __device__ __forceinline__ void decode_impl(
   kv_fp8* stages8 = reinterpret_cast<kv_fp8*>(smem_raw);  // F8: the stages, row-major bytes
   T* conv = reinterpret_cast<T*>(smem_raw + (size_t)STAGES * STAGE_ELEMS * sizeof(C));  // F8
   int* s_pages = reinterpret_cast<int*>(smem_raw + (size_t)STAGES * STAGE_ELEMS * sizeof(C) +
-                                        (F8 ? (size_t)STAGE_ELEMS * sizeof(T) : 0));
+                                        (F8 ? (size_t)(REUSE ? BN * HD : STAGE_ELEMS) * sizeof(T)
+                                            : 0));
   float v_mul = 1.f;
   if constexpr (F8) {
     scale_log2 *= *k_scale;
@@ -1269,7 +1273,10 @@ __device__ __forceinline__ void decode_impl(
       if (st + STAGES - 1 < n_stages) issue8(st + STAGES - 1);
       cp_async_commit();
       const kv_fp8* sk8 = stages8 + (st % STAGES) * STAGE_ELEMS;
-      if (ks) {  // this warp reads only its own 16 keys
+      if (REUSE) {  // this warp's own 16 keys of K; V after its scores (below)
+        fp8_rows_to_tile<T, HD, 16, 32>(sk8, conv, warp * 16, lane);
+        __syncwarp();
+      } else if (ks) {  // this warp reads only its own 16 keys
         fp8_rows_to_tile<T, HD, 16, 32>(sk8, conv, warp * 16, lane);
         fp8_rows_to_tile<T, HD, 16, 32>(sk8 + BN * HD, conv + BN * HD, warp * 16, lane);
         __syncwarp();
@@ -1352,6 +1359,14 @@ __device__ __forceinline__ void decode_impl(
         o[dt][2 * h + 1] *= corr;
       }
     }
+    unsigned int v_base = k_base + BN * HD * 2;
+    if constexpr (REUSE) {  // V's 16 keys over K's, once every lane has read K
+      __syncwarp();
+      fp8_rows_to_tile<T, HD, 16, 32>(stages8 + (st % STAGES) * STAGE_ELEMS + BN * HD, conv,
+                                      warp * 16, lane);
+      __syncwarp();
+      v_base = k_base;
+    }
     unsigned int pa[4];
     pa[0] = Pack<T>::two(s[0][0], s[0][1]);
     pa[1] = Pack<T>::two(s[0][2], s[0][3]);
@@ -1360,7 +1375,7 @@ __device__ __forceinline__ void decode_impl(
 #pragma unroll
     for (int dp = 0; dp < HD / 16; ++dp) {
       unsigned int vb[4];
-      ldmatrix_x4_trans(vb, k_base + BN * HD * 2 + (v_off ^ (dp << 5)));
+      ldmatrix_x4_trans(vb, v_base + (v_off ^ (dp << 5)));
       mma16816<T>(o[2 * dp], pa, vb[0], vb[1]);
       mma16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
     }

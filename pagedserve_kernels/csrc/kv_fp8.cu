@@ -52,10 +52,12 @@ PS_PREFILL_WG_FP8(prefill_wg_fp16_hd128_fp8, __half, 128, 1)
         max_blocks_per_seq, chunk_pages, num_splits, scale_log2, window, soft_cap, nullptr,      \
         nullptr, 1, k_scale, v_scale);                                                           \
   }
+// hd128: 2 stages and the one converted tile in 52 KiB, 4 CTAs an SM (more warps to hide each
+// stage's conversion; attention.py's _DECODE_STAGES_FP8 mirrors the stages).
 PS_DECODE_FP8(decode_bf16_hd64_fp8, __nv_bfloat16, 64, 4, 1)
-PS_DECODE_FP8(decode_bf16_hd128_fp8, __nv_bfloat16, 128, 3, 2)
+PS_DECODE_FP8(decode_bf16_hd128_fp8, __nv_bfloat16, 128, 2, 4)
 PS_DECODE_FP8(decode_fp16_hd64_fp8, __half, 64, 4, 1)
-PS_DECODE_FP8(decode_fp16_hd128_fp8, __half, 128, 3, 2)
+PS_DECODE_FP8(decode_fp16_hd128_fp8, __half, 128, 2, 4)
 
 #define PS_DECODE_MQ_FP8(NAME, T, HD, STAGES, MIN_CTAS)                                          \
   extern "C" __global__ void __launch_bounds__(ps::kThreads, MIN_CTAS)                           \

@@ -466,10 +466,11 @@ def _assert_same_distribution(eager: list, other: list) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_no_garbage_collection_runs_inside_a_capture():
-    """With a collector that runs at nearly every allocation, the executor's captures (the decode,
-    small-step and piecewise ladders) see no collection start while a stream captures: one there
-    may destroy a dead runner's graphs, which the driver refuses mid-capture, invalidating the
-    capture. Its graphs then replay transformers' greedy tokens."""
+    """With a collector that runs at nearly every allocation, the executor's decode-graph
+    captures (every ladder captures through the same graph_capture) see no collection start
+    while a stream captures: one there may destroy a dead runner's graphs, which the driver
+    refuses mid-capture, invalidating the capture. Its graphs then replay transformers' greedy
+    tokens."""
     hf = build_hf_model("tiny", seed=0, dtype=torch.float32, device="cuda")
     inside = []
 
@@ -483,12 +484,12 @@ def test_no_garbage_collection_runs_inside_a_capture():
     gc.set_threshold(1, *threshold[1:])
     gc.callbacks.append(watch)
     try:
-        runner = gpu_runner(hf, "float32", small_graphs=True, piece_sizes=(64,))
+        runner = gpu_runner(hf, "float32")
     finally:
         gc.callbacks.remove(watch)
         gc.set_threshold(*threshold)
         gc.unfreeze()
-    assert runner.graphs.graphs and runner.graphs.piecewise.graphs
+    assert runner.graphs.graphs
     assert inside == []
     rng = random.Random(31)
     prompts = {s: random_prompt(rng, n) for s, n in zip(range(1, 4), (5, 17, 40))}

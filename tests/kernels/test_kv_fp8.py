@@ -1,7 +1,11 @@
 """The FP8 KV cache's kernels without a GPU: their lazy module lists exactly what kv_fp8.cu
 compiles (the files it includes contribute none of theirs) and warmup() leaves it alone; kernel
-names by cache dtype, candidates with no FP8 kernel refused, shared memory within the launch
-bounds' CTAs per SM; the scale arguments' checks. The kernels themselves: test_kernels_gpu.py."""
+names by cache dtype and the decode kernels' stages as built, candidates with no FP8 kernel
+refused, shared memory within the launch bounds' CTAs per SM; the scale arguments' checks. The
+kernels themselves: test_kernels_gpu.py."""
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,7 +58,15 @@ def test_kernels_over_an_fp8_cache_are_named_by_it_and_candidates_refused():
              attention.prefill_kernel(torch.float16, 64, torch.device("cpu"), "mma_sync", fp8=True),
              attention._few_query_kernel(BF16, 64, False, fp8=True)]
     assert names == ["decode_bf16_hd128_fp8", "prefill_fp16_hd64_fp8", "decode_mq_bf16_hd64_fp8"]
-    assert attention.decode_kernel(BF16, 128, fp8=True)[1] == attention.decode_kernel(BF16, 128)[1]
+    # the launcher's stage counts (its shared memory) are the kernels' own
+    source = (Path(attention.__file__).parent / "csrc" / "kv_fp8.cu").read_text()
+    built = re.findall(r"^PS_DECODE_FP8\((decode_\w+?_fp8), [^,]+, \d+, (\d+), \d+\)", source,
+                       re.MULTILINE)
+    assert len(built) == 4
+    for kernel, stages in built:
+        dtype = BF16 if "_bf16_" in kernel else torch.float16
+        head_dim = int(kernel.split("_hd")[1].split("_")[0])
+        assert attention.decode_kernel(dtype, head_dim, fp8=True) == (kernel, int(stages))
     assert {attention._module_of(name) for name in names} == {"kv_fp8"}
     with pytest.raises(ValueError, match="decode variant 's2' has no kernel over an FP8 cache"):
         attention.decode_kernel(BF16, 128, "s2", fp8=True)
@@ -72,17 +84,21 @@ def test_fp8_kernels_fit_the_ctas_per_sm_of_their_launch_bounds(head_dim):
     q = torch.empty(1, 1, head_dim, dtype=BF16)
     prefill_ctas = {64: 3, 128: 2}[head_dim]
     wg_ctas = {64: 2, 128: 1}[head_dim]
-    decode_ctas = {64: 1, 128: 2}[head_dim]
+    decode_ctas = {64: 1, 128: 4}[head_dim]  # the one-token kernel converts K, then V, into one tile
     _, smem = attention.prefill_launch_shape(f"prefill_bf16_hd{head_dim}_fp8", head_dim, 2)
     assert prefill_ctas * (smem + 128 + 1024) <= per_sm
     _, smem = attention.prefill_launch_shape(f"prefill_wg_bf16_hd{head_dim}_fp8", head_dim, 2)
     assert wg_ctas * (smem + 2048 + 1024) <= per_sm
     # the same bytes as over a bf16 cache: staged bytes double-buffered, one converted tile
     assert smem == attention.prefill_launch_shape(f"prefill_wg_bf16_hd{head_dim}", head_dim, 2)[1]
-    stages = attention._DECODE_STAGES[head_dim]
+    kernel, stages = attention.decode_kernel(BF16, head_dim, fp8=True)
     smem = attention._decode_smem(stages, head_dim, q, fp8=True)
-    assert smem < attention._decode_smem(stages, head_dim, q)
+    assert smem < attention._decode_smem(attention._DECODE_STAGES[head_dim], head_dim, q)
     assert decode_ctas * (smem + 1024) <= per_sm
+    # the few-query kernel converts K and V into a tile each, at the 16-bit kernel's stages
+    smem = attention._decode_smem(attention._DECODE_STAGES[head_dim], head_dim, q, fp8=True,
+                                  few_query=True)
+    assert {64: 1, 128: 2}[head_dim] * (smem + 1024) <= per_sm
 
 
 def test_an_fp8_cache_needs_one_float32_scale_per_tensor_on_its_device():

@@ -387,6 +387,74 @@ __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_s
   finish_splits<T, ROWS, CONSUMERS, CN>(y, y_stride, bias, ws, counters, M, N, Np, m0);
 }
 
+// The mma.sync tiles' copies of a stage (what load_stage_weights and load_stage_x copy), with
+// each thread's sources and destinations worked out once and advanced a stage at a time: the
+// loop then does no 64-bit multiply or division for them. Threads 0-31 copy the scales, 32-63
+// the zero points and, for the 16-row tile, threads 128-255 the activations, so that the copy
+// work a stage is spread over the warps that all wait at its barrier.
+template <typename T, int ROWS>
+struct StageCopier {
+  static constexpr int X_ROUNDS = (ROWS * 8 + THREADS - 1) / THREADS;  // 16-byte chunks a thread
+  const uint4* w;      // this thread's weights of the next stage
+  const T* sz;         // scales (threads 0-31) or zeros (32-63) of chunk `half`'s group 0; or null
+  int sz_row;          // elements from one group's scales to the next's
+  int sz_chunk;        // the k32 chunk of the next stage this thread's scales are for
+  int gshift, group;
+  unsigned int sz_dst;
+  const T* x[X_ROUNDS];  // activation row + 16-byte chunk at input row 0; null: nothing to copy
+  int xk[X_ROUNDS];      // that chunk's input row at the next stage
+  unsigned int x_dst[X_ROUNDS];
+
+  __device__ __forceinline__ StageCopier(const Tile& q, const T* xs, long long x_stride,
+                                         const T* scales, const T* zeros, int M, int group_) {
+    using L = Stage<ROWS>;
+    const int tid = q.tid;
+    w = q.wsrc + (size_t)q.s0 * 64;
+    gshift = q.gshift;
+    group = group_;
+    const int c = tid & 31, half = c >> 4, part = c & 15;
+    const T* base = tid < 32 ? scales : zeros;
+    sz = tid < 64 && base != nullptr ? base + ((size_t)q.ncta * 4) * 32 + part * 8 : nullptr;
+    sz_row = q.NB * 32;
+    sz_chunk = 2 * q.s0 + half;
+    sz_dst = L::W_BYTES + L::X_BYTES + (tid < 32 ? 0 : L::S_BYTES) + half * 256 + part * 16;
+#pragma unroll
+    for (int r = 0; r < X_ROUNDS; ++r) {
+      const int cx = (tid ^ 128) + r * THREADS;  // the 16-row tile's 128 chunks: threads 128..
+      const int row = cx >> 3, ch = cx & 7, m = q.m0 + row;
+      // Rows past M are not loaded: their stale shared memory reaches only their own output
+      // rows (a product's rows are independent), which are never stored.
+      const bool live = (ROWS * 8 % THREADS == 0 || cx < ROWS * 8) && m < M;
+      x[r] = live ? xs + (long long)m * x_stride + ch * 8 : nullptr;
+      xk[r] = q.s0 * STAGE_K + ch * 8;
+      x_dst[r] = L::W_BYTES + row * 128 + ((ch ^ (row & 7)) << 4);
+    }
+  }
+
+  // Weights, scales and zero points of the next stage into the buffer at st.
+  __device__ __forceinline__ void weights(unsigned int st) {
+    ps::cp_async16(st + threadIdx.x * 16, w, 16);
+    w += 64;
+    if (sz != nullptr) {
+      const int grp = gshift >= 0 ? sz_chunk >> gshift : sz_chunk * 32 / group;
+      ps::cp_async16(st + sz_dst, sz + grp * sz_row, 16);
+    }
+    sz_chunk += 2;
+  }
+
+  // Activations of the next stage into the buffer at st (past K: zeros).
+  __device__ __forceinline__ void activations(unsigned int st, int K) {
+#pragma unroll
+    for (int r = 0; r < X_ROUNDS; ++r) {
+      if (x[r] != nullptr) {
+        const bool ok = xk[r] < K;
+        ps::cp_async16(st + x_dst[r], ok ? x[r] + xk[r] : x[r], ok ? 16 : 0);
+      }
+      xk[r] += STAGE_K;
+    }
+  }
+};
+
 // Grid (Np / 128, splits, ceil(M / ROWS)); 256 threads. Split s covers K stages
 // [s * split_stages, ...). splits == 1: the CTA writes y. Else each CTA writes fp32 partials to
 // ws[split][M][Np] and the last CTA of a tile (counters[tile], reset by it) sums them in split
@@ -405,10 +473,8 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
   const int ncta = q.ncta, split = blockIdx.y, m0 = q.m0, nst = q.nst;
   const int nb = ncta * 4 + wn;
   const unsigned int smem0 = ps::smem_addr(smem);
-  auto load = [&](int i) {
-    load_stage<T, C::ROWS>(q, smem0 + (i % C::STAGES) * C::STAGE_BYTES, q.s0 + i, x, x_stride,
-                           scales, zeros, M, K, group);
-  };
+  StageCopier<T, C::ROWS> copy(q, x, x_stride, scales, zeros, M, group);
+  constexpr unsigned int RING = C::STAGES * C::STAGE_BYTES;
 
   float acc[MT][4][4];
 #pragma unroll
@@ -423,27 +489,29 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
   // loads overlap that kernel's end. They join stage 0's copy group.
 #pragma unroll
   for (int i = 0; i < C::STAGES - 1; ++i)
-    if (i < nst)
-      load_stage_weights<T, C::ROWS>(q, smem0 + i * C::STAGE_BYTES, q.s0 + i, scales, zeros,
-                                     group);
+    if (i < nst) copy.weights(smem0 + i * C::STAGE_BYTES);
   ps::grid_dependency_wait();
   ps::launch_dependents();
 #pragma unroll
   for (int i = 0; i < C::STAGES - 1; ++i) {
-    if (i < nst)
-      load_stage_x<T, C::ROWS>(q, smem0 + i * C::STAGE_BYTES, q.s0 + i, x, x_stride, M, K);
+    if (i < nst) copy.activations(smem0 + i * C::STAGE_BYTES, K);
     ps::cp_async_commit();
   }
+  unsigned int rd = 0, wr = (C::STAGES - 1) * C::STAGE_BYTES;  // buffer offsets: read, refill
   for (int i = 0; i < nst; ++i) {
     ps::cp_async_wait<C::STAGES - 2>();  // stage i has landed (own copies), then everyone's
     __syncthreads();                     // ... and the buffer refilled below is read by no one
-    if (i + C::STAGES - 1 < nst) load(i + C::STAGES - 1);
+    if (i + C::STAGES - 1 < nst) {
+      copy.weights(smem0 + wr);
+      copy.activations(smem0 + wr, K);
+    }
     ps::cp_async_commit();
+    wr = wr + C::STAGE_BYTES == RING ? 0 : wr + C::STAGE_BYTES;
 
-    const int b = i % C::STAGES;
     unsigned int qv[4], s2[4], z2[4];
-    read_stage<T, C::ROWS>(q, smem + b * C::STAGE_BYTES, zeros != nullptr, qv, s2, z2);
-    const unsigned int xs = smem0 + b * C::STAGE_BYTES + C::W_BYTES;
+    read_stage<T, C::ROWS>(q, smem + rd, zeros != nullptr, qv, s2, z2);
+    const unsigned int xs = smem0 + rd + C::W_BYTES;
+    rd = rd + C::STAGE_BYTES == RING ? 0 : rd + C::STAGE_BYTES;
 #pragma unroll
     for (int kh = 0; kh < 2; ++kh) {
       unsigned int a[MT][4];

@@ -401,8 +401,8 @@ struct StageCopier {
   int sz_chunk;        // the k32 chunk of the next stage this thread's scales are for
   int gshift, group;
   unsigned int sz_dst;
-  const T* x[X_ROUNDS];  // activation row + 16-byte chunk at input row 0; null: nothing to copy
-  int xk[X_ROUNDS];      // that chunk's input row at the next stage
+  const T* x[X_ROUNDS];  // the activation row of this thread's chunk; null: nothing to copy
+  int xk[X_ROUNDS];      // the chunk's first input row at the next stage
   unsigned int x_dst[X_ROUNDS];
 
   __device__ __forceinline__ StageCopier(const Tile& q, const T* xs, long long x_stride,
@@ -425,7 +425,7 @@ struct StageCopier {
       // Rows past M are not loaded: their stale shared memory reaches only their own output
       // rows (a product's rows are independent), which are never stored.
       const bool live = (ROWS * 8 % THREADS == 0 || cx < ROWS * 8) && m < M;
-      x[r] = live ? xs + (long long)m * x_stride + ch * 8 : nullptr;
+      x[r] = live ? xs + (long long)m * x_stride : nullptr;
       xk[r] = q.s0 * STAGE_K + ch * 8;
       x_dst[r] = L::W_BYTES + row * 128 + ((ch ^ (row & 7)) << 4);
     }

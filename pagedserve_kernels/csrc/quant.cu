@@ -165,56 +165,78 @@ __device__ __forceinline__ Tile tile_of(const uint4* qw, int Kp, int Np, int gro
   return q;
 }
 
-// Stage s (absolute) into shared memory at st, laid out [weights: one uint4 a thread][x: ROWS x
-// 64, 16-byte chunks XOR-swizzled by row (the 128-byte swizzle wgmma reads)][scales: the stage's
-// two k32 chunks x 128 columns][zeros: as scales]. load_stage_weights copies what the model
-// holds (weights, scales, zero points), load_stage_x the activations, which the kernel before
-// this one writes (see grid_dependency_wait).
+// A stage in shared memory at st, laid out [weights: one uint4 a thread][x: ROWS x 64, 16-byte
+// chunks XOR-swizzled by row (the 128-byte swizzle wgmma reads)][scales: the stage's two k32
+// chunks x 128 columns][zeros: as scales], copied by a StageCopier: `weights` what the model holds
+// (weights, scales, zero points), `activations` what the kernel before this one writes (see
+// grid_dependency_wait), each call the stage after its previous one. Each thread's sources and
+// destinations are worked out once and advanced a stage at a time, so the loop does no 64-bit
+// multiply or division for them. Threads 0-31 copy the scales, 32-63 the zero points and, in the
+// 16-row tile, threads 128-255 the activations: the copy work of a stage spread over the warps
+// that all wait at its barrier.
 template <typename T, int ROWS>
-__device__ __forceinline__ void load_stage_weights(const Tile& q, unsigned int st, int s,
-                                                   const T* scales, const T* zeros, int group) {
-  using L = Stage<ROWS>;
-  constexpr int W_BYTES = L::W_BYTES, X_BYTES = L::X_BYTES, S_BYTES = L::S_BYTES;
-  ps::cp_async16(st + q.tid * 16, q.wsrc + (size_t)s * 64, 16);
-  if (q.tid < 64) {  // 32 threads copy the scales, 32 the zeros: 2 chunks x 256 bytes each
-    const T* base = q.tid < 32 ? scales : zeros;
-    if (base != nullptr) {
-      const int c = q.tid & 31, half = c >> 4, part = c & 15;
-      const int grp =
-          q.gshift >= 0 ? (2 * s + half) >> q.gshift : (s * STAGE_K + half * 32) / group;
-      const T* src = base + ((size_t)grp * q.NB + q.ncta * 4) * 32 + part * 8;
-      ps::cp_async16(st + W_BYTES + X_BYTES + (q.tid < 32 ? 0 : S_BYTES) + half * 256 + part * 16,
-                     src, 16);
-    }
-  }
-}
+struct StageCopier {
+  static constexpr int X_ROUNDS = (ROWS * 8 + THREADS - 1) / THREADS;  // 16-byte chunks a thread
+  const uint4* w;      // this thread's weights of the next stage
+  const T* sz;         // this thread's 16 bytes of group 0's scales (threads 0-31) or zero
+                       // points (32-63); null: none
+  int sz_row;          // elements from one group's scales to the next's
+  int sz_chunk;        // the k32 chunk of the next stage this thread's scales are for
+  int gshift, group;
+  unsigned int sz_dst;
+  const T* x[X_ROUNDS];  // the activation row of this thread's chunk; null: nothing to copy
+  int xk[X_ROUNDS];      // the chunk's first input row at the next stage
+  unsigned int x_dst[X_ROUNDS];
 
-template <typename T, int ROWS>
-__device__ __forceinline__ void load_stage_x(const Tile& q, unsigned int st, int s, const T* x,
-                                             long long x_stride, int M, int K) {
-  constexpr int X_CHUNKS = ROWS * 8;  // a stage's 16-byte chunks of activations
-  const unsigned int xs = st + Stage<ROWS>::W_BYTES;
+  __device__ __forceinline__ StageCopier(const Tile& q, const T* xs, long long x_stride,
+                                         const T* scales, const T* zeros, int M, int group_) {
+    using L = Stage<ROWS>;
+    const int tid = q.tid;
+    w = q.wsrc + (size_t)q.s0 * 64;
+    gshift = q.gshift;
+    group = group_;
+    const int c = tid & 31, half = c >> 4, part = c & 15;
+    const T* base = tid < 32 ? scales : zeros;
+    sz = tid < 64 && base != nullptr ? base + ((size_t)q.ncta * 4) * 32 + part * 8 : nullptr;
+    sz_row = q.NB * 32;
+    sz_chunk = 2 * q.s0 + half;
+    sz_dst = L::W_BYTES + L::X_BYTES + (tid < 32 ? 0 : L::S_BYTES) + half * 256 + part * 16;
 #pragma unroll
-  for (int r = 0; r < (X_CHUNKS + THREADS - 1) / THREADS; ++r) {
-    const int c = q.tid + r * THREADS;
-    const int row = c >> 3, ch = c & 7, k = s * STAGE_K + ch * 8, m = q.m0 + row;
-    // Rows past M are not loaded: their stale shared memory reaches only their own output
-    // rows (a product's rows are independent), which are never stored. Past K: zeros.
-    if ((X_CHUNKS % THREADS == 0 || c < X_CHUNKS) && m < M) {
-      const bool ok = k < K;
-      ps::cp_async16(xs + row * 128 + ((ch ^ (row & 7)) << 4),
-                     ok ? x + (long long)m * x_stride + k : x, ok ? 16 : 0);
+    for (int r = 0; r < X_ROUNDS; ++r) {
+      const int cx = (tid ^ 128) + r * THREADS;  // the 16-row tile's 128 chunks: threads 128..
+      const int row = cx >> 3, ch = cx & 7, m = q.m0 + row;
+      // Rows past M are not loaded: their stale shared memory reaches only their own output
+      // rows (a product's rows are independent), which are never stored.
+      const bool live = (ROWS * 8 % THREADS == 0 || cx < ROWS * 8) && m < M;
+      x[r] = live ? xs + (long long)m * x_stride : nullptr;
+      xk[r] = q.s0 * STAGE_K + ch * 8;
+      x_dst[r] = L::W_BYTES + row * 128 + ((ch ^ (row & 7)) << 4);
     }
   }
-}
 
-template <typename T, int ROWS>
-__device__ __forceinline__ void load_stage(const Tile& q, unsigned int st, int s, const T* x,
-                                           long long x_stride, const T* scales, const T* zeros,
-                                           int M, int K, int group) {
-  load_stage_weights<T, ROWS>(q, st, s, scales, zeros, group);
-  load_stage_x<T, ROWS>(q, st, s, x, x_stride, M, K);
-}
+  // Weights, scales and zero points of the next stage into the buffer at st.
+  __device__ __forceinline__ void weights(unsigned int st) {
+    ps::cp_async16(st + threadIdx.x * 16, w, 16);
+    w += 64;
+    if (sz != nullptr) {
+      const int grp = gshift >= 0 ? sz_chunk >> gshift : sz_chunk * 32 / group;
+      ps::cp_async16(st + sz_dst, sz + grp * sz_row, 16);
+    }
+    sz_chunk += 2;
+  }
+
+  // Activations of the next stage into the buffer at st (past K: zeros).
+  __device__ __forceinline__ void activations(unsigned int st, int K) {
+#pragma unroll
+    for (int r = 0; r < X_ROUNDS; ++r) {
+      if (x[r] != nullptr) {
+        const bool ok = xk[r] < K;
+        ps::cp_async16(st + x_dst[r], ok ? x[r] + xk[r] : x[r], ok ? 16 : 0);
+      }
+      xk[r] += STAGE_K;
+    }
+  }
+};
 
 // This thread's packed weights of a landed stage (at st) and the scales and zero points (bf16x2 /
 // fp16x2, both halves alike) of its four columns 32 nb + 8 j + g.
@@ -387,74 +409,6 @@ __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_s
   finish_splits<T, ROWS, CONSUMERS, CN>(y, y_stride, bias, ws, counters, M, N, Np, m0);
 }
 
-// The mma.sync tiles' copies of a stage (what load_stage_weights and load_stage_x copy), with
-// each thread's sources and destinations worked out once and advanced a stage at a time: the
-// loop then does no 64-bit multiply or division for them. Threads 0-31 copy the scales, 32-63
-// the zero points and, for the 16-row tile, threads 128-255 the activations, so that the copy
-// work a stage is spread over the warps that all wait at its barrier.
-template <typename T, int ROWS>
-struct StageCopier {
-  static constexpr int X_ROUNDS = (ROWS * 8 + THREADS - 1) / THREADS;  // 16-byte chunks a thread
-  const uint4* w;      // this thread's weights of the next stage
-  const T* sz;         // scales (threads 0-31) or zeros (32-63) of chunk `half`'s group 0; or null
-  int sz_row;          // elements from one group's scales to the next's
-  int sz_chunk;        // the k32 chunk of the next stage this thread's scales are for
-  int gshift, group;
-  unsigned int sz_dst;
-  const T* x[X_ROUNDS];  // the activation row of this thread's chunk; null: nothing to copy
-  int xk[X_ROUNDS];      // the chunk's first input row at the next stage
-  unsigned int x_dst[X_ROUNDS];
-
-  __device__ __forceinline__ StageCopier(const Tile& q, const T* xs, long long x_stride,
-                                         const T* scales, const T* zeros, int M, int group_) {
-    using L = Stage<ROWS>;
-    const int tid = q.tid;
-    w = q.wsrc + (size_t)q.s0 * 64;
-    gshift = q.gshift;
-    group = group_;
-    const int c = tid & 31, half = c >> 4, part = c & 15;
-    const T* base = tid < 32 ? scales : zeros;
-    sz = tid < 64 && base != nullptr ? base + ((size_t)q.ncta * 4) * 32 + part * 8 : nullptr;
-    sz_row = q.NB * 32;
-    sz_chunk = 2 * q.s0 + half;
-    sz_dst = L::W_BYTES + L::X_BYTES + (tid < 32 ? 0 : L::S_BYTES) + half * 256 + part * 16;
-#pragma unroll
-    for (int r = 0; r < X_ROUNDS; ++r) {
-      const int cx = (tid ^ 128) + r * THREADS;  // the 16-row tile's 128 chunks: threads 128..
-      const int row = cx >> 3, ch = cx & 7, m = q.m0 + row;
-      // Rows past M are not loaded: their stale shared memory reaches only their own output
-      // rows (a product's rows are independent), which are never stored.
-      const bool live = (ROWS * 8 % THREADS == 0 || cx < ROWS * 8) && m < M;
-      x[r] = live ? xs + (long long)m * x_stride : nullptr;
-      xk[r] = q.s0 * STAGE_K + ch * 8;
-      x_dst[r] = L::W_BYTES + row * 128 + ((ch ^ (row & 7)) << 4);
-    }
-  }
-
-  // Weights, scales and zero points of the next stage into the buffer at st.
-  __device__ __forceinline__ void weights(unsigned int st) {
-    ps::cp_async16(st + threadIdx.x * 16, w, 16);
-    w += 64;
-    if (sz != nullptr) {
-      const int grp = gshift >= 0 ? sz_chunk >> gshift : sz_chunk * 32 / group;
-      ps::cp_async16(st + sz_dst, sz + grp * sz_row, 16);
-    }
-    sz_chunk += 2;
-  }
-
-  // Activations of the next stage into the buffer at st (past K: zeros).
-  __device__ __forceinline__ void activations(unsigned int st, int K) {
-#pragma unroll
-    for (int r = 0; r < X_ROUNDS; ++r) {
-      if (x[r] != nullptr) {
-        const bool ok = xk[r] < K;
-        ps::cp_async16(st + x_dst[r], ok ? x[r] + xk[r] : x[r], ok ? 16 : 0);
-      }
-      xk[r] += STAGE_K;
-    }
-  }
-};
-
 // Grid (Np / 128, splits, ceil(M / ROWS)); 256 threads. Split s covers K stages
 // [s * split_stages, ...). splits == 1: the CTA writes y. Else each CTA writes fp32 partials to
 // ws[split][M][Np] and the last CTA of a tile (counters[tile], reset by it) sums them in split
@@ -592,7 +546,7 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
 // x^T, so the weights are the MMA's A operand, dequantized in registers exactly as above (the
 // packed layout gives a lane its A fragments: word 2h / 2h + 1 hold rows g / g + 8 of the m16 tile
 // h of its n32 block), and the activation tile is B, read by the tensor cores from shared memory
-// in the 128-byte-swizzle layout load_stage already writes. Warpgroup wk takes the stage's k32
+// in the 128-byte-swizzle layout StageCopier already writes. Warpgroup wk takes the stage's k32
 // chunk wk (the two add up in shared memory at the end); each of its warps a n32 block, two m64
 // wgmma a k16 step (rows 16 w + r of MMA h: column 32 nb + 16 h + r). Same packed weights, grid,
 // split K and epilogue as w4a16; the activation tile's rows are the MMA's N (64 or 128). A
@@ -644,9 +598,11 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
   const Tile q = tile_of<C::ROWS>(qw, Kp, Np, group, split_stages);
   const int tid = q.tid, wn = q.wn, wk = q.wk, g = q.g, t = tid & 3;
   const int ncta = q.ncta, split = blockIdx.y, m0 = q.m0, nst = q.nst;
+  StageCopier<T, C::ROWS> copy(q, x, x_stride, scales, zeros, M, group);
   auto load = [&](int i) {
-    load_stage<T, C::ROWS>(q, smem0 + (i % C::STAGES) * C::STAGE_BYTES, q.s0 + i, x, x_stride,
-                           scales, zeros, M, K, group);
+    const unsigned int st = smem0 + (i % C::STAGES) * C::STAGE_BYTES;
+    copy.weights(st);
+    copy.activations(st, K);
   };
 
   float acc[2][8 * MT];  // MMA h: m64 (columns) x ROWS (rows of x)
@@ -662,15 +618,12 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
   // The first stages' weights before waiting for the kernel before this one, as in w4a16.
 #pragma unroll
   for (int i = 0; i < AHEAD; ++i)
-    if (i < nst)
-      load_stage_weights<T, C::ROWS>(q, smem0 + i * C::STAGE_BYTES, q.s0 + i, scales, zeros,
-                                     group);
+    if (i < nst) copy.weights(smem0 + i * C::STAGE_BYTES);
   ps::grid_dependency_wait();
   ps::launch_dependents();
 #pragma unroll
   for (int i = 0; i < AHEAD; ++i) {
-    if (i < nst)
-      load_stage_x<T, C::ROWS>(q, smem0 + i * C::STAGE_BYTES, q.s0 + i, x, x_stride, M, K);
+    if (i < nst) copy.activations(smem0 + i * C::STAGE_BYTES, K);
     ps::cp_async_commit();
   }
   auto step = [&](int i, unsigned int (&a)[2][2][4]) {

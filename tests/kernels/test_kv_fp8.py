@@ -84,7 +84,8 @@ def test_fp8_kernels_fit_the_ctas_per_sm_of_their_launch_bounds(head_dim):
     q = torch.empty(1, 1, head_dim, dtype=BF16)
     prefill_ctas = {64: 3, 128: 2}[head_dim]
     wg_ctas = {64: 2, 128: 1}[head_dim]
-    decode_ctas = {64: 1, 128: 4}[head_dim]  # the one-token kernel converts K, then V, into one tile
+    # the one-token kernel converts K, then V, into one tile
+    decode_ctas = {64: 1, 128: 4}[head_dim]
     _, smem = attention.prefill_launch_shape(f"prefill_bf16_hd{head_dim}_fp8", head_dim, 2)
     assert prefill_ctas * (smem + 128 + 1024) <= per_sm
     _, smem = attention.prefill_launch_shape(f"prefill_wg_bf16_hd{head_dim}_fp8", head_dim, 2)

@@ -1,9 +1,9 @@
 """The wgmma W4A16 kernels' index arithmetic (quant.cu, w4a16_wg), emulated in numpy on the CPU
 against dequantize-then-matmul: the A fragments each lane builds from quant.repack's packed words
 (words 2h / 2h + 1, shifts 8 kh and 8 kh + 4) placed by PTX's register layout for wgmma
-m64nNk16, the activation tile as load_stage writes it read through a K-major 128-byte-swizzle
+m64nNk16, the activation tile as StageCopier writes it read through a K-major 128-byte-swizzle
 descriptor (SBO 1024, start + 64 wk + 32 kh bytes), the accumulators mapped back by the
-epilogue's (n, m) rule, scales and zero points as load_stage / read_stage take them. Rows past M
+epilogue's (n, m) rule, scales and zero points as StageCopier / read_stage take them. Rows past M
 hold NaN, as stale shared memory may: none reaches a stored output. What the GPU tests check by
 running the kernels, this checks in their absence (CI has no GPU)."""
 from __future__ import annotations

@@ -333,6 +333,7 @@ def programmatic_launch(device: torch.device | int | None = None) -> bool:
 # invalidates the capture in progress.
 _captures = 0
 _collector_was_enabled = False
+_collector_lock = threading.Lock()  # not _lock: a capture never waits on a compile
 
 
 @contextlib.contextmanager
@@ -340,7 +341,7 @@ def collector_paused():
     """No garbage collection inside the block (nestable, across threads); garbage made there
     waits for the next collection after it."""
     global _captures, _collector_was_enabled
-    with _lock:
+    with _collector_lock:
         if _captures == 0:
             _collector_was_enabled = gc.isenabled()
             gc.disable()
@@ -348,7 +349,7 @@ def collector_paused():
     try:
         yield
     finally:
-        with _lock:
+        with _collector_lock:
             _captures -= 1
             if _captures == 0 and _collector_was_enabled:
                 gc.enable()

@@ -1,14 +1,18 @@
-"""Where the time of the producer-fed W4A16 tiles goes (diagnostics; a GPU whose quant module
-builds for sm_90a): the wgt and wgs kernels built with PS_QUANT_TRACE (module "quant_trace")
-record, for each CTA and run of K stages, when the run started, when its MMAs retired and when
-its output was out. Printed for each product, row count and tile: the span, each run's main
-loop per K stage (median, p10, p90; whole tiles and shared ones apart), the epilogues by how
-the output left (stored; a part written; summed by the head or by the last to arrive), and
-the gaps between a CTA's runs. The trace build adds a few registers to the tiles, so its times
-are the tiles' give or take a little; bench_quant times them untraced.
+"""Where the time of the W4A16 tiles goes (diagnostics): the producer-fed wgt and wgs kernels (a
+GPU whose quant module builds for sm_90a) and the mma.sync tiles (m16, m32, m64, m128), built
+with PS_QUANT_TRACE (module "quant_trace"), record, for each CTA and run of K stages, when the
+run started, when its MMAs retired and when its output was out, and the mma.sync tiles the
+cycles their stage barriers took (waiting for the copies and for the other warps). Printed for
+each product, row count and tile: the span, each run's main loop per K stage (median, p10, p90;
+whole tiles and shared ones apart) and the barriers' share of it, the epilogues by how the
+output left (stored; a part written; summed by the head or by the last to arrive), and the
+gaps between a CTA's runs. The trace build adds a few registers to the tiles, so its times are
+the tiles' give or take a little; bench_quant times them untraced.
 
     PYTHONPATH=. python3 benchmarks/trace_quant.py [--shapes gate_up qkv] [--rows 128 256 512]
                                                    [--tiles wgt128 wgs128 wgt256 wgs256]
+    PYTHONPATH=. python3 benchmarks/trace_quant.py --shapes qkv o gate_up down --rows 1 16 \
+        --tiles m16 [--splits 4]
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench_kernels import MATMUL_SHAPES as SHAPES  # noqa: E402  (this folder)
 from bench_quant import int4_weights  # noqa: E402
 
-TRACE_MODULE, TRACE_RUNS, TRACE_FIELDS = "quant_trace", 8, 6  # quant.cu's PS_QUANT_TRACE
+TRACE_MODULE, TRACE_RUNS, TRACE_FIELDS = "quant_trace", 8, 7  # quant.cu's PS_QUANT_TRACE
 HOW = {1: "stored", 2: "part written", 3: "head summed", 4: "last summed"}
 
 
@@ -57,12 +61,13 @@ def trace_buffer(device: torch.device):
 def runs_of(raw: np.ndarray) -> list[dict]:
     runs = []
     for cta, per_cta in enumerate(raw.reshape(4096, TRACE_RUNS, TRACE_FIELDS)):
-        for run, (info, start, mma, end, start_ns, end_ns) in enumerate(per_cta.tolist()):
+        for run, (info, start, mma, end, start_ns, end_ns, waited) in enumerate(per_cta.tolist()):
             if end == 0:
                 continue
             runs.append({"cta": cta, "run": run, "sm": info & 0xFFFF,
                          "stages": (info >> 16) & 0xFFFF, "how": HOW.get(info >> 48, "?"),
                          "loop_cycles": mma - start, "out_cycles": end - mma,
+                         "wait_cycles": waited,
                          "start_ns": start_ns, "end_ns": end_ns,
                          "ghz": (end - start) / max(1, end_ns - start_ns)})
     return runs
@@ -82,6 +87,9 @@ def summary(runs: list[dict]) -> dict:
     per_stage = {kind: stats([r["loop_cycles"] * us / r["stages"] for r in runs
                               if r["stages"] and (r["how"] == "stored") == (kind == "whole")])
                  for kind in ("whole", "shared")}
+    # the mma.sync tiles' barriers, as a share of their main loop (the others record none)
+    waiting = stats([r["wait_cycles"] / r["loop_cycles"] for r in runs
+                     if r["wait_cycles"] and r["loop_cycles"]])
     out = {how: stats([r["out_cycles"] * us for r in runs if r["how"] == how])
            for how in HOW.values()}
     by_cta: dict[int, list[dict]] = {}
@@ -98,7 +106,8 @@ def summary(runs: list[dict]) -> dict:
                                 for rs in by_cta.values()]),
             "ends_us": stats([(max(r["end_ns"] for r in rs) - first) * 1e-3
                               for rs in by_cta.values()]),
-            "loop_us_per_stage": per_stage, "epilogue_us": out, "gaps_us": stats(gaps)}
+            "loop_us_per_stage": per_stage, "barrier_share_of_loop": waiting,
+            "epilogue_us": out, "gaps_us": stats(gaps)}
 
 
 def show(name: str, s: dict) -> None:
@@ -110,6 +119,8 @@ def show(name: str, s: dict) -> None:
           f"SM clock {s['ghz']:.3f} GHz", flush=True)
     for kind, st in s["loop_us_per_stage"].items():
         print(f"  main loop µs a stage, {kind} tiles: {fmt(st)}")
+    if s["barrier_share_of_loop"]:
+        print(f"  stage barriers' share of the main loop: {fmt(s['barrier_share_of_loop'])}")
     for how, st in s["epilogue_us"].items():
         if st:
             print(f"  epilogue µs, {how}: {fmt(st)}")
@@ -117,11 +128,19 @@ def show(name: str, s: dict) -> None:
           f"gaps between a CTA's runs: {fmt(s['gaps_us'])}", flush=True)
 
 
+def tile_of(name: str) -> tuple[int, str]:
+    """"wgt128" -> (128, "wgt"), "m16" -> (16, ""): quant's row tiles by name."""
+    family = name.rstrip("0123456789")
+    return int(name[len(family):]), "" if family == "m" else family
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["gate_up", "qkv"])
     p.add_argument("--rows", type=int, nargs="+", default=[128, 256, 512])
-    p.add_argument("--tiles", nargs="+", default=["wgt128", "wgs128", "wgt256", "wgs256"])
+    p.add_argument("--tiles", nargs="+", default=["wgt128", "wgs128", "wgt256", "wgs256"],
+                   help="wgt64-256, wgs64-256, or the mma.sync m16-m128")
+    p.add_argument("--splits", type=int, help="K parts (default: the launcher's choice)")
     p.add_argument("--json", type=Path, help="write the summaries here")
     args = p.parse_args()
     import cupy
@@ -130,11 +149,14 @@ def main() -> None:
 
     device = torch.device("cuda", torch.cuda.current_device())
     quant.prepare(device)
-    if _compile.arch_used(device, "quant") != "-arch=sm_90a":
+    tiles = {name: tile_of(name) for name in args.tiles}
+    if (any(family for _, family in tiles.values())
+            and _compile.arch_used(device, "quant") != "-arch=sm_90a"):
         sys.exit("the wgt and wgs tiles need the quant module built for sm_90a")
     traced_launches()
     buffer = trace_buffer(device)
     results = {}
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # past L2
     for name, n, k in SHAPES:
         if name not in args.shapes:
             continue
@@ -142,18 +164,20 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, k, dtype=torch.bfloat16, device=device)
             out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-            for tile_name in args.tiles:
-                tile = (int(tile_name[3:]), tile_name[:3])
-                quant._kernel_product(x, weight, None, out, tile)  # compiled, workspace made
+            for tile_name, tile in tiles.items():
+                # compiled, workspace made
+                quant._kernel_product(x, weight, None, out, tile, args.splits)
                 torch.cuda.synchronize()
                 buffer.fill(0)
+                flush.zero_()  # the weight comes from memory, as a layer's does in a step
                 cupy.cuda.runtime.deviceSynchronize()
-                quant._kernel_product(x, weight, None, out, tile)
+                quant._kernel_product(x, weight, None, out, tile, args.splits)
                 torch.cuda.synchronize()
                 s = summary(runs_of(buffer.get()))
                 results[f"{name} {rows} {tile_name}"] = s
-                show(f"{name} {rows} rows {tile_name} "
-                     f"({quant.launch_shape(rows, weight, device, x.dtype, tile)[0]})", s)
+                kernel, _, _, splits, _ = quant.launch_shape(rows, weight, device, x.dtype, tile,
+                                                             args.splits)
+                show(f"{name} {rows} rows {tile_name} ({kernel}, K in {splits} parts)", s)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -85,12 +85,13 @@ LAZY: frozenset[str] = frozenset({"quant", "kv_fp8"})
 # diagnostic build of production kernels.
 # module name -> (source file, the macro, the kernels launched from it)
 ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    # the producer-fed W4A16 tiles recording when each run of K stages starts, retires and is
-    # out (benchmarks/trace_quant.py); the same kernels as quant's otherwise
+    # the producer-fed and mma.sync W4A16 tiles recording when each run of K stages starts,
+    # retires and is out (benchmarks/trace_quant.py); the same kernels as quant's otherwise
     "quant_trace": (
         "quant.cu",
         "PS_QUANT_TRACE",
-        tuple(k for k in MODULES["quant"][1] if "_wgt_" in k or "_wgs_" in k),
+        tuple(k for k in MODULES["quant"][1]
+              if "_wgt_" in k or "_wgs_" in k or re.fullmatch(r"w4a16_(bf16|fp16)_m\d+", k)),
     ),
     "attention_variants": (
         "attention.cu",

@@ -13,10 +13,11 @@ constexpr int STAGE_K = 64;   // one k32 chunk per K warp
 
 #ifdef PS_QUANT_TRACE
 // Diagnostics only (module "quant_trace", benchmarks/trace_quant.py): for each CTA and run of K
-// stages of the wgt and wgs kernels, consumer thread 0 records the SM, the stages, how the
-// output left (TRACE_*), clock64 and globaltimer at the run's start, clock64 when its MMAs
-// retired, and clock64 and globaltimer when its output was out.
-constexpr int TRACE_RUNS = 8, TRACE_FIELDS = 6;
+// stages of the wgt and wgs kernels and of the mma.sync tiles, (consumer) thread 0 records the
+// SM, the stages, how the output left (TRACE_*), clock64 and globaltimer at the run's start,
+// clock64 when its MMAs retired, clock64 and globaltimer when its output was out and, in the
+// mma.sync tiles, the cycles it spent at the stage barriers (waiting for copies and warps).
+constexpr int TRACE_RUNS = 8, TRACE_FIELDS = 7;
 enum { TRACE_STORED = 1, TRACE_PART = 2, TRACE_HEAD_SUM = 3, TRACE_LAST_SUM = 4 };
 __device__ unsigned long long ps_quant_trace[4096 * TRACE_RUNS * TRACE_FIELDS];
 __device__ __forceinline__ unsigned long long trace_globaltimer() {
@@ -26,16 +27,18 @@ __device__ __forceinline__ unsigned long long trace_globaltimer() {
 }
 struct TraceRun {
   unsigned long long* slot;
-  unsigned long long start, start_ns, mma;
+  unsigned long long start, start_ns, mma, waited, wait_from;
   __device__ __forceinline__ TraceRun(int cta, int run) {
     slot = run < TRACE_RUNS && cta < 4096 && threadIdx.x == 0
                ? ps_quant_trace + ((size_t)cta * TRACE_RUNS + run) * TRACE_FIELDS
                : nullptr;
     start_ns = trace_globaltimer();
     start = clock64();
-    mma = 0;
+    mma = waited = 0;
   }
   __device__ __forceinline__ void retired() { mma = clock64(); }
+  __device__ __forceinline__ void wait_begin() { wait_from = clock64(); }
+  __device__ __forceinline__ void wait_end() { waited += clock64() - wait_from; }
   __device__ __forceinline__ void out(int stages, int how) const {
     if (slot == nullptr) return;
     const unsigned long long end = clock64(), end_ns = trace_globaltimer();
@@ -47,15 +50,20 @@ struct TraceRun {
     slot[3] = end;
     slot[4] = start_ns;
     slot[5] = end_ns;
+    slot[6] = waited;
   }
 };
 #define PS_TRACE_RUN(cta, run) TraceRun trace_run(cta, run)
 #define PS_TRACE_RETIRED() trace_run.retired()
 #define PS_TRACE_OUT(stages, how) trace_run.out(stages, how)
+#define PS_TRACE_WAIT_BEGIN() trace_run.wait_begin()
+#define PS_TRACE_WAIT_END() trace_run.wait_end()
 #else
 #define PS_TRACE_RUN(cta, run)
 #define PS_TRACE_RETIRED()
 #define PS_TRACE_OUT(stages, how)
+#define PS_TRACE_WAIT_BEGIN()
+#define PS_TRACE_WAIT_END()
 #endif
 
 // (q & mask) | base in one instruction, where the compiler emits an AND and an OR: it runs for
@@ -271,7 +279,8 @@ __device__ __forceinline__ void read_stage(const Tile& q, const unsigned char* s
 
 // Split K, after each CTA wrote its fp32 partials of its (row tile, column block) to
 // ws[split][M][Np]: the last CTA of the tile to arrive (counters[tile], reset by it) sums them in
-// split order and stores y: deterministic, capturable, no host sync.
+// split order and stores y: deterministic, capturable, no host sync. Returns whether this CTA
+// was that last one.
 // THREADS threads sync: the whole block, or (CONSUMERS) threads 0..THREADS-1 of a block whose
 // producer warpgroup may have exited (named barrier 1).
 template <bool CONSUMERS>
@@ -283,7 +292,7 @@ __device__ __forceinline__ void sync_threads() {
 }
 
 template <typename T, int ROWS, bool CONSUMERS = false, int CN = CTA_N>
-__device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T* bias,
+__device__ __forceinline__ bool finish_splits(T* y, long long y_stride, const T* bias,
                                               const float* ws, int* counters, int M, int N,
                                               int Np, int m0) {
   static_assert(CN == CTA_N || ROWS > 32, "the small tiles' sums assume CTA_N columns");
@@ -297,7 +306,7 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
     if (s_last) counters[tile] = 0;  // every other split has counted: ready for the next launch
   }
   sync_threads<CONSUMERS>();
-  if (!s_last) return;
+  if (!s_last) return false;
   __threadfence();
   const int total = min(ROWS, M - m0) * (CN / 2), splits = gridDim.y;
   if constexpr (ROWS <= 32) {
@@ -344,7 +353,7 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
       const int m = m0 + e / (CTA_N / 2), n = ncta * CTA_N + (e % (CTA_N / 2)) * 2;
       if (n < N) store2(y, y_stride, m, n, sum[u].x, sum[u].y, bias);
     }
-    return;
+    return true;
   }
   // PER entries a thread, BATCH splits of each loaded before any is added: entry by entry, a
   // 256-row tile's thread would wait on L2 64 times in a row whatever the split count.
@@ -385,6 +394,7 @@ __device__ __forceinline__ void finish_splits(T* y, long long y_stride, const T*
     for (int u = 0; u < PER; ++u)
       if (ok[u]) store2(y, y_stride, m[u], n[u], sum[u].x, sum[u].y, bias);
   }
+  return true;
 }
 
 // The fp32 output tile [ROWS][CN] (rows OUT_STRIDE floats apart) out by rows, THREADS
@@ -427,6 +437,7 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
   const int ncta = q.ncta, split = blockIdx.y, m0 = q.m0, nst = q.nst;
   const int nb = ncta * 4 + wn;
   const unsigned int smem0 = ps::smem_addr(smem);
+  PS_TRACE_RUN(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z), 0);
   StageCopier<T, C::ROWS> copy(q, x, x_stride, scales, zeros, M, group);
   constexpr unsigned int RING = C::STAGES * C::STAGE_BYTES;
 
@@ -453,8 +464,10 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
   }
   unsigned int rd = 0, wr = (C::STAGES - 1) * C::STAGE_BYTES;  // buffer offsets: read, refill
   for (int i = 0; i < nst; ++i) {
+    PS_TRACE_WAIT_BEGIN();
     ps::cp_async_wait<C::STAGES - 2>();  // stage i has landed (own copies), then everyone's
     __syncthreads();                     // ... and the buffer refilled below is read by no one
+    PS_TRACE_WAIT_END();
     if (i + C::STAGES - 1 < nst) {
       copy.weights(smem0 + wr);
       copy.activations(smem0 + wr, K);
@@ -483,6 +496,7 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
       }
     }
   }
+  PS_TRACE_RETIRED();
   ps::cp_async_wait<0>();
   __syncthreads();
 
@@ -520,6 +534,7 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
           if (m + 8 < M) store2(y, y_stride, m + 8, n, acc[mt][j][2], acc[mt][j][3], bias);
         }
     }
+    PS_TRACE_OUT(nst, TRACE_STORED);
     return;
   }
 
@@ -538,7 +553,9 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
               make_float2(acc[mt][j][2], acc[mt][j][3]);
       }
   }
-  finish_splits<T, C::ROWS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
+  [[maybe_unused]] const bool summed =
+      finish_splits<T, C::ROWS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
+  PS_TRACE_OUT(nst, summed ? TRACE_LAST_SUM : TRACE_PART);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""benchmarks/trace_quant.py: the trace build's module lists production's wide tiles, and the
-summary reads a trace as quant.cu's PS_QUANT_TRACE writes it (per CTA and run: the SM, stages
-and how the output left, clock64 at the start, at the MMAs' retiring and at the output, and
-globaltimer at the start and at the output)."""
+"""benchmarks/trace_quant.py: the trace build's module lists production's wide and mma.sync
+tiles, and the summary reads a trace as quant.cu's PS_QUANT_TRACE writes it (per CTA and run:
+the SM, stages and how the output left, clock64 at the start, at the MMAs' retiring and at the
+output, globaltimer at the start and at the output, and the mma.sync tiles' cycles at their
+stage barriers); tiles are named as quant's."""
 from __future__ import annotations
 
 import re
@@ -18,17 +19,24 @@ def test_the_trace_module_builds_production_kernels_with_its_macro():
     source, macro, kernels = _compile.ON_DEMAND[trace_quant.TRACE_MODULE]
     assert (source, macro) == ("quant.cu", "PS_QUANT_TRACE")
     text = _compile.load_source("quant.cu")
-    assert len(kernels) == 12  # wgt and wgs, bf16 and fp16, 64 / 128 / 256 rows
+    # wgt and wgs, bf16 and fp16, 64 / 128 / 256 rows; mma.sync, bf16 and fp16, 16 to 128 rows
+    assert len(kernels) == 12 + 8
     for kernel in kernels:  # each instantiated by the source, traced or not
-        assert re.search(rf"^PS_QUANT_PRODUCT_WG[TS]\({kernel},", text, re.MULTILINE), kernel
+        assert re.search(rf"^PS_QUANT_PRODUCT(_WG[TS])?\({kernel},", text, re.MULTILINE), kernel
     assert text.count("#ifdef PS_QUANT_TRACE") >= 2  # the recorder, and the run counter
-    assert "TRACE_RUNS = 8, TRACE_FIELDS = 6" in text  # the layout trace_quant reads
-    assert (trace_quant.TRACE_RUNS, trace_quant.TRACE_FIELDS) == (8, 6)
+    assert "TRACE_RUNS = 8, TRACE_FIELDS = 7" in text  # the layout trace_quant reads
+    assert (trace_quant.TRACE_RUNS, trace_quant.TRACE_FIELDS) == (8, 7)
 
 
-def _record(raw, cta, run, sm, stages, how, start, mma, end, start_ns, end_ns):
+def test_tiles_are_named_as_quant_names_them():
+    assert trace_quant.tile_of("wgt128") == (128, "wgt")
+    assert trace_quant.tile_of("wgs64") == (64, "wgs")
+    assert trace_quant.tile_of("m16") == (16, "")
+
+
+def _record(raw, cta, run, sm, stages, how, start, mma, end, start_ns, end_ns, waited=0):
     slot = raw.reshape(4096, trace_quant.TRACE_RUNS, trace_quant.TRACE_FIELDS)[cta, run]
-    slot[:] = [sm | stages << 16 | how << 48, start, mma, end, start_ns, end_ns]
+    slot[:] = [sm | stages << 16 | how << 48, start, mma, end, start_ns, end_ns, waited]
 
 
 def test_summary_of_two_ctas_at_two_ghz():
@@ -51,3 +59,15 @@ def test_summary_of_two_ctas_at_two_ghz():
     assert s["epilogue_us"]["last summed"] == {}
     assert s["gaps_us"]["median"] == pytest.approx(1.0) and s["gaps_us"]["n"] == 1
     assert s["starts_us"]["max"] == pytest.approx(0.5)
+    assert s["barrier_share_of_loop"] == {}  # the wide tiles record no barrier cycles
+
+
+def test_the_barriers_share_of_an_mma_sync_tiles_loop():
+    raw = np.zeros(4096 * trace_quant.TRACE_RUNS * trace_quant.TRACE_FIELDS, dtype=np.uint64)
+    # two CTAs of 16 stages, 0.5 µs each at 2 GHz: a quarter and half of it at the barriers
+    _record(raw, 0, 0, 1, 16, 2, 0, 16000, 20000, 0, 10000, waited=4000)
+    _record(raw, 1, 0, 2, 16, 4, 0, 16000, 22000, 0, 11000, waited=8000)
+    s = trace_quant.summary(trace_quant.runs_of(raw))
+    assert s["loop_us_per_stage"]["shared"]["median"] == pytest.approx(0.5)
+    assert s["barrier_share_of_loop"]["p10"] >= 0.25 and s["barrier_share_of_loop"]["max"] == 0.5
+    assert s["epilogue_us"]["last summed"]["median"] == pytest.approx(3.0)

@@ -69,7 +69,11 @@ CANDIDATE_TILES: tuple[Tile, ...] = ()
 # parts of K (a power of two of its stages) can beat the model's count, which weighs waves of
 # thread blocks, not the uneven last part or the memory parallelism of more blocks.
 SPLIT_CANDIDATES = (1, 2, 4, 8, 16)
-SMALL_TILES = (16, 32)  # the row tiles of up to 32 rows, tuned at their full row count
+SMALL_TILES = (16, 32)  # the row tiles of up to 32 rows
+# The row counts at which tuning times a small tile's K parts: each count's choice serves the
+# row counts above the one before it, so that a decode step of one seq does not run the parts
+# the tile's sixteen rows were fastest with (fewer, as its activations and MMAs weigh more).
+SMALL_TUNE_ROWS = {16: (1, 4, 16), 32: (32,)}
 # The row counts tuning picks tiles at by default; the executor adds its decode graphs' batch
 # sizes, so that a batch of 160 rows does not run the tile chosen for 128 (two row tiles of a
 # 128-row one where one 256-row tile would do).
@@ -85,8 +89,8 @@ _dequant_rows: dict[tuple[int, int, int], int] = {}
 # (device, dtype) -> {(N, K): {TILE_CANDIDATES row count: its tile}}: tuned, and checked, per
 # dtype and shape
 _tiles: dict[tuple[int, torch.dtype], dict[Shape, dict[int, Tile]]] = {}
-# (device, dtype) -> {(N, K): {16 or 32: the K parts tuning measured fastest for that tile}}; a
-# tile without an entry keeps split_k_choice's count
+# (device, dtype) -> {(N, K): {a SMALL_TUNE_ROWS row count: the K parts tuning measured fastest
+# there}}; a row count without an entry keeps split_k_choice's count
 _split_counts: dict[tuple[int, torch.dtype], dict[Shape, dict[int, int]]] = {}
 _resident: dict[tuple[str, int], int] = {}
 # device -> whether the products are launched programmatically (prepare() decides; see
@@ -265,8 +269,9 @@ def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtyp
     if family == "wgs":
         return kernel, mt, m_tiles, 1, kp // STAGE_K
     if splits is None and rows in SMALL_TILES and not family and _split_counts:
-        splits = _split_counts.get((_index(device), dtype), {}).get((packed.n, packed.k),
-                                                                    {}).get(rows)
+        tuned = _split_counts.get((_index(device), dtype), {}).get((packed.n, packed.k), {})
+        at = next((r for r in SMALL_TUNE_ROWS[rows] if r >= num_tokens), rows)
+        splits = tuned.get(at)
     splits, split_stages = _splits(kernel, device, m_tiles, _column_blocks(np_, family),
                                    kp // STAGE_K, num_tokens * np_, min(num_tokens, 16 * mt),
                                    splits)
@@ -297,8 +302,9 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
                       ) -> dict[Shape, tuple[int, dict[int, tuple[float, float]]]]:
     """Times the products of `weights` in CUDA graphs, shape by shape, all weights of a shape in
     one graph (several layers' weights of a shape, so that they come from memory as a layer's
-    do, not from L2): the 16- and 32-row tiles at 16 and 32 rows in each of SPLIT_CANDIDATES
-    K parts and split_k_choice's, each tile keeping the fastest for the rows it serves; the
+    do, not from L2): the 16- and 32-row tiles at each of SMALL_TUNE_ROWS' row counts in each
+    of SPLIT_CANDIDATES K parts and split_k_choice's, each count keeping the fastest for the
+    rows it serves; the
     kernel at each of `rows_list` (with DEQUANT_CANDIDATES; counts up to 32 left out: those
     run the 16- and 32-row tiles) rows in every one of `tiles` the device runs (wgmma:
     sm_90a) whose output agrees with the 64-row kernel's, and from DEQUANT_CANDIDATES rows also
@@ -326,7 +332,7 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
         table.pop((n, k), None)
         split_table.pop((n, k), None)
         counts = {}
-        for rows in SMALL_TILES:
+        for rows in (r for tile_rows in SMALL_TILES for r in SMALL_TUNE_ROWS[tile_rows]):
             x = torch.randn(rows, k, dtype=dtype, device=dev)
             out = torch.empty(rows, n, dtype=dtype, device=dev)
             timed = {count: graph_us(lambda: [_kernel_product(x, w, None, out, None, count)
@@ -386,10 +392,11 @@ def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device,
 def tile_choice(device: torch.device | int | None = None,
                 dtype: torch.dtype = torch.bfloat16) -> dict[Shape, dict[int, str]]:
     """{(N, K): {candidate rows: the kernel tuning chose there}} ({} before tuning), for the
-    logs; the 16- and 32-row tiles too where tuning chose their K parts ("m16/k8": 8 parts)."""
+    logs; the 16- and 32-row tiles' row counts too where tuning chose their K parts ("m16/k8":
+    8 parts)."""
     index = _index(device)
     parts = _split_counts.get((index, dtype), {})
-    return {shape: {**{rows: f"m{rows}/k{count}"
+    return {shape: {**{rows: f"m{tile_for(rows)[0]}/k{count}"
                        for rows, count in sorted(parts.get(shape, {}).items())},
                     **{rows: f"{family or 'm'}{cta_rows}"
                        for rows, (cta_rows, family) in sorted(chosen.items())}}

@@ -548,10 +548,11 @@ def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
 
 
 def test_int4_tuning_takes_each_shapes_fastest_k_parts_for_the_small_tiles(monkeypatch):
-    """At 16 and 32 rows tune_dequant_rows times the 16- and 32-row tiles with K in each of
-    SPLIT_CANDIDATES parts and in split_k_choice's (None), a shape's weights in one graph; each
-    tile keeps its fastest count for its shape, the model's on a tie (no entry), and every row
-    count the tile serves then launches that count; tile_choice names it for the logs."""
+    """At each of SMALL_TUNE_ROWS' row counts (1, 4 and 16 for the 16-row tile, 32 for the
+    32-row one) tune_dequant_rows times the tile with K in each of SPLIT_CANDIDATES parts and
+    in split_k_choice's (None), a shape's weights in one graph; each count keeps its fastest
+    for the shape, the model's on a tie (no entry), and the row counts above the one before it
+    then launch that count; tile_choice names it for the logs."""
     from pagedserve_kernels import quant
 
     narrow, wide = (128, 256), (512, 256)
@@ -560,24 +561,24 @@ def test_int4_tuning_takes_each_shapes_fastest_k_parts_for_the_small_tiles(monke
     def cost(shape, rows, tile, splits):
         if tile is not None or rows > 32:
             return 1.0
-        if shape == narrow:  # 8 parts at 16 rows; at 32 the model and 4 parts tie
-            return {8: 1.0, 4: 2.0, None: 2.0}.get(splits, 3.0) if rows == 16 else \
-                {4: 2.0, None: 2.0}.get(splits, 3.0)
-        return 1.0 if splits == 4 else 2.0  # wide: 4 parts at both
+        if shape == narrow:  # 2 parts at one row, 8 at 16; at 4 and 32 the model and 4 tie
+            best = {1: 2, 16: 8}.get(rows)
+            return 1.0 if splits == best else {4: 2.0, None: 2.0}.get(splits, 3.0)
+        return 1.0 if splits == 4 else 2.0  # wide: 4 parts at every count
 
     _offline_int4_tuning(monkeypatch, cost, 2, {(0, torch.bfloat16): {(64, 64): {16: 2}}})
     quant.tune_dequant_rows(weights, "cuda", ((64, ""),), (64,))
-    assert quant._split_counts == {(0, torch.bfloat16): {(64, 64): {16: 2}, narrow: {16: 8},
-                                                         wide: {16: 4, 32: 4}}}
-    assert quant.tile_choice(0)[narrow] == {16: "m16/k8", **{
+    assert quant._split_counts == {(0, torch.bfloat16): {
+        (64, 64): {16: 2}, narrow: {1: 2, 16: 8}, wide: {1: 4, 4: 4, 16: 4, 32: 4}}}
+    assert quant.tile_choice(0)[narrow] == {1: "m16/k2", 16: "m16/k8", **{
         rows: "m64" for rows in sorted({64} | set(quant.DEQUANT_CANDIDATES))}}
     forced = []
     monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
                         partial, tile_rows, count=None: forced.append(count) or (1, k_stages))
-    for rows in (1, 16, 17, 32, 33):
+    for rows in (1, 2, 4, 5, 16, 17, 32, 33):
         quant.launch_shape(rows, weights[0], "cuda", torch.bfloat16)  # narrow
         quant.launch_shape(rows, weights[1], "cuda", torch.bfloat16)  # wide
-    assert forced == [8, 4, 8, 4, None, 4, None, 4, None, None]
+    assert forced == [2, 4, None, 4, None, 4, 8, 4, 8, 4, None, 4, None, 4, None, None]
     quant.launch_shape(16, weights[0], "cuda", torch.bfloat16, None, 2)  # bench_quant's --splits
     quant.launch_shape(16, weights[0], "cuda", torch.float16)  # tuned per dtype
     assert forced[-2:] == [2, None]

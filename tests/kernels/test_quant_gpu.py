@@ -168,7 +168,7 @@ def test_small_tiles_sum_their_k_parts_through_shared_memory(quant, monkeypatch,
     pipeline buffers that do not divide the count): against the reference, with a bias, and
     again bit for bit."""
     monkeypatch.setattr(quant, "_split_counts", {(0, torch.bfloat16): {(4096, 4096): {
-        16: splits, 32: splits}}})
+        rows: splits for tile in quant.SMALL_TILES for rows in quant.SMALL_TUNE_ROWS[tile]}}})
     assert quant.launch_shape(m, quant.repack(*_int4(4096, 4096, 128, True, False,
                                                      torch.bfloat16, 2)[:3], 128),
                               torch.device("cuda"), torch.bfloat16)[3] == splits

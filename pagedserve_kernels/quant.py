@@ -304,11 +304,10 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     one graph (several layers' weights of a shape, so that they come from memory as a layer's
     do, not from L2): the 16- and 32-row tiles at each of SMALL_TUNE_ROWS' row counts in each
     of SPLIT_CANDIDATES K parts and split_k_choice's, each count keeping the fastest for the
-    rows it serves; the
-    kernel at each of `rows_list` (with DEQUANT_CANDIDATES; counts up to 32 left out: those
-    run the 16- and 32-row tiles) rows in every one of `tiles` the device runs (wgmma:
-    sm_90a) whose output agrees with the 64-row kernel's, and from DEQUANT_CANDIDATES rows also
-    dequantized into prepare's scratch then multiplied by cuBLAS.
+    rows it serves; the kernel at each of `rows_list` (with DEQUANT_CANDIDATES; counts up to
+    32 left out: those run the 16- and 32-row tiles) rows in every one of `tiles` the device
+    runs (wgmma: sm_90a) whose output agrees with the 64-row kernel's, and from
+    DEQUANT_CANDIDATES rows also dequantized into prepare's scratch then multiplied by cuBLAS.
     Each candidate row count takes the shape's fastest tile (tile_for); the shape dequantizes
     from the smallest candidate from which that beats the kernel at it and every larger one
     (none: NEVER). Before any capture. Returns {(N, K): (its dequantizing threshold, {rows:

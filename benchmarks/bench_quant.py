@@ -1,7 +1,8 @@
 """Our W4A16 product (pagedserve_kernels.quant.int4_linear) against torch's bf16 F.linear on
 Llama-3-8B's four layer products at decode row counts and a prefill step (the kernel in the tile
 the device takes untuned), with each other row tile tuning may pick beside it (128 rows a CTA;
-on Hopper the wgmma kernels at 64 and 128), the untuned tile at each --splits count of K parts,
+on Hopper the wgmma kernels at 64 and 128, and up to 32 rows the candidates summing K parts
+through a cluster, column "cl"), the untuned tile at each --splits count of K parts,
 and dequantize + F.linear (the cuBLAS route); with --vllm-site, vLLM's Marlin (gptq_marlin,
 4-bit, same group size) and, on Hopper, its Machete (the kernel vLLM 0.26 takes there for AWQ
 and GPTQ: it lists Machete before Marlin) on the same shapes, timed the same way in a child
@@ -109,6 +110,10 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
                                              torch.bfloat16)[3],
                 "int4_parts_us": min(parts.values()) if parts else None,
                 "parts": min(parts, key=parts.get) if parts else None,
+                # the candidates summing K parts through a cluster, at their fastest count
+                "int4_cl_us": min(kernel_us(packed, rows, k, (16 if rows <= 16 else 32, "cl"),
+                                            count) for count in (2, 4, 8))
+                if rows <= 32 and hopper else None,
                 **{f"int4_s{count}_us": kernel_us(packed, rows, k, count=count)
                    for count in splits},
             }
@@ -238,7 +243,7 @@ def table(results: dict, rows_list) -> None:
         return min(v for key, v in r.items()
                    if key.startswith(("int4_", "dequant_")) and v is not None
                    and not re.fullmatch(r"int4_s\d+_us", key)  # not a forced split
-                   and key[5:-3] not in candidates)  # nor a candidate tile
+                   and key[5:-3] not in candidates | {"cl"})  # nor a candidate tile
 
     print("| product | rows | K splits (model, fastest tuned) | bf16 µs | int4 µs | "
           "int4 vs bf16 | int4, plain launches µs | " + "".join(f"int4, {t} µs | " for t in tiles)

@@ -93,6 +93,13 @@ ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
         tuple(k for k in MODULES["quant"][1]
               if "_wgt_" in k or "_wgs_" in k or re.fullmatch(r"w4a16_(bf16|fp16)_m\d+", k)),
     ),
+    # the 16- and 32-row W4A16 tiles summing their K parts through a cluster (quant.py's
+    # CLUSTER_TILES), candidates
+    "quant_cluster": (
+        "quant.cu",
+        "PS_QUANT_CLUSTER",
+        ("w4a16_cl_bf16_m16", "w4a16_cl_bf16_m32", "w4a16_cl_fp16_m16", "w4a16_cl_fp16_m32"),
+    ),
     "attention_variants": (
         "attention.cu",
         "PS_VARIANTS",
@@ -220,33 +227,37 @@ def current_stream(device: torch.device) -> Any:
 
 def launch(module: str, kernel: str, device: torch.device, grid: tuple[int, ...],
            block: tuple[int, ...], args: tuple, shared_mem: int = 0,
-           programmatic: bool = False) -> None:
+           programmatic: bool = False, cluster: tuple[int, int, int] | None = None) -> None:
     """Launch on torch's current stream of `device` (always an explicit stream: a launch on
     CuPy's default stream would silently drop out of a CUDA-graph capture). `programmatic`:
     as a programmatic dependent launch (the kernel must call ps::grid_dependency_wait before it
-    touches what the kernel before it reads or writes; see programmatic_launch)."""
+    touches what the kernel before it reads or writes; see programmatic_launch). `cluster`:
+    thread block clusters of these dimensions (sm_90; at most 8 CTAs, each grid dimension a
+    multiple of the cluster's)."""
     import cupy
 
     index = _device_index(device)
     fn = get_function(module, kernel, index, shared_mem)
     with cupy.cuda.Device(index):
-        if programmatic:
-            _launch_programmatic(fn, grid, block, args, shared_mem,
-                                 torch.cuda.current_stream(index).cuda_stream)
+        if programmatic or cluster:
+            _launch_ex(fn, grid, block, args, shared_mem,
+                       torch.cuda.current_stream(index).cuda_stream, programmatic, cluster)
         else:
             fn(grid, block, args, shared_mem=shared_mem, stream=current_stream(device))
 
 
 # Programmatic dependent launch (Hopper and later): the grid may start while the kernel before
 # it in the stream finishes, and waits for it where the kernel says (griddepcontrol.wait);
-# CUDA-graph capture keeps the edge programmatic. CuPy launches only plainly, so this calls the
-# driver's cuLaunchKernelEx with cuda.h's structures.
+# CUDA-graph capture keeps the edge programmatic. Thread block clusters (sm_90): CTAs launched
+# together on one GPC, reading each other's shared memory. CuPy launches only plainly, so these
+# call the driver's cuLaunchKernelEx with cuda.h's structures.
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value {x, y, z}
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: 72 bytes, the value at 8
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
-                ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+                ("value", ctypes.c_uint * 3), ("rest", ctypes.c_char * 52)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig: 56 bytes
@@ -291,11 +302,9 @@ def kernel_arguments(args: tuple) -> list:
     return out
 
 
-_PROGRAMMATIC_ATTR = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-
-
-def _launch_programmatic(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
-                         shared_mem: int, stream: int) -> None:
+def _launch_ex(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+               shared_mem: int, stream: int, programmatic: bool,
+               cluster: tuple[int, int, int] | None) -> None:
     lib = _driver_api()
     values = kernel_arguments(args)
     params = (ctypes.c_void_p * max(1, len(values)))(*map(ctypes.addressof, values))
@@ -303,7 +312,16 @@ def _launch_programmatic(fn: Any, grid: tuple[int, ...], block: tuple[int, ...],
     config.grid[:] = (tuple(grid) + (1, 1))[:3]
     config.block[:] = (tuple(block) + (1, 1))[:3]
     config.shared_mem, config.stream = shared_mem, stream
-    config.attrs, config.num_attrs = ctypes.pointer(_PROGRAMMATIC_ATTR), 1
+    attrs = (_LaunchAttribute * 2)()
+    count = 0
+    if programmatic:
+        attrs[count].id, attrs[count].value[0] = _PROGRAMMATIC_STREAM_SERIALIZATION, 1
+        count += 1
+    if cluster:
+        attrs[count].id = _CLUSTER_DIMENSION
+        attrs[count].value[:] = cluster
+        count += 1
+    config.attrs, config.num_attrs = attrs, count
     # a RawKernel holds its loaded CUfunction in .kernel (a cupy.cuda.Function)
     err = lib.cuLaunchKernelEx(ctypes.byref(config), fn.kernel.ptr, params, None)
     if err:

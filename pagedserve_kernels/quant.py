@@ -65,6 +65,12 @@ TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # a GPU has measured it.
 CANDIDATE_TILES: tuple[Tile, ...] = ()
+# Candidates for the 16- and 32-row tiles (Hopper, their own module, built on first use): their
+# K parts summed through a thread block cluster's shared memory (quant.cu's cluster_splits)
+# instead of global partials, a fence and an arrival counter, so at most MAX_CLUSTER parts.
+CLUSTER_TILES: tuple[Tile, ...] = ((16, "cl"), (32, "cl"))
+CLUSTER_MODULE = "quant_cluster"
+MAX_CLUSTER = 8  # CTAs in a portable cluster
 # K part counts tuning times for the 16- and 32-row tiles beside split_k_choice's own: even
 # parts of K (a power of two of its stages) can beat the model's count, which weighs waves of
 # thread blocks, not the uneven last part or the memory parallelism of more blocks.
@@ -224,8 +230,9 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
 def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
                     splits: int | None = None) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
-    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (64 or 128, "wgp"), (64, 128
-    or 256, "wgt" or "wgs") and (64 or 128, "wgw") on wgmma; None: tile_for's choice), K in
+    tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (16 or 32, "cl") the candidates
+    summing K parts through a cluster (Hopper), (64 or 128, "wgp"), (64, 128 or 256, "wgt" or
+    "wgs") and (64 or 128, "wgw") on wgmma; None: tile_for's choice), K in
     `splits` parts (None: what tuning measured fastest for the 16- and 32-row tiles, else
     split_k_choice's; a count past what the workspace or K allows is lowered to it:
     bench_quant's --splits; "wgs" shares K out itself)."""
@@ -240,17 +247,18 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
         grid = (stream_k_ctas(m_tiles * (np_ // CTA_N) * (kp // STAGE_K), x.device), 1, 1)
         ws_ptr = _stream_k_workspace(x.device).data_ptr()
         counters_ptr = _workspace(x.device)[1].data_ptr()
-    elif splits > 1:
+    elif splits > 1 and family != "cl":  # "cl": the partials stay in the cluster
         ws, counters = _workspace(x.device)
         ws_ptr, counters_ptr = ws.data_ptr(), counters.data_ptr()
     args = (out.data_ptr(), _i64(out.stride(0)), x.data_ptr(), _i64(x.stride(0)),
             packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.zeros),
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
-    _compile.launch("quant", kernel, x.device, grid, (_threads(kernel), 1, 1), args,
+    cluster = {"cluster": (1, splits, 1)} if family == "cl" and splits > 1 else {}
+    _compile.launch(_module(kernel), kernel, x.device, grid, (_threads(kernel), 1, 1), args,
                     shared_mem=_smem_bytes(mt, family),
                     programmatic=PROGRAMMATIC_MIN_ROWS <= num_tokens <= PROGRAMMATIC_ROWS
-                    and _programmatic.get(_index(x.device), False))
+                    and _programmatic.get(_index(x.device), False), **cluster)
     return out
 
 
@@ -268,13 +276,17 @@ def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtyp
     kernel = _kernel_name(dtype, rows, family)
     if family == "wgs":
         return kernel, mt, m_tiles, 1, kp // STAGE_K
-    if splits is None and rows in SMALL_TILES and not family and _split_counts:
+    if splits is None and rows in SMALL_TILES and family in ("", "cl") and _split_counts:
         tuned = _split_counts.get((_index(device), dtype), {}).get((packed.n, packed.k), {})
         at = next((r for r in SMALL_TUNE_ROWS[rows] if r >= num_tokens), rows)
         splits = tuned.get(at)
     splits, split_stages = _splits(kernel, device, m_tiles, _column_blocks(np_, family),
                                    kp // STAGE_K, num_tokens * np_, min(num_tokens, 16 * mt),
                                    splits)
+    if family == "cl" and splits > MAX_CLUSTER:  # one cluster holds a tile's K parts
+        splits, split_stages = _splits(kernel, device, m_tiles, _column_blocks(np_, family),
+                                       kp // STAGE_K, num_tokens * np_,
+                                       min(num_tokens, 16 * mt), MAX_CLUSTER)
     return kernel, mt, m_tiles, splits, split_stages
 
 
@@ -619,9 +631,14 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _family(kernel: str) -> str:
-    """A product kernel's family by its name: "" (mma.sync), "wgp", "wgt", "wgs" or "wgw"
-    (wgmma)."""
-    return next((f for f in ("wgp", "wgt", "wgs", "wgw") if f"_{f}_" in kernel), "")
+    """A product kernel's family by its name: "" (mma.sync), "cl" (the mma.sync candidates
+    summing K parts through a cluster), "wgp", "wgt", "wgs" or "wgw" (wgmma)."""
+    return next((f for f in ("cl", "wgp", "wgt", "wgs", "wgw") if f"_{f}_" in kernel), "")
+
+
+def _module(kernel: str) -> str:
+    """The module a product kernel is built in: the cluster candidates' own, else quant."""
+    return CLUSTER_MODULE if _family(kernel) == "cl" else "quant"
 
 
 def _cta_n(family: str) -> int:
@@ -701,7 +718,7 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     if key not in _resident:
         mt = int(kernel.rsplit("_m", 1)[1]) // 16
         smem, threads = _smem_bytes(mt, _family(kernel)), _threads(kernel)
-        fn = _compile.get_function("quant", kernel, index, smem)
+        fn = _compile.get_function(_module(kernel), kernel, index, smem)
         props = torch.cuda.get_device_properties(index)
         regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp
         regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))

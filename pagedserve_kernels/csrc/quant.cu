@@ -130,6 +130,8 @@ struct Cfg : Stage<16 * MT> {
   static constexpr int STAGES = MT == 1 ? 6 : (MT == 2 ? 5 : 4);
   static constexpr int SMEM = STAGES * STAGE_BYTES;    // quant.py's _smem_bytes mirrors this
   static_assert(4 * MT * 16 * 32 * 4 <= SMEM, "the K-warp reduction reuses the pipeline");
+  static_assert(MT > 2 || 4 * MT * 16 * 32 * 4 + 16 * MT * CTA_N * 4 <= SMEM,
+                "and the 16- and 32-row tiles' partials in a cluster (w4a16_cl_*) after it");
 };
 
 // Epilogue: two adjacent columns n, n + 1 of row m, plus bias, rounded once.
@@ -419,11 +421,65 @@ __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_s
   finish_splits<T, ROWS, CONSUMERS, CN>(y, y_stride, bias, ws, counters, M, N, Np, m0);
 }
 
+// Thread block clusters (sm_90): a barrier over the cluster's threads (release / acquire, so
+// shared-memory writes before it are seen by every CTA of the cluster after it), a CTA's shared
+// address in CTA `rank`'s shared memory, and a load from there (distributed shared memory).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
+               ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ unsigned int cluster_address(unsigned int local, unsigned int rank) {
+  unsigned int r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local), "r"(rank));
+#endif
+  return r;
+}
+__device__ __forceinline__ float2 ld_cluster_f2(unsigned int address) {
+  float2 v = make_float2(0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n"
+               : "=f"(v.x), "=f"(v.y) : "r"(address) : "memory");
+#endif
+  return v;
+}
+
+// Split K through a cluster (CLUSTER, the candidate tiles w4a16_cl_*, launched as clusters of
+// (1, splits, 1)): each CTA's fp32 partials of its (row tile, column block) stay in its own
+// shared memory at `part` ([ROWS][CTA_N]); after a cluster barrier each CTA sums a slice of the
+// tile across the cluster's CTAs in split order from 0 (finish_splits' bits) and stores it, and
+// a second barrier keeps every CTA's partials alive until all have read them: no partials in
+// global memory, no fence, no arrival counter.
+template <typename T, int ROWS>
+__device__ __forceinline__ void cluster_splits(T* y, long long y_stride, const T* bias,
+                                               const float* part, int M, int N, int m0) {
+  cluster_sync();  // every CTA's partials are in its shared memory
+  const int splits = gridDim.y, rank = blockIdx.y;  // cluster (1, splits, 1): rank = split
+  const int total = min(ROWS, M - m0) * (CTA_N / 2);  // float2 entries of the tile's rows
+  const int from = rank * total / splits, to = (rank + 1) * total / splits;
+  const unsigned int local = ps::smem_addr(part);
+  for (int e = from + (int)threadIdx.x; e < to; e += THREADS) {
+    float2 sum = make_float2(0.f, 0.f);
+    for (int sp = 0; sp < splits; ++sp) {
+      const float2 v = ld_cluster_f2(cluster_address(local + e * 8, sp));
+      sum.x += v.x;
+      sum.y += v.y;
+    }
+    const int m = m0 + e / (CTA_N / 2), n = blockIdx.x * CTA_N + (e % (CTA_N / 2)) * 2;
+    if (n < N) store2(y, y_stride, m, n, sum.x, sum.y, bias);
+  }
+  cluster_sync();  // no CTA leaves while another may still read its partials
+}
+
 // Grid (Np / 128, splits, ceil(M / ROWS)); 256 threads. Split s covers K stages
 // [s * split_stages, ...). splits == 1: the CTA writes y. Else each CTA writes fp32 partials to
 // ws[split][M][Np] and the last CTA of a tile (counters[tile], reset by it) sums them in split
 // order: deterministic, capturable, no host sync.
-template <typename T, int MT>
+template <typename T, int MT, bool CLUSTER = false>
 __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
                                       const T* __restrict__ x, long long x_stride,
                                       const uint4* __restrict__ qw, const T* __restrict__ scales,
@@ -520,6 +576,27 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
 #pragma unroll
         for (int r = 0; r < 4; ++r)
           acc[mt][j][r] += red[(((wn * MT + mt) * 4 + j) * 4 + r) * 32 + lane];
+  }
+
+  if constexpr (CLUSTER) {
+    if (gridDim.y > 1) {
+      float* part = red + 4 * MT * 16 * 32;  // past the K warps' sums: [ROWS][CTA_N]
+      if (wk == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int n = wn * 32 + j * 8 + 2 * t, m = mt * 16 + g;
+            *reinterpret_cast<float2*>(part + m * CTA_N + n) =
+                make_float2(acc[mt][j][0], acc[mt][j][1]);
+            *reinterpret_cast<float2*>(part + (m + 8) * CTA_N + n) =
+                make_float2(acc[mt][j][2], acc[mt][j][3]);
+          }
+      }
+      cluster_splits<T, C::ROWS>(y, y_stride, bias, part, M, N, m0);
+      PS_TRACE_OUT(nst, blockIdx.y == 0 ? TRACE_LAST_SUM : TRACE_PART);
+      return;
+    }
   }
 
   if (gridDim.y == 1) {
@@ -1394,6 +1471,24 @@ PS_QUANT_PRODUCT(w4a16_fp16_m64, __half, 4, 1)
 // accumulators); quant.py takes it from the row count tune_dequant_rows measures it faster.
 PS_QUANT_PRODUCT(w4a16_bf16_m128, __nv_bfloat16, 8, 1)
 PS_QUANT_PRODUCT(w4a16_fp16_m128, __half, 8, 1)
+
+#ifdef PS_QUANT_CLUSTER
+// Candidates (module "quant_cluster", built on demand): the 16- and 32-row tiles summing their K
+// parts through a cluster (cluster_splits); quant.py launches them as clusters of (1, splits, 1)
+// with at most 8 parts.
+#define PS_QUANT_PRODUCT_CL(NAME, T, MT, MIN_CTAS)                                             \
+  extern "C" __global__ void __launch_bounds__(ps_quant::THREADS, MIN_CTAS)                    \
+      NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
+           const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
+           int N, int K, int Kp, int Np, int group, int split_stages) {                        \
+    ps_quant::w4a16<T, MT, true>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,        \
+                                 counters, M, N, K, Kp, Np, group, split_stages);              \
+  }
+PS_QUANT_PRODUCT_CL(w4a16_cl_bf16_m16, __nv_bfloat16, 1, 4)
+PS_QUANT_PRODUCT_CL(w4a16_cl_bf16_m32, __nv_bfloat16, 2, 2)
+PS_QUANT_PRODUCT_CL(w4a16_cl_fp16_m16, __half, 1, 4)
+PS_QUANT_PRODUCT_CL(w4a16_cl_fp16_m32, __half, 2, 2)
+#endif
 
 #define PS_QUANT_PRODUCT_WG(NAME, T, MT, MIN_CTAS)                                            \
   extern "C" __global__ void __launch_bounds__(ps_quant::THREADS, MIN_CTAS)                    \

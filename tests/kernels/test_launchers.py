@@ -752,6 +752,45 @@ def test_programmatic_launch_structures_have_cuda_h_layout():
     assert (config.shared_mem.offset, config.stream.offset, config.attrs.offset,
             config.num_attrs.offset) == (24, 32, 40, 48)
     assert _compile._PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert _compile._CLUSTER_DIMENSION == 4  # its value: x, y, z at 8, 12, 16
+    assert ctypes.sizeof(ctypes.c_uint * 3) == 12
+
+
+def test_cluster_tiles_launch_as_clusters_of_their_k_parts(monkeypatch):
+    """The cluster candidates (quant.CLUSTER_TILES) launch from their own module as clusters of
+    (1, splits, 1), at most MAX_CLUSTER parts, without the global workspace; the plain tiles
+    launch with no cluster."""
+    from pagedserve_kernels import quant
+
+    launched, workspace = [], []
+    monkeypatch.setattr(quant._compile, "launch",
+                        lambda module, kernel, device, grid, block, args, shared_mem=0,
+                        programmatic=False, cluster=None: launched.append(
+                            (module, kernel, grid, cluster)))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_programmatic", {})
+    monkeypatch.setattr(quant, "_workspace", lambda device: workspace.append(device) or (
+        torch.zeros(1), torch.zeros(1)))
+    def splits_of(kernel, device, m_tiles, n_blocks, k_stages, partial, tile_rows, forced=None):
+        count = forced or 4  # the model's count: 4
+        return count, -(-k_stages // count)
+
+    monkeypatch.setattr(quant, "_splits", splits_of)
+    k, n = 4096, 256
+    packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                          torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+    for tile, splits in (((16, "cl"), None), ((32, "cl"), 16), ((16, ""), 16)):
+        m = tile[0]
+        quant._kernel_product(torch.zeros(m, k, dtype=torch.bfloat16), packed, None,
+                              torch.empty(m, n, dtype=torch.bfloat16), tile, splits)
+    assert launched == [
+        (quant.CLUSTER_MODULE, "w4a16_cl_bf16_m16", (2, 4, 1), (1, 4, 1)),
+        (quant.CLUSTER_MODULE, "w4a16_cl_bf16_m32", (2, 8, 1), (1, 8, 1)),
+        ("quant", "w4a16_bf16_m16", (2, 16, 1), None)]
+    assert len(workspace) == 1  # the plain tile's partials only
+    assert set(_compile.ON_DEMAND[quant.CLUSTER_MODULE][2]) == {
+        quant._kernel_name(dtype, rows, "cl") for rows, _ in quant.CLUSTER_TILES
+        for dtype in (torch.bfloat16, torch.float16)}
 
 
 def test_kernel_arguments_keep_each_c_type():

@@ -5,6 +5,7 @@ fp16, Llama-3-8B's four shapes and small odd ones. The bound: twice cuBLAS's own
 float32 product of the same rounded weight, plus a rounding floor. Outputs start as NaN (an
 unwritten element fails). The dequantize kernel gives the reference weight bit for bit, and
 products replay from a CUDA graph as they run eagerly, again and again (split-K counters reset).
+The candidates summing K parts through a cluster (Hopper) give their global-partials twins' bits.
 """
 from __future__ import annotations
 
@@ -178,6 +179,37 @@ def test_small_tiles_sum_their_k_parts_through_shared_memory(quant, monkeypatch,
     x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
     first = quant.int4_linear(x, packed).view(torch.int16)
     assert torch.equal(quant.int4_linear(x, packed).view(torch.int16), first)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 7, 16, 20, 32])
+@pytest.mark.parametrize("splits", [2, 5, 8])
+def test_cluster_tiles_sum_k_parts_as_the_global_partials_do(quant, m, splits, dtype):
+    """The candidates summing K parts through a cluster (CLUSTER_TILES, Hopper): the bits of the
+    16- or 32-row tile summing through global partials at the same K parts, with a bias and
+    zero points, deterministic, and within the reference's bound."""
+    if not _hopper(quant):
+        pytest.skip("clusters need Hopper")
+    rows = 16 if m <= 16 else 32
+    qweight, scales, zeros, group, perm = _int4(4096, 4096, 128, True, False, dtype, 5)
+    packed = quant.repack(qweight, scales, zeros, group, perm)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(m, 4096, generator=g, device="cuda").to(dtype)
+    bias = torch.randn(4096, generator=g, device="cuda").to(dtype)
+    device = torch.device("cuda")
+    assert quant.launch_shape(m, packed, device, dtype, (rows, "cl"), splits)[3] == splits
+    plain = quant._kernel_product(x, packed, bias, torch.empty(m, 4096, dtype=dtype,
+                                                                device="cuda"), (rows, ""), splits)
+    clustered = [quant._kernel_product(x, packed, bias, torch.full((m, 4096), float("nan"),
+                                                                   dtype=dtype, device="cuda"),
+                                       (rows, "cl"), splits) for _ in range(2)]
+    assert torch.equal(clustered[0].view(torch.int16), plain.view(torch.int16))
+    assert torch.equal(clustered[1].view(torch.int16), plain.view(torch.int16))
+    weight = reference.dequantize_int4(qweight, scales, zeros, group)
+    exact = x.float() @ weight.t() + bias.float()
+    assert float((plain.float() - exact).abs().max()) <= (
+        ROUNDING[dtype] * float(exact.abs().max()) + 2 * float(
+            (F.linear(x, weight.to(dtype), bias).float() - exact).abs().max()) + 1e-3)
 
 
 @pytest.mark.parametrize("m", [1, 40, 300])

@@ -426,8 +426,8 @@ __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_s
 // address in CTA `rank`'s shared memory, and a load from there (distributed shared memory).
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
-               ::: "memory");
+  // not .aligned: a thread may reach it from a loop whose trip count differs across its warp
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 #else
   __trap();
 #endif

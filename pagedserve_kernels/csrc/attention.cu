@@ -1076,7 +1076,7 @@ __device__ __forceinline__ void prefill_wgp_impl(
 // F8 (C = kv_fp8): the stages hold bytes; each stage is converted into one K/V tile of T, a
 // warp's own 16 keys when the warps split the keys (no barrier), else all of them. The one-token
 // kernel (!MQ) converts a warp's K into its rows of a K-sized tile and, once its scores are
-// computed, V into the same rows: the smaller footprint lets a third CTA onto an SM.
+// computed, V into the same rows: the smaller footprint lets more CTAs onto an SM.
 template <typename T, int HD, int STAGES, bool MQ = false, bool KS = false, typename C = T>
 __device__ __forceinline__ void decode_impl(
     const T* __restrict__ q, T* __restrict__ out, float* __restrict__ part_o,

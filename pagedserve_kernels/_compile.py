@@ -302,6 +302,9 @@ def kernel_arguments(args: tuple) -> list:
     return out
 
 
+_PROGRAMMATIC_ATTR = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=(1, 0, 0))
+
+
 def _launch_ex(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
                shared_mem: int, stream: int, programmatic: bool,
                cluster: tuple[int, int, int] | None) -> None:
@@ -312,16 +315,12 @@ def _launch_ex(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
     config.grid[:] = (tuple(grid) + (1, 1))[:3]
     config.block[:] = (tuple(block) + (1, 1))[:3]
     config.shared_mem, config.stream = shared_mem, stream
-    attrs = (_LaunchAttribute * 2)()
-    count = 0
-    if programmatic:
-        attrs[count].id, attrs[count].value[0] = _PROGRAMMATIC_STREAM_SERIALIZATION, 1
-        count += 1
-    if cluster:
-        attrs[count].id = _CLUSTER_DIMENSION
-        attrs[count].value[:] = cluster
-        count += 1
-    config.attrs, config.num_attrs = attrs, count
+    if cluster:  # built per launch: only the candidates' launches have one
+        attrs = (_LaunchAttribute * 2)(_LaunchAttribute(id=_CLUSTER_DIMENSION, value=cluster),
+                                       _PROGRAMMATIC_ATTR)
+        config.attrs, config.num_attrs = attrs, 1 + int(programmatic)
+    else:
+        config.attrs, config.num_attrs = ctypes.pointer(_PROGRAMMATIC_ATTR), 1
     # a RawKernel holds its loaded CUfunction in .kernel (a cupy.cuda.Function)
     err = lib.cuLaunchKernelEx(ctypes.byref(config), fn.kernel.ptr, params, None)
     if err:

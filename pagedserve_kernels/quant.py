@@ -255,7 +255,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     cluster = {"cluster": (1, splits, 1)} if family == "cl" and splits > 1 else {}
-    _compile.launch(_module(kernel), kernel, x.device, grid, (_threads(kernel), 1, 1), args,
+    _compile.launch(_module(family), kernel, x.device, grid, (_threads(kernel), 1, 1), args,
                     shared_mem=_smem_bytes(mt, family),
                     programmatic=PROGRAMMATIC_MIN_ROWS <= num_tokens <= PROGRAMMATIC_ROWS
                     and _programmatic.get(_index(x.device), False), **cluster)
@@ -636,9 +636,10 @@ def _family(kernel: str) -> str:
     return next((f for f in ("cl", "wgp", "wgt", "wgs", "wgw") if f"_{f}_" in kernel), "")
 
 
-def _module(kernel: str) -> str:
-    """The module a product kernel is built in: the cluster candidates' own, else quant."""
-    return CLUSTER_MODULE if _family(kernel) == "cl" else "quant"
+def _module(family: str) -> str:
+    """The module a product kernel of `family` is built in: the cluster candidates' own, else
+    quant."""
+    return CLUSTER_MODULE if family == "cl" else "quant"
 
 
 def _cta_n(family: str) -> int:
@@ -718,7 +719,7 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     if key not in _resident:
         mt = int(kernel.rsplit("_m", 1)[1]) // 16
         smem, threads = _smem_bytes(mt, _family(kernel)), _threads(kernel)
-        fn = _compile.get_function(_module(kernel), kernel, index, smem)
+        fn = _compile.get_function(_module(_family(kernel)), kernel, index, smem)
         props = torch.cuda.get_device_properties(index)
         regs = -(-max(int(getattr(fn, "num_regs", 128)), 1) * 32 // 256) * 256  # per warp
         regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))

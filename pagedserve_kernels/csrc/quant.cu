@@ -594,7 +594,6 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
           }
       }
       cluster_splits<T, C::ROWS>(y, y_stride, bias, part, M, N, m0);
-      PS_TRACE_OUT(nst, blockIdx.y == 0 ? TRACE_LAST_SUM : TRACE_PART);
       return;
     }
   }
@@ -1452,14 +1451,15 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
 
 }  // namespace ps_quant
 
-#define PS_QUANT_PRODUCT(NAME, T, MT, MIN_CTAS)                                                \
+#define PS_QUANT_ENTRY(NAME, T, MT, MIN_CTAS, CLUSTER)                                         \
   extern "C" __global__ void __launch_bounds__(ps_quant::THREADS, MIN_CTAS)                    \
       NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
            const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
            int N, int K, int Kp, int Np, int group, int split_stages) {                        \
-    ps_quant::w4a16<T, MT>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws, counters, M, \
-                           N, K, Kp, Np, group, split_stages);                                 \
+    ps_quant::w4a16<T, MT, CLUSTER>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,     \
+                                    counters, M, N, K, Kp, Np, group, split_stages);           \
   }
+#define PS_QUANT_PRODUCT(NAME, T, MT, MIN_CTAS) PS_QUANT_ENTRY(NAME, T, MT, MIN_CTAS, false)
 // 16 rows: four CTAs an SM (at most 64 registers), as many as their shared memory allows.
 PS_QUANT_PRODUCT(w4a16_bf16_m16, __nv_bfloat16, 1, 4)
 PS_QUANT_PRODUCT(w4a16_bf16_m32, __nv_bfloat16, 2, 2)
@@ -1476,14 +1476,7 @@ PS_QUANT_PRODUCT(w4a16_fp16_m128, __half, 8, 1)
 // Candidates (module "quant_cluster", built on demand): the 16- and 32-row tiles summing their K
 // parts through a cluster (cluster_splits); quant.py launches them as clusters of (1, splits, 1)
 // with at most 8 parts.
-#define PS_QUANT_PRODUCT_CL(NAME, T, MT, MIN_CTAS)                                             \
-  extern "C" __global__ void __launch_bounds__(ps_quant::THREADS, MIN_CTAS)                    \
-      NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
-           const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
-           int N, int K, int Kp, int Np, int group, int split_stages) {                        \
-    ps_quant::w4a16<T, MT, true>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,        \
-                                 counters, M, N, K, Kp, Np, group, split_stages);              \
-  }
+#define PS_QUANT_PRODUCT_CL(NAME, T, MT, MIN_CTAS) PS_QUANT_ENTRY(NAME, T, MT, MIN_CTAS, true)
 PS_QUANT_PRODUCT_CL(w4a16_cl_bf16_m16, __nv_bfloat16, 1, 4)
 PS_QUANT_PRODUCT_CL(w4a16_cl_bf16_m32, __nv_bfloat16, 2, 2)
 PS_QUANT_PRODUCT_CL(w4a16_cl_fp16_m16, __half, 1, 4)

@@ -53,20 +53,26 @@ def test_warmup_leaves_the_fp8_module_to_its_first_launch(monkeypatch):
     assert set(loaded) == set(_compile.MODULES) - _compile.LAZY
 
 
+def _fp8_decode_builds() -> dict[str, tuple[int, int]]:
+    """kv_fp8.cu's one-token decode kernels: {name: (pipeline stages, CTAs an SM it is built
+    for)}."""
+    source = (Path(attention.__file__).parent / "csrc" / "kv_fp8.cu").read_text()
+    return {kernel: (int(stages), int(ctas)) for kernel, stages, ctas in re.findall(
+        r"^PS_DECODE_FP8\((decode_\w+?_fp8), [^,]+, \d+, (\d+), (\d+)\)", source, re.MULTILINE)}
+
+
 def test_kernels_over_an_fp8_cache_are_named_by_it_and_candidates_refused():
     names = [attention.decode_kernel(BF16, 128, fp8=True)[0],
              attention.prefill_kernel(torch.float16, 64, torch.device("cpu"), "mma_sync", fp8=True),
              attention._few_query_kernel(BF16, 64, False, fp8=True)]
     assert names == ["decode_bf16_hd128_fp8", "prefill_fp16_hd64_fp8", "decode_mq_bf16_hd64_fp8"]
     # the launcher's stage counts (its shared memory) are the kernels' own
-    source = (Path(attention.__file__).parent / "csrc" / "kv_fp8.cu").read_text()
-    built = re.findall(r"^PS_DECODE_FP8\((decode_\w+?_fp8), [^,]+, \d+, (\d+), \d+\)", source,
-                       re.MULTILINE)
+    built = _fp8_decode_builds()
     assert len(built) == 4
-    for kernel, stages in built:
+    for kernel, (stages, _) in built.items():
         dtype = BF16 if "_bf16_" in kernel else torch.float16
         head_dim = int(kernel.split("_hd")[1].split("_")[0])
-        assert attention.decode_kernel(dtype, head_dim, fp8=True) == (kernel, int(stages))
+        assert attention.decode_kernel(dtype, head_dim, fp8=True) == (kernel, stages)
     assert {attention._module_of(name) for name in names} == {"kv_fp8"}
     with pytest.raises(ValueError, match="decode variant 's2' has no kernel over an FP8 cache"):
         attention.decode_kernel(BF16, 128, "s2", fp8=True)
@@ -84,18 +90,17 @@ def test_fp8_kernels_fit_the_ctas_per_sm_of_their_launch_bounds(head_dim):
     q = torch.empty(1, 1, head_dim, dtype=BF16)
     prefill_ctas = {64: 3, 128: 2}[head_dim]
     wg_ctas = {64: 2, 128: 1}[head_dim]
-    # the one-token kernel converts K, then V, into one tile
-    decode_ctas = {64: 1, 128: 4}[head_dim]
     _, smem = attention.prefill_launch_shape(f"prefill_bf16_hd{head_dim}_fp8", head_dim, 2)
     assert prefill_ctas * (smem + 128 + 1024) <= per_sm
     _, smem = attention.prefill_launch_shape(f"prefill_wg_bf16_hd{head_dim}_fp8", head_dim, 2)
     assert wg_ctas * (smem + 2048 + 1024) <= per_sm
     # the same bytes as over a bf16 cache: staged bytes double-buffered, one converted tile
     assert smem == attention.prefill_launch_shape(f"prefill_wg_bf16_hd{head_dim}", head_dim, 2)[1]
+    # the one-token kernel converts K, then V, into one tile: as many CTAs as it is built for
     kernel, stages = attention.decode_kernel(BF16, head_dim, fp8=True)
     smem = attention._decode_smem(stages, head_dim, q, fp8=True)
     assert smem < attention._decode_smem(attention._DECODE_STAGES[head_dim], head_dim, q)
-    assert decode_ctas * (smem + 1024) <= per_sm
+    assert _fp8_decode_builds()[kernel][1] * (smem + 1024) <= per_sm
     # the few-query kernel converts K and V into a tile each, at the 16-bit kernel's stages
     smem = attention._decode_smem(attention._DECODE_STAGES[head_dim], head_dim, q, fp8=True,
                                   few_query=True)

@@ -745,6 +745,7 @@ def test_programmatic_launch_structures_have_cuda_h_layout():
     """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out (on
     x86-64): a field out of place launches another grid or drops the attribute silently."""
     import ctypes
+    import struct
 
     attr, config = _compile._LaunchAttribute, _compile._LaunchConfig
     assert ctypes.sizeof(attr) == 72 and attr.value.offset == 8
@@ -752,8 +753,10 @@ def test_programmatic_launch_structures_have_cuda_h_layout():
     assert (config.shared_mem.offset, config.stream.offset, config.attrs.offset,
             config.num_attrs.offset) == (24, 32, 40, 48)
     assert _compile._PROGRAMMATIC_STREAM_SERIALIZATION == 6
-    assert _compile._CLUSTER_DIMENSION == 4  # its value: x, y, z at 8, 12, 16
-    assert ctypes.sizeof(ctypes.c_uint * 3) == 12
+    # a cluster attribute as cuda.h lays it out: the id, then x, y, z as 32-bit values from 8
+    cluster = attr(id=_compile._CLUSTER_DIMENSION, value=(1, 8, 1))
+    assert struct.unpack_from("<i4xIII", ctypes.string_at(ctypes.addressof(cluster), 20)) == (
+        4, 1, 8, 1)
 
 
 def test_cluster_tiles_launch_as_clusters_of_their_k_parts(monkeypatch):

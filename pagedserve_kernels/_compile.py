@@ -94,11 +94,14 @@ ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
               if "_wgt_" in k or "_wgs_" in k or re.fullmatch(r"w4a16_(bf16|fp16)_m\d+", k)),
     ),
     # the 16- and 32-row W4A16 tiles summing their K parts through a cluster (quant.py's
-    # CLUSTER_TILES), candidates
+    # CLUSTER_TILES) and the 128- and 256-row ones sharing x in pairs (MULTICAST_TILES),
+    # candidates
     "quant_cluster": (
         "quant.cu",
         "PS_QUANT_CLUSTER",
-        ("w4a16_cl_bf16_m16", "w4a16_cl_bf16_m32", "w4a16_cl_fp16_m16", "w4a16_cl_fp16_m32"),
+        ("w4a16_cl_bf16_m16", "w4a16_cl_bf16_m32", "w4a16_cl_fp16_m16", "w4a16_cl_fp16_m32",
+         "w4a16_wgm_bf16_m128", "w4a16_wgm_bf16_m256", "w4a16_wgm_fp16_m128",
+         "w4a16_wgm_fp16_m256"),
     ),
     "attention_variants": (
         "attention.cu",
@@ -284,12 +287,15 @@ def _driver_api() -> Any:
 
 def kernel_arguments(args: tuple) -> list:
     """ctypes values of a launch's arguments as the kernels declare them: Python ints are
-    pointers, numpy scalars (i32, i64, f32) keep their C type."""
+    pointers, numpy scalars (i32, i64, f32) keep their C type, a TensorMap (tensor_map_2d) is
+    passed by value."""
     import numpy as np
 
     out = []
     for a in args:
-        if isinstance(a, np.int32):
+        if isinstance(a, TensorMap):
+            out.append(a)
+        elif isinstance(a, np.int32):
             out.append(ctypes.c_int32(int(a)))
         elif isinstance(a, np.int64):
             out.append(ctypes.c_int64(int(a)))
@@ -303,6 +309,63 @@ def kernel_arguments(args: tuple) -> list:
 
 
 _PROGRAMMATIC_ATTR = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=(1, 0, 0))
+
+# Tensor maps (sm_90): how the tensor memory accelerator reads a 2-D global array in boxes;
+# cuda.h's CUtensorMap, 128 bytes aligned to 64, made by the driver and passed by value.
+_TMA_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_TMA_SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
+_TMA_L2_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+_MAX_TENSOR_MAPS = 256
+
+
+class TensorMap(ctypes.Structure):
+    _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+    @classmethod
+    def aligned(cls) -> "TensorMap":
+        """A zeroed map at a 64-byte aligned address, as cuda.h aligns CUtensorMap (ctypes
+        aligns a structure to its largest field; the map keeps its buffer alive)."""
+        raw = (ctypes.c_ubyte * (ctypes.sizeof(cls) + 64))()
+        return cls.from_buffer(raw, -ctypes.addressof(raw) % 64)
+
+
+_tensor_maps: dict[tuple, TensorMap] = {}
+
+
+def tensor_map_2d(ptr: int, dtype: torch.dtype, rows: int, cols: int, row_stride: int,
+                  box_rows: int, box_cols: int) -> TensorMap:
+    """The map of a [rows][cols] array of dtype at ptr (row_stride elements apart) in boxes of
+    box_rows x box_cols, 128-byte swizzled (box_cols x the element size must be 128 bytes),
+    zeros past its ends; cached by its arguments (an eager product's activations recur at a
+    handful of addresses)."""
+    key = (ptr, dtype, rows, cols, row_stride, box_rows, box_cols)
+    found = _tensor_maps.get(key)
+    if found is not None:
+        return found
+    lib = _driver_api()
+    if not hasattr(lib, "_tensor_map_typed"):
+        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+        lib.cuTensorMapEncodeTiled.argtypes = [
+            ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+            u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        lib._tensor_map_typed = True
+    size = torch.finfo(dtype).bits // 8
+    tmap = TensorMap.aligned()
+    err = lib.cuTensorMapEncodeTiled(
+        ctypes.byref(tmap), _TMA_DTYPES[dtype], 2, ctypes.c_void_p(ptr),
+        (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(row_stride * size),
+        (ctypes.c_uint32 * 2)(box_cols, box_rows), (ctypes.c_uint32 * 2)(1, 1), 0,
+        _TMA_SWIZZLE_128B, _TMA_L2_256B, 0)
+    if err:
+        text = ctypes.c_char_p()
+        lib.cuGetErrorString(err, ctypes.byref(text))
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}: "
+                           f"{(text.value or b'unknown').decode()}) for {key[1:]}")
+    if len(_tensor_maps) >= _MAX_TENSOR_MAPS:
+        _tensor_maps.clear()
+    _tensor_maps[key] = tmap
+    return tmap
 
 
 def _launch_ex(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,

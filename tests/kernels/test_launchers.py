@@ -690,9 +690,50 @@ def test_wide_tiles_launch_256_columns_a_cta(monkeypatch):
     assert product(130, 264, 256, (64, "wgw"))[2] == (2, 1, 3)
     assert product(130, 264, 256, (64, "wgt"))[:3] == ("quant", "w4a16_wgt_bf16_m64", (3, 1, 3))
     assert {(64, "wgw"), (128, "wgw")} <= set(quant.TUNED_TILES)
-    assert all(quant._kernel_name(dtype, *tile) in quant._compile.MODULES["quant"][1]
+
+    def kernels(module):
+        return (_compile.MODULES[module][1] if module in _compile.MODULES
+                else _compile.ON_DEMAND[module][2])
+
+    # every tile's kernels in the module its launches name; the tuned ones in quant's own
+    assert all(quant._kernel_name(dtype, *tile) in kernels(quant._module(tile[1]))
                for tile in quant.TUNED_TILES + quant.CANDIDATE_TILES
                for dtype in (torch.bfloat16, torch.float16))
+    assert all(quant._module(family) == "quant" for _, family in quant.TUNED_TILES)
+
+
+def test_multicast_tiles_launch_as_pairs_of_column_blocks_with_x_map(monkeypatch):
+    """A "wgm" candidate: from the cluster module as clusters of (2, 1, 1) over an even count
+    of column blocks (an odd one gains a block past Np, where the kernel reads zero weights and
+    stores nothing), with the wgt tile's 384 threads and shared memory, and x's tensor map (its
+    rows and K, half a row tile by 64 columns a box) by value after the wgt tile's arguments;
+    tuning does not offer it."""
+    from pagedserve_kernels import quant
+
+    launched, maps = [], []
+    monkeypatch.setattr(quant._compile, "launch",
+                        lambda module, kernel, device, grid, block, args, shared_mem=0,
+                        programmatic=False, cluster=None: launched.append(
+                            (module, kernel, grid, block[0], shared_mem, cluster, args)))
+    monkeypatch.setattr(quant._compile, "tensor_map_2d", lambda *a: maps.append(a) or "map")
+    monkeypatch.setattr(quant, "_workspace", lambda device: (torch.zeros(1), torch.zeros(1)))
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_splits", lambda kernel, device, m_tiles, n_blocks, k_stages,
+                        *_: (1, k_stages))
+    product = _launch_of(launched)
+
+    module, kernel, grid, threads, smem, cluster, args = product(256, 28672, 4096, (256, "wgm"))
+    assert (module, kernel, grid, threads, smem, cluster) == (
+        quant.CLUSTER_MODULE, "w4a16_wgm_bf16_m256", (224, 1, 1), 384,
+        quant._smem_bytes(16, "wgt"), (2, 1, 1))
+    assert len(args) == 18 and args[-1] == "map"  # the wgt tile's 17, then the map
+    assert maps[-1][1:] == (torch.bfloat16, 256, 4096, 4096, 128, 64)
+    assert maps[-1][0] == args[2]  # x's address
+    # N = 264 pads to 384: 3 blocks of 128, so 4; 130 rows in two tiles of 128
+    assert product(130, 264, 256, (128, "wgm"))[1:3] == ("w4a16_wgm_bf16_m128", (4, 1, 2))
+    assert maps[-1][1:] == (torch.bfloat16, 130, 256, 256, 64, 64)
+    assert product(130, 264, 256, (128, "wgt"))[2] == (3, 1, 2)
+    assert not set(quant.MULTICAST_TILES) & set(quant.TUNED_TILES)
 
 
 def test_a_forced_split_count_keeps_within_k_and_the_workspace(monkeypatch):
@@ -792,7 +833,8 @@ def test_cluster_tiles_launch_as_clusters_of_their_k_parts(monkeypatch):
         ("quant", "w4a16_bf16_m16", (2, 16, 1), None)]
     assert len(workspace) == 1  # the plain tile's partials only
     assert set(_compile.ON_DEMAND[quant.CLUSTER_MODULE][2]) == {
-        quant._kernel_name(dtype, rows, "cl") for rows, _ in quant.CLUSTER_TILES
+        quant._kernel_name(dtype, rows, family)
+        for rows, family in quant.CLUSTER_TILES + quant.MULTICAST_TILES
         for dtype in (torch.bfloat16, torch.float16)}
 
 
@@ -801,10 +843,14 @@ def test_kernel_arguments_keep_each_c_type():
 
     import numpy as np
 
-    values = _compile.kernel_arguments((2**40 + 16, np.int64(-3), np.int32(7), np.float32(0.5), 0))
+    tmap = _compile.TensorMap.aligned()
+    values = _compile.kernel_arguments((2**40 + 16, np.int64(-3), np.int32(7), np.float32(0.5), 0,
+                                        tmap))
     assert [type(v) for v in values] == [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32,
-                                         ctypes.c_float, ctypes.c_uint64]
-    assert [v.value for v in values] == [2**40 + 16, -3, 7, 0.5, 0]
+                                         ctypes.c_float, ctypes.c_uint64, _compile.TensorMap]
+    assert [v.value for v in values[:5]] == [2**40 + 16, -3, 7, 0.5, 0]
+    # a tensor map goes by value from its own 64-byte aligned 128 bytes, as cuda.h's CUtensorMap
+    assert values[5] is tmap and ctypes.sizeof(tmap) == 128 and ctypes.addressof(tmap) % 64 == 0
     with pytest.raises(TypeError, match="float"):
         _compile.kernel_arguments((1.5,))
 

@@ -1001,8 +1001,8 @@ __device__ __forceinline__ void wgt_init_bars(unsigned int bars) {
 // tile, CTA `rank` loading rows m0 + rank TOK / 2 .. into both CTAs' buffer at st, in the layout
 // wgt_load_x writes (the map's 128-byte swizzle; zeros past K), completing on both CTAs' full
 // barrier at `full`: the pair reads x from L2 once where two CTAs read it twice. The map
-// (_compile.tensor_map_2d) is x as [M][K] in boxes of TOK / 2 rows by 64. Halves wholly past M are not
-// loaded, as wgt_load_x leaves such rows.
+// (_compile.tensor_map_2d) is x as [M][K] in boxes of TOK / 2 rows by 64. Halves wholly past M
+// are not loaded, as wgt_load_x leaves such rows.
 template <int TOK>
 __device__ __forceinline__ void wgt_load_x_mc(unsigned int st, unsigned int full, int s, int m0,
                                               int M, const TmaMap* map) {

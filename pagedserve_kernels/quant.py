@@ -63,10 +63,12 @@ TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
                                  (64, "wgs"), (128, "wgs"), (256, "wgs"),
                                  (64, "wgw"), (128, "wgw"))
 # Candidates for the 128- and 256-row producer-fed tiles (Hopper, the cluster module, built on
-# first use): pairs of neighbouring column blocks (clusters of (2, 1, 1)) whose stages' x tiles
-# each CTA loads half of through the tensor memory accelerator into both (quant.cu's
-# wgt_load_x_mc), so that a wide product reads x from L2 half as often; else the wgt tile.
-MULTICAST_TILES: tuple[Tile, ...] = ((128, "wgm"), (256, "wgm"))
+# first use): clusters of 2 ("wgm") or 4 ("wgq") neighbouring column blocks whose stages' x tiles
+# each CTA loads its share of through the tensor memory accelerator into all of them (quant.cu's
+# wgt_load_x_mc), so that a wide product reads x from L2 a half or a quarter as often; else the
+# wgt tile.
+MULTICAST = {"wgm": 2, "wgq": 4}  # family -> CTAs a cluster
+MULTICAST_TILES: tuple[Tile, ...] = ((128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq"))
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # a GPU has measured it.
 CANDIDATE_TILES: tuple[Tile, ...] = MULTICAST_TILES
@@ -237,7 +239,8 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
     tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (16 or 32, "cl") the candidates
     summing K parts through a cluster (Hopper), (64 or 128, "wgp"), (64, 128 or 256, "wgt" or
-    "wgs"), (64 or 128, "wgw") and (128 or 256, "wgm") on wgmma; None: tile_for's choice), K in
+    "wgs"), (64 or 128, "wgw") and (128 or 256, "wgm" or "wgq") on wgmma; None: tile_for's
+    choice), K in
     `splits` parts (None: what tuning measured fastest for the 16- and 32-row tiles, else
     split_k_choice's; a count past what the workspace or K allows is lowered to it:
     bench_quant's --splits; "wgs" shares K out itself)."""
@@ -260,10 +263,11 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
             _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     cluster = {"cluster": (1, splits, 1)} if family == "cl" and splits > 1 else {}
-    if family == "wgm":  # x by the tensor memory accelerator, half a row tile a CTA of a pair
+    if family in MULTICAST:  # x by the tensor memory accelerator, a CTA's share of a row tile
+        size = MULTICAST[family]
         args += (_compile.tensor_map_2d(x.data_ptr(), x.dtype, num_tokens, packed.k,
-                                        x.stride(0), 8 * mt, STAGE_K),)
-        cluster = {"cluster": (2, 1, 1)}
+                                        x.stride(0), 16 * mt // size, STAGE_K),)
+        cluster = {"cluster": (size, 1, 1)}
     _compile.launch(_module(family), kernel, x.device, grid, (_threads(kernel), 1, 1), args,
                     shared_mem=_smem_bytes(mt, family),
                     programmatic=PROGRAMMATIC_MIN_ROWS <= num_tokens <= PROGRAMMATIC_ROWS
@@ -641,15 +645,15 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 def _family(kernel: str) -> str:
     """A product kernel's family by its name: "" (mma.sync), "cl" (the mma.sync candidates
-    summing K parts through a cluster), "wgp", "wgt", "wgs", "wgw" or "wgm" (wgmma)."""
-    return next((f for f in ("cl", "wgp", "wgt", "wgs", "wgw", "wgm") if f"_{f}_" in kernel),
-                "")
+    summing K parts through a cluster), "wgp", "wgt", "wgs", "wgw", "wgm" or "wgq" (wgmma)."""
+    return next((f for f in ("cl", "wgp", "wgt", "wgs", "wgw", "wgm", "wgq")
+                 if f"_{f}_" in kernel), "")
 
 
 def _module(family: str) -> str:
     """The module a product kernel of `family` is built in: the cluster candidates' own, else
     quant."""
-    return CLUSTER_MODULE if family in ("cl", "wgm") else "quant"
+    return CLUSTER_MODULE if family == "cl" or family in MULTICAST else "quant"
 
 
 def _cta_n(family: str) -> int:
@@ -659,24 +663,25 @@ def _cta_n(family: str) -> int:
 
 def _column_blocks(np_: int, family: str) -> int:
     """The grid's column blocks over the padded N (a 256-column tile's last may be half past
-    it, and a multicast pair's second wholly: the kernel reads zeros there)."""
-    blocks = -(-np_ // _cta_n(family))
-    return blocks + blocks % 2 if family == "wgm" else blocks
+    it, and a multicast cluster's last ones wholly: the kernel reads zeros there)."""
+    blocks, size = -(-np_ // _cta_n(family)), MULTICAST.get(family, 1)
+    return -(-blocks // size) * size
 
 
 def _threads(kernel: str) -> int:
-    return _WGT_THREADS if _family(kernel) in ("wgt", "wgs", "wgw", "wgm") else _THREADS
+    family = _family(kernel)
+    return _WGT_THREADS if family in ("wgt", "wgs", "wgw") or family in MULTICAST else _THREADS
 
 
 def _smem_bytes(mt: int, family: str = "") -> int:
-    """Cfg<MT>::SMEM (WgCfg<MT>::SMEM; WtCfg<16 MT>::SMEM for wgt, wgs and wgm; for "wgw"
+    """Cfg<MT>::SMEM (WgCfg<MT>::SMEM; WtCfg<16 MT>::SMEM for wgt, wgs, wgm and wgq; for "wgw"
     WtCfg<16 MT, 256>::SMEM) of quant.cu: stages x (weights + activations + scales + zeros),
     with wgmma 1 KiB more to align the swizzled tiles."""
     cta_n = _cta_n(family)  # the packed weights (4 bits), x, and scales + zeros of two k32 chunks
     stage = cta_n * STAGE_K // 2 + 16 * mt * STAGE_K * 2 + 2 * (2 * cta_n * 2)
     if family == "wgw":
         return _STAGES_WGW * stage + 1024
-    if family in ("wgt", "wgs", "wgm"):
+    if family in ("wgt", "wgs") or family in MULTICAST:
         return _STAGES_WGT[mt] * stage + 1024
     return _STAGES_WG[mt] * stage + 1024 if family == "wgp" else _STAGES[mt] * stage
 

@@ -880,7 +880,7 @@ struct WtCfg {
 // programmatically loads for its first stages before the kernel before it has ended, and x.
 // The CTA's CN / 32 n32 blocks from ncta * CN / 32; with CN = 256, blocks past the padded N (NB
 // blocks: a multiple of 4) read zeros.
-template <typename T, int TOK, int CN = CTA_N, bool MC = false>
+template <typename T, int TOK, int CN = CTA_N, int CS = 1>
 __device__ __forceinline__ void wgt_load_weights(unsigned int st, int s, int p, int ncta,
                                                  const uint4* __restrict__ qw,
                                                  const T* __restrict__ scales,
@@ -888,9 +888,9 @@ __device__ __forceinline__ void wgt_load_weights(unsigned int st, int s, int p, 
                                                  int group, int gshift) {
   using C = WtCfg<TOK, CN>;
   constexpr int BLOCKS = CN / 32, PARTS = CN / 8;  // n32 blocks; 16-byte parts of a scale chunk
-  // blocks inside the padded N: a 256-column tile's last CTA, or a multicast pair's second
-  // where the column blocks are odd, may lie (partly) past it
-  constexpr bool CHECK = CN > CTA_N || MC;
+  // blocks inside the padded N: a 256-column tile's last CTA, or the last CTAs of a multicast
+  // cluster where the column blocks are not a multiple of its size, may lie (partly) past it
+  constexpr bool CHECK = CN > CTA_N || CS > 1;
   const int valid = CHECK ? NB - ncta * BLOCKS : BLOCKS;
 #pragma unroll
   for (int r = 0; r < CN / 64; ++r) {  // weights: entry e = n32 block e >> 6, k32 chunk, lane
@@ -975,20 +975,20 @@ __device__ __forceinline__ void mbar_arrive_cluster(unsigned int bar) {
 #endif
 }
 // The mbarriers, initialised before anyone waits on or arrives at them: full[b], then empty[b].
-// A multicast pair's (MC): full also counts its producer's expected x bytes, and empty one
-// arrival a consumer warp of either CTA (both CTAs' x lands in every buffer); initialised
-// before the other CTA can signal them.
-template <int TOK, int CN = CTA_N, bool MC = false>
+// A multicast cluster's of CS CTAs: full also counts its producer's expected x bytes, and
+// empty one arrival a consumer warp of any of the CTAs (every CTA's x lands in every buffer);
+// initialised before another CTA can signal them.
+template <int TOK, int CN = CTA_N, int CS = 1>
 __device__ __forceinline__ void wgt_init_bars(unsigned int bars) {
   using C = WtCfg<TOK, CN>;
   if (threadIdx.x == 0) {
     for (int b = 0; b < C::STAGES; ++b) {
-      ps::mbar_init(bars + 8 * b, MC ? 129 : 128);  // full: one arrival a producer thread
-      ps::mbar_init(bars + 8 * (C::STAGES + b),     // empty: one a consumer thread
-                    MC ? 2 * THREADS / 32 : THREADS);
+      ps::mbar_init(bars + 8 * b, CS > 1 ? 129 : 128);  // full: one arrival a producer thread
+      ps::mbar_init(bars + 8 * (C::STAGES + b),        // empty: one a consumer thread
+                    CS > 1 ? CS * THREADS / 32 : THREADS);
     }
   }
-  if constexpr (MC) {
+  if constexpr (CS > 1) {
     mbar_init_fence();
     cluster_sync();
   } else {
@@ -996,29 +996,29 @@ __device__ __forceinline__ void wgt_init_bars(unsigned int bars) {
   }
 }
 
-// x through the tensor memory accelerator, multicast (the "wgm" tiles, sm_90a): a pair of CTAs
-// of one row tile and neighbouring column blocks (a cluster of (2, 1, 1)) shares each stage's x
-// tile, CTA `rank` loading rows m0 + rank TOK / 2 .. into both CTAs' buffer at st, in the layout
-// wgt_load_x writes (the map's 128-byte swizzle; zeros past K), completing on both CTAs' full
-// barrier at `full`: the pair reads x from L2 once where two CTAs read it twice. The map
-// (_compile.tensor_map_2d) is x as [M][K] in boxes of TOK / 2 rows by 64. Halves wholly past M
+// x through the tensor memory accelerator, multicast (the "wgm" and "wgq" tiles, sm_90a): a
+// cluster of CS CTAs of one row tile and neighbouring column blocks shares each stage's x tile,
+// CTA `rank` loading rows m0 + rank TOK / CS .. into every CTA's buffer at st, in the layout
+// wgt_load_x writes (the map's 128-byte swizzle; zeros past K), completing on every CTA's full
+// barrier at `full`: the cluster reads x from L2 once where CS CTAs read it CS times. The map
+// (_compile.tensor_map_2d) is x as [M][K] in boxes of TOK / CS rows by 64. Parts wholly past M
 // are not loaded, as wgt_load_x leaves such rows.
-template <int TOK>
+template <int TOK, int CS>
 __device__ __forceinline__ void wgt_load_x_mc(unsigned int st, unsigned int full, int s, int m0,
                                               int M, const TmaMap* map) {
 #if PS_HAS_WGMMA
-  constexpr int HALF = TOK / 2;
+  constexpr int PART = TOK / CS;
   const unsigned int rank = cluster_rank();
-  const unsigned int bytes = (m0 + HALF < M ? 2 : 1) * HALF * 128;  // the halves loaded
+  const int parts = min(CS, (M - m0 + PART - 1) / PART);  // the parts loaded, by every CTA
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full),
-               "r"(bytes) : "memory");
-  const int row = m0 + (int)rank * HALF;
+               "r"((unsigned int)(parts * PART * 128)) : "memory");
+  const int row = m0 + (int)rank * PART;
   if (row < M)
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(st + rank * HALF * 128),
+        ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(st + rank * PART * 128),
         "l"(reinterpret_cast<unsigned long long>(map)), "r"(s * STAGE_K), "r"(row), "r"(full),
-        "h"((unsigned short)0x3)
+        "h"((unsigned short)((1u << CS) - 1))
         : "memory");
 #endif
 }
@@ -1032,7 +1032,7 @@ __device__ __forceinline__ int wgt_gshift(int group) {
 // The producer's stage i (w4a16_wgt, w4a16_wgs): stage s of tile (ncta, m0) into buffer
 // i % STAGES, once the consumers released that buffer's previous fill (thread p of 128); its
 // weights only where `prefetched` does not say they are in already (wgt_prefetch).
-template <typename T, int TOK, int CN = CTA_N, bool MC = false>
+template <typename T, int TOK, int CN = CTA_N, int CS = 1>
 __device__ __forceinline__ void wgt_produce(int i, int s, int p, int ncta, int m0,
                                             unsigned int smem0, unsigned int bars,
                                             const T* __restrict__ x, long long x_stride,
@@ -1046,10 +1046,10 @@ __device__ __forceinline__ void wgt_produce(int i, int s, int p, int ncta, int m
   const unsigned int st = smem0 + b * C::STAGE_BYTES;
   ps::mbar_wait(bars + 8 * (C::STAGES + b), ((i / C::STAGES) & 1) ^ 1);
   if (!prefetched)
-    wgt_load_weights<T, TOK, CN, MC>(st, s, p, ncta, qw, scales, zeros, Kp >> 5, Np >> 5, group,
+    wgt_load_weights<T, TOK, CN, CS>(st, s, p, ncta, qw, scales, zeros, Kp >> 5, Np >> 5, group,
                                      gshift);
-  if constexpr (MC) {
-    if (p == 0) wgt_load_x_mc<TOK>(st, bars + 8 * b, s, m0, M, x_map);
+  if constexpr (CS > 1) {
+    if (p == 0) wgt_load_x_mc<TOK, CS>(st, bars + 8 * b, s, m0, M, x_map);
   } else {
     wgt_load_x<T, TOK>(st, s, p, m0, x, x_stride, M, K);
   }
@@ -1103,7 +1103,7 @@ __device__ __forceinline__ void wgt_group(float (&acc)[TOK / 2], const unsigned 
 // One stage of the consumers' loop (w4a16_wgt, w4a16_wgs): wait for stage i, dequantize this
 // warp's A fragments from it, issue the warpgroup's MMAs, retire stage i - 1's MMAs and, when
 // `release`, give stage i - 1's buffer back to the producer.
-template <typename T, int TOK, bool MC = false>
+template <typename T, int TOK, int CS = 1>
 __device__ __forceinline__ void wgt_step(int i, bool release, unsigned int (&a)[4][4],
                                          float (&acc)[TOK / 2], unsigned int bars,
                                          unsigned int smem0, const unsigned char* smem, int nbl,
@@ -1120,11 +1120,11 @@ __device__ __forceinline__ void wgt_step(int i, bool release, unsigned int (&a)[
   ps::fence_regs(acc);
   if (!release) return;
   const unsigned int empty = bars + 8 * (C::STAGES + (i - 1) % C::STAGES);
-  if constexpr (MC) {  // both CTAs' producers write this buffer: a warp tells each of them
+  if constexpr (CS > 1) {  // every CTA's producer writes this buffer: a warp tells each of them
     __syncwarp();
     if (lane == 0) {
-      mbar_arrive_cluster(cluster_address(empty, 0));
-      mbar_arrive_cluster(cluster_address(empty, 1));
+#pragma unroll
+      for (int r = 0; r < CS; ++r) mbar_arrive_cluster(cluster_address(empty, r));
     }
   } else {
     ps::mbar_arrive(empty);
@@ -1134,7 +1134,7 @@ __device__ __forceinline__ void wgt_step(int i, bool release, unsigned int (&a)[
 // The producer warpgroup of a wgt / wgw CTA (thread THREADS + p): the split's nst stages from s0
 // of tile (ncta, m0) into the buffers; fill u of buffer b waits for release u - 1 (parity).
 // Leaves only once its copies, and so their arrivals, are complete.
-template <typename T, int TOK, int CN = CTA_N, bool MC = false>
+template <typename T, int TOK, int CN = CTA_N, int CS = 1>
 __device__ __forceinline__ void wgt_producer(int p, int ncta, int m0, int s0, int nst,
                                              unsigned int smem0, unsigned int bars,
                                              const T* __restrict__ x, long long x_stride,
@@ -1150,20 +1150,21 @@ __device__ __forceinline__ void wgt_producer(int p, int ncta, int m0, int s0, in
   // (x, the workspace, y's memory) nothing here touches before the wait.
   const int pre = min(nst, C::STAGES);
   for (int i = 0; i < pre; ++i)
-    wgt_load_weights<T, TOK, CN, MC>(smem0 + i * C::STAGE_BYTES, s0 + i, p, ncta, qw, scales,
+    wgt_load_weights<T, TOK, CN, CS>(smem0 + i * C::STAGE_BYTES, s0 + i, p, ncta, qw, scales,
                                      zeros, Kp >> 5, Np >> 5, group, gshift);
   ps::grid_dependency_wait();
   ps::launch_dependents();
   for (int i = 0; i < nst; ++i)
-    wgt_produce<T, TOK, CN, MC>(i, s0 + i, p, ncta, m0, smem0, bars, x, x_stride, qw, scales,
+    wgt_produce<T, TOK, CN, CS>(i, s0 + i, p, ncta, m0, smem0, bars, x, x_stride, qw, scales,
                                 zeros, M, K, Kp, Np, group, gshift, i < pre, x_map);
   // wait_group covers only committed groups, and the copies were never committed.
   ps::cp_async_commit();
   ps::cp_async_wait<0>();
 }
 
-// MC: the "wgm" tiles, launched as clusters of (2, 1, 1) with x's map (wgt_load_x_mc).
-template <typename T, int TOK, bool MC = false>
+// CS > 1: the "wgm" (2) and "wgq" (4) tiles, launched as clusters of (CS, 1, 1) with x's map
+// (wgt_load_x_mc).
+template <typename T, int TOK, int CS = 1>
 __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
                                           const T* __restrict__ x, long long x_stride,
                                           const uint4* __restrict__ qw,
@@ -1185,14 +1186,14 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   const unsigned int bars = ps::smem_addr(s_bar);
   const int tid = threadIdx.x, ncta = blockIdx.x, m0 = blockIdx.z * TOK;
   const int s0 = blockIdx.y * split_stages, nst = min(Kp / STAGE_K - s0, split_stages);
-  wgt_init_bars<TOK, CTA_N, MC>(bars);
+  wgt_init_bars<TOK, CTA_N, CS>(bars);
 
   if (tid >= THREADS) {
     ps::setmaxnreg_dec<PRODUCER_REGS>();
-    wgt_producer<T, TOK, CTA_N, MC>(tid - THREADS, ncta, m0, s0, nst, smem0, bars, x, x_stride,
+    wgt_producer<T, TOK, CTA_N, CS>(tid - THREADS, ncta, m0, s0, nst, smem0, bars, x, x_stride,
                                     qw, scales, zeros, M, K, Kp, Np, group, x_map);
     // the pair's closing barrier (the consumers') counts the producers in before they leave
-    if constexpr (MC) asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+    if constexpr (CS > 1) asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
     return;
   }
   ps::grid_dependency_wait();  // the consumers write y and the workspace: after that kernel
@@ -1209,7 +1210,7 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   for (int r = 0; r < TOK / 2; ++r) acc[r] = 0.f;
 
   auto step = [&](int i, unsigned int (&a)[4][4]) {
-    wgt_step<T, TOK, MC>(i, i > 0, a, acc, bars, smem0, smem, nbl, h, lane, g, has_zeros);
+    wgt_step<T, TOK, CS>(i, i > 0, a, acc, bars, smem0, smem, nbl, h, lane, g, has_zeros);
   };
   unsigned int a0[4][4], a1[4][4];  // stage i's fragments live until its MMAs retire
   int i = 0;
@@ -1235,8 +1236,8 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
   store_tile<T, TOK, C::OUT_STRIDE, true>(out, y, y_stride, bias, ws, counters, M, N, Np, m0,
                                           tid, ncta, blockIdx.y);
   PS_TRACE_OUT(nst, TRACE_STORED);
-  // No CTA of a pair leaves while the other may still arrive at its empty barriers.
-  if constexpr (MC) cluster_sync();
+  // No CTA of a cluster leaves while another may still arrive at its empty barriers.
+  if constexpr (CS > 1) cluster_sync();
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
@@ -1600,21 +1601,25 @@ PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m128, __half, 128)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
 
 #ifdef PS_QUANT_CLUSTER
-#define PS_QUANT_PRODUCT_WGM(NAME, T, TOK)                                                    \
+#define PS_QUANT_PRODUCT_WGM(NAME, T, TOK, CS)                                                \
   extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK>::BLOCK, 1)                  \
       NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
            const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
            int N, int K, int Kp, int Np, int group, int split_stages,                          \
            const __grid_constant__ ps_quant::TmaMap x_map) {                                   \
-    ps_quant::w4a16_wgt<T, TOK, true>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,    \
-                                      counters, M, N, K, Kp, Np, group, split_stages, &x_map); \
+    ps_quant::w4a16_wgt<T, TOK, CS>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,      \
+                                    counters, M, N, K, Kp, Np, group, split_stages, &x_map);   \
   }
-// Candidates (module "quant_cluster"): the 128- and 256-row wgt tiles in pairs along N sharing
-// x through multicast loads (wgt_load_x_mc).
-PS_QUANT_PRODUCT_WGM(w4a16_wgm_bf16_m128, __nv_bfloat16, 128)
-PS_QUANT_PRODUCT_WGM(w4a16_wgm_bf16_m256, __nv_bfloat16, 256)
-PS_QUANT_PRODUCT_WGM(w4a16_wgm_fp16_m128, __half, 128)
-PS_QUANT_PRODUCT_WGM(w4a16_wgm_fp16_m256, __half, 256)
+// Candidates (module "quant_cluster"): the 128- and 256-row wgt tiles in clusters of 2 ("wgm")
+// or 4 ("wgq") column blocks sharing x through multicast loads (wgt_load_x_mc).
+PS_QUANT_PRODUCT_WGM(w4a16_wgm_bf16_m128, __nv_bfloat16, 128, 2)
+PS_QUANT_PRODUCT_WGM(w4a16_wgm_bf16_m256, __nv_bfloat16, 256, 2)
+PS_QUANT_PRODUCT_WGM(w4a16_wgm_fp16_m128, __half, 128, 2)
+PS_QUANT_PRODUCT_WGM(w4a16_wgm_fp16_m256, __half, 256, 2)
+PS_QUANT_PRODUCT_WGM(w4a16_wgq_bf16_m128, __nv_bfloat16, 128, 4)
+PS_QUANT_PRODUCT_WGM(w4a16_wgq_bf16_m256, __nv_bfloat16, 256, 4)
+PS_QUANT_PRODUCT_WGM(w4a16_wgq_fp16_m128, __half, 128, 4)
+PS_QUANT_PRODUCT_WGM(w4a16_wgq_fp16_m256, __half, 256, 4)
 #endif
 
 #define PS_QUANT_PRODUCT_WGW(NAME, T, TOK)                                                    \

@@ -702,12 +702,12 @@ def test_wide_tiles_launch_256_columns_a_cta(monkeypatch):
     assert all(quant._module(family) == "quant" for _, family in quant.TUNED_TILES)
 
 
-def test_multicast_tiles_launch_as_pairs_of_column_blocks_with_x_map(monkeypatch):
+def test_multicast_tiles_launch_as_clusters_of_column_blocks_with_x_map(monkeypatch):
     """A "wgm" candidate: from the cluster module as clusters of (2, 1, 1) over an even count
     of column blocks (an odd one gains a block past Np, where the kernel reads zero weights and
     stores nothing), with the wgt tile's 384 threads and shared memory, and x's tensor map (its
     rows and K, half a row tile by 64 columns a box) by value after the wgt tile's arguments;
-    tuning does not offer it."""
+    "wgq" the same in clusters of 4; tuning offers neither."""
     from pagedserve_kernels import quant
 
     launched, maps = [], []
@@ -733,6 +733,14 @@ def test_multicast_tiles_launch_as_pairs_of_column_blocks_with_x_map(monkeypatch
     assert product(130, 264, 256, (128, "wgm"))[1:3] == ("w4a16_wgm_bf16_m128", (4, 1, 2))
     assert maps[-1][1:] == (torch.bfloat16, 130, 256, 256, 64, 64)
     assert product(130, 264, 256, (128, "wgt"))[2] == (3, 1, 2)
+    # clusters of 4 ("wgq"): a quarter of a row tile a box, the column blocks a multiple of 4
+    module, kernel, grid, threads, smem, cluster, args = product(256, 28672, 4096, (256, "wgq"))
+    assert (module, kernel, grid, cluster) == (quant.CLUSTER_MODULE, "w4a16_wgq_bf16_m256",
+                                               (224, 1, 1), (4, 1, 1))
+    assert maps[-1][1:] == (torch.bfloat16, 256, 4096, 4096, 64, 64)
+    assert product(130, 264, 256, (128, "wgq"))[2] == (4, 1, 2)
+    assert product(130, 1152, 256, (128, "wgq"))[2] == (12, 1, 2)  # 9 blocks
+    assert maps[-1][1:] == (torch.bfloat16, 130, 256, 256, 32, 64)
     assert not set(quant.MULTICAST_TILES) & set(quant.TUNED_TILES)
 
 

@@ -6,7 +6,7 @@ float32 product of the same rounded weight, plus a rounding floor. Outputs start
 unwritten element fails). The dequantize kernel gives the reference weight bit for bit, and
 products replay from a CUDA graph as they run eagerly, again and again (split-K counters reset).
 The candidates summing K parts through a cluster (Hopper) give their global-partials twins' bits,
-and those sharing x in pairs of column blocks their wgt twins'.
+and those sharing x in clusters of column blocks their wgt twins'.
 """
 from __future__ import annotations
 
@@ -100,9 +100,9 @@ def _hopper(quant) -> bool:
 
 @pytest.fixture(params=[(128, ""), (64, "wgp"), (128, "wgp"), (64, "wgt"), (128, "wgt"),
                         (256, "wgt"), (64, "wgs"), (128, "wgs"), (256, "wgs"), (64, "wgw"),
-                        (128, "wgw"), (128, "wgm"), (256, "wgm")],
+                        (128, "wgw"), (128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq")],
                 ids=["m128", "wgp64", "wgp128", "wgt64", "wgt128", "wgt256", "wgs64", "wgs128",
-                     "wgs256", "wgw64", "wgw128", "wgm128", "wgm256"])
+                     "wgs256", "wgw64", "wgw128", "wgm128", "wgm256", "wgq128", "wgq256"])
 def wide(quant, request, monkeypatch):
     """Each tile but the 64-row mma.sync one from 33 rows, for every shape, as a tuning that
     found it faster at every candidate would choose it (the wgmma ones on Hopper only)."""
@@ -217,13 +217,14 @@ def test_cluster_tiles_sum_k_parts_as_the_global_partials_do(quant, m, splits, d
 @pytest.mark.parametrize("m,n,k,splits", [(33, 264, 160, 1), (130, 4096, 4096, 1),
                                           (200, 136, 2048, 2), (300, 6144, 4096, 3),
                                           (512, 28672, 4096, 1)])
-@pytest.mark.parametrize("rows", [128, 256])
-def test_multicast_tiles_give_the_wgt_tiles_bits(quant, rows, m, n, k, splits, dtype):
-    """The candidates sharing x in pairs of column blocks (MULTICAST_TILES, Hopper) run the wgt
-    tile's MMAs on the same x tile: its bits at the same K parts, with a bias and zero points,
-    where a pair's second block lies past N (264 and 136 columns: 3 and 2 blocks; 8 a block
-    wholly past it is 1), where a row tile's second half lies past M (33 rows) or partly (130
-    at 256 rows), K ending inside the last stage (160), and again (deterministic)."""
+@pytest.mark.parametrize("rows,family", [(128, "wgm"), (256, "wgm"), (128, "wgq"),
+                                         (256, "wgq")])
+def test_multicast_tiles_give_the_wgt_tiles_bits(quant, rows, family, m, n, k, splits, dtype):
+    """The candidates sharing x in clusters of column blocks (MULTICAST_TILES, Hopper) run the
+    wgt tile's MMAs on the same x tile: its bits at the same K parts, with a bias and zero
+    points, where a cluster's last blocks lie past N (264 and 136 columns: 3 and 2 blocks; 8 is
+    1), where a row tile's last parts lie past M (33 rows) or partly (130), K ending inside the
+    last stage (160), and again (deterministic)."""
     if not _hopper(quant):
         pytest.skip("clusters and the tensor memory accelerator need Hopper")
     packed = quant.repack(*_int4(n, k, 32, True, False, dtype, m + n))
@@ -231,7 +232,7 @@ def test_multicast_tiles_give_the_wgt_tiles_bits(quant, rows, m, n, k, splits, d
     x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
     bias = torch.randn(n, generator=g, device="cuda").to(dtype)
     device = torch.device("cuda")
-    assert quant.launch_shape(m, packed, device, dtype, (rows, "wgm"), splits)[3] == splits
+    assert quant.launch_shape(m, packed, device, dtype, (rows, family), splits)[3] == splits
 
     def product(packed, family, bias=None):
         out = torch.full((m, packed.n), float("nan"), dtype=dtype, device="cuda")
@@ -240,10 +241,10 @@ def test_multicast_tiles_give_the_wgt_tiles_bits(quant, rows, m, n, k, splits, d
 
     plain = product(packed, "wgt", bias)
     for _ in range(2):
-        assert torch.equal(product(packed, "wgm", bias), plain)
-    if n == 264:  # and a pair of one block and one wholly past N
+        assert torch.equal(product(packed, family, bias), plain)
+    if n == 264:  # and a cluster of one block and the others wholly past N
         packed = quant.repack(*_int4(8, k, 32, True, False, dtype, 3))
-        assert torch.equal(product(packed, "wgm"), product(packed, "wgt"))
+        assert torch.equal(product(packed, family), product(packed, "wgt"))
 
 
 @pytest.mark.parametrize("m", [1, 40, 300])
@@ -312,7 +313,7 @@ def _graph_replays_match_eager(quant):
 @pytest.mark.parametrize("m,tile", [(1, None), (16, (16, "")), (20, (32, "")), (64, (64, "")),
                                     (64, (64, "wgt")), (200, (128, "wgs")), (256, (256, "wgt")),
                                     (200, (128, "wgw")), (200, (128, "wgm")),
-                                    (256, (256, "wgm"))])
+                                    (256, (256, "wgm")), (256, (256, "wgq"))])
 def test_programmatic_launches_give_the_plain_launches_bits(quant, monkeypatch, m, tile):
     """A decode layer's order of kernels, each reading what the one before wrote: an rms_norm
     (which lets the next grid start early), a product, silu_and_mul, a product, again; the

@@ -967,11 +967,13 @@ __device__ __forceinline__ unsigned int cluster_rank() {
 #endif
   return r;
 }
-// one arrival on the mbarrier at shared::cluster address `bar` (this CTA's or another's)
+// One arrival on the mbarrier at shared::cluster address `bar` (this CTA's or another's), with
+// the default CTA-scope release: what it releases is a stage buffer whose readers, the
+// warpgroup's MMAs, wgmma.wait has already retired, and a cluster-scope release stalls every
+// releasing warp on a memory fence each stage (it doubled the tiles' time).
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned int bar) {
 #if PS_HAS_WGMMA
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar)
-               : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
 // The mbarriers, initialised before anyone waits on or arrives at them: full[b], then empty[b].

@@ -70,7 +70,7 @@ TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
 MULTICAST = {"wgm": 2, "wgq": 4}  # family -> CTAs a cluster
 MULTICAST_TILES: tuple[Tile, ...] = ((128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq"))
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
-# a GPU has measured it.
+# the GPU tests have passed on it and a GPU has measured it faster somewhere.
 CANDIDATE_TILES: tuple[Tile, ...] = MULTICAST_TILES
 # Candidates for the 16- and 32-row tiles (Hopper, their own module, built on first use): their
 # K parts summed through a thread block cluster's shared memory (quant.cu's cluster_splits)

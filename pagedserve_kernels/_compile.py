@@ -282,6 +282,12 @@ def _driver_api() -> Any:
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuGetErrorString.restype = ctypes.c_int
+        if hasattr(lib, "cuTensorMapEncodeTiled"):  # CUDA 12 drivers on
+            u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+            lib.cuTensorMapEncodeTiled.argtypes = [
+                ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+                u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         _driver = lib
     return _driver
 
@@ -344,13 +350,6 @@ def tensor_map_2d(ptr: int, dtype: torch.dtype, rows: int, cols: int, row_stride
     if found is not None:
         return found
     lib = _driver_api()
-    if not hasattr(lib, "_tensor_map_typed"):
-        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-        lib.cuTensorMapEncodeTiled.argtypes = [
-            ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
-            u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
-        lib._tensor_map_typed = True
     size = torch.finfo(dtype).bits // 8
     tmap = TensorMap.aligned()
     err = lib.cuTensorMapEncodeTiled(

@@ -69,6 +69,8 @@ TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
 # wgt tile.
 MULTICAST = {"wgm": 2, "wgq": 4}  # family -> CTAs a cluster
 MULTICAST_TILES: tuple[Tile, ...] = ((128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq"))
+# The families built on the wgt tile's CTA (WtCfg<rows>: its shared memory and 384 threads).
+_PRODUCER_FED = ("wgt", "wgs", *MULTICAST)
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # the GPU tests have passed on it and a GPU has measured it faster somewhere.
 CANDIDATE_TILES: tuple[Tile, ...] = MULTICAST_TILES
@@ -646,8 +648,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 def _family(kernel: str) -> str:
     """A product kernel's family by its name: "" (mma.sync), "cl" (the mma.sync candidates
     summing K parts through a cluster), "wgp", "wgt", "wgs", "wgw", "wgm" or "wgq" (wgmma)."""
-    return next((f for f in ("cl", "wgp", "wgt", "wgs", "wgw", "wgm", "wgq")
-                 if f"_{f}_" in kernel), "")
+    return next((f for f in ("cl", "wgp", "wgw", *_PRODUCER_FED) if f"_{f}_" in kernel), "")
 
 
 def _module(family: str) -> str:
@@ -670,7 +671,7 @@ def _column_blocks(np_: int, family: str) -> int:
 
 def _threads(kernel: str) -> int:
     family = _family(kernel)
-    return _WGT_THREADS if family in ("wgt", "wgs", "wgw") or family in MULTICAST else _THREADS
+    return _WGT_THREADS if family == "wgw" or family in _PRODUCER_FED else _THREADS
 
 
 def _smem_bytes(mt: int, family: str = "") -> int:
@@ -681,7 +682,7 @@ def _smem_bytes(mt: int, family: str = "") -> int:
     stage = cta_n * STAGE_K // 2 + 16 * mt * STAGE_K * 2 + 2 * (2 * cta_n * 2)
     if family == "wgw":
         return _STAGES_WGW * stage + 1024
-    if family in ("wgt", "wgs") or family in MULTICAST:
+    if family in _PRODUCER_FED:
         return _STAGES_WGT[mt] * stage + 1024
     return _STAGES_WG[mt] * stage + 1024 if family == "wgp" else _STAGES[mt] * stage
 

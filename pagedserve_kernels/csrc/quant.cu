@@ -422,14 +422,45 @@ __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_s
 }
 
 // Thread block clusters (sm_90): a barrier over the cluster's threads (release / acquire, so
-// shared-memory writes before it are seen by every CTA of the cluster after it), a CTA's shared
-// address in CTA `rank`'s shared memory, and a load from there (distributed shared memory).
-__device__ __forceinline__ void cluster_sync() {
+// shared-memory writes before it are seen by every CTA of the cluster after it) or its arrival
+// alone, this CTA's rank, a CTA's shared address in CTA `rank`'s shared memory, a load from
+// there (distributed shared memory), and mbarriers across the cluster.
+// Not .aligned: a thread may reach them from a loop whose trip count differs across its warp.
+__device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // not .aligned: a thread may reach it from a loop whose trip count differs across its warp
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
 #else
   __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cluster_arrive();
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ unsigned int cluster_rank() {
+  unsigned int r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+// Makes this thread's mbarrier initialisations visible to the cluster's other CTAs.
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One arrival on the mbarrier at shared::cluster address `bar` (this CTA's or another's), with
+// the default CTA-scope release: what it releases is a stage buffer whose readers, the
+// warpgroup's MMAs, wgmma.wait has already retired; a cluster-scope release would stall every
+// releasing warp on a memory fence each stage.
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned int bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
 __device__ __forceinline__ unsigned int cluster_address(unsigned int local, unsigned int rank) {
@@ -949,36 +980,14 @@ __device__ __forceinline__ unsigned int wgt_smem0(const unsigned char* smem_raw)
   return (ps::smem_addr(smem_raw) + 1023u) & ~1023u;
 }
 
-// Thread block clusters for the "wgm" tiles below (sm_90a): cuda.h's CUtensorMap as a kernel
-// argument, the fence making mbarrier initialisation visible to the cluster, this CTA's rank in
-// it.
+// cuda.h's CUtensorMap as a kernel argument (the "wgm" and "wgq" tiles below).
 struct alignas(64) TmaMap {
-  unsigned long long words[16];  // CUtensorMap
+  unsigned long long words[16];
 };
-__device__ __forceinline__ void mbar_init_fence() {
-#if PS_HAS_WGMMA
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ unsigned int cluster_rank() {
-  unsigned int r = 0;
-#if PS_HAS_WGMMA
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-#endif
-  return r;
-}
-// One arrival on the mbarrier at shared::cluster address `bar` (this CTA's or another's), with
-// the default CTA-scope release: what it releases is a stage buffer whose readers, the
-// warpgroup's MMAs, wgmma.wait has already retired, and a cluster-scope release stalls every
-// releasing warp on a memory fence each stage (it doubled the tiles' time).
-__device__ __forceinline__ void mbar_arrive_cluster(unsigned int bar) {
-#if PS_HAS_WGMMA
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
-#endif
-}
+
 // The mbarriers, initialised before anyone waits on or arrives at them: full[b], then empty[b].
-// A multicast cluster's of CS CTAs: full also counts its producer's expected x bytes, and
-// empty one arrival a consumer warp of any of the CTAs (every CTA's x lands in every buffer);
+// In a multicast cluster of CS CTAs, full also counts its producer's expected x bytes, and
+// empty one arrival a consumer warp of every CTA (every CTA's x lands in every buffer); they are
 // initialised before another CTA can signal them.
 template <int TOK, int CN = CTA_N, int CS = 1>
 __device__ __forceinline__ void wgt_init_bars(unsigned int bars) {
@@ -1194,8 +1203,8 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
     ps::setmaxnreg_dec<PRODUCER_REGS>();
     wgt_producer<T, TOK, CTA_N, CS>(tid - THREADS, ncta, m0, s0, nst, smem0, bars, x, x_stride,
                                     qw, scales, zeros, M, K, Kp, Np, group, x_map);
-    // the pair's closing barrier (the consumers') counts the producers in before they leave
-    if constexpr (CS > 1) asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+    // the cluster's closing barrier (the consumers') counts the producers in before they leave
+    if constexpr (CS > 1) cluster_arrive();
     return;
   }
   ps::grid_dependency_wait();  // the consumers write y and the workspace: after that kernel

@@ -58,6 +58,9 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
             "w4a16_wgs_fp16_m64", "w4a16_wgs_fp16_m128", "w4a16_wgs_fp16_m256",
             "w4a16_wgw_bf16_m64", "w4a16_wgw_bf16_m128", "w4a16_wgw_fp16_m64",
             "w4a16_wgw_fp16_m128",
+            "w4a16_wgm_bf16_m128", "w4a16_wgm_bf16_m256", "w4a16_wgm_fp16_m128",
+            "w4a16_wgm_fp16_m256", "w4a16_wgq_bf16_m128", "w4a16_wgq_bf16_m256",
+            "w4a16_wgq_fp16_m128", "w4a16_wgq_fp16_m256",
             "w4a16_fp16_m16", "w4a16_fp16_m32", "w4a16_fp16_m64", "w4a16_fp16_m128",
             "w4_dequant_bf16", "w4_dequant_fp16",
         ),
@@ -94,15 +97,11 @@ ON_DEMAND: dict[str, tuple[str, str, tuple[str, ...]]] = {
               if "_wgt_" in k or "_wgs_" in k or re.fullmatch(r"w4a16_(bf16|fp16)_m\d+", k)),
     ),
     # the 16- and 32-row W4A16 tiles summing their K parts through a cluster (quant.py's
-    # CLUSTER_TILES) and the 128- and 256-row ones sharing x in clusters of 2 or 4
-    # (MULTICAST_TILES), candidates
+    # CLUSTER_TILES), candidates
     "quant_cluster": (
         "quant.cu",
         "PS_QUANT_CLUSTER",
-        ("w4a16_cl_bf16_m16", "w4a16_cl_bf16_m32", "w4a16_cl_fp16_m16", "w4a16_cl_fp16_m32",
-         "w4a16_wgm_bf16_m128", "w4a16_wgm_bf16_m256", "w4a16_wgm_fp16_m128",
-         "w4a16_wgm_fp16_m256", "w4a16_wgq_bf16_m128", "w4a16_wgq_bf16_m256",
-         "w4a16_wgq_fp16_m128", "w4a16_wgq_fp16_m256"),
+        ("w4a16_cl_bf16_m16", "w4a16_cl_bf16_m32", "w4a16_cl_fp16_m16", "w4a16_cl_fp16_m32"),
     ),
     "attention_variants": (
         "attention.cu",

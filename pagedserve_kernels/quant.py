@@ -48,7 +48,7 @@ NEVER = 1 << 30  # a threshold no step reaches: the kernel at every row count
 # dequantizing overlapping the warpgroup's own MMAs, "wgt" wgmma fed by a producer warpgroup,
 # "wgs" the wgt tile on a stream-K grid: one CTA an SM, each an equal share of the tiles' K
 # stages, so that no SM idles through a last partial wave; "wgw" the wgt tile over 256 columns,
-# which reads x from L2 half as often).
+# which reads x from L2 half as often; "wgm" / "wgq" the wgt tile in clusters sharing x, below).
 # Up to 32 rows, 16 or 32 on mma.sync; from 33, 64 on mma.sync unless tuning
 # (tune_dequant_rows) measured another of TUNED_TILES faster for the product's shape at the
 # largest of TILE_CANDIDATES not above the row count: larger tiles dequantize each weight tile
@@ -61,19 +61,19 @@ NARROW_TILE: Tile = (64, "")
 TUNED_TILES: tuple[Tile, ...] = ((64, ""), (128, ""), (64, "wgp"), (128, "wgp"),
                                  (64, "wgt"), (128, "wgt"), (256, "wgt"),
                                  (64, "wgs"), (128, "wgs"), (256, "wgs"),
-                                 (64, "wgw"), (128, "wgw"))
-# Candidates for the 128- and 256-row producer-fed tiles (Hopper, the cluster module, built on
-# first use): clusters of 2 ("wgm") or 4 ("wgq") neighbouring column blocks whose stages' x tiles
-# each CTA loads its share of through the tensor memory accelerator into all of them (quant.cu's
-# wgt_load_x_mc), so that a wide product reads x from L2 a half or a quarter as often; else the
-# wgt tile.
+                                 (64, "wgw"), (128, "wgw"),
+                                 (128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq"))
+# The 128- and 256-row producer-fed tiles in clusters of 2 ("wgm") or 4 ("wgq") neighbouring
+# column blocks (Hopper) whose stages' x tiles each CTA loads its share of through the tensor
+# memory accelerator into all of them (quant.cu's wgt_load_x_mc), so that a wide product reads x
+# from L2 a half or a quarter as often; else the wgt tile.
 MULTICAST = {"wgm": 2, "wgq": 4}  # family -> CTAs a cluster
 MULTICAST_TILES: tuple[Tile, ...] = ((128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq"))
 # The families built on the wgt tile's CTA (WtCfg<rows>: its shared memory and 384 threads).
 _PRODUCER_FED = ("wgt", "wgs", *MULTICAST)
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # the GPU tests have passed on it and a GPU has measured it faster somewhere.
-CANDIDATE_TILES: tuple[Tile, ...] = MULTICAST_TILES
+CANDIDATE_TILES: tuple[Tile, ...] = ()
 # Candidates for the 16- and 32-row tiles (Hopper, their own module, built on first use): their
 # K parts summed through a thread block cluster's shared memory (quant.cu's cluster_splits)
 # instead of global partials, a fence and an arrival counter, so at most MAX_CLUSTER parts.
@@ -654,7 +654,7 @@ def _family(kernel: str) -> str:
 def _module(family: str) -> str:
     """The module a product kernel of `family` is built in: the cluster candidates' own, else
     quant."""
-    return CLUSTER_MODULE if family == "cl" or family in MULTICAST else "quant"
+    return CLUSTER_MODULE if family == "cl" else "quant"
 
 
 def _cta_n(family: str) -> int:

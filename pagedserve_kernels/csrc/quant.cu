@@ -1611,7 +1611,6 @@ PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m64, __half, 64)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m128, __half, 128)
 PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
 
-#ifdef PS_QUANT_CLUSTER
 #define PS_QUANT_PRODUCT_WGM(NAME, T, TOK, CS)                                                \
   extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK>::BLOCK, 1)                  \
       NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
@@ -1621,8 +1620,8 @@ PS_QUANT_PRODUCT_WGT(w4a16_wgt_fp16_m256, __half, 256)
     ps_quant::w4a16_wgt<T, TOK, CS>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,      \
                                     counters, M, N, K, Kp, Np, group, split_stages, &x_map);   \
   }
-// Candidates (module "quant_cluster"): the 128- and 256-row wgt tiles in clusters of 2 ("wgm")
-// or 4 ("wgq") column blocks sharing x through multicast loads (wgt_load_x_mc).
+// The 128- and 256-row wgt tiles in clusters of 2 ("wgm") or 4 ("wgq") column blocks sharing x
+// through multicast loads (wgt_load_x_mc): offered to tuning on Hopper, launched as clusters.
 PS_QUANT_PRODUCT_WGM(w4a16_wgm_bf16_m128, __nv_bfloat16, 128, 2)
 PS_QUANT_PRODUCT_WGM(w4a16_wgm_bf16_m256, __nv_bfloat16, 256, 2)
 PS_QUANT_PRODUCT_WGM(w4a16_wgm_fp16_m128, __half, 128, 2)
@@ -1631,7 +1630,6 @@ PS_QUANT_PRODUCT_WGM(w4a16_wgq_bf16_m128, __nv_bfloat16, 128, 4)
 PS_QUANT_PRODUCT_WGM(w4a16_wgq_bf16_m256, __nv_bfloat16, 256, 4)
 PS_QUANT_PRODUCT_WGM(w4a16_wgq_fp16_m128, __half, 128, 4)
 PS_QUANT_PRODUCT_WGM(w4a16_wgq_fp16_m256, __half, 256, 4)
-#endif
 
 #define PS_QUANT_PRODUCT_WGW(NAME, T, TOK)                                                    \
   extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK, ps_quant::WIDE_N>::BLOCK, 1)                  \

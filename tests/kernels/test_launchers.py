@@ -604,7 +604,8 @@ def test_int4_tuning_drops_a_tile_whose_products_disagree(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
         assert quant._agreeing_tiles([packed], torch.device("cpu")) == [
             (64, ""), (128, ""), (64, "wgp"), (64, "wgt"), (128, "wgt"), (256, "wgt"),
-            (64, "wgs"), (128, "wgs"), (256, "wgs"), (64, "wgw"), (128, "wgw")]
+            (64, "wgs"), (128, "wgs"), (256, "wgs"), (64, "wgw"), (128, "wgw"),
+            (128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq")]
     assert "w4a16_wgp_bf16_m128 disagrees with w4a16_bf16_m64" in caplog.text
     monkeypatch.setattr(quant._compile, "arch_used", lambda device, module: "-arch=sm_89")
     assert quant._agreeing_tiles([packed], torch.device("cpu")) == [(64, ""), (128, "")]
@@ -707,7 +708,7 @@ def test_multicast_tiles_launch_as_clusters_of_column_blocks_with_x_map(monkeypa
     of column blocks (an odd one gains a block past Np, where the kernel reads zero weights and
     stores nothing), with the wgt tile's 384 threads and shared memory, and x's tensor map (its
     rows and K, half a row tile by 64 columns a box) by value after the wgt tile's arguments;
-    "wgq" the same in clusters of 4; tuning offers neither."""
+    "wgq" the same in clusters of 4; both built in quant's own module and offered to tuning."""
     from pagedserve_kernels import quant
 
     launched, maps = [], []
@@ -724,7 +725,7 @@ def test_multicast_tiles_launch_as_clusters_of_column_blocks_with_x_map(monkeypa
 
     module, kernel, grid, threads, smem, cluster, args = product(256, 28672, 4096, (256, "wgm"))
     assert (module, kernel, grid, threads, smem, cluster) == (
-        quant.CLUSTER_MODULE, "w4a16_wgm_bf16_m256", (224, 1, 1), 384,
+        "quant", "w4a16_wgm_bf16_m256", (224, 1, 1), 384,
         quant._smem_bytes(16, "wgt"), (2, 1, 1))
     assert len(args) == 18 and args[-1] == "map"  # the wgt tile's 17, then the map
     assert maps[-1][1:] == (torch.bfloat16, 256, 4096, 4096, 128, 64)
@@ -735,13 +736,13 @@ def test_multicast_tiles_launch_as_clusters_of_column_blocks_with_x_map(monkeypa
     assert product(130, 264, 256, (128, "wgt"))[2] == (3, 1, 2)
     # clusters of 4 ("wgq"): a quarter of a row tile a box, the column blocks a multiple of 4
     module, kernel, grid, threads, smem, cluster, args = product(256, 28672, 4096, (256, "wgq"))
-    assert (module, kernel, grid, cluster) == (quant.CLUSTER_MODULE, "w4a16_wgq_bf16_m256",
+    assert (module, kernel, grid, cluster) == ("quant", "w4a16_wgq_bf16_m256",
                                                (224, 1, 1), (4, 1, 1))
     assert maps[-1][1:] == (torch.bfloat16, 256, 4096, 4096, 64, 64)
     assert product(130, 264, 256, (128, "wgq"))[2] == (4, 1, 2)
     assert product(130, 1152, 256, (128, "wgq"))[2] == (12, 1, 2)  # 9 blocks
     assert maps[-1][1:] == (torch.bfloat16, 130, 256, 256, 32, 64)
-    assert not set(quant.MULTICAST_TILES) & set(quant.TUNED_TILES)
+    assert set(quant.MULTICAST_TILES) <= set(quant.TUNED_TILES)
 
 
 def test_a_forced_split_count_keeps_within_k_and_the_workspace(monkeypatch):
@@ -842,8 +843,7 @@ def test_cluster_tiles_launch_as_clusters_of_their_k_parts(monkeypatch):
     assert len(workspace) == 1  # the plain tile's partials only
     assert set(_compile.ON_DEMAND[quant.CLUSTER_MODULE][2]) == {
         quant._kernel_name(dtype, rows, family)
-        for rows, family in quant.CLUSTER_TILES + quant.MULTICAST_TILES
-        for dtype in (torch.bfloat16, torch.float16)}
+        for rows, family in quant.CLUSTER_TILES for dtype in (torch.bfloat16, torch.float16)}
 
 
 def test_kernel_arguments_keep_each_c_type():

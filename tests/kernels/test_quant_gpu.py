@@ -220,7 +220,7 @@ def test_cluster_tiles_sum_k_parts_as_the_global_partials_do(quant, m, splits, d
 @pytest.mark.parametrize("rows,family", [(128, "wgm"), (256, "wgm"), (128, "wgq"),
                                          (256, "wgq")])
 def test_multicast_tiles_give_the_wgt_tiles_bits(quant, rows, family, m, n, k, splits, dtype):
-    """The candidates sharing x in clusters of column blocks (MULTICAST_TILES, Hopper) run the
+    """The tiles sharing x in clusters of column blocks (MULTICAST_TILES, Hopper) run the
     wgt tile's MMAs on the same x tile: its bits at the same K parts, with a bias and zero
     points, where a cluster's last blocks lie past N (264 and 136 columns: 3 and 2 blocks; 8 is
     1), where a row tile's last parts lie past M (33 rows) or partly (130), K ending inside the

@@ -19,7 +19,10 @@ constexpr int STAGE_K = 64;   // one k32 chunk per K warp
 // mma.sync tiles, the cycles it spent at the stage barriers (waiting for copies and warps).
 constexpr int TRACE_RUNS = 8, TRACE_FIELDS = 7;
 enum { TRACE_STORED = 1, TRACE_PART = 2, TRACE_HEAD_SUM = 3, TRACE_LAST_SUM = 4 };
+// C linkage: trace_quant.py finds it by this name (get_global), not a namespace-mangled one.
+extern "C" {
 __device__ unsigned long long ps_quant_trace[4096 * TRACE_RUNS * TRACE_FIELDS];
+}
 __device__ __forceinline__ unsigned long long trace_globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -51,14 +51,27 @@ def time_products(product, weights: list, rows: int, k: int) -> float:
     return ms * 1e3 / len(weights)
 
 
-def kernel_us(packed: list, rows: int, k: int, tile=None, count=None) -> float:
+def kernel_us(packed: list, rows: int, k: int, tile=None, count=None, last_wave=None) -> float:
     """µs per product of quant's kernel in row tile `tile` with K in `count` parts (None: the
-    launcher's choice of each)."""
+    launcher's choice of each), its last partial wave split off where `last_wave` says so."""
     from pagedserve_kernels import quant
 
     return time_products(lambda x, p: quant._kernel_product(
-        x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device), tile, count),
-        packed, rows, k)
+        x, p, None, torch.empty(x.shape[0], p.n, dtype=x.dtype, device=x.device), tile, count,
+        last_wave), packed, rows, k)
+
+
+def last_wave_us(packed: list, rows: int, k: int, tile) -> float | None:
+    """kernel_us with the last partial wave split off, where the tile has one (else None)."""
+    from pagedserve_kernels import quant
+
+    device = torch.device("cuda")
+    kernel, _, m_tiles, splits, _ = quant.launch_shape(rows, packed[0], device, torch.bfloat16,
+                                                       tile)
+    if tile[1] not in quant._WAVE_SPLIT or splits != 1 or not quant.head_blocks(
+            kernel, device, m_tiles, packed[0].qweight.shape[0] // 4):
+        return None
+    return kernel_us(packed, rows, k, tile, None, True)
 
 
 def int4_weights(n: int, k: int, group: int, asym: bool, count: int) -> list:
@@ -103,6 +116,10 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
                 # a step)
                 **{f"int4_{_tile_name(tile)}_us":
                    kernel_us(packed, rows, k, tile) if rows > 32 else None for tile in others},
+                # the same with the last partial wave split off (_kernel_product's last_wave)
+                **{f"int4_{_tile_name(tile)}+tail_us":
+                   last_wave_us(packed, rows, k, tile) if rows > 32 else None
+                   for tile in others if tile[1] in quant._WAVE_SPLIT},
                 "dequant_cublas_us": time_products(
                     lambda x, p: F.linear(x, quant.dequantize(p, scratch)), packed, rows, k),
                 # the untuned tile with K in each of --splits parts, beside the model's count

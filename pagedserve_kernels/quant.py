@@ -71,6 +71,9 @@ MULTICAST = {"wgm": 2, "wgq": 4}  # family -> CTAs a cluster
 MULTICAST_TILES: tuple[Tile, ...] = ((128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq"))
 # The families built on the wgt tile's CTA (WtCfg<rows>: its shared memory and 384 threads).
 _PRODUCER_FED = ("wgt", "wgs", *MULTICAST)
+# The families whose last partial wave tuning may split off into a launch of the wgt tile with K
+# in parts (_kernel_product's last_wave).
+_WAVE_SPLIT = ("wgt", *MULTICAST)
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # the GPU tests have passed on it and a GPU has measured it faster somewhere.
 CANDIDATE_TILES: tuple[Tile, ...] = ()
@@ -107,6 +110,9 @@ _tiles: dict[tuple[int, torch.dtype], dict[Shape, dict[int, Tile]]] = {}
 # (device, dtype) -> {(N, K): {a SMALL_TUNE_ROWS row count: the K parts tuning measured fastest
 # there}}; a row count without an entry keeps split_k_choice's count
 _split_counts: dict[tuple[int, torch.dtype], dict[Shape, dict[int, int]]] = {}
+# (device, dtype) -> {(N, K): {a TILE_CANDIDATES row count: whether tuning measured its tile
+# faster with the last partial wave split off (_kernel_product's last_wave)}}
+_last_waves: dict[tuple[int, torch.dtype], dict[Shape, dict[int, bool]]] = {}
 _resident: dict[tuple[str, int], int] = {}
 # device -> whether the products are launched programmatically (prepare() decides; see
 # set_programmatic): each product kernel's start and first weight loads overlap the end of the
@@ -237,21 +243,74 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
 
 
 def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
-                    splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, last_wave: bool | None = None) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
     tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (16 or 32, "cl") the candidates
     summing K parts through a cluster (Hopper), (64 or 128, "wgp"), (64, 128 or 256, "wgt" or
     "wgs"), (64 or 128, "wgw") and (128 or 256, "wgm" or "wgq") on wgmma; None: tile_for's
-    choice), K in
-    `splits` parts (None: what tuning measured fastest for the 16- and 32-row tiles, else
-    split_k_choice's; a count past what the workspace or K allows is lowered to it:
-    bench_quant's --splits; "wgs" shares K out itself)."""
-    num_tokens, n = x.shape[0], packed.n
+    choice), K in `splits` parts (None: what tuning measured fastest for the 16- and 32-row
+    tiles, else split_k_choice's; a count past what the workspace or K allows is lowered to it:
+    bench_quant's --splits; "wgs" shares K out itself). `last_wave` (a "wgt", "wgm" or "wgq"
+    tile with K whole): launch the column blocks of the whole waves of tiles as they are and
+    the rest in a second launch of the wgt tile with K in parts, so that the SMs a partial last
+    wave would leave idle share its work (head_blocks); None: where tuning measured it faster."""
+    num_tokens = x.shape[0]
     kernel, mt, m_tiles, splits, split_stages = launch_shape(num_tokens, packed, x.device,
                                                              x.dtype, tile, splits)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     family = _family(kernel)
-    grid = (_column_blocks(np_, family), splits, m_tiles)
+    blocks = _column_blocks(np_, family)
+    if last_wave is None:
+        last_wave = (tile is None and num_tokens > SMALL_TILES[-1]
+                     and _splits_last_wave(num_tokens, x.device, x.dtype, (packed.n, packed.k)))
+    head = (head_blocks(kernel, x.device, m_tiles, np_ // CTA_N)
+            if last_wave and splits == 1 and family in _WAVE_SPLIT else 0)
+    if not head:
+        _launch_product(x, packed, bias, out, kernel, mt, m_tiles, splits, split_stages, 0,
+                        blocks)
+        return out
+    _launch_product(x, packed, bias, out, kernel, mt, m_tiles, 1, split_stages, 0, head)
+    rest = np_ // CTA_N - head
+    tail = _kernel_name(x.dtype, 16 * mt, "wgt")
+    tail_splits, tail_stages = _splits(tail, x.device, m_tiles, rest, kp // STAGE_K,
+                                       num_tokens * rest * CTA_N, min(num_tokens, 16 * mt))
+    _launch_product(x, packed, bias, out, tail, mt, m_tiles, tail_splits, tail_stages, head,
+                    rest)
+    return out
+
+
+def _splits_last_wave(num_tokens: int, device: torch.device, dtype: torch.dtype,
+                      shape: Shape) -> bool:
+    """Whether tuning split the last wave off at the row count tile_for takes the tile of."""
+    chosen = _last_waves.get((_index(device), dtype), {}).get(shape) if _last_waves else None
+    if not chosen:
+        return False
+    return chosen[max((rows for rows in chosen if rows <= num_tokens), default=min(chosen))]
+
+
+def head_blocks(kernel: str, device: torch.device, m_tiles: int, n_blocks: int) -> int:
+    """The column blocks (from 0) whose tiles, over every row tile, fill the product's whole
+    waves (its SMs x the CTAs an SM holds), a multiple of the kernel's cluster; 0 where the
+    tiles fill whole waves already, or fill none."""
+    slots = _sm_count(device) * _resident_ctas(kernel, device)
+    tiles = m_tiles * n_blocks
+    if tiles < slots or tiles % slots == 0:
+        return 0
+    head = tiles // slots * slots // m_tiles
+    head -= head % MULTICAST.get(_family(kernel), 1)
+    return head if 0 < head < n_blocks else 0
+
+
+def _launch_product(x, packed: PackedInt4, bias, out, kernel: str, mt: int, m_tiles: int,
+                    splits: int, split_stages: int, first: int, blocks: int) -> None:
+    """One launch of `kernel` over the column blocks [first, first + blocks) of the product: the
+    weights, scales, zero points, bias and output from column 128 x first on (the scales' and
+    zero points' rows keep the product's stride, Np), N counted from there; the split-K
+    partials as wide as the launch's columns."""
+    num_tokens, family = x.shape[0], _family(kernel)
+    kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
+    col = first * CTA_N  # nothing but a whole-K launch of 128-column blocks starts past 0
+    grid = (blocks, splits, m_tiles)
     ws_ptr = counters_ptr = 0
     if family == "wgs":
         grid = (stream_k_ctas(m_tiles * (np_ // CTA_N) * (kp // STAGE_K), x.device), 1, 1)
@@ -260,9 +319,17 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     elif splits > 1 and family != "cl":  # "cl": the partials stay in the cluster
         ws, counters = _workspace(x.device)
         ws_ptr, counters_ptr = ws.data_ptr(), counters.data_ptr()
-    args = (out.data_ptr(), _i64(out.stride(0)), x.data_ptr(), _i64(x.stride(0)),
-            packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.zeros),
-            _ptr(bias), ws_ptr, counters_ptr, _i32(num_tokens), _i32(n), _i32(packed.k),
+
+    y_ptr, qw_ptr, s_ptr, z_ptr, b_ptr = (out.data_ptr(), packed.qweight.data_ptr(),
+                                          packed.scales.data_ptr(), _ptr(packed.zeros), _ptr(bias))
+    if col:  # packed.qweight: [Np / 32, Kp / 32, 32, 4] int32, n32 block col / 32 on
+        y_ptr += col * out.element_size()
+        s_ptr += col * packed.scales.element_size()  # each row keeps its stride: Np
+        z_ptr = z_ptr and z_ptr + col * packed.zeros.element_size()
+        b_ptr = b_ptr and b_ptr + col * bias.element_size()
+        qw_ptr += col // 32 * packed.qweight.stride(0) * packed.qweight.element_size()
+    args = (y_ptr, _i64(out.stride(0)), x.data_ptr(), _i64(x.stride(0)), qw_ptr, s_ptr, z_ptr,
+            b_ptr, ws_ptr, counters_ptr, _i32(num_tokens), _i32(packed.n - col), _i32(packed.k),
             _i32(kp), _i32(np_), _i32(packed.group_size), _i32(split_stages))
     cluster = {"cluster": (1, splits, 1)} if family == "cl" and splits > 1 else {}
     if family in MULTICAST:  # x by the tensor memory accelerator, a CTA's share of a row tile
@@ -274,7 +341,6 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
                     shared_mem=_smem_bytes(mt, family),
                     programmatic=PROGRAMMATIC_MIN_ROWS <= num_tokens <= PROGRAMMATIC_ROWS
                     and _programmatic.get(_index(x.device), False), **cluster)
-    return out
 
 
 def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtype: torch.dtype,
@@ -295,12 +361,12 @@ def launch_shape(num_tokens: int, packed: PackedInt4, device: torch.device, dtyp
         tuned = _split_counts.get((_index(device), dtype), {}).get((packed.n, packed.k), {})
         at = next((r for r in SMALL_TUNE_ROWS[rows] if r >= num_tokens), rows)
         splits = tuned.get(at)
-    splits, split_stages = _splits(kernel, device, m_tiles, _column_blocks(np_, family),
-                                   kp // STAGE_K, num_tokens * np_, min(num_tokens, 16 * mt),
-                                   splits)
+    blocks = _column_blocks(np_, family)
+    partials = num_tokens * blocks * _cta_n(family)  # quant.cu's ws rows: the launch's columns
+    splits, split_stages = _splits(kernel, device, m_tiles, blocks, kp // STAGE_K, partials,
+                                   min(num_tokens, 16 * mt), splits)
     if family == "cl" and splits > MAX_CLUSTER:  # one cluster holds a tile's K parts
-        splits, split_stages = _splits(kernel, device, m_tiles, _column_blocks(np_, family),
-                                       kp // STAGE_K, num_tokens * np_,
+        splits, split_stages = _splits(kernel, device, m_tiles, blocks, kp // STAGE_K, partials,
                                        min(num_tokens, 16 * mt), MAX_CLUSTER)
     return kernel, mt, m_tiles, splits, split_stages
 
@@ -353,10 +419,12 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
     candidates = _agreeing_tiles([group[0] for group in by_shape.values()], dev, tiles)
     table = _tiles.setdefault((index, dtype), {})
     split_table = _split_counts.setdefault((index, dtype), {})
+    wave_table = _last_waves.setdefault((index, dtype), {})
     results = {}
     for (n, k), group in by_shape.items():
         table.pop((n, k), None)
         split_table.pop((n, k), None)
+        wave_table.pop((n, k), None)
         counts = {}
         for rows in (r for tile_rows in SMALL_TILES for r in SMALL_TUNE_ROWS[tile_rows]):
             x = torch.randn(rows, k, dtype=dtype, device=dev)
@@ -368,7 +436,7 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
             if best is not None:
                 counts[rows] = best
         split_table[(n, k)] = counts
-        chosen, kernel_us, dequantized = {}, {}, {}
+        chosen, kernel_us, dequantized, waves = {}, {}, {}, {}
         for rows in sorted({r for r in rows_list if r > 32} | set(DEQUANT_CANDIDATES)):
             x = torch.randn(rows, k, dtype=dtype, device=dev)
             out = torch.empty(rows, n, dtype=dtype, device=dev)
@@ -377,11 +445,16 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
                      for tile in candidates}
             chosen[rows] = min(timed, key=timed.get)
             kernel_us[rows] = timed[chosen[rows]]
+            split = _last_wave_us(x, group, out, chosen[rows], dev)
+            waves[rows] = split is not None and split < kernel_us[rows]
+            if waves[rows]:
+                kernel_us[rows] = split
             if rows in DEQUANT_CANDIDATES:
                 dequantized[rows] = graph_us(lambda: [_dequantized_product(x, w, None, out,
                                                                            scratch)
                                                       for w in group]) / len(group)
         table[(n, k)] = chosen
+        wave_table[(n, k)] = waves
         times = {rows: (kernel_us[rows], dequantized[rows]) for rows in DEQUANT_CANDIDATES}
         _dequant_rows[(index, n, k)] = dequant_threshold(times)
         results[(n, k)] = (_dequant_rows[(index, n, k)], times)
@@ -415,17 +488,45 @@ def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device,
     return agreeing
 
 
+def _last_wave_us(x: torch.Tensor, group: list[PackedInt4], out: torch.Tensor, tile: Tile,
+                  dev: torch.device) -> float | None:
+    """µs a product of `group` in `tile` with its last partial wave split off, where the tile
+    has one to split and the split product agrees with the whole one within one bf16 rounding
+    of the largest value; else None."""
+    from pagedserve_kernels.gemm import graph_us
+
+    if tile[1] not in _WAVE_SPLIT:
+        return None
+    w = group[0]
+    kernel, _, m_tiles, splits, _ = launch_shape(x.shape[0], w, dev, x.dtype, tile)
+    if splits != 1 or not head_blocks(kernel, dev, m_tiles, w.qweight.shape[0] * CHUNK // CTA_N):
+        return None
+    whole = _kernel_product(x, w, None, torch.empty_like(out), tile, None, False).float()
+    split = _kernel_product(x, w, None, torch.empty_like(out), tile, None, True).float()
+    if float(((split - whole).abs().max() / whole.abs().max()).nan_to_num(1.0)) > 2.0 ** -7:
+        log.warning("int4 kernel %s with its last wave split disagrees with it whole: not used",
+                    kernel)
+        return None
+    return graph_us(lambda: [_kernel_product(x, v, None, out, tile, None, True)
+                             for v in group]) / len(group)
+
+
 def tile_choice(device: torch.device | int | None = None,
                 dtype: torch.dtype = torch.bfloat16) -> dict[Shape, dict[int, str]]:
     """{(N, K): {candidate rows: the kernel tuning chose there}} ({} before tuning), for the
     logs; the 16- and 32-row tiles' row counts too where tuning chose their K parts ("m16/k8":
-    8 parts)."""
+    8 parts); "+tail" where the last partial wave is split off."""
     index = _index(device)
     parts = _split_counts.get((index, dtype), {})
+    waves = _last_waves.get((index, dtype), {})
+
+    def name(shape: Shape, rows: int, tile: Tile) -> str:
+        tail = "+tail" if waves.get(shape, {}).get(rows) else ""
+        return f"{tile[1] or 'm'}{tile[0]}{tail}"
+
     return {shape: {**{rows: f"m{tile_for(rows)[0]}/k{count}"
                        for rows, count in sorted(parts.get(shape, {}).items())},
-                    **{rows: f"{family or 'm'}{cta_rows}"
-                       for rows, (cta_rows, family) in sorted(chosen.items())}}
+                    **{rows: name(shape, rows, tile) for rows, tile in sorted(chosen.items())}}
             for shape, chosen in _tiles.get((index, dtype), {}).items()}
 
 

@@ -283,9 +283,10 @@ __device__ __forceinline__ void read_stage(const Tile& q, const unsigned char* s
 }
 
 // Split K, after each CTA wrote its fp32 partials of its (row tile, column block) to
-// ws[split][M][Np]: the last CTA of the tile to arrive (counters[tile], reset by it) sums them in
-// split order and stores y: deterministic, capturable, no host sync. Returns whether this CTA
-// was that last one.
+// ws[split][M][gridDim.x x CN] (rows as wide as the launch's columns, so that a launch over some
+// of a product's column blocks needs only their share of the workspace): the last CTA of the
+// tile to arrive (counters[tile], reset by it) sums them in split order and stores y:
+// deterministic, capturable, no host sync. Returns whether this CTA was that last one.
 // THREADS threads sync: the whole block, or (CONSUMERS) threads 0..THREADS-1 of a block whose
 // producer warpgroup may have exited (named barrier 1).
 template <bool CONSUMERS>
@@ -299,8 +300,9 @@ __device__ __forceinline__ void sync_threads() {
 template <typename T, int ROWS, bool CONSUMERS = false, int CN = CTA_N>
 __device__ __forceinline__ bool finish_splits(T* y, long long y_stride, const T* bias,
                                               const float* ws, int* counters, int M, int N,
-                                              int Np, int m0) {
+                                              int m0) {
   static_assert(CN == CTA_N || ROWS > 32, "the small tiles' sums assume CTA_N columns");
+  const int wn = gridDim.x * CN;  // the partials' row width: the launch's columns
   __shared__ int s_last;
   const int tid = threadIdx.x, ncta = blockIdx.x;
   __threadfence();  // partials visible device-wide before this CTA counts itself in
@@ -333,7 +335,7 @@ __device__ __forceinline__ bool finish_splits(T* y, long long y_stride, const T*
       for (int c = tid; c < round * rows * (CTA_N / 4); c += THREADS) {  // 16-byte chunks
         const int r = c / (rows * (CTA_N / 4)), rest = c % (rows * (CTA_N / 4));
         const int m = m0 + rest / (CTA_N / 4), n = ncta * CTA_N + (rest % (CTA_N / 4)) * 4;
-        ps::cp_async16(base + c * 16, ws + ((size_t)(s0 + r) * M + m) * Np + n, 16);
+        ps::cp_async16(base + c * 16, ws + ((size_t)(s0 + r) * M + m) * wn + n, 16);
       }
       ps::cp_async_commit();
       ps::cp_async_wait<0>();
@@ -365,7 +367,7 @@ __device__ __forceinline__ bool finish_splits(T* y, long long y_stride, const T*
   // Each entry still adds its splits in split order, from 0, so the sums are the same bits as
   // above. These sizes keep the 64-row kernel at 128 registers (2 CTAs an SM).
   constexpr int PER = ROWS >= 128 ? 8 : 2, BATCH = ROWS >= 128 ? 2 : 4;
-  const size_t plane = (size_t)M * Np;  // one split's partials
+  const size_t plane = (size_t)M * wn;  // one split's partials
   for (int e0 = tid; e0 < total; e0 += PER * THREADS) {
     int m[PER], n[PER];
     bool ok[PER];
@@ -385,7 +387,7 @@ __device__ __forceinline__ bool finish_splits(T* y, long long y_stride, const T*
 #pragma unroll
         for (int u = 0; u < PER; ++u)
           if (ok[u] && sp + j < splits)
-            v[j][u] = ld_l2(ws + (sp + j) * plane + (size_t)m[u] * Np + n[u]);
+            v[j][u] = ld_l2(ws + (sp + j) * plane + (size_t)m[u] * wn + n[u]);
 #pragma unroll
       for (int j = 0; j < BATCH; ++j)
 #pragma unroll
@@ -408,7 +410,8 @@ __device__ __forceinline__ bool finish_splits(T* y, long long y_stride, const T*
 template <typename T, int ROWS, int OUT_STRIDE, bool CONSUMERS, int CN = CTA_N>
 __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_stride,
                                            const T* bias, float* ws, int* counters, int M, int N,
-                                           int Np, int m0, int tid, int ncta, int split) {
+                                           int m0, int tid, int ncta, int split) {
+  const int wn = gridDim.x * CN;  // the partials' row width (finish_splits')
   const int rows = min(ROWS, M - m0);
   for (int e = tid; e < rows * (CN / 2); e += THREADS) {
     const int ml = e / (CN / 2), nl = (e % (CN / 2)) * 2;
@@ -418,10 +421,10 @@ __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_s
     if (gridDim.y == 1)
       store2(y, y_stride, m, n, v.x, v.y, bias);
     else
-      *reinterpret_cast<float2*>(ws + ((size_t)split * M + m) * Np + n) = v;
+      *reinterpret_cast<float2*>(ws + ((size_t)split * M + m) * wn + n) = v;
   }
   if (gridDim.y == 1) return;
-  finish_splits<T, ROWS, CONSUMERS, CN>(y, y_stride, bias, ws, counters, M, N, Np, m0);
+  finish_splits<T, ROWS, CONSUMERS, CN>(y, y_stride, bias, ws, counters, M, N, m0);
 }
 
 // Thread block clusters (sm_90): a barrier over the cluster's threads (release / acquire, so
@@ -511,8 +514,8 @@ __device__ __forceinline__ void cluster_splits(T* y, long long y_stride, const T
 
 // Grid (Np / 128, splits, ceil(M / ROWS)); 256 threads. Split s covers K stages
 // [s * split_stages, ...). splits == 1: the CTA writes y. Else each CTA writes fp32 partials to
-// ws[split][M][Np] and the last CTA of a tile (counters[tile], reset by it) sums them in split
-// order: deterministic, capturable, no host sync.
+// ws[split][M][gridDim.x x CTA_N] and the last CTA of a tile (counters[tile], reset by it) sums
+// them in split order: deterministic, capturable, no host sync.
 template <typename T, int MT, bool CLUSTER = false>
 __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
                                       const T* __restrict__ x, long long x_stride,
@@ -649,22 +652,23 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
   }
 
   if (wk == 0) {
+    const int wn = gridDim.x * CTA_N;  // the partials' row width (finish_splits')
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int n = nb * 32 + j * 8 + 2 * t, m = m0 + mt * 16 + g;
-        float* part = ws + (size_t)split * M * Np + n;
+        float* part = ws + (size_t)split * M * wn + n;
         if (m < M)
-          *reinterpret_cast<float2*>(part + (size_t)m * Np) =
+          *reinterpret_cast<float2*>(part + (size_t)m * wn) =
               make_float2(acc[mt][j][0], acc[mt][j][1]);
         if (m + 8 < M)
-          *reinterpret_cast<float2*>(part + (size_t)(m + 8) * Np) =
+          *reinterpret_cast<float2*>(part + (size_t)(m + 8) * wn) =
               make_float2(acc[mt][j][2], acc[mt][j][3]);
       }
   }
   [[maybe_unused]] const bool summed =
-      finish_splits<T, C::ROWS>(y, y_stride, bias, ws, counters, M, N, Np, m0);
+      finish_splits<T, C::ROWS>(y, y_stride, bias, ws, counters, M, N, m0);
   PS_TRACE_OUT(nst, summed ? TRACE_LAST_SUM : TRACE_PART);
 }
 
@@ -821,8 +825,8 @@ __device__ __forceinline__ void w4a16_wg(T* __restrict__ y, long long y_stride,
     }
     __syncthreads();
   }
-  store_tile<T, C::ROWS, C::OUT_STRIDE, false>(out, y, y_stride, bias, ws, counters, M, N, Np,
-                                               m0, tid, ncta, split);
+  store_tile<T, C::ROWS, C::OUT_STRIDE, false>(out, y, y_stride, bias, ws, counters, M, N, m0,
+                                               tid, ncta, split);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif
@@ -1247,8 +1251,8 @@ __device__ __forceinline__ void w4a16_wgt(T* __restrict__ y, long long y_stride,
     out[m * C::OUT_STRIDE + n] = acc[r];
   }
   sync_threads<true>();
-  store_tile<T, TOK, C::OUT_STRIDE, true>(out, y, y_stride, bias, ws, counters, M, N, Np, m0,
-                                          tid, ncta, blockIdx.y);
+  store_tile<T, TOK, C::OUT_STRIDE, true>(out, y, y_stride, bias, ws, counters, M, N, m0, tid,
+                                          ncta, blockIdx.y);
   PS_TRACE_OUT(nst, TRACE_STORED);
   // No CTA of a cluster leaves while another may still arrive at its empty barriers.
   if constexpr (CS > 1) cluster_sync();
@@ -1343,8 +1347,8 @@ __device__ __forceinline__ void w4a16_wgw(T* __restrict__ y, long long y_stride,
     out[m * C::OUT_STRIDE + n + 64] = acc1[r];
   }
   sync_threads<true>();
-  store_tile<T, TOK, C::OUT_STRIDE, true, WIDE_N>(out, y, y_stride, bias, ws, counters, M, N, Np,
-                                                 m0, tid, ncta, blockIdx.y);
+  store_tile<T, TOK, C::OUT_STRIDE, true, WIDE_N>(out, y, y_stride, bias, ws, counters, M, N, m0,
+                                                 tid, ncta, blockIdx.y);
 #else
   __trap();  // built without sm_90a: the launcher never picks this kernel then
 #endif

@@ -499,8 +499,10 @@ def _offline_int4_tuning(monkeypatch, cost, weights_a_shape: int, split_counts=N
         x, w, bias, out, "dequantized"))
     monkeypatch.setattr(quant, "_agreeing_tiles", lambda w, dev, tiles: checked.append(
         [(p.n, p.k) for p in w]) or list(tiles))
+    monkeypatch.setattr(quant, "_last_wave_us", lambda x, group, out, tile, dev: None)
     monkeypatch.setattr(quant, "_index", lambda device: 0)
     monkeypatch.setattr(quant, "_tiles", {})
+    monkeypatch.setattr(quant, "_last_waves", {})
     monkeypatch.setattr(quant, "_split_counts", split_counts or {})
     monkeypatch.setattr(quant, "_dequant_rows", {})
     monkeypatch.setattr(quant, "_scratch", {(0, torch.bfloat16): torch.empty(512 * 256)})
@@ -545,6 +547,101 @@ def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
     assert quant.tile_for(300, 0, torch.bfloat16, wide) == (256, "wgt")
     assert quant.tile_for(300, 0, torch.bfloat16, narrow) == (64, "wgt")
     assert checked == [[narrow, wide]]
+
+
+def test_int4_tuning_splits_the_last_wave_off_where_that_is_faster(monkeypatch):
+    """Where the chosen tile has a partial last wave to split off (_last_wave_us gives its time,
+    else None), tuning keeps the split at the row counts where it is faster than the whole
+    launch; tile_choice marks them "+tail", and a product takes it at the row counts tile_for
+    takes that tile from."""
+    from pagedserve_kernels import quant
+
+    shape = (512, 256)
+    weights = [_packed_int4(*shape) for _ in range(2)]
+    _offline_int4_tuning(monkeypatch, lambda shape, rows, tile, splits: float(rows), 2)
+    split_us = {256: 100.0, 512: 2000.0}  # faster at 256 rows, slower at 512, none elsewhere
+    monkeypatch.setattr(quant, "_last_wave_us",
+                        lambda x, group, out, tile, dev: split_us.get(x.shape[0]))
+    tuned = quant.tune_dequant_rows(weights, "cuda", ((256, "wgt"),), (256, 512))
+    assert quant._last_waves[(0, torch.bfloat16)][shape] == {
+        rows: rows == 256 for rows in sorted({256, 512} | set(quant.DEQUANT_CANDIDATES))}
+    assert tuned[shape][1][256][0] == 100.0  # the kernel's time is the split launch's
+    assert quant.tile_choice(0)[shape][256] == "wgt256+tail"
+    assert quant.tile_choice(0)[shape][512] == "wgt256"
+    assert quant._splits_last_wave(300, 0, torch.bfloat16, shape)
+    assert not quant._splits_last_wave(600, 0, torch.bfloat16, shape)
+    assert not quant._splits_last_wave(300, 0, torch.bfloat16, (128, 256))  # not tuned
+
+
+def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_parts(monkeypatch):
+    """last_wave: a tile with K whole over more tiles than the SMs hold at once, in no whole
+    number of waves, launches the column blocks of its whole waves (a multiple of its cluster)
+    as it would, then the wgt tile of its rows over the rest with the weights, scales, zero
+    points, bias and output from the first of them on (N counted from there, the scales' rows
+    keeping the product's stride), K in split_k_choice's parts, partials as wide as that launch;
+    with whole waves, or a split K, one launch as before."""
+    from pagedserve_kernels import quant
+
+    launched = []
+    monkeypatch.setattr(quant._compile, "launch",
+                        lambda module, kernel, device, grid, block, args, shared_mem=0,
+                        programmatic=False, cluster=None: launched.append(
+                            (kernel, grid, cluster, args)))
+    monkeypatch.setattr(quant._compile, "tensor_map_2d", lambda *a: "map")
+    ws, counters = torch.zeros(1), torch.zeros(1)
+    monkeypatch.setattr(quant, "_workspace", lambda device: (ws, counters))
+    monkeypatch.setattr(quant, "_stream_k_workspace", lambda device: ws)
+    monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(quant, "_resident_ctas", lambda kernel, device: 1)
+    chosen = []
+    real_splits = quant._splits
+
+    def splits(kernel, device, m_tiles, n_blocks, k_stages, partial_floats, tile_rows,
+               forced=None):
+        chosen.append((kernel, m_tiles, n_blocks, partial_floats))
+        if forced is not None:
+            return forced, k_stages // forced
+        if "_wgt_" in kernel and n_blocks < 100:  # the rest: two parts
+            return 2, k_stages // 2
+        return real_splits(kernel, device, m_tiles, n_blocks, k_stages, partial_floats,
+                           tile_rows, 1)
+
+    monkeypatch.setattr(quant, "_splits", splits)
+    n, k, m = 28672, 512, 512  # 224 column blocks x 2 row tiles of 256: 448 tiles, 3.39 waves
+    packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                          torch.ones(k // 128, n, dtype=torch.bfloat16),
+                          torch.full((k // 128, n), 8, dtype=torch.uint8), 128, None)
+    x, out = torch.zeros(m, k, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+    bias = torch.zeros(n, dtype=torch.bfloat16)
+    assert quant.head_blocks("w4a16_wgq_bf16_m256", 0, 2, 224) == 196  # 392 tiles, 4 | 196
+    assert quant.head_blocks("w4a16_wgt_bf16_m256", 0, 2, 224) == 198  # 396: three waves
+    assert quant.head_blocks("w4a16_wgt_bf16_m256", 0, 1, 264) == 0  # two whole waves
+    assert quant.head_blocks("w4a16_wgt_bf16_m256", 0, 1, 100) == 0  # not one wave
+    quant._kernel_product(x, packed, bias, out, (256, "wgq"), None, True)
+    (head, head_grid, head_cluster, a), (tail, tail_grid, tail_cluster, b) = launched
+    assert (head, head_grid, head_cluster) == ("w4a16_wgq_bf16_m256", (196, 1, 2), (4, 1, 1))
+    assert (tail, tail_grid, tail_cluster) == ("w4a16_wgt_bf16_m256", (28, 2, 2), {}.get(0))
+    assert chosen[-1] == ("w4a16_wgt_bf16_m256", 2, 28, m * 28 * 128)
+    col = 196 * 128
+    assert a[:8] == (out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
+                     packed.qweight.data_ptr(), packed.scales.data_ptr(),
+                     packed.zeros.data_ptr(), bias.data_ptr())
+    assert a[8:10] == (0, 0) and b[8:10] == (ws.data_ptr(), counters.data_ptr())
+    assert b[:8] == (out.data_ptr() + 2 * col, out.stride(0), x.data_ptr(), x.stride(0),
+                     packed.qweight[col // 32].data_ptr(), packed.scales.data_ptr() + 2 * col,
+                     packed.zeros.data_ptr() + 2 * col, bias.data_ptr() + 2 * col)
+    assert (a[11], b[11]) == (n, n - col) and a[14] == b[14] == n  # N from there; Np whole
+    assert b[16] == (k // 64) // 2  # stages a part
+    # the whole waves launched as they would, the same launch without last_wave
+    launched.clear()
+    quant._kernel_product(x, packed, bias, out, (256, "wgq"), None, False)
+    assert [entry[:3] for entry in launched] == [("w4a16_wgq_bf16_m256", (224, 1, 2), (4, 1, 1))]
+    # K already in parts, or a family without the split: one launch
+    for tile, parts in (((256, "wgq"), 2), ((256, "wgs"), None), ((64, ""), None)):
+        launched.clear()
+        quant._kernel_product(x, packed, bias, out, tile, parts, True)
+        assert len(launched) == 1
 
 
 def test_int4_tuning_takes_each_shapes_fastest_k_parts_for_the_small_tiles(monkeypatch):

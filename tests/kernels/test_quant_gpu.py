@@ -247,6 +247,52 @@ def test_multicast_tiles_give_the_wgt_tiles_bits(quant, rows, family, m, n, k, s
         assert torch.equal(product(packed, family), product(packed, "wgt"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(512, 28672, 512), (300, 28600, 1024), (256, 33920, 512)])
+@pytest.mark.parametrize("family", ["wgt", "wgm", "wgq"])
+def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, family, m, n, k,
+                                                                        dtype):
+    """A 256-row tile with its last partial wave split off (_kernel_product's last_wave): the
+    whole waves' columns are the whole launch's bits, the rest are the wgt tile's bits over a
+    weight of those columns alone (K in the same parts), with a bias and zero points; N past
+    the last column block's end (28,600), a partial row tile (300 rows), one block left over
+    (265 blocks); eagerly and replayed from a CUDA graph, twice."""
+    if not _hopper(quant):
+        pytest.skip("the wgmma tiles need Hopper")
+    device = torch.device("cuda")
+    qweight, scales, zeros, group, _ = _int4(n, k, 128, True, False, dtype, m + n + k)
+    packed = quant.repack(qweight, scales, zeros, group)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    bias = torch.randn(n, generator=g, device="cuda").to(dtype)
+    tile = (256, family)
+    kernel, _, m_tiles, splits, _ = quant.launch_shape(m, packed, device, dtype, tile)
+    head = quant.head_blocks(kernel, device, m_tiles, packed.qweight.shape[0] // 4)
+    assert splits == 1 and head > 0, (splits, head)  # the case has a last wave to split
+    col = head * 128
+
+    def product(packed, bias, last_wave, tile=tile):
+        out = torch.full((m, packed.n), float("nan"), dtype=dtype, device="cuda")
+        return quant._kernel_product(x, packed, bias, out, tile, None, last_wave)
+
+    whole = product(packed, bias, False).view(torch.int16)
+    rest = quant.repack(qweight[:, col:], scales[:, col:], zeros[:, col:], group)
+    tail = product(rest, bias[col:], False, (256, "wgt")).view(torch.int16)
+    split = product(packed, bias, True).view(torch.int16)
+    assert torch.equal(split[:, :col], whole[:, :col])
+    assert torch.equal(split[:, col:], tail)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    quant._kernel_product(x, packed, bias, out, tile, None, True)  # compiled, workspace made
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quant._kernel_product(x, packed, bias, out, tile, None, True)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), split)
+
+
 @pytest.mark.parametrize("m", [1, 40, 300])
 def test_bias_is_added_before_the_one_rounding(quant, m):
     _check(quant, m, 4096, 4096, 128, True, False, torch.bfloat16, bias=True)

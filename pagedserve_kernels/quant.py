@@ -309,7 +309,7 @@ def _launch_product(x, packed: PackedInt4, bias, out, kernel: str, mt: int, m_ti
     partials as wide as the launch's columns."""
     num_tokens, family = x.shape[0], _family(kernel)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
-    col = first * CTA_N  # nothing but a whole-K launch of 128-column blocks starts past 0
+    col = first * CTA_N  # only the wgt tile (128-column blocks) is launched from past 0
     grid = (blocks, splits, m_tiles)
     ws_ptr = counters_ptr = 0
     if family == "wgs":

@@ -65,11 +65,10 @@ def last_wave_us(packed: list, rows: int, k: int, tile) -> float | None:
     """kernel_us with the last partial wave split off, where the tile has one (else None)."""
     from pagedserve_kernels import quant
 
-    device = torch.device("cuda")
-    kernel, _, m_tiles, splits, _ = quant.launch_shape(rows, packed[0], device, torch.bfloat16,
-                                                       tile)
-    if tile[1] not in quant._WAVE_SPLIT or splits != 1 or not quant.head_blocks(
-            kernel, device, m_tiles, packed[0].qweight.shape[0] // 4):
+    device, w = torch.device("cuda"), packed[0]
+    kernel, _, m_tiles, splits, _ = quant.launch_shape(rows, w, device, torch.bfloat16, tile)
+    if splits != 1 or quant.wave_split(kernel, device, rows, m_tiles, w.qweight.shape[0] // 4,
+                                       w.qweight.shape[1] // 2) is None:
         return None
     return kernel_us(packed, rows, k, tile, None, True)
 

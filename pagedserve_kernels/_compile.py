@@ -287,6 +287,10 @@ def _driver_api() -> Any:
                 ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
                 u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
             lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        if hasattr(lib, "cuOccupancyMaxActiveClusters"):
+            lib.cuOccupancyMaxActiveClusters.argtypes = [
+                ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+            lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
         _driver = lib
     return _driver
 
@@ -390,6 +394,27 @@ def _launch_ex(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
         lib.cuGetErrorString(err, ctypes.byref(text))
         raise RuntimeError(f"cuLaunchKernelEx failed ({err}: "
                            f"{(text.value or b'unknown').decode()})")
+
+
+def max_active_clusters(module: str, kernel: str, device: torch.device | int | None,
+                        block: tuple[int, int, int], shared_mem: int,
+                        cluster: tuple[int, int, int]) -> int | None:
+    """Clusters of `cluster` CTAs of `kernel` the device runs at once (the driver's
+    cuOccupancyMaxActiveClusters): a cluster's CTAs share one GPC, so where a GPC's SMs are no
+    multiple of the cluster some stay idle; None where the driver lacks the call or refuses."""
+    lib = _driver_api()
+    if not hasattr(lib, "cuOccupancyMaxActiveClusters"):
+        return None
+    fn = get_function(module, kernel, device, shared_mem)
+    attr = (_LaunchAttribute * 1)(_LaunchAttribute(id=_CLUSTER_DIMENSION, value=cluster))
+    config = _LaunchConfig()
+    config.grid[:], config.block[:] = cluster, block
+    config.shared_mem, config.attrs, config.num_attrs = shared_mem, attr, 1
+    count = ctypes.c_int(0)
+    with torch.cuda.device(_device_index(device)):
+        err = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), fn.kernel.ptr,
+                                               ctypes.byref(config))
+    return count.value if err == 0 and count.value > 0 else None
 
 
 def programmatic_launch(device: torch.device | int | None = None) -> bool:

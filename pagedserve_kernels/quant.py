@@ -74,6 +74,7 @@ _PRODUCER_FED = ("wgt", "wgs", *MULTICAST)
 # The families whose last partial wave tuning may split off into a launch of the wgt tile with K
 # in parts (_kernel_product's last_wave).
 _WAVE_SPLIT = ("wgt", *MULTICAST)
+LAST_WAVE_GAIN = 0.98  # tuning splits the last wave off only where it takes under this share
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # the GPU tests have passed on it and a GPU has measured it faster somewhere.
 CANDIDATE_TILES: tuple[Tile, ...] = ()
@@ -114,6 +115,7 @@ _split_counts: dict[tuple[int, torch.dtype], dict[Shape, dict[int, int]]] = {}
 # faster with the last partial wave split off (_kernel_product's last_wave)}}
 _last_waves: dict[tuple[int, torch.dtype], dict[Shape, dict[int, bool]]] = {}
 _resident: dict[tuple[str, int], int] = {}
+_slots: dict[tuple[str, int], int] = {}  # (kernel, device) -> _wave_slots
 # device -> whether the products are launched programmatically (prepare() decides; see
 # set_programmatic): each product kernel's start and first weight loads overlap the end of the
 # kernel before it, which matters most for the short products of decode steps.
@@ -263,20 +265,35 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     if last_wave is None:
         last_wave = (tile is None and num_tokens > SMALL_TILES[-1]
                      and _splits_last_wave(num_tokens, x.device, x.dtype, (packed.n, packed.k)))
-    head = (head_blocks(kernel, x.device, m_tiles, np_ // CTA_N)
-            if last_wave and splits == 1 and family in _WAVE_SPLIT else 0)
-    if not head:
+    split = (wave_split(kernel, x.device, num_tokens, m_tiles, np_ // CTA_N, kp // STAGE_K)
+             if last_wave and splits == 1 else None)
+    if split is None:
         _launch_product(x, packed, bias, out, kernel, mt, m_tiles, splits, split_stages, 0,
                         blocks)
         return out
+    head, tail, tail_splits, tail_stages = split
     _launch_product(x, packed, bias, out, kernel, mt, m_tiles, 1, split_stages, 0, head)
-    rest = np_ // CTA_N - head
-    tail = _kernel_name(x.dtype, 16 * mt, "wgt")
-    tail_splits, tail_stages = _splits(tail, x.device, m_tiles, rest, kp // STAGE_K,
-                                       num_tokens * rest * CTA_N, min(num_tokens, 16 * mt))
     _launch_product(x, packed, bias, out, tail, mt, m_tiles, tail_splits, tail_stages, head,
-                    rest)
+                    np_ // CTA_N - head)
     return out
+
+
+def wave_split(kernel: str, device: torch.device, num_tokens: int, m_tiles: int, n_blocks: int,
+               k_stages: int) -> tuple[int, str, int, int] | None:
+    """How `kernel` (K whole) splits its last partial wave off: (head_blocks, the wgt kernel of
+    its rows for the rest, its K parts, stages a part); None where its family has no such split,
+    its tiles fill whole waves or none, or the rest would get K whole (two launches for one)."""
+    if _family(kernel) not in _WAVE_SPLIT:
+        return None
+    head = head_blocks(kernel, device, m_tiles, n_blocks)
+    if not head:
+        return None
+    rows = int(kernel.rsplit("_m", 1)[1])
+    tail = kernel.replace(f"_{_family(kernel)}_", "_wgt_")
+    rest = n_blocks - head
+    splits, stages = _splits(tail, device, m_tiles, rest, k_stages, num_tokens * rest * CTA_N,
+                             min(num_tokens, rows))
+    return (head, tail, splits, stages) if splits > 1 else None
 
 
 def _splits_last_wave(num_tokens: int, device: torch.device, dtype: torch.dtype,
@@ -292,13 +309,31 @@ def head_blocks(kernel: str, device: torch.device, m_tiles: int, n_blocks: int) 
     """The column blocks (from 0) whose tiles, over every row tile, fill the product's whole
     waves (its SMs x the CTAs an SM holds), a multiple of the kernel's cluster; 0 where the
     tiles fill whole waves already, or fill none."""
-    slots = _sm_count(device) * _resident_ctas(kernel, device)
+    slots = _wave_slots(kernel, device)
     tiles = m_tiles * n_blocks
     if tiles < slots or tiles % slots == 0:
         return 0
     head = tiles // slots * slots // m_tiles
     head -= head % MULTICAST.get(_family(kernel), 1)
     return head if 0 < head < n_blocks else 0
+
+
+def _wave_slots(kernel: str, device: torch.device) -> int:
+    """CTAs of `kernel` the device runs at once: its SMs x the CTAs an SM holds, or for a
+    multicast tile the clusters the driver says fit (GPCs' SMs may leave some idle) x their
+    size."""
+    key = (kernel, _index(device))
+    if key not in _slots:
+        slots = _sm_count(device) * _resident_ctas(kernel, device)
+        size = MULTICAST.get(_family(kernel))
+        if size:
+            mt = int(kernel.rsplit("_m", 1)[1]) // 16
+            clusters = _compile.max_active_clusters(
+                "quant", kernel, device, (_threads(kernel), 1, 1),
+                _smem_bytes(mt, _family(kernel)), (size, 1, 1))
+            slots = clusters * size if clusters else slots
+        _slots[key] = slots
+    return _slots[key]
 
 
 def _launch_product(x, packed: PackedInt4, bias, out, kernel: str, mt: int, m_tiles: int,
@@ -309,7 +344,10 @@ def _launch_product(x, packed: PackedInt4, bias, out, kernel: str, mt: int, m_ti
     partials as wide as the launch's columns."""
     num_tokens, family = x.shape[0], _family(kernel)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
-    col = first * CTA_N  # only the wgt tile (128-column blocks) is launched from past 0
+    col = first * CTA_N
+    # only the wgt tile reads no further than its blocks: wgw, wgm and wgq bound their loads by
+    # column blocks counted from column 0, and wgs shares out the whole product
+    assert not col or family == "wgt", (kernel, first)
     grid = (blocks, splits, m_tiles)
     ws_ptr = counters_ptr = 0
     if family == "wgs":
@@ -446,7 +484,8 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
             chosen[rows] = min(timed, key=timed.get)
             kernel_us[rows] = timed[chosen[rows]]
             split = _last_wave_us(x, group, out, chosen[rows], dev)
-            waves[rows] = split is not None and split < kernel_us[rows]
+            # a second launch and other bits in the rest's columns: only for a clear gain
+            waves[rows] = split is not None and split < LAST_WAVE_GAIN * kernel_us[rows]
             if waves[rows]:
                 kernel_us[rows] = split
             if rows in DEQUANT_CANDIDATES:
@@ -495,11 +534,10 @@ def _last_wave_us(x: torch.Tensor, group: list[PackedInt4], out: torch.Tensor, t
     of the largest value; else None."""
     from pagedserve_kernels.gemm import graph_us
 
-    if tile[1] not in _WAVE_SPLIT:
-        return None
     w = group[0]
     kernel, _, m_tiles, splits, _ = launch_shape(x.shape[0], w, dev, x.dtype, tile)
-    if splits != 1 or not head_blocks(kernel, dev, m_tiles, w.qweight.shape[0] * CHUNK // CTA_N):
+    if splits != 1 or wave_split(kernel, dev, x.shape[0], m_tiles, w.qweight.shape[0] // 4,
+                                 w.qweight.shape[1] // 2) is None:
         return None
     whole = _kernel_product(x, w, None, torch.empty_like(out), tile, None, False).float()
     split = _kernel_product(x, w, None, torch.empty_like(out), tile, None, True).float()

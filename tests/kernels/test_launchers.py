@@ -559,7 +559,8 @@ def test_int4_tuning_splits_the_last_wave_off_where_that_is_faster(monkeypatch):
     shape = (512, 256)
     weights = [_packed_int4(*shape) for _ in range(2)]
     _offline_int4_tuning(monkeypatch, lambda shape, rows, tile, splits: float(rows), 2)
-    split_us = {256: 100.0, 512: 2000.0}  # faster at 256 rows, slower at 512, none elsewhere
+    # faster at 256 rows, slower at 512, not by LAST_WAVE_GAIN at 1,024, none elsewhere
+    split_us = {256: 100.0, 512: 2000.0, 1024: 0.99 * 1024}
     monkeypatch.setattr(quant, "_last_wave_us",
                         lambda x, group, out, tile, dev: split_us.get(x.shape[0]))
     tuned = quant.tune_dequant_rows(weights, "cuda", ((256, "wgt"),), (256, 512))
@@ -574,12 +575,13 @@ def test_int4_tuning_splits_the_last_wave_off_where_that_is_faster(monkeypatch):
 
 
 def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_parts(monkeypatch):
-    """last_wave: a tile with K whole over more tiles than the SMs hold at once, in no whole
-    number of waves, launches the column blocks of its whole waves (a multiple of its cluster)
-    as it would, then the wgt tile of its rows over the rest with the weights, scales, zero
-    points, bias and output from the first of them on (N counted from there, the scales' rows
-    keeping the product's stride), K in split_k_choice's parts, partials as wide as that launch;
-    with whole waves, or a split K, one launch as before."""
+    """last_wave: a tile with K whole over more tiles than the device runs at once (a multicast
+    tile's clusters as the driver counts them), in no whole number of waves, launches the column
+    blocks of its whole waves (a multiple of its cluster) as it would, then the wgt tile of its
+    rows over the rest with the weights, scales, zero points, bias and output from the first of
+    them on (N counted from there, Np kept: the scales' rows' stride), K in split_k_choice's
+    parts, partials as wide as that launch; with whole waves, K already in parts, the rest left
+    with K whole, or a family without the split, one launch as before."""
     from pagedserve_kernels import quant
 
     launched = []
@@ -588,60 +590,116 @@ def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_part
                         programmatic=False, cluster=None: launched.append(
                             (kernel, grid, cluster, args)))
     monkeypatch.setattr(quant._compile, "tensor_map_2d", lambda *a: "map")
+    clusters = {"w4a16_wgq_bf16_m256": 32}  # four SMs of 132 idle: GPCs of 16 and 18 SMs
+    monkeypatch.setattr(quant._compile, "max_active_clusters",
+                        lambda module, kernel, device, block, smem, cluster: clusters.get(kernel))
     ws, counters = torch.zeros(1), torch.zeros(1)
     monkeypatch.setattr(quant, "_workspace", lambda device: (ws, counters))
     monkeypatch.setattr(quant, "_stream_k_workspace", lambda device: ws)
     monkeypatch.setattr(quant, "_index", lambda device: 0)
+    monkeypatch.setattr(quant, "_slots", {})
     monkeypatch.setattr(quant, "_sm_count", lambda device: 132)
     monkeypatch.setattr(quant, "_resident_ctas", lambda kernel, device: 1)
     chosen = []
     real_splits = quant._splits
+    rest_parts = [2]
 
     def splits(kernel, device, m_tiles, n_blocks, k_stages, partial_floats, tile_rows,
                forced=None):
         chosen.append((kernel, m_tiles, n_blocks, partial_floats))
         if forced is not None:
             return forced, k_stages // forced
-        if "_wgt_" in kernel and n_blocks < 100:  # the rest: two parts
-            return 2, k_stages // 2
+        if "_wgt_" in kernel and n_blocks < 100:  # the rest
+            return rest_parts[0], k_stages // rest_parts[0]
         return real_splits(kernel, device, m_tiles, n_blocks, k_stages, partial_floats,
                            tile_rows, 1)
 
     monkeypatch.setattr(quant, "_splits", splits)
-    n, k, m = 28672, 512, 512  # 224 column blocks x 2 row tiles of 256: 448 tiles, 3.39 waves
-    packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
-                          torch.ones(k // 128, n, dtype=torch.bfloat16),
-                          torch.full((k // 128, n), 8, dtype=torch.uint8), 128, None)
-    x, out = torch.zeros(m, k, dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
-    bias = torch.zeros(n, dtype=torch.bfloat16)
-    assert quant.head_blocks("w4a16_wgq_bf16_m256", 0, 2, 224) == 196  # 392 tiles, 4 | 196
-    assert quant.head_blocks("w4a16_wgt_bf16_m256", 0, 2, 224) == 198  # 396: three waves
+    n, k, m = 28600, 512, 512  # 224 column blocks (Np 28,672) x 2 row tiles of 256: 448 tiles
+    assert quant.head_blocks("w4a16_wgq_bf16_m256", 0, 2, 224) == 192  # 3 waves of 128 CTAs
+    assert quant.head_blocks("w4a16_wgm_bf16_m256", 0, 2, 224) == 198  # 396: 3 waves of 132
     assert quant.head_blocks("w4a16_wgt_bf16_m256", 0, 1, 264) == 0  # two whole waves
     assert quant.head_blocks("w4a16_wgt_bf16_m256", 0, 1, 100) == 0  # not one wave
-    quant._kernel_product(x, packed, bias, out, (256, "wgq"), None, True)
-    (head, head_grid, head_cluster, a), (tail, tail_grid, tail_cluster, b) = launched
-    assert (head, head_grid, head_cluster) == ("w4a16_wgq_bf16_m256", (196, 1, 2), (4, 1, 1))
-    assert (tail, tail_grid, tail_cluster) == ("w4a16_wgt_bf16_m256", (28, 2, 2), {}.get(0))
-    assert chosen[-1] == ("w4a16_wgt_bf16_m256", 2, 28, m * 28 * 128)
-    col = 196 * 128
-    assert a[:8] == (out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
-                     packed.qweight.data_ptr(), packed.scales.data_ptr(),
-                     packed.zeros.data_ptr(), bias.data_ptr())
-    assert a[8:10] == (0, 0) and b[8:10] == (ws.data_ptr(), counters.data_ptr())
-    assert b[:8] == (out.data_ptr() + 2 * col, out.stride(0), x.data_ptr(), x.stride(0),
-                     packed.qweight[col // 32].data_ptr(), packed.scales.data_ptr() + 2 * col,
-                     packed.zeros.data_ptr() + 2 * col, bias.data_ptr() + 2 * col)
-    assert (a[11], b[11]) == (n, n - col) and a[14] == b[14] == n  # N from there; Np whole
-    assert b[16] == (k // 64) // 2  # stages a part
-    # the whole waves launched as they would, the same launch without last_wave
+    for zeros, bias in ((True, True), (False, False)):
+        packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                              torch.ones(k // 128, n, dtype=torch.bfloat16),
+                              torch.full((k // 128, n), 8, dtype=torch.uint8) if zeros else None,
+                              128, None)
+        x = torch.zeros(m, k, dtype=torch.bfloat16)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        b = torch.zeros(n, dtype=torch.bfloat16) if bias else None
+        launched.clear()
+        quant._kernel_product(x, packed, b, out, (256, "wgq"), None, True)
+        (head, head_grid, head_cluster, a), (tail, tail_grid, tail_cluster, t) = launched
+        assert (head, head_grid, head_cluster) == ("w4a16_wgq_bf16_m256", (192, 1, 2), (4, 1, 1))
+        assert (tail, tail_grid, tail_cluster) == ("w4a16_wgt_bf16_m256", (32, 2, 2), None)
+        assert chosen[-1] == ("w4a16_wgt_bf16_m256", 2, 32, m * 32 * 128)
+        col = 192 * 128
+        z = packed.zeros.data_ptr() if zeros else 0
+        bp = b.data_ptr() if bias else 0
+        assert a[:8] == (out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0),
+                         packed.qweight.data_ptr(), packed.scales.data_ptr(), z, bp)
+        assert a[8:10] == (0, 0) and t[8:10] == (ws.data_ptr(), counters.data_ptr())
+        assert t[:8] == (out.data_ptr() + 2 * col, out.stride(0), x.data_ptr(), x.stride(0),
+                         packed.qweight[col // 32].data_ptr(), packed.scales.data_ptr() + 2 * col,
+                         z and z + 2 * col, bp and bp + 2 * col)
+        assert (a[11], t[11]) == (n, n - col)  # N from the launch's first column
+        assert a[14] == t[14] == 28672  # Np: the scales' rows' stride
+        assert t[16] == (k // 64) // 2  # stages a part
+    # the same without last_wave: one launch of the whole
     launched.clear()
-    quant._kernel_product(x, packed, bias, out, (256, "wgq"), None, False)
+    quant._kernel_product(x, packed, b, out, (256, "wgq"), None, False)
     assert [entry[:3] for entry in launched] == [("w4a16_wgq_bf16_m256", (224, 1, 2), (4, 1, 1))]
-    # K already in parts, or a family without the split: one launch
+    # K already in parts, or a family without the split: one launch; nor where the rest would
+    # keep K whole
     for tile, parts in (((256, "wgq"), 2), ((256, "wgs"), None), ((64, ""), None)):
         launched.clear()
-        quant._kernel_product(x, packed, bias, out, tile, parts, True)
+        quant._kernel_product(x, packed, b, out, tile, parts, True)
         assert len(launched) == 1
+    rest_parts[0] = 1
+    launched.clear()
+    quant._kernel_product(x, packed, b, out, (256, "wgt"), None, True)
+    assert [entry[:2] for entry in launched] == [("w4a16_wgt_bf16_m256", (224, 1, 2))]
+    assert quant.wave_split("w4a16_wgt_bf16_m256", 0, m, 2, 224, 8) is None
+    # only the wgt tile is launched from past column 0
+    with pytest.raises(AssertionError):
+        quant._launch_product(x, packed, b, out, "w4a16_wgq_bf16_m256", 16, 2, 1, 8, 4, 4)
+
+
+def test_tuning_times_a_split_last_wave_only_where_it_agrees(monkeypatch, caplog):
+    """_last_wave_us: None for a tile with K in parts or no wave to split (wave_split's None);
+    else the two launches' product checked against the whole one on the shape's first weight
+    (one bf16 rounding of the largest value) and timed over every weight of the shape in one
+    graph, or None, logged, where it disagrees."""
+    from pagedserve_kernels import gemm, quant
+
+    weights = [_packed_int4(512, 256) for _ in range(3)]
+    x, out = torch.ones(300, 256), torch.zeros(300, 512)
+    shape = [("w4a16_wgt_bf16_m256", 64, 2, 1, 4)]
+    split = [(192, "w4a16_wgt_bf16_m256", 2, 2)]
+    monkeypatch.setattr(quant, "launch_shape", lambda *a, **kw: shape[0])
+    monkeypatch.setattr(quant, "wave_split", lambda *a: split[0])
+    monkeypatch.setattr(gemm, "graph_us", lambda fn: fn() and 30.0)
+    off = [1.0]
+    products = []
+
+    def product(x, w, bias, out, tile, splits, last_wave):
+        products.append((w, last_wave))
+        return out.fill_(off[0] if last_wave else 1.0)
+
+    monkeypatch.setattr(quant, "_kernel_product", product)
+    dev = torch.device("cpu")
+    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev) == 10.0  # 30 µs, 3 products
+    assert products[2:] == [(w, True) for w in weights]  # the graph: every weight, split
+    off[0] = 1.0 + 2.0 ** -6  # past one rounding: disagrees
+    with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
+        assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev) is None
+    assert "last wave split disagrees" in caplog.text
+    split[0] = None
+    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev) is None
+    shape[0] = ("w4a16_wgt_bf16_m256", 64, 2, 2, 2)  # K already in parts
+    split[0] = (192, "w4a16_wgt_bf16_m256", 2, 2)
+    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev) is None
 
 
 def test_int4_tuning_takes_each_shapes_fastest_k_parts_for_the_small_tiles(monkeypatch):

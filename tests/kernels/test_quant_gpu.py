@@ -256,7 +256,8 @@ def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, fa
     whole waves' columns are the whole launch's bits, the rest are the wgt tile's bits over a
     weight of those columns alone (K in the same parts), with a bias and zero points; N past
     the last column block's end (28,600), a partial row tile (300 rows), one block left over
-    (265 blocks); eagerly and replayed from a CUDA graph, twice."""
+    (265 blocks); eagerly and replayed from a CUDA graph, twice; the arrival counters zero
+    after."""
     if not _hopper(quant):
         pytest.skip("the wgmma tiles need Hopper")
     device = torch.device("cuda")
@@ -267,9 +268,10 @@ def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, fa
     bias = torch.randn(n, generator=g, device="cuda").to(dtype)
     tile = (256, family)
     kernel, _, m_tiles, splits, _ = quant.launch_shape(m, packed, device, dtype, tile)
-    head = quant.head_blocks(kernel, device, m_tiles, packed.qweight.shape[0] // 4)
-    assert splits == 1 and head > 0, (splits, head)  # the case has a last wave to split
-    col = head * 128
+    split = quant.wave_split(kernel, device, m, m_tiles, packed.qweight.shape[0] // 4, k // 64)
+    # the case has a last wave to split, and the rest takes K in parts
+    assert splits == 1 and split is not None and split[2] > 1, (splits, split)
+    col = split[0] * 128
 
     def product(packed, bias, last_wave, tile=tile):
         out = torch.full((m, packed.n), float("nan"), dtype=dtype, device="cuda")
@@ -278,9 +280,9 @@ def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, fa
     whole = product(packed, bias, False).view(torch.int16)
     rest = quant.repack(qweight[:, col:], scales[:, col:], zeros[:, col:], group)
     tail = product(rest, bias[col:], False, (256, "wgt")).view(torch.int16)
-    split = product(packed, bias, True).view(torch.int16)
-    assert torch.equal(split[:, :col], whole[:, :col])
-    assert torch.equal(split[:, col:], tail)
+    parted = product(packed, bias, True).view(torch.int16)
+    assert torch.equal(parted[:, :col], whole[:, :col])
+    assert torch.equal(parted[:, col:], tail)
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     quant._kernel_product(x, packed, bias, out, tile, None, True)  # compiled, workspace made
     graph = torch.cuda.CUDAGraph()
@@ -290,7 +292,8 @@ def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, fa
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out.view(torch.int16), split)
+        assert torch.equal(out.view(torch.int16), parted)
+    assert not quant._workspace(device)[1].any()  # every arrival counter reset for the next
 
 
 @pytest.mark.parametrize("m", [1, 40, 300])

@@ -329,7 +329,7 @@ def _wave_slots(kernel: str, device: torch.device) -> int:
         if size:
             mt = int(kernel.rsplit("_m", 1)[1]) // 16
             clusters = _compile.max_active_clusters(
-                "quant", kernel, device, (_threads(kernel), 1, 1),
+                _module(_family(kernel)), kernel, device, (_threads(kernel), 1, 1),
                 _smem_bytes(mt, _family(kernel)), (size, 1, 1))
             slots = clusters * size if clusters else slots
         _slots[key] = slots

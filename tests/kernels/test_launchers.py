@@ -590,7 +590,7 @@ def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_part
                         programmatic=False, cluster=None: launched.append(
                             (kernel, grid, cluster, args)))
     monkeypatch.setattr(quant._compile, "tensor_map_2d", lambda *a: "map")
-    clusters = {"w4a16_wgq_bf16_m256": 32}  # four SMs of 132 idle: GPCs of 16 and 18 SMs
+    clusters = {"w4a16_wgq_bf16_m256": 32}  # four of 132 SMs left idle by the GPCs' sizes
     monkeypatch.setattr(quant._compile, "max_active_clusters",
                         lambda module, kernel, device, block, smem, cluster: clusters.get(kernel))
     ws, counters = torch.zeros(1), torch.zeros(1)

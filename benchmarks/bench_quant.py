@@ -67,8 +67,7 @@ def last_wave_us(packed: list, rows: int, k: int, tile) -> float | None:
 
     device, w = torch.device("cuda"), packed[0]
     kernel, _, m_tiles, splits, _ = quant.launch_shape(rows, w, device, torch.bfloat16, tile)
-    if splits != 1 or quant.wave_split(kernel, device, rows, m_tiles, w.qweight.shape[0] // 4,
-                                       w.qweight.shape[1] // 2) is None:
+    if splits != 1 or quant.wave_split(kernel, device, rows, m_tiles, w) is None:
         return None
     return kernel_us(packed, rows, k, tile, None, True)
 

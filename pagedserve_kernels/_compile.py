@@ -377,10 +377,7 @@ def _launch_ex(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
     lib = _driver_api()
     values = kernel_arguments(args)
     params = (ctypes.c_void_p * max(1, len(values)))(*map(ctypes.addressof, values))
-    config = _LaunchConfig()
-    config.grid[:] = (tuple(grid) + (1, 1))[:3]
-    config.block[:] = (tuple(block) + (1, 1))[:3]
-    config.shared_mem, config.stream = shared_mem, stream
+    config = _launch_config(grid, block, shared_mem, stream)
     if cluster:  # built per launch: only the candidates' launches have one
         attrs = (_LaunchAttribute * 2)(_LaunchAttribute(id=_CLUSTER_DIMENSION, value=cluster),
                                        _PROGRAMMATIC_ATTR)
@@ -396,6 +393,16 @@ def _launch_ex(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
                            f"{(text.value or b'unknown').decode()})")
 
 
+def _launch_config(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
+                   stream: int) -> _LaunchConfig:
+    """A CUlaunchConfig without its attributes."""
+    config = _LaunchConfig()
+    config.grid[:] = (tuple(grid) + (1, 1))[:3]
+    config.block[:] = (tuple(block) + (1, 1))[:3]
+    config.shared_mem, config.stream = shared_mem, stream
+    return config
+
+
 def max_active_clusters(module: str, kernel: str, device: torch.device | int | None,
                         block: tuple[int, int, int], shared_mem: int,
                         cluster: tuple[int, int, int]) -> int | None:
@@ -407,9 +414,8 @@ def max_active_clusters(module: str, kernel: str, device: torch.device | int | N
         return None
     fn = get_function(module, kernel, device, shared_mem)
     attr = (_LaunchAttribute * 1)(_LaunchAttribute(id=_CLUSTER_DIMENSION, value=cluster))
-    config = _LaunchConfig()
-    config.grid[:], config.block[:] = cluster, block
-    config.shared_mem, config.attrs, config.num_attrs = shared_mem, attr, 1
+    config = _launch_config(cluster, block, shared_mem, 0)
+    config.attrs, config.num_attrs = attr, 1
     count = ctypes.c_int(0)
     with torch.cuda.device(_device_index(device)):
         err = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), fn.kernel.ptr,

@@ -265,7 +265,7 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     if last_wave is None:
         last_wave = (tile is None and num_tokens > SMALL_TILES[-1]
                      and _splits_last_wave(num_tokens, x.device, x.dtype, (packed.n, packed.k)))
-    split = (wave_split(kernel, x.device, num_tokens, m_tiles, np_ // CTA_N, kp // STAGE_K)
+    split = (wave_split(kernel, x.device, num_tokens, m_tiles, packed)
              if last_wave and splits == 1 else None)
     if split is None:
         _launch_product(x, packed, bias, out, kernel, mt, m_tiles, splits, split_stages, 0,
@@ -278,17 +278,20 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     return out
 
 
-def wave_split(kernel: str, device: torch.device, num_tokens: int, m_tiles: int, n_blocks: int,
-               k_stages: int) -> tuple[int, str, int, int] | None:
-    """How `kernel` (K whole) splits its last partial wave off: (head_blocks, the wgt kernel of
-    its rows for the rest, its K parts, stages a part); None where its family has no such split,
-    its tiles fill whole waves or none, or the rest would get K whole (two launches for one)."""
+def wave_split(kernel: str, device: torch.device, num_tokens: int, m_tiles: int,
+               packed: PackedInt4) -> tuple[int, str, int, int] | None:
+    """How `kernel` (K whole) splits its last partial wave off on `packed`: (head_blocks, the
+    wgt kernel of its rows for the rest, its K parts, stages a part); None where its family has
+    no such split, its tiles fill whole waves or none, or the rest would get K whole (two
+    launches for one)."""
     if _family(kernel) not in _WAVE_SPLIT:
         return None
+    # packed.qweight: [Np / 32, Kp / 32, 32, 4]: Np / 128 column blocks, Kp / 64 K stages
+    n_blocks, k_stages = packed.qweight.shape[0] // 4, packed.qweight.shape[1] // 2
     head = head_blocks(kernel, device, m_tiles, n_blocks)
     if not head:
         return None
-    rows = int(kernel.rsplit("_m", 1)[1])
+    rows = _kernel_rows(kernel)
     tail = kernel.replace(f"_{_family(kernel)}_", "_wgt_")
     rest = n_blocks - head
     splits, stages = _splits(tail, device, m_tiles, rest, k_stages, num_tokens * rest * CTA_N,
@@ -302,7 +305,7 @@ def _splits_last_wave(num_tokens: int, device: torch.device, dtype: torch.dtype,
     chosen = _last_waves.get((_index(device), dtype), {}).get(shape) if _last_waves else None
     if not chosen:
         return False
-    return chosen[max((rows for rows in chosen if rows <= num_tokens), default=min(chosen))]
+    return chosen[_bucket(chosen, num_tokens)]
 
 
 def head_blocks(kernel: str, device: torch.device, m_tiles: int, n_blocks: int) -> int:
@@ -327,7 +330,7 @@ def _wave_slots(kernel: str, device: torch.device) -> int:
         slots = _sm_count(device) * _resident_ctas(kernel, device)
         size = MULTICAST.get(_family(kernel))
         if size:
-            mt = int(kernel.rsplit("_m", 1)[1]) // 16
+            mt = _kernel_rows(kernel) // 16
             clusters = _compile.max_active_clusters(
                 _module(_family(kernel)), kernel, device, (_threads(kernel), 1, 1),
                 _smem_bytes(mt, _family(kernel)), (size, 1, 1))
@@ -423,8 +426,13 @@ def tile_for(num_tokens: int, device: torch.device | int | None = None,
     chosen = _tiles.get((_index(device), dtype), {}).get(shape) if _tiles else None
     if not chosen:
         return NARROW_TILE
-    at = max((rows for rows in chosen if rows <= num_tokens), default=min(chosen))
-    return chosen[at]
+    return chosen[_bucket(chosen, num_tokens)]
+
+
+def _bucket(tuned: dict[int, object], num_tokens: int) -> int:
+    """The tuned row count whose choice serves num_tokens rows: the largest not above it, else
+    the smallest."""
+    return max((rows for rows in tuned if rows <= num_tokens), default=min(tuned))
 
 
 def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | None = None,
@@ -517,14 +525,22 @@ def _agreeing_tiles(weights: list[PackedInt4], dev: torch.device,
     refs = products(NARROW_TILE)
     agreeing = []
     for tile in tiles:
-        worst = max(float(((out - ref).abs().max() / ref.abs().max()).nan_to_num(1.0))
-                    for out, ref in zip(products(tile), refs))
-        if worst <= 2.0 ** -7:
+        worst = max(_disagreement(out, ref) for out, ref in zip(products(tile), refs))
+        if worst <= AGREEMENT:
             agreeing.append(tile)
         else:
             log.warning("int4 kernel %s disagrees with %s (relative error %.3g): not used",
                         _kernel_name(dtype, *tile), _kernel_name(dtype, *NARROW_TILE), worst)
     return agreeing
+
+
+AGREEMENT = 2.0 ** -7  # one bf16 rounding of the largest value: how far two routes may differ
+
+
+def _disagreement(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference of two products relative to ref's largest value (1 where ref is
+    all zero)."""
+    return float(((out - ref).abs().max() / ref.abs().max()).nan_to_num(1.0))
 
 
 def _last_wave_us(x: torch.Tensor, group: list[PackedInt4], out: torch.Tensor, tile: Tile,
@@ -536,12 +552,11 @@ def _last_wave_us(x: torch.Tensor, group: list[PackedInt4], out: torch.Tensor, t
 
     w = group[0]
     kernel, _, m_tiles, splits, _ = launch_shape(x.shape[0], w, dev, x.dtype, tile)
-    if splits != 1 or wave_split(kernel, dev, x.shape[0], m_tiles, w.qweight.shape[0] // 4,
-                                 w.qweight.shape[1] // 2) is None:
+    if splits != 1 or wave_split(kernel, dev, x.shape[0], m_tiles, w) is None:
         return None
     whole = _kernel_product(x, w, None, torch.empty_like(out), tile, None, False).float()
     split = _kernel_product(x, w, None, torch.empty_like(out), tile, None, True).float()
-    if float(((split - whole).abs().max() / whole.abs().max()).nan_to_num(1.0)) > 2.0 ** -7:
+    if _disagreement(split, whole) > AGREEMENT:
         log.warning("int4 kernel %s with its last wave split disagrees with it whole: not used",
                     kernel)
         return None
@@ -784,6 +799,11 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _kernel_rows(kernel: str) -> int:
+    """A product kernel's row tile by its name (_kernel_name's _m<rows>)."""
+    return int(kernel.rsplit("_m", 1)[1])
+
+
 def _family(kernel: str) -> str:
     """A product kernel's family by its name: "" (mma.sync), "cl" (the mma.sync candidates
     summing K parts through a cluster), "wgp", "wgt", "wgs", "wgw", "wgm" or "wgq" (wgmma)."""
@@ -873,7 +893,7 @@ def _resident_ctas(kernel: str, device: torch.device) -> int:
     index = _index(device)
     key = (kernel, index)
     if key not in _resident:
-        mt = int(kernel.rsplit("_m", 1)[1]) // 16
+        mt = _kernel_rows(kernel) // 16
         smem, threads = _smem_bytes(mt, _family(kernel)), _threads(kernel)
         fn = _compile.get_function(_module(_family(kernel)), kernel, index, smem)
         props = torch.cuda.get_device_properties(index)

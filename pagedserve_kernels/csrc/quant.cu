@@ -297,12 +297,18 @@ __device__ __forceinline__ void sync_threads() {
     __syncthreads();
 }
 
+// The split-K partials' row width: the launch's columns (their writers and finish_splits agree).
+template <int CN>
+__device__ __forceinline__ int partials_width() {
+  return gridDim.x * CN;
+}
+
 template <typename T, int ROWS, bool CONSUMERS = false, int CN = CTA_N>
 __device__ __forceinline__ bool finish_splits(T* y, long long y_stride, const T* bias,
                                               const float* ws, int* counters, int M, int N,
                                               int m0) {
   static_assert(CN == CTA_N || ROWS > 32, "the small tiles' sums assume CTA_N columns");
-  const int wn = gridDim.x * CN;  // the partials' row width: the launch's columns
+  const int wn = partials_width<CN>();
   __shared__ int s_last;
   const int tid = threadIdx.x, ncta = blockIdx.x;
   __threadfence();  // partials visible device-wide before this CTA counts itself in
@@ -411,7 +417,7 @@ template <typename T, int ROWS, int OUT_STRIDE, bool CONSUMERS, int CN = CTA_N>
 __device__ __forceinline__ void store_tile(const float* out, T* y, long long y_stride,
                                            const T* bias, float* ws, int* counters, int M, int N,
                                            int m0, int tid, int ncta, int split) {
-  const int wn = gridDim.x * CN;  // the partials' row width (finish_splits')
+  const int wn = partials_width<CN>();
   const int rows = min(ROWS, M - m0);
   for (int e = tid; e < rows * (CN / 2); e += THREADS) {
     const int ml = e / (CN / 2), nl = (e % (CN / 2)) * 2;
@@ -652,7 +658,7 @@ __device__ __forceinline__ void w4a16(T* __restrict__ y, long long y_stride,
   }
 
   if (wk == 0) {
-    const int wn = gridDim.x * CTA_N;  // the partials' row width (finish_splits')
+    const int wn = partials_width<CTA_N>();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -660,7 +660,7 @@ def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_part
     launched.clear()
     quant._kernel_product(x, packed, b, out, (256, "wgt"), None, True)
     assert [entry[:2] for entry in launched] == [("w4a16_wgt_bf16_m256", (224, 1, 2))]
-    assert quant.wave_split("w4a16_wgt_bf16_m256", 0, m, 2, 224, 8) is None
+    assert quant.wave_split("w4a16_wgt_bf16_m256", 0, m, 2, packed) is None
     # only the wgt tile is launched from past column 0
     with pytest.raises(AssertionError):
         quant._launch_product(x, packed, b, out, "w4a16_wgq_bf16_m256", 16, 2, 1, 8, 4, 4)

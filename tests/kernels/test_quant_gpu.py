@@ -268,7 +268,7 @@ def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, fa
     bias = torch.randn(n, generator=g, device="cuda").to(dtype)
     tile = (256, family)
     kernel, _, m_tiles, splits, _ = quant.launch_shape(m, packed, device, dtype, tile)
-    split = quant.wave_split(kernel, device, m, m_tiles, packed.qweight.shape[0] // 4, k // 64)
+    split = quant.wave_split(kernel, device, m, m_tiles, packed)
     # the case has a last wave to split, and the rest takes K in parts
     assert splits == 1 and split is not None and split[2] > 1, (splits, split)
     col = split[0] * 128

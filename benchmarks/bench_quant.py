@@ -65,9 +65,7 @@ def last_wave_us(packed: list, rows: int, k: int, tile) -> float | None:
     """kernel_us with the last partial wave split off, where the tile has one (else None)."""
     from pagedserve_kernels import quant
 
-    device, w = torch.device("cuda"), packed[0]
-    kernel, _, m_tiles, splits, _ = quant.launch_shape(rows, w, device, torch.bfloat16, tile)
-    if splits != 1 or quant.wave_split(kernel, device, rows, m_tiles, w) is None:
+    if not quant.has_wave_split(rows, packed[0], torch.device("cuda"), torch.bfloat16, tile):
         return None
     return kernel_us(packed, rows, k, tile, None, True)
 

@@ -299,6 +299,14 @@ def wave_split(kernel: str, device: torch.device, num_tokens: int, m_tiles: int,
     return (head, tail, splits, stages) if splits > 1 else None
 
 
+def has_wave_split(num_tokens: int, packed: PackedInt4, device: torch.device,
+                   dtype: torch.dtype, tile: Tile) -> bool:
+    """Whether a product of num_tokens rows in `tile` has a last wave to split off (K whole in
+    the tile, wave_split's split)."""
+    kernel, _, m_tiles, splits, _ = launch_shape(num_tokens, packed, device, dtype, tile)
+    return splits == 1 and wave_split(kernel, device, num_tokens, m_tiles, packed) is not None
+
+
 def _splits_last_wave(num_tokens: int, device: torch.device, dtype: torch.dtype,
                       shape: Shape) -> bool:
     """Whether tuning split the last wave off at the row count tile_for takes the tile of."""
@@ -551,14 +559,13 @@ def _last_wave_us(x: torch.Tensor, group: list[PackedInt4], out: torch.Tensor, t
     from pagedserve_kernels.gemm import graph_us
 
     w = group[0]
-    kernel, _, m_tiles, splits, _ = launch_shape(x.shape[0], w, dev, x.dtype, tile)
-    if splits != 1 or wave_split(kernel, dev, x.shape[0], m_tiles, w) is None:
+    if not has_wave_split(x.shape[0], w, dev, x.dtype, tile):
         return None
     whole = _kernel_product(x, w, None, torch.empty_like(out), tile, None, False).float()
     split = _kernel_product(x, w, None, torch.empty_like(out), tile, None, True).float()
     if _disagreement(split, whole) > AGREEMENT:
-        log.warning("int4 kernel %s with its last wave split disagrees with it whole: not used",
-                    kernel)
+        log.warning("int4 tile %s%d with its last wave split disagrees with it whole: not used",
+                    tile[1] or "m", tile[0])
         return None
     return graph_us(lambda: [_kernel_product(x, v, None, out, tile, None, True)
                              for v in group]) / len(group)

@@ -256,21 +256,27 @@ def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, fa
     whole waves' columns are the whole launch's bits, the rest are the wgt tile's bits over a
     weight of those columns alone (K in the same parts), with a bias and zero points; N past
     the last column block's end (28,600), a partial row tile (300 rows), one block left over
-    (265 blocks); eagerly and replayed from a CUDA graph, twice; the arrival counters zero
+    (265 blocks), each N trimmed by whole blocks where the device's wave divides its tiles;
+    eagerly and replayed from a CUDA graph, twice; the arrival counters zero
     after."""
     if not _hopper(quant):
         pytest.skip("the wgmma tiles need Hopper")
     device = torch.device("cuda")
-    qweight, scales, zeros, group, _ = _int4(n, k, 128, True, False, dtype, m + n + k)
-    packed = quant.repack(qweight, scales, zeros, group)
+    tile = (256, family)
+    # The device's wave (its SMs, or the clusters that fit) may divide the case's tiles
+    # exactly: N is then trimmed a column block at a time until a partial last wave is left.
+    for n in range(n, n - 8 * 128, -128):
+        qweight, scales, zeros, group, _ = _int4(n, k, 128, True, False, dtype, m + n + k)
+        packed = quant.repack(qweight, scales, zeros, group)
+        kernel, _, m_tiles, splits, _ = quant.launch_shape(m, packed, device, dtype, tile)
+        split = quant.wave_split(kernel, device, m, m_tiles, packed)
+        if split is not None:
+            break
+    # the case has a last wave to split, and the rest takes K in parts
+    assert splits == 1 and split is not None and split[2] > 1, (splits, split)
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
     bias = torch.randn(n, generator=g, device="cuda").to(dtype)
-    tile = (256, family)
-    kernel, _, m_tiles, splits, _ = quant.launch_shape(m, packed, device, dtype, tile)
-    split = quant.wave_split(kernel, device, m, m_tiles, packed)
-    # the case has a last wave to split, and the rest takes K in parts
-    assert splits == 1 and split is not None and split[2] > 1, (splits, split)
     col = split[0] * 128
 
     def product(packed, bias, last_wave, tile=tile):

@@ -61,13 +61,15 @@ def kernel_us(packed: list, rows: int, k: int, tile=None, count=None, last_wave=
         last_wave), packed, rows, k)
 
 
-def last_wave_us(packed: list, rows: int, k: int, tile) -> float | None:
-    """kernel_us with the last partial wave split off, where the tile has one (else None)."""
+def last_wave_us(packed: list, rows: int, k: int, tile, form: str) -> float | None:
+    """kernel_us with the last partial wave split off in `form` (quant.WAVE_FORMS), where the
+    tile has one (else None)."""
     from pagedserve_kernels import quant
 
-    if not quant.has_wave_split(rows, packed[0], torch.device("cuda"), torch.bfloat16, tile):
+    if not quant.has_wave_split(rows, packed[0], torch.device("cuda"), torch.bfloat16, tile,
+                                form):
         return None
-    return kernel_us(packed, rows, k, tile, None, True)
+    return kernel_us(packed, rows, k, tile, None, form)
 
 
 def int4_weights(n: int, k: int, group: int, asym: bool, count: int) -> list:
@@ -113,9 +115,10 @@ def ours(rows_list, group: int, asym: bool, splits=()) -> dict:
                 **{f"int4_{_tile_name(tile)}_us":
                    kernel_us(packed, rows, k, tile) if rows > 32 else None for tile in others},
                 # the same with the last partial wave split off (_kernel_product's last_wave)
-                **{f"int4_{_tile_name(tile)}+tail_us":
-                   last_wave_us(packed, rows, k, tile) if rows > 32 else None
-                   for tile in others if tile[1] in quant._WAVE_SPLIT},
+                **{f"int4_{_tile_name(tile)}+{form}_us":
+                   last_wave_us(packed, rows, k, tile, form) if rows > 32 else None
+                   for tile in others if tile[1] in quant._WAVE_SPLIT
+                   for form in quant.WAVE_FORMS},
                 "dequant_cublas_us": time_products(
                     lambda x, p: F.linear(x, quant.dequantize(p, scratch)), packed, rows, k),
                 # the untuned tile with K in each of --splits parts, beside the model's count

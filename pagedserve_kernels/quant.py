@@ -71,9 +71,12 @@ MULTICAST = {"wgm": 2, "wgq": 4}  # family -> CTAs a cluster
 MULTICAST_TILES: tuple[Tile, ...] = ((128, "wgm"), (256, "wgm"), (128, "wgq"), (256, "wgq"))
 # The families built on the wgt tile's CTA (WtCfg<rows>: its shared memory and 384 threads).
 _PRODUCER_FED = ("wgt", "wgs", *MULTICAST)
-# The families whose last partial wave tuning may split off into a launch of the wgt tile with K
-# in parts (_kernel_product's last_wave).
+# The families whose last partial wave tuning may split off into a second launch over the rest
+# of the column blocks (_kernel_product's last_wave), in one of WAVE_FORMS: "parts", the wgt
+# tile of the same rows with K in parts; "stream", the wgs tile of the same rows sharing the
+# rest's K stages out evenly over one CTA an SM (a data-parallel head, a stream-K rest).
 _WAVE_SPLIT = ("wgt", *MULTICAST)
+WAVE_FORMS = ("parts", "stream")
 LAST_WAVE_GAIN = 0.98  # tuning splits the last wave off only where it takes under this share
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # the GPU tests have passed on it and a GPU has measured it faster somewhere.
@@ -111,9 +114,9 @@ _tiles: dict[tuple[int, torch.dtype], dict[Shape, dict[int, Tile]]] = {}
 # (device, dtype) -> {(N, K): {a SMALL_TUNE_ROWS row count: the K parts tuning measured fastest
 # there}}; a row count without an entry keeps split_k_choice's count
 _split_counts: dict[tuple[int, torch.dtype], dict[Shape, dict[int, int]]] = {}
-# (device, dtype) -> {(N, K): {a TILE_CANDIDATES row count: whether tuning measured its tile
-# faster with the last partial wave split off (_kernel_product's last_wave)}}
-_last_waves: dict[tuple[int, torch.dtype], dict[Shape, dict[int, bool]]] = {}
+# (device, dtype) -> {(N, K): {a TILE_CANDIDATES row count: the WAVE_FORMS form tuning measured
+# its tile fastest with its last partial wave split off in, None where whole was}}
+_last_waves: dict[tuple[int, torch.dtype], dict[Shape, dict[int, str | None]]] = {}
 _resident: dict[tuple[str, int], int] = {}
 _slots: dict[tuple[str, int], int] = {}  # (kernel, device) -> _wave_slots
 # device -> whether the products are launched programmatically (prepare() decides; see
@@ -245,7 +248,8 @@ def _dequantized_product(x, packed: PackedInt4, bias, out, scratch) -> torch.Ten
 
 
 def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
-                    splits: int | None = None, last_wave: bool | None = None) -> torch.Tensor:
+                    splits: int | None = None, last_wave: str | bool | None = None
+                    ) -> torch.Tensor:
     """out = x @ W^T (+ bias) in the W4A16 kernel (x permuted, contiguous rows, checked), in row
     tiles `tile` ((16, 32, 64 or 128 rows, "") on mma.sync, (16 or 32, "cl") the candidates
     summing K parts through a cluster (Hopper), (64 or 128, "wgp"), (64, 128 or 256, "wgt" or
@@ -253,9 +257,10 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     choice), K in `splits` parts (None: what tuning measured fastest for the 16- and 32-row
     tiles, else split_k_choice's; a count past what the workspace or K allows is lowered to it:
     bench_quant's --splits; "wgs" shares K out itself). `last_wave` (a "wgt", "wgm" or "wgq"
-    tile with K whole): launch the column blocks of the whole waves of tiles as they are and
-    the rest in a second launch of the wgt tile with K in parts, so that the SMs a partial last
-    wave would leave idle share its work (head_blocks); None: where tuning measured it faster."""
+    tile with K whole), one of WAVE_FORMS: launch the column blocks of the whole waves of tiles
+    as they are and the rest in a second launch ("parts": the wgt tile with K in parts;
+    "stream": the wgs tile), so that the SMs a partial last wave would leave idle share its work
+    (head_blocks); None: the form tuning measured fastest, if any; False: one launch."""
     num_tokens = x.shape[0]
     kernel, mt, m_tiles, splits, split_stages = launch_shape(num_tokens, packed, x.device,
                                                              x.dtype, tile, splits)
@@ -264,8 +269,8 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
     blocks = _column_blocks(np_, family)
     if last_wave is None:
         last_wave = (tile is None and num_tokens > SMALL_TILES[-1]
-                     and _splits_last_wave(num_tokens, x.device, x.dtype, (packed.n, packed.k)))
-    split = (wave_split(kernel, x.device, num_tokens, m_tiles, packed)
+                     and _last_wave_form(num_tokens, x.device, x.dtype, (packed.n, packed.k)))
+    split = (wave_split(kernel, x.device, num_tokens, m_tiles, packed, last_wave)
              if last_wave and splits == 1 else None)
     if split is None:
         _launch_product(x, packed, bias, out, kernel, mt, m_tiles, splits, split_stages, 0,
@@ -279,11 +284,12 @@ def _kernel_product(x, packed: PackedInt4, bias, out, tile: Tile | None = None,
 
 
 def wave_split(kernel: str, device: torch.device, num_tokens: int, m_tiles: int,
-               packed: PackedInt4) -> tuple[int, str, int, int] | None:
-    """How `kernel` (K whole) splits its last partial wave off on `packed`: (head_blocks, the
-    wgt kernel of its rows for the rest, its K parts, stages a part); None where its family has
-    no such split, its tiles fill whole waves or none, or the rest would get K whole (two
-    launches for one)."""
+               packed: PackedInt4, form: str = "parts") -> tuple[int, str, int, int] | None:
+    """How `kernel` (K whole) splits its last partial wave off on `packed` in `form` (one of
+    WAVE_FORMS): (head_blocks, the rest's kernel of the same rows, its K parts, stages a part:
+    for "stream" 1 and K's stages, the wgs tile sharing them out itself); None where its family
+    has no such split, its tiles fill whole waves or none, the rest would get K whole in parts
+    (two launches for one) or has more tiles than the arrival counters."""
     if _family(kernel) not in _WAVE_SPLIT:
         return None
     # packed.qweight: [Np / 32, Kp / 32, 32, 4]: Np / 128 column blocks, Kp / 64 K stages
@@ -291,28 +297,32 @@ def wave_split(kernel: str, device: torch.device, num_tokens: int, m_tiles: int,
     head = head_blocks(kernel, device, m_tiles, n_blocks)
     if not head:
         return None
-    rows = _kernel_rows(kernel)
-    tail = kernel.replace(f"_{_family(kernel)}_", "_wgt_")
     rest = n_blocks - head
+    if form == "stream":
+        tail = kernel.replace(f"_{_family(kernel)}_", "_wgs_")
+        return (head, tail, 1, k_stages) if m_tiles * rest <= MAX_SPLIT_TILES else None
+    tail = kernel.replace(f"_{_family(kernel)}_", "_wgt_")
     splits, stages = _splits(tail, device, m_tiles, rest, k_stages, num_tokens * rest * CTA_N,
-                             min(num_tokens, rows))
+                             min(num_tokens, _kernel_rows(kernel)))
     return (head, tail, splits, stages) if splits > 1 else None
 
 
 def has_wave_split(num_tokens: int, packed: PackedInt4, device: torch.device,
-                   dtype: torch.dtype, tile: Tile) -> bool:
-    """Whether a product of num_tokens rows in `tile` has a last wave to split off (K whole in
-    the tile, wave_split's split)."""
+                   dtype: torch.dtype, tile: Tile, form: str = "parts") -> bool:
+    """Whether a product of num_tokens rows in `tile` has a last wave to split off in `form`
+    (K whole in the tile, wave_split's split)."""
     kernel, _, m_tiles, splits, _ = launch_shape(num_tokens, packed, device, dtype, tile)
-    return splits == 1 and wave_split(kernel, device, num_tokens, m_tiles, packed) is not None
+    return splits == 1 and wave_split(kernel, device, num_tokens, m_tiles, packed,
+                                      form) is not None
 
 
-def _splits_last_wave(num_tokens: int, device: torch.device, dtype: torch.dtype,
-                      shape: Shape) -> bool:
-    """Whether tuning split the last wave off at the row count tile_for takes the tile of."""
+def _last_wave_form(num_tokens: int, device: torch.device, dtype: torch.dtype,
+                    shape: Shape) -> str | None:
+    """The form tuning split the last wave off in at the row count tile_for takes the tile of
+    (None: whole)."""
     chosen = _last_waves.get((_index(device), dtype), {}).get(shape) if _last_waves else None
     if not chosen:
-        return False
+        return None
     return chosen[_bucket(chosen, num_tokens)]
 
 
@@ -356,13 +366,14 @@ def _launch_product(x, packed: PackedInt4, bias, out, kernel: str, mt: int, m_ti
     num_tokens, family = x.shape[0], _family(kernel)
     kp, np_ = packed.qweight.shape[1] * CHUNK, packed.qweight.shape[0] * CHUNK
     col = first * CTA_N
-    # only the wgt tile reads no further than its blocks: wgw, wgm and wgq bound their loads by
-    # column blocks counted from column 0, and wgs shares out the whole product
-    assert not col or family == "wgt", (kernel, first)
+    # only the wgt and wgs tiles read no further than their blocks: wgw, wgm and wgq bound
+    # their loads by column blocks counted from column 0
+    assert not col or family in ("wgt", "wgs"), (kernel, first)
     grid = (blocks, splits, m_tiles)
     ws_ptr = counters_ptr = 0
-    if family == "wgs":
-        grid = (stream_k_ctas(m_tiles * (np_ // CTA_N) * (kp // STAGE_K), x.device), 1, 1)
+    if family == "wgs":  # its last argument: the launch's column blocks, whose K it shares out
+        grid = (stream_k_ctas(m_tiles * blocks * (kp // STAGE_K), x.device), 1, 1)
+        split_stages = blocks
         ws_ptr = _stream_k_workspace(x.device).data_ptr()
         counters_ptr = _workspace(x.device)[1].data_ptr()
     elif splits > 1 and family != "cl":  # "cl": the partials stay in the cluster
@@ -499,11 +510,14 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
                      for tile in candidates}
             chosen[rows] = min(timed, key=timed.get)
             kernel_us[rows] = timed[chosen[rows]]
-            split = _last_wave_us(x, group, out, chosen[rows], dev)
             # a second launch and other bits in the rest's columns: only for a clear gain
-            waves[rows] = split is not None and split < LAST_WAVE_GAIN * kernel_us[rows]
+            split = {form: _last_wave_us(x, group, out, chosen[rows], dev, form)
+                     for form in WAVE_FORMS}
+            split = {form: us for form, us in split.items()
+                     if us is not None and us < LAST_WAVE_GAIN * kernel_us[rows]}
+            waves[rows] = min(split, key=split.get) if split else None
             if waves[rows]:
-                kernel_us[rows] = split
+                kernel_us[rows] = split[waves[rows]]
             if rows in DEQUANT_CANDIDATES:
                 dequantized[rows] = graph_us(lambda: [_dequantized_product(x, w, None, out,
                                                                            scratch)
@@ -552,22 +566,22 @@ def _disagreement(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _last_wave_us(x: torch.Tensor, group: list[PackedInt4], out: torch.Tensor, tile: Tile,
-                  dev: torch.device) -> float | None:
-    """µs a product of `group` in `tile` with its last partial wave split off, where the tile
-    has one to split and the split product agrees with the whole one within one bf16 rounding
-    of the largest value; else None."""
+                  dev: torch.device, form: str) -> float | None:
+    """µs a product of `group` in `tile` with its last partial wave split off in `form`, where
+    the tile has one to split and the split product agrees with the whole one within one bf16
+    rounding of the largest value; else None."""
     from pagedserve_kernels.gemm import graph_us
 
     w = group[0]
-    if not has_wave_split(x.shape[0], w, dev, x.dtype, tile):
+    if not has_wave_split(x.shape[0], w, dev, x.dtype, tile, form):
         return None
     whole = _kernel_product(x, w, None, torch.empty_like(out), tile, None, False).float()
-    split = _kernel_product(x, w, None, torch.empty_like(out), tile, None, True).float()
+    split = _kernel_product(x, w, None, torch.empty_like(out), tile, None, form).float()
     if _disagreement(split, whole) > AGREEMENT:
-        log.warning("int4 tile %s%d with its last wave split disagrees with it whole: not used",
-                    tile[1] or "m", tile[0])
+        log.warning("int4 tile %s%d with its last wave split (%s) disagrees with it whole: "
+                    "not used", tile[1] or "m", tile[0], form)
         return None
-    return graph_us(lambda: [_kernel_product(x, v, None, out, tile, None, True)
+    return graph_us(lambda: [_kernel_product(x, v, None, out, tile, None, form)
                              for v in group]) / len(group)
 
 
@@ -575,14 +589,14 @@ def tile_choice(device: torch.device | int | None = None,
                 dtype: torch.dtype = torch.bfloat16) -> dict[Shape, dict[int, str]]:
     """{(N, K): {candidate rows: the kernel tuning chose there}} ({} before tuning), for the
     logs; the 16- and 32-row tiles' row counts too where tuning chose their K parts ("m16/k8":
-    8 parts); "+tail" where the last partial wave is split off."""
+    8 parts); "+parts" or "+stream" where the last partial wave is split off so."""
     index = _index(device)
     parts = _split_counts.get((index, dtype), {})
     waves = _last_waves.get((index, dtype), {})
 
     def name(shape: Shape, rows: int, tile: Tile) -> str:
-        tail = "+tail" if waves.get(shape, {}).get(rows) else ""
-        return f"{tile[1] or 'm'}{tile[0]}{tail}"
+        form = waves.get(shape, {}).get(rows)
+        return f"{tile[1] or 'm'}{tile[0]}{'+' + form if form else ''}"
 
     return {shape: {**{rows: f"m{tile_for(rows)[0]}/k{count}"
                        for rows, count in sorted(parts.get(shape, {}).items())},

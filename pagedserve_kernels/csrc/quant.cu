@@ -1371,7 +1371,9 @@ __device__ __forceinline__ void w4a16_wgw(T* __restrict__ y, long long y_stride,
 // shared tiles) and count themselves in (counters[tile]). A head that finds a part missing
 // writes its own and counts in too, and the last to count in sums. Either way the parts are
 // added in CTA order from zero, so the result does not depend on who sums. `ws` holds 2 x
-// gridDim.x x TOK x CTA_N floats.
+// gridDim.x x TOK x CTA_N floats. The tiles are `blocks` column blocks from the pointers' first
+// column: a whole product's, or the rest after the whole waves of another tile (quant.py's
+// last_wave "stream"); Np stays the weights' and scales' row stride.
 __device__ __forceinline__ long long wgs_start(long long units, int cta, int ctas) {
   return units * cta / ctas;
 }
@@ -1437,7 +1439,8 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
                                           const T* __restrict__ scales,
                                           const T* __restrict__ zeros, const T* __restrict__ bias,
                                           float* __restrict__ ws, int* __restrict__ counters,
-                                          int M, int N, int K, int Kp, int Np, int group) {
+                                          int M, int N, int K, int Kp, int Np, int group,
+                                          int blocks) {
 #if PS_HAS_WGMMA
   using C = WtCfg<TOK>;
   constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
@@ -1448,7 +1451,7 @@ __device__ __forceinline__ void w4a16_wgs(T* __restrict__ y, long long y_stride,
   unsigned char* const smem = smem_raw + (smem0 - ps::smem_addr(smem_raw));
   const unsigned int bars = ps::smem_addr(s_bar);
   const int tid = threadIdx.x, cta = blockIdx.x, ctas = gridDim.x;
-  const int S = Kp / STAGE_K, NBK = Np / CTA_N;
+  const int S = Kp / STAGE_K, NBK = blocks;
   const long long units = (long long)NBK * ((M + TOK - 1) / TOK) * S;
   const long long u1 = wgs_start(units, cta + 1, ctas);
   wgt_init_bars<TOK>(bars);
@@ -1663,9 +1666,9 @@ PS_QUANT_PRODUCT_WGW(w4a16_wgw_fp16_m128, __half, 128)
   extern "C" __global__ void __launch_bounds__(ps_quant::WtCfg<TOK>::BLOCK, 1)                  \
       NAME(T* y, long long y_stride, const T* x, long long x_stride, const uint4* qw,          \
            const T* scales, const T* zeros, const T* bias, float* ws, int* counters, int M,    \
-           int N, int K, int Kp, int Np, int group, int split_stages) {                        \
+           int N, int K, int Kp, int Np, int group, int blocks) {                              \
     ps_quant::w4a16_wgs<T, TOK>(y, y_stride, x, x_stride, qw, scales, zeros, bias, ws,          \
-                                counters, M, N, K, Kp, Np, group);                             \
+                                counters, M, N, K, Kp, Np, group, blocks);                     \
   }
 // Stream-K over the same tiles, a grid of one CTA an SM: candidate tiles (quant.py).
 PS_QUANT_PRODUCT_WGS(w4a16_wgs_bf16_m64, __nv_bfloat16, 64)

@@ -499,7 +499,7 @@ def _offline_int4_tuning(monkeypatch, cost, weights_a_shape: int, split_counts=N
         x, w, bias, out, "dequantized"))
     monkeypatch.setattr(quant, "_agreeing_tiles", lambda w, dev, tiles: checked.append(
         [(p.n, p.k) for p in w]) or list(tiles))
-    monkeypatch.setattr(quant, "_last_wave_us", lambda x, group, out, tile, dev: None)
+    monkeypatch.setattr(quant, "_last_wave_us", lambda x, group, out, tile, dev, form: None)
     monkeypatch.setattr(quant, "_index", lambda device: 0)
     monkeypatch.setattr(quant, "_tiles", {})
     monkeypatch.setattr(quant, "_last_waves", {})
@@ -550,38 +550,41 @@ def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
 
 
 def test_int4_tuning_splits_the_last_wave_off_where_that_is_faster(monkeypatch):
-    """Where the chosen tile has a partial last wave to split off (_last_wave_us gives its time,
-    else None), tuning keeps the split at the row counts where it is faster than the whole
-    launch; tile_choice marks them "+tail", and a product takes it at the row counts tile_for
-    takes that tile from."""
+    """Where the chosen tile has a partial last wave to split off (_last_wave_us gives its time
+    in each of WAVE_FORMS, else None), tuning keeps the fastest form at the row counts where it
+    is faster than the whole launch by LAST_WAVE_GAIN; tile_choice marks them "+parts" or
+    "+stream", and a product takes that form at the row counts tile_for takes the tile from."""
     from pagedserve_kernels import quant
 
     shape = (512, 256)
     weights = [_packed_int4(*shape) for _ in range(2)]
     _offline_int4_tuning(monkeypatch, lambda shape, rows, tile, splits: float(rows), 2)
-    # faster at 256 rows, slower at 512, not by LAST_WAVE_GAIN at 1,024, none elsewhere
-    split_us = {256: 100.0, 512: 2000.0, 1024: 0.99 * 1024}
-    monkeypatch.setattr(quant, "_last_wave_us",
-                        lambda x, group, out, tile, dev: split_us.get(x.shape[0]))
-    tuned = quant.tune_dequant_rows(weights, "cuda", ((256, "wgt"),), (256, 512))
+    # K parts faster at 256 rows, the stream-K rest at 384 (parts there too, less), both
+    # slower at 512, neither by LAST_WAVE_GAIN at 1,024, none elsewhere
+    split_us = {(256, "parts"): 100.0, (256, "stream"): 200.0, (384, "parts"): 300.0,
+                (384, "stream"): 250.0, (512, "parts"): 2000.0, (512, "stream"): 900.0,
+                (1024, "stream"): 0.99 * 1024}
+    monkeypatch.setattr(quant, "_last_wave_us", lambda x, group, out, tile, dev, form:
+                        split_us.get((x.shape[0], form)))
+    tuned = quant.tune_dequant_rows(weights, "cuda", ((256, "wgt"),), (256, 384, 512))
     assert quant._last_waves[(0, torch.bfloat16)][shape] == {
-        rows: rows == 256 for rows in sorted({256, 512} | set(quant.DEQUANT_CANDIDATES))}
+        rows: {256: "parts", 384: "stream"}.get(rows)
+        for rows in sorted({256, 384, 512} | set(quant.DEQUANT_CANDIDATES))}
     assert tuned[shape][1][256][0] == 100.0  # the kernel's time is the split launch's
-    assert quant.tile_choice(0)[shape][256] == "wgt256+tail"
+    assert quant.tile_choice(0)[shape][256] == "wgt256+parts"
+    assert quant.tile_choice(0)[shape][384] == "wgt256+stream"
     assert quant.tile_choice(0)[shape][512] == "wgt256"
-    assert quant._splits_last_wave(300, 0, torch.bfloat16, shape)
-    assert not quant._splits_last_wave(600, 0, torch.bfloat16, shape)
-    assert not quant._splits_last_wave(300, 0, torch.bfloat16, (128, 256))  # not tuned
+    assert quant._last_wave_form(300, 0, torch.bfloat16, shape) == "parts"
+    assert quant._last_wave_form(400, 0, torch.bfloat16, shape) == "stream"
+    assert quant._last_wave_form(600, 0, torch.bfloat16, shape) is None
+    assert quant._last_wave_form(300, 0, torch.bfloat16, (128, 256)) is None  # not tuned
 
 
-def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_parts(monkeypatch):
-    """last_wave: a tile with K whole over more tiles than the device runs at once (a multicast
-    tile's clusters as the driver counts them), in no whole number of waves, launches the column
-    blocks of its whole waves (a multiple of its cluster) as it would, then the wgt tile of its
-    rows over the rest with the weights, scales, zero points, bias and output from the first of
-    them on (N counted from there, Np kept: the scales' rows' stride), K in split_k_choice's
-    parts, partials as wide as that launch; with whole waves, K already in parts, the rest left
-    with K whole, or a family without the split, one launch as before."""
+def _wave_split_launches(monkeypatch):
+    """quant's launches recorded as (kernel, grid, cluster, args) on a device of 132 SMs holding
+    one producer-fed CTA each (32 four-CTA clusters: four SMs left idle by the GPCs' sizes), and
+    the rest of a split last wave given rest_parts[0] K parts; returns (launched, the _splits
+    calls, rest_parts, the split-K workspace, its counters, the stream-K workspace)."""
     from pagedserve_kernels import quant
 
     launched = []
@@ -593,9 +596,9 @@ def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_part
     clusters = {"w4a16_wgq_bf16_m256": 32}  # four of 132 SMs left idle by the GPCs' sizes
     monkeypatch.setattr(quant._compile, "max_active_clusters",
                         lambda module, kernel, device, block, smem, cluster: clusters.get(kernel))
-    ws, counters = torch.zeros(1), torch.zeros(1)
+    ws, counters, stream_ws = torch.zeros(1), torch.zeros(1), torch.zeros(1)
     monkeypatch.setattr(quant, "_workspace", lambda device: (ws, counters))
-    monkeypatch.setattr(quant, "_stream_k_workspace", lambda device: ws)
+    monkeypatch.setattr(quant, "_stream_k_workspace", lambda device: stream_ws)
     monkeypatch.setattr(quant, "_index", lambda device: 0)
     monkeypatch.setattr(quant, "_slots", {})
     monkeypatch.setattr(quant, "_sm_count", lambda device: 132)
@@ -615,6 +618,20 @@ def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_part
                            tile_rows, 1)
 
     monkeypatch.setattr(quant, "_splits", splits)
+    return launched, chosen, rest_parts, ws, counters, stream_ws
+
+
+def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_parts(monkeypatch):
+    """last_wave: a tile with K whole over more tiles than the device runs at once (a multicast
+    tile's clusters as the driver counts them), in no whole number of waves, launches the column
+    blocks of its whole waves (a multiple of its cluster) as it would, then the wgt tile of its
+    rows over the rest with the weights, scales, zero points, bias and output from the first of
+    them on (N counted from there, Np kept: the scales' rows' stride), K in split_k_choice's
+    parts, partials as wide as that launch; with whole waves, K already in parts, the rest left
+    with K whole, or a family without the split, one launch as before."""
+    from pagedserve_kernels import quant
+
+    launched, chosen, rest_parts, ws, counters, _ = _wave_split_launches(monkeypatch)
     n, k, m = 28600, 512, 512  # 224 column blocks (Np 28,672) x 2 row tiles of 256: 448 tiles
     assert quant.head_blocks("w4a16_wgq_bf16_m256", 0, 2, 224) == 192  # 3 waves of 128 CTAs
     assert quant.head_blocks("w4a16_wgm_bf16_m256", 0, 2, 224) == 198  # 396: 3 waves of 132
@@ -629,7 +646,7 @@ def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_part
         out = torch.empty(m, n, dtype=torch.bfloat16)
         b = torch.zeros(n, dtype=torch.bfloat16) if bias else None
         launched.clear()
-        quant._kernel_product(x, packed, b, out, (256, "wgq"), None, True)
+        quant._kernel_product(x, packed, b, out, (256, "wgq"), None, "parts")
         (head, head_grid, head_cluster, a), (tail, tail_grid, tail_cluster, t) = launched
         assert (head, head_grid, head_cluster) == ("w4a16_wgq_bf16_m256", (192, 1, 2), (4, 1, 1))
         assert (tail, tail_grid, tail_cluster) == ("w4a16_wgt_bf16_m256", (32, 2, 2), None)
@@ -654,16 +671,66 @@ def test_a_split_last_wave_launches_the_whole_waves_then_the_rest_with_k_in_part
     # keep K whole
     for tile, parts in (((256, "wgq"), 2), ((256, "wgs"), None), ((64, ""), None)):
         launched.clear()
-        quant._kernel_product(x, packed, b, out, tile, parts, True)
+        quant._kernel_product(x, packed, b, out, tile, parts, "parts")
         assert len(launched) == 1
     rest_parts[0] = 1
     launched.clear()
-    quant._kernel_product(x, packed, b, out, (256, "wgt"), None, True)
+    quant._kernel_product(x, packed, b, out, (256, "wgt"), None, "parts")
     assert [entry[:2] for entry in launched] == [("w4a16_wgt_bf16_m256", (224, 1, 2))]
     assert quant.wave_split("w4a16_wgt_bf16_m256", 0, m, 2, packed) is None
-    # only the wgt tile is launched from past column 0
+    # only the wgt and wgs tiles are launched from past column 0
     with pytest.raises(AssertionError):
         quant._launch_product(x, packed, b, out, "w4a16_wgq_bf16_m256", 16, 2, 1, 8, 4, 4)
+
+
+def test_a_stream_k_rest_launches_the_wgs_tile_over_the_rests_columns(monkeypatch):
+    """last_wave "stream": the column blocks of the whole waves launched as for "parts", then the
+    wgs tile of the same rows over the rest: one CTA an SM up to the rest's (row tile, column
+    block, K stage) units, the stream-K workspace and the arrival counters, the pointers and N
+    from the rest's first column (Np kept: the scales' rows' stride), its last argument the
+    rest's column blocks (a whole product's wgs launch: all of its own); one launch where the
+    rest has more tiles than there are arrival counters."""
+    from pagedserve_kernels import quant
+
+    launched, _, _, _, counters, stream_ws = _wave_split_launches(monkeypatch)
+    n, k, m = 28600, 512, 512  # 224 column blocks (Np 28,672) x 2 row tiles of 256: 448 tiles
+    packed = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                          torch.ones(k // 128, n, dtype=torch.bfloat16),
+                          torch.full((k // 128, n), 8, dtype=torch.uint8), 128, None)
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    b = torch.zeros(n, dtype=torch.bfloat16)
+    for family, head in (("wgt", 198), ("wgm", 198), ("wgq", 192)):
+        launched.clear()
+        quant._kernel_product(x, packed, b, out, (256, family), None, "stream")
+        (first, first_grid, _, a), (rest, rest_grid, rest_cluster, t) = launched
+        blocks, col = 224 - head, head * 128
+        assert (first, first_grid) == (f"w4a16_{family}_bf16_m256", (head, 1, 2))
+        assert a[16] == k // 64  # K whole
+        assert (rest, rest_grid, rest_cluster) == ("w4a16_wgs_bf16_m256", (132, 1, 1), None)
+        assert t[:10] == (out.data_ptr() + 2 * col, out.stride(0), x.data_ptr(), x.stride(0),
+                          packed.qweight[col // 32].data_ptr(), packed.scales.data_ptr() + 2 * col,
+                          packed.zeros.data_ptr() + 2 * col, b.data_ptr() + 2 * col,
+                          stream_ws.data_ptr(), counters.data_ptr())
+        assert (t[11], t[14], t[16]) == (n - col, 28672, blocks)
+    # K of one stage: the rest's 26 blocks x 2 row tiles are 52 units, so 52 CTAs
+    launched.clear()
+    short = quant.repack(torch.zeros(64 // 8, n, dtype=torch.int32),
+                         torch.ones(1, n, dtype=torch.bfloat16), None, 64, None)
+    quant._kernel_product(torch.zeros(m, 64, dtype=torch.bfloat16), short, None, out,
+                          (256, "wgt"), None, "stream")
+    assert launched[1][1] == (2 * 26, 1, 1)
+    # a whole product on the wgs tile: all its column blocks, from column 0
+    launched.clear()
+    quant._kernel_product(x, packed, b, out, (256, "wgs"))
+    (kernel, grid, _, t), = launched
+    assert (kernel, grid, t[0], t[11], t[16]) == ("w4a16_wgs_bf16_m256", (132, 1, 1),
+                                                  out.data_ptr(), n, 224)
+    monkeypatch.setattr(quant, "MAX_SPLIT_TILES", 2 * 26 - 1)
+    assert quant.wave_split("w4a16_wgm_bf16_m256", 0, m, 2, packed, "stream") is None
+    launched.clear()
+    quant._kernel_product(x, packed, b, out, (256, "wgm"), None, "stream")
+    assert [entry[:2] for entry in launched] == [("w4a16_wgm_bf16_m256", (224, 1, 2))]
 
 
 def test_tuning_times_a_split_last_wave_only_where_it_agrees(monkeypatch, caplog):
@@ -689,17 +756,18 @@ def test_tuning_times_a_split_last_wave_only_where_it_agrees(monkeypatch, caplog
 
     monkeypatch.setattr(quant, "_kernel_product", product)
     dev = torch.device("cpu")
-    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev) == 10.0  # 30 µs, 3 products
-    assert products[2:] == [(w, True) for w in weights]  # the graph: every weight, split
+    # 30 µs for three products
+    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev, "parts") == 10.0
+    assert products[2:] == [(w, "parts") for w in weights]  # the graph: every weight, split
     off[0] = 1.0 + 2.0 ** -6  # past one rounding: disagrees
     with caplog.at_level("WARNING", logger="pagedserve_kernels.quant"):
-        assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev) is None
-    assert "last wave split disagrees" in caplog.text
+        assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev, "parts") is None
+    assert "last wave split (parts) disagrees" in caplog.text
     split[0] = None
-    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev) is None
+    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev, "parts") is None
     shape[0] = ("w4a16_wgt_bf16_m256", 64, 2, 2, 2)  # K already in parts
     split[0] = (192, "w4a16_wgt_bf16_m256", 2, 2)
-    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev) is None
+    assert quant._last_wave_us(x, weights, out, (256, "wgt"), dev, "parts") is None
 
 
 def test_int4_tuning_takes_each_shapes_fastest_k_parts_for_the_small_tiles(monkeypatch):

@@ -250,15 +250,16 @@ def test_multicast_tiles_give_the_wgt_tiles_bits(quant, rows, family, m, n, k, s
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(512, 28672, 512), (300, 28600, 1024), (256, 33920, 512)])
 @pytest.mark.parametrize("family", ["wgt", "wgm", "wgq"])
-def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, family, m, n, k,
-                                                                        dtype):
-    """A 256-row tile with its last partial wave split off (_kernel_product's last_wave): the
-    whole waves' columns are the whole launch's bits, the rest are the wgt tile's bits over a
-    weight of those columns alone (K in the same parts), with a bias and zero points; N past
-    the last column block's end (28,600), a partial row tile (300 rows), one block left over
-    (265 blocks), each N trimmed by whole blocks where the device's wave divides its tiles;
-    eagerly and replayed from a CUDA graph, twice; the arrival counters zero
-    after."""
+@pytest.mark.parametrize("form", ["parts", "stream"])
+def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, form, family, m,
+                                                                        n, k, dtype):
+    """A 256-row tile with its last partial wave split off (_kernel_product's last_wave, each
+    form): the whole waves' columns are the whole launch's bits, the rest are the bits of the
+    form's tile over a weight of those columns alone (the wgt tile with K in the same parts, or
+    the wgs tile on the same stream-K grid), with a bias and zero points; N past the last
+    column block's end (28,600), a partial row tile (300 rows), one block left over (265
+    blocks), each N trimmed by whole blocks where the device's wave divides its tiles; eagerly
+    and replayed from a CUDA graph, twice; the arrival counters zero after."""
     if not _hopper(quant):
         pytest.skip("the wgmma tiles need Hopper")
     device = torch.device("cuda")
@@ -269,11 +270,12 @@ def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, fa
         qweight, scales, zeros, group, _ = _int4(n, k, 128, True, False, dtype, m + n + k)
         packed = quant.repack(qweight, scales, zeros, group)
         kernel, _, m_tiles, splits, _ = quant.launch_shape(m, packed, device, dtype, tile)
-        split = quant.wave_split(kernel, device, m, m_tiles, packed)
+        split = quant.wave_split(kernel, device, m, m_tiles, packed, form)
         if split is not None:
             break
-    # the case has a last wave to split, and the rest takes K in parts
-    assert splits == 1 and split is not None and split[2] > 1, (splits, split)
+    # the case has a last wave to split, and a rest with K in parts or shared out
+    assert splits == 1 and split is not None, (splits, split)
+    assert split[2] > 1 if form == "parts" else split[1].startswith("w4a16_wgs_"), split
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
     bias = torch.randn(n, generator=g, device="cuda").to(dtype)
@@ -285,15 +287,16 @@ def test_a_split_last_wave_gives_the_whole_launchs_bits_then_the_rests(quant, fa
 
     whole = product(packed, bias, False).view(torch.int16)
     rest = quant.repack(qweight[:, col:], scales[:, col:], zeros[:, col:], group)
-    tail = product(rest, bias[col:], False, (256, "wgt")).view(torch.int16)
-    parted = product(packed, bias, True).view(torch.int16)
+    tail = product(rest, bias[col:], False, (256, "wgt" if form == "parts" else "wgs"))
+    tail = tail.view(torch.int16)
+    parted = product(packed, bias, form).view(torch.int16)
     assert torch.equal(parted[:, :col], whole[:, :col])
     assert torch.equal(parted[:, col:], tail)
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    quant._kernel_product(x, packed, bias, out, tile, None, True)  # compiled, workspace made
+    quant._kernel_product(x, packed, bias, out, tile, None, form)  # compiled, workspace made
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        quant._kernel_product(x, packed, bias, out, tile, None, True)
+        quant._kernel_product(x, packed, bias, out, tile, None, form)
     for _ in range(2):
         out.fill_(float("nan"))
         graph.replay()

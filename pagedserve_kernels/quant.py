@@ -290,6 +290,7 @@ def wave_split(kernel: str, device: torch.device, num_tokens: int, m_tiles: int,
     for "stream" 1 and K's stages, the wgs tile sharing them out itself); None where its family
     has no such split, its tiles fill whole waves or none, the rest would get K whole in parts
     (two launches for one) or has more tiles than the arrival counters."""
+    assert form in WAVE_FORMS, form
     if _family(kernel) not in _WAVE_SPLIT:
         return None
     # packed.qweight: [Np / 32, Kp / 32, 32, 4]: Np / 128 column blocks, Kp / 64 K stages

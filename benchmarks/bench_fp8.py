@@ -3,8 +3,11 @@ e4m3 weights (a scale per output channel) and activations quantized per token, a
 prefill row counts. Ours: the product the model runs after a fused norm or silu_and_mul
 (pagedserve_kernels.fp8.fp8_scaled_linear, torch's row-wise scaled product) and the one
 quantizing pass a product without such a kernel before it adds (ops.quantize_fp8, o_proj's);
-beside them cuBLASLt's FP8 product with one scale a tensor (torch._scaled_mm, tensor-wise: not
-the same arithmetic, the library's own kernel for the same bytes) and bf16 F.linear. With
+beside them cuBLASLt's row-wise product called directly (gemm.CublasLt.fp8_matmul, the scales
+as outer vectors) with its heuristic's first algorithm and with the fastest of those it offers
+whose output agrees with ours (what tuning the algorithm, as LinearTuner does for bf16, would
+give), cuBLASLt's FP8 product with one scale a tensor (torch._scaled_mm, tensor-wise: not the
+same arithmetic, the library's own kernel for the same bytes) and bf16 F.linear. With
 --vllm-site, vLLM's CUTLASS product (`cutlass_scaled_mm`, what its compressed-tensors FP8
 layers run on Hopper) and its per-token quantization (`scaled_fp8_quant`), timed the same way
 in a child process that alone has SITE on its path.
@@ -61,9 +64,40 @@ def quantized_rows(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return x, xq, scale
 
 
+def cublaslt_us(lt, xq: torch.Tensor, scale: torch.Tensor, weights: list, n: int,
+                k: int) -> tuple[float | None, float | None]:
+    """(µs of cuBLASLt's first heuristic algorithm, µs of its fastest) for the row-wise FP8
+    product, over the algorithms whose output agrees with fp8_scaled_linear's within one bf16
+    rounding of the largest value; None where none ran or agreed (the first: where it did not)."""
+    from pagedserve_kernels import fp8
+
+    rows = xq.shape[0]
+    try:
+        algos = lt.algos(rows, n, k, torch.bfloat16, fp8=True)
+    except RuntimeError as exc:  # this cuBLASLt has no outer-vector FP8 product
+        print(f"cuBLASLt FP8 row-wise at {rows} x {n} x {k}: {exc}", flush=True)
+        return None, None
+    w, w_scale = weights[0]
+    ref = fp8.fp8_scaled_linear(xq, scale, w, w_scale, None, torch.bfloat16).float()
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    times = {}
+    for i, algo in enumerate(algos):
+        try:
+            lt.fp8_matmul(algo, xq, scale, w, w_scale, out)
+        except RuntimeError:
+            continue
+        if (out.float() - ref).abs().max() > 2.0 ** -7 * ref.abs().max():
+            continue
+        times[i] = per_product_us(lambda p, a=algo: lt.fp8_matmul(a, xq, scale, p[0], p[1], out),
+                                  weights)
+    return times.get(0), min(times.values(), default=None)
+
+
 def ours(rows_list) -> dict:
     from pagedserve_kernels import fp8, ops
+    from pagedserve_kernels.gemm import CublasLt
 
+    lt = CublasLt(torch.device("cuda"))
     out = {}
     for name, n, k in SHAPES:
         weights = fp8_weights(n, k)
@@ -72,7 +106,10 @@ def ours(rows_list) -> dict:
         for rows in rows_list:
             x, xq, scale = quantized_rows(rows, k)
             one = torch.ones(1, dtype=torch.float32, device="cuda")
+            first, fastest = cublaslt_us(lt, xq, scale, weights, n, k)
             out[f"{name} {rows}"] = {
+                "lt_first_us": first,
+                "lt_best_us": fastest,
                 "bf16_us": per_product_us(lambda w: F.linear(x, w), dense),
                 "fp8_us": per_product_us(lambda w: fp8.fp8_scaled_linear(
                     xq, scale, w[0], w[1], None, torch.bfloat16), weights),
@@ -81,8 +118,8 @@ def ours(rows_list) -> dict:
                 # the pass o_proj's rows take (the others' is fused into the kernel before)
                 "quant_us": per_product_us(lambda w: ops.quantize_fp8(x), weights[:2]),
             }
-            print(name, rows, {key: round(v, 1) for key, v in out[f"{name} {rows}"].items()},
-                  flush=True)
+            print(name, rows, {key: v if v is None else round(v, 1)
+                               for key, v in out[f"{name} {rows}"].items()}, flush=True)
         del weights, dense
         torch.cuda.empty_cache()
     return out
@@ -125,10 +162,12 @@ def run_vllm(site: str, rows_list) -> dict:
 
 
 def table(results: dict, rows_list) -> None:
-    keys = ("bf16_us", "fp8_us", "tensorwise_us", "quant_us", "vllm_fp8_us", "vllm_quant_us")
-    print("| product | rows | bf16 µs | ours FP8 µs | FP8 vs bf16 | cuBLASLt tensor-wise µs | "
-          "vLLM CUTLASS µs | ours vs vLLM | our quantizing µs | vLLM's µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    keys = ("bf16_us", "fp8_us", "lt_first_us", "lt_best_us", "tensorwise_us", "quant_us",
+            "vllm_fp8_us", "vllm_quant_us")
+    print("| product | rows | bf16 µs | ours FP8 µs | FP8 vs bf16 | cuBLASLt row-wise, first "
+          "algorithm µs | fastest algorithm µs | cuBLASLt tensor-wise µs | vLLM CUTLASS µs | "
+          "ours vs vLLM | our quantizing µs | vLLM's µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, _, _ in list(SHAPES) + [("layer", 0, 0)]:
         for rows in rows_list:
             if name == "layer":  # one decoder layer's four products (and o_proj's quantizing)
@@ -148,7 +187,8 @@ def table(results: dict, rows_list) -> None:
             ratio = ("n/a" if r.get("vllm_fp8_us") is None
                      else f"{r['vllm_fp8_us'] / r['fp8_us']:.2f}x")
             print(f"| {name} | {rows} | {cell('bf16_us')} | {cell('fp8_us')} | "
-                  f"{r['bf16_us'] / r['fp8_us']:.2f}x | {cell('tensorwise_us')} | "
+                  f"{r['bf16_us'] / r['fp8_us']:.2f}x | {cell('lt_first_us')} | "
+                  f"{cell('lt_best_us')} | {cell('tensorwise_us')} | "
                   f"{cell('vllm_fp8_us')} | {ratio} | {cell('quant_us')} | "
                   f"{cell('vllm_quant_us')} |")
 

@@ -20,10 +20,15 @@ from pagedserve_kernels import _compile
 log = logging.getLogger(__name__)
 
 # cuBLAS / cuBLASLt enums (library_types.h, cublas_api.h, cublasLt.h)
-_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
+_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF, _CUDA_R_8F_E4M3 = 0, 2, 14, 28
 _DATA_TYPES = {torch.float16: _CUDA_R_16F, torch.bfloat16: _CUDA_R_16BF}
 _COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
+# FP8 products: a float32 scale a row of op(A) (the weight's channels) and a column of B (the
+# tokens), the "outer vector" mode (cuBLASLt 12.9 on)
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
+_DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
+_SCALE_OUTER_VEC_32F = 3
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES = 1
 _CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "stages": 6}
@@ -61,7 +66,9 @@ def _loaded_cublaslt() -> str:
 class CublasLt:
     """The few cuBLASLt calls F.linear's product needs: in cuBLAS's column-major terms
     D[N, M] = op_T(W)[N, K] . X[K, M], W stored as a K x N column-major matrix (torch's [N, K]
-    row-major weight), X as K x M (the [M, K] input), D as N x M (the [M, N] output)."""
+    row-major weight), X as K x M (the [M, K] input), D as N x M (the [M, N] output). With
+    fp8=True W and X are e4m3 and D[n, m] is scaled by w_scale[n] x x_scale[m] in the float32
+    epilogue (fp8_matmul), D in `dtype`."""
 
     def __init__(self, device: torch.device) -> None:
         self.lib = ctypes.CDLL(_loaded_cublaslt())
@@ -73,32 +80,39 @@ class CublasLt:
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._plans: dict[tuple, tuple] = {}
 
-    def plan(self, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
+    def plan(self, m: int, n: int, k: int, dtype: torch.dtype, fp8: bool = False) -> tuple:
         """(operation, W, X, D descriptors) of one product shape, made once."""
-        key = (m, n, k, dtype)
+        key = (m, n, k, dtype, fp8)
         if key not in self._plans:
             lib, desc = self.lib, ctypes.c_void_p()
             _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F),
                    "cublasLtMatmulDescCreate")
-            for attr, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
-                value = ctypes.c_int32(op)
+            attrs = [(_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)]
+            if fp8:
+                attrs += [(_DESC_A_SCALE_MODE, _SCALE_OUTER_VEC_32F),
+                          (_DESC_B_SCALE_MODE, _SCALE_OUTER_VEC_32F)]
+            for attr, setting in attrs:
+                value = ctypes.c_int32(setting)
                 _check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value),
                                                           ctypes.c_size_t(4)),
                        "cublasLtMatmulDescSetAttribute")
             layouts = []
-            for rows, cols in ((k, n), (k, m), (n, m)):  # W, X, D; leading dimension = rows
+            operand = _CUDA_R_8F_E4M3 if fp8 else _DATA_TYPES[dtype]
+            # W, X, D; leading dimension = rows
+            for (rows, cols), kind in (((k, n), operand), ((k, m), operand),
+                                       ((n, m), _DATA_TYPES[dtype])):
                 layout = ctypes.c_void_p()
                 _check(lib.cublasLtMatrixLayoutCreate(
-                    ctypes.byref(layout), _DATA_TYPES[dtype], ctypes.c_uint64(rows),
-                    ctypes.c_uint64(cols), ctypes.c_int64(rows)), "cublasLtMatrixLayoutCreate")
+                    ctypes.byref(layout), kind, ctypes.c_uint64(rows), ctypes.c_uint64(cols),
+                    ctypes.c_int64(rows)), "cublasLtMatrixLayoutCreate")
                 layouts.append(layout)
             self._plans[key] = (desc, *layouts)
         return self._plans[key]
 
     def algos(self, m: int, n: int, k: int, dtype: torch.dtype,
-              count: int = MAX_ALGOS) -> list[Algo]:
+              count: int = MAX_ALGOS, fp8: bool = False) -> list[Algo]:
         """The heuristic's algorithms for the shape, best guess first, that fit the workspace."""
-        desc, w, x, d = self.plan(m, n, k, dtype)
+        desc, w, x, d = self.plan(m, n, k, dtype, fp8)
         pref = ctypes.c_void_p()
         _check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
                "cublasLtMatmulPreferenceCreate")
@@ -139,6 +153,26 @@ class CublasLt:
             ctypes.byref(algo), ctypes.c_void_p(self.workspace.data_ptr()),
             ctypes.c_size_t(WORKSPACE_BYTES),
             ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)), "cublasLtMatmul")
+
+    def fp8_matmul(self, algo: Algo, xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                   w_scale: torch.Tensor, out: torch.Tensor) -> None:
+        """out[M, N] = (xq[M, K] @ w[N, K]^T) x x_scale[M] x w_scale[N] (e4m3 operands, float32
+        scales, contiguous; out bf16 or fp16) on torch's current stream (capturable: the scales'
+        addresses are set on the shape's operation before each launch)."""
+        (m, k), n = xq.shape, w.shape[0]
+        desc, wl, xl, dl = self.plan(m, n, k, out.dtype, True)
+        for attr, scale in ((_DESC_A_SCALE_POINTER, w_scale), (_DESC_B_SCALE_POINTER, x_scale)):
+            pointer = ctypes.c_void_p(scale.data_ptr())
+            _check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(pointer),
+                                                           ctypes.c_size_t(8)),
+                   "cublasLtMatmulDescSetAttribute")
+        _check(self.lib.cublasLtMatmul(
+            self.handle, desc, ctypes.byref(self._one), ctypes.c_void_p(w.data_ptr()), wl,
+            ctypes.c_void_p(xq.data_ptr()), xl, ctypes.byref(self._zero),
+            ctypes.c_void_p(out.data_ptr()), dl, ctypes.c_void_p(out.data_ptr()), dl,
+            ctypes.byref(algo), ctypes.c_void_p(self.workspace.data_ptr()),
+            ctypes.c_size_t(WORKSPACE_BYTES),
+            ctypes.c_void_p(torch.cuda.current_stream(xq.device).cuda_stream)), "cublasLtMatmul")
 
 
 def _check(status: int, what: str) -> None:

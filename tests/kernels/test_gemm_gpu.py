@@ -45,6 +45,48 @@ def test_every_heuristic_algorithm_computes_f_linears_product(dtype, m, n, k):
         assert err <= bound, (lt.config(algo), err, bound)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (16, 4096, 4096), (200, 28672, 4096),
+                                   (2048, 4096, 14336)])
+def test_every_fp8_row_wise_algorithm_computes_the_scaled_product(m, n, k):
+    """CublasLt.fp8_matmul (e4m3 operands, a scale per token and per channel as cuBLASLt's outer
+    vectors): every algorithm its heuristic offers is reference.fp8_scaled_linear's product
+    within bf16 rounding of its float64 value, eagerly and replayed from a CUDA graph with the
+    scales then in place; skipped where this cuBLASLt has no outer-vector FP8 product."""
+    from pagedserve_kernels import reference
+    from pagedserve_kernels.gemm import CublasLt
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 products need Hopper")
+    lt = CublasLt(torch.device("cuda"))
+    x, w = _inputs(m, n, k, torch.bfloat16, m + n + k)
+    xq, x_scale = reference.quantize_fp8(x)
+    w_scale = w.float().abs().amax(dim=1) / 448.0
+    wq = (w.float() / w_scale[:, None]).to(torch.float8_e4m3fn)
+    exact = (xq.double() @ wq.double().t()) * x_scale.double() * w_scale.double()[None, :]
+    bound = 2.0 ** -7 * float(exact.abs().max())  # one bf16 rounding of the largest value
+    try:
+        algos = lt.algos(m, n, k, torch.bfloat16, fp8=True)
+    except RuntimeError as exc:
+        pytest.skip(f"no outer-vector FP8 product here: {exc}")
+    assert algos, "the heuristic offered nothing"
+    ref = reference.fp8_scaled_linear(xq, x_scale, wq, w_scale, None, torch.bfloat16)
+    assert float((ref.double() - exact).abs().max()) <= bound
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    for algo in algos:
+        out.fill_(float("nan"))
+        lt.fp8_matmul(algo, xq, x_scale, wq, w_scale, out)
+        err = float((out.double() - exact).abs().max())
+        assert err <= bound, (lt.config(algo), err, bound)
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lt.fp8_matmul(algos[-1], xq, x_scale, wq, w_scale, out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 def test_tuned_products_replay_from_graphs_and_survive_a_restart(tmp_path):
     from pagedserve_kernels.gemm import LinearTuner
 

@@ -66,10 +66,13 @@ def test_bad_flags_stop_before_any_service_starts(flags, message):
 
 @pytest.mark.slow
 def test_a_run_reports_where_the_executors_launch_went():
+    # Deep enough that a stack reaches launch itself: at the default five frames only the
+    # samples that land in launch's own shallow bookkeeping name it, which a busy machine's
+    # sampler may miss.
     done = subprocess.run(
-        [sys.executable, "benchmarks/sample_stacks.py", "--", "--workload", "W1", "--model",
-         "preset:tiny", "--backend", "cpu", "--num-requests", "4", "--skip-hf",
-         "--time-limit", "60"],
+        [sys.executable, "benchmarks/sample_stacks.py", "--depth", "16", "--", "--workload",
+         "W1", "--model", "preset:tiny", "--backend", "cpu", "--num-requests", "4",
+         "--skip-hf", "--time-limit", "60"],
         check=True, timeout=240, cwd=BENCHMARKS.parent, capture_output=True, text=True)
     report = done.stdout.split("== executor (pid ")[1]
     total = float(report.split("total inside model_runner.py:launch: ")[1].split()[0])

@@ -13,6 +13,12 @@ the tiles' give or take a little; bench_quant times them untraced.
                                                    [--tiles wgt128 wgs128 wgt256 wgs256]
     PYTHONPATH=. python3 benchmarks/trace_quant.py --shapes qkv o gate_up down --rows 1 16 \
         --tiles m16 [--splits 4]
+    PYTHONPATH=. python3 benchmarks/trace_quant.py --shapes gate_up --rows 256 512 --tiles wgt256 \
+        --last-wave stream
+
+With --last-wave FORM a wgt tile whose tiles fill no whole number of waves is traced as the
+launcher splits it (quant.wave_split): the whole waves' launch and the rest's (the wgt tile with
+K in parts, or the stream-K wgs tile) traced one at a time, each summarised on its own.
 """
 from __future__ import annotations
 
@@ -134,6 +140,28 @@ def tile_of(name: str) -> tuple[int, str]:
     return int(name[len(family):]), "" if family == "m" else family
 
 
+def launches(quant, x, weight, out, tile, splits, last_wave):
+    """[(name suffix, label, launch)]: the product in `tile` as one launch, or with `last_wave`
+    where quant.wave_split splits it, its whole waves' launch and the rest's apart."""
+    rows = x.shape[0]
+    kernel, mt, m_tiles, parts, stages = quant.launch_shape(rows, weight, x.device, x.dtype,
+                                                            tile, splits)
+    split = (quant.wave_split(kernel, x.device, rows, m_tiles, weight, last_wave)
+             if last_wave and parts == 1 else None)
+    if split is None:
+        return [("", f"{kernel}, K in {parts} parts",
+                 lambda: quant._kernel_product(x, weight, None, out, tile, splits, False))]
+    head, rest, rest_parts, rest_stages = split
+    blocks = weight.qweight.shape[0] * quant.CHUNK // quant.CTA_N - head
+    return [(" head", f"{kernel}, the {head} column blocks of the whole waves",
+             lambda: quant._launch_product(x, weight, None, out, kernel, mt, m_tiles, 1, stages,
+                                           0, head)),
+            (f" +{last_wave}", f"{rest}, the other {blocks} blocks, "
+             + (f"K in {rest_parts} parts" if last_wave == "parts" else "K shared out"),
+             lambda: quant._launch_product(x, weight, None, out, rest, mt, m_tiles, rest_parts,
+                                           rest_stages, head, blocks))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["gate_up", "qkv"])
@@ -141,6 +169,8 @@ def main() -> None:
     p.add_argument("--tiles", nargs="+", default=["wgt128", "wgs128", "wgt256", "wgs256"],
                    help="wgt64-256, wgs64-256, or the mma.sync m16-m128")
     p.add_argument("--splits", type=int, help="K parts (default: the launcher's choice)")
+    p.add_argument("--last-wave", choices=("parts", "stream"),
+                   help="trace a wgt tile's split launches apart: its whole waves, then the rest")
     p.add_argument("--json", type=Path, help="write the summaries here")
     args = p.parse_args()
     import cupy
@@ -165,19 +195,18 @@ def main() -> None:
             x = torch.randn(rows, k, dtype=torch.bfloat16, device=device)
             out = torch.empty(rows, n, dtype=torch.bfloat16, device=device)
             for tile_name, tile in tiles.items():
-                # compiled, workspace made
-                quant._kernel_product(x, weight, None, out, tile, args.splits)
-                torch.cuda.synchronize()
-                buffer.fill(0)
-                flush.zero_()  # the weight comes from memory, as a layer's does in a step
-                cupy.cuda.runtime.deviceSynchronize()
-                quant._kernel_product(x, weight, None, out, tile, args.splits)
-                torch.cuda.synchronize()
-                s = summary(runs_of(buffer.get()))
-                results[f"{name} {rows} {tile_name}"] = s
-                kernel, _, _, splits, _ = quant.launch_shape(rows, weight, device, x.dtype, tile,
-                                                             args.splits)
-                show(f"{name} {rows} rows {tile_name} ({kernel}, K in {splits} parts)", s)
+                for part, label, launch in launches(quant, x, weight, out, tile, args.splits,
+                                                    args.last_wave):
+                    launch()  # compiled, workspace made
+                    torch.cuda.synchronize()
+                    buffer.fill(0)
+                    flush.zero_()  # the weight comes from memory, as a layer's does in a step
+                    cupy.cuda.runtime.deviceSynchronize()
+                    launch()
+                    torch.cuda.synchronize()
+                    s = summary(runs_of(buffer.get()))
+                    results[f"{name} {rows} {tile_name}{part}"] = s
+                    show(f"{name} {rows} rows {tile_name}{part} ({label})", s)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

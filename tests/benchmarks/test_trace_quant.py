@@ -71,3 +71,39 @@ def test_the_barriers_share_of_an_mma_sync_tiles_loop():
     assert s["loop_us_per_stage"]["shared"]["median"] == pytest.approx(0.5)
     assert s["barrier_share_of_loop"]["p10"] >= 0.25 and s["barrier_share_of_loop"]["max"] == 0.5
     assert s["epilogue_us"]["last summed"]["median"] == pytest.approx(3.0)
+
+
+def test_a_split_product_is_traced_as_its_two_launches(monkeypatch):
+    """--last-wave: a wgt tile the launcher splits is traced as its whole waves' launch, then the
+    rest's in the form asked (each on its own), the same kernels, grids and first columns the
+    launcher's split product launches; a tile without a wave to split, as one launch."""
+    import torch
+
+    from pagedserve_kernels import quant
+    from tests.kernels.test_launchers import _wave_split_launches
+
+    launched = _wave_split_launches(monkeypatch)[0]
+    n, k, m = 28600, 512, 512  # 224 column blocks x 2 row tiles of 256 on 132 SMs
+    weight = quant.repack(torch.zeros(k // 8, n, dtype=torch.int32),
+                          torch.ones(k // 128, n, dtype=torch.bfloat16), None, 128, None)
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    for form, rest in (("parts", "w4a16_wgt_bf16_m256"), ("stream", "w4a16_wgs_bf16_m256")):
+        parts = trace_quant.launches(quant, x, weight, out, (256, "wgt"), None, form)
+        assert [p[0] for p in parts] == [" head", f" +{form}"]
+        launched.clear()
+        quant._kernel_product(x, weight, None, out, (256, "wgt"), None, form)
+        split = [entry[:2] + (entry[3][0],) for entry in launched]
+        launched.clear()
+        for _, _, launch in parts:
+            launch()
+        assert [entry[:2] + (entry[3][0],) for entry in launched] == split
+        assert [entry[0] for entry in launched] == ["w4a16_wgt_bf16_m256", rest]
+    # whole waves (264 blocks of one row tile): one launch, the product's
+    x = x[:256]
+    whole = quant.repack(torch.zeros(k // 8, 264 * 128, dtype=torch.int32),
+                         torch.ones(k // 128, 264 * 128, dtype=torch.bfloat16), None, 128, None)
+    parts = trace_quant.launches(quant, x, whole, torch.empty(256, 264 * 128), (256, "wgt"),
+                                 None, "stream")
+    assert [p[0] for p in parts] == [""]
+

@@ -77,6 +77,9 @@ _PRODUCER_FED = ("wgt", "wgs", *MULTICAST)
 # rest's K stages out evenly over one CTA an SM (a data-parallel head, a stream-K rest).
 _WAVE_SPLIT = ("wgt", *MULTICAST)
 WAVE_FORMS = ("parts", "stream")
+# The forms tuning times: as with CANDIDATE_TILES, a form joins once the GPU tests have passed on
+# it and a GPU has measured it faster somewhere ("stream" waits for both).
+TUNED_WAVE_FORMS = ("parts",)
 LAST_WAVE_GAIN = 0.98  # tuning splits the last wave off only where it takes under this share
 # Tiles bench_quant and the GPU tests run but tuning does not offer: a new tile waits here until
 # the GPU tests have passed on it and a GPU has measured it faster somewhere.
@@ -513,7 +516,7 @@ def tune_dequant_rows(weights: list[PackedInt4], device: torch.device | int | No
             kernel_us[rows] = timed[chosen[rows]]
             # a second launch and other bits in the rest's columns: only for a clear gain
             split = {form: _last_wave_us(x, group, out, chosen[rows], dev, form)
-                     for form in WAVE_FORMS}
+                     for form in TUNED_WAVE_FORMS}
             split = {form: us for form, us in split.items()
                      if us is not None and us < LAST_WAVE_GAIN * kernel_us[rows]}
             waves[rows] = min(split, key=split.get) if split else None

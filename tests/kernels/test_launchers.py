@@ -551,10 +551,13 @@ def test_int4_tuning_takes_each_shapes_fastest_tile_and_threshold(monkeypatch):
 
 def test_int4_tuning_splits_the_last_wave_off_where_that_is_faster(monkeypatch):
     """Where the chosen tile has a partial last wave to split off (_last_wave_us gives its time
-    in each of WAVE_FORMS, else None), tuning keeps the fastest form at the row counts where it
-    is faster than the whole launch by LAST_WAVE_GAIN; tile_choice marks them "+parts" or
-    "+stream", and a product takes that form at the row counts tile_for takes the tile from."""
+    in each of TUNED_WAVE_FORMS, else None), tuning keeps the fastest form at the row counts
+    where it is faster than the whole launch by LAST_WAVE_GAIN; tile_choice marks them "+parts"
+    or "+stream", and a product takes that form at the row counts tile_for takes the tile from.
+    Only the tuned forms are timed ("stream" waits for a GPU's verdict)."""
     from pagedserve_kernels import quant
+
+    monkeypatch.setattr(quant, "TUNED_WAVE_FORMS", quant.WAVE_FORMS)
 
     shape = (512, 256)
     weights = [_packed_int4(*shape) for _ in range(2)]

@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -36,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_kernels import MATMUL_SHAPES as SHAPES, graph_ms  # noqa: E402  (this folder)
-from bench_quant import copies_for  # noqa: E402
+from bench_quant import copies_for, run_vllm_child  # noqa: E402
 
 ROWS = (1, 16, 64, 128, 256, 512, 1024, 2048, 8192)
 FP8 = torch.float8_e4m3fn
@@ -151,14 +148,7 @@ def vllm_worker(path: str, rows_list) -> None:
 
 
 def run_vllm(site: str, rows_list) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "vllm.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, str(ROOT)]),
-               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, __file__, "--vllm-worker", str(path),
-               "--rows", *map(str, rows_list)]
-        subprocess.run(cmd, env=env, check=True)
-        return json.loads(path.read_text())
+    return run_vllm_child(__file__, "--vllm-worker", site, ["--rows", *map(str, rows_list)])
 
 
 def table(results: dict, rows_list) -> None:

@@ -237,15 +237,22 @@ def machete_times(ops, scalar_types, rows_list, n: int, k: int, group: int,
         return {}
 
 
-def run_marlin(site: str, rows_list, group: int, asym: bool) -> dict:
+def run_vllm_child(script: str, worker_flag: str, site: str, args: list[str]) -> dict:
+    """Runs `script` with `worker_flag` PATH and `args` in a child process that alone has vLLM's
+    SITE on its path; returns the JSON the child wrote to PATH."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "marlin.json"
+        path = Path(tmp) / "vllm.json"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, str(ROOT)]),
                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, __file__, "--marlin-worker", str(path), "--group", str(group),
-               "--rows", *map(str, rows_list)] + (["--asym"] if asym else [])
-        subprocess.run(cmd, env=env, check=True)
+        subprocess.run([sys.executable, script, worker_flag, str(path), *args], env=env,
+                       check=True)
         return json.loads(path.read_text())
+
+
+def run_marlin(site: str, rows_list, group: int, asym: bool) -> dict:
+    return run_vllm_child(__file__, "--marlin-worker", site,
+                          ["--group", str(group), "--rows", *map(str, rows_list)]
+                          + (["--asym"] if asym else []))
 
 
 def table(results: dict, rows_list) -> None:

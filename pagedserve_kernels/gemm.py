@@ -145,14 +145,7 @@ class CublasLt:
     def matmul(self, algo: Algo, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         """out[M, N] = x[M, K] @ w[N, K]^T on torch's current stream (capturable)."""
         (m, k), n = x.shape, w.shape[0]
-        desc, wl, xl, dl = self.plan(m, n, k, x.dtype)
-        _check(self.lib.cublasLtMatmul(
-            self.handle, desc, ctypes.byref(self._one), ctypes.c_void_p(w.data_ptr()), wl,
-            ctypes.c_void_p(x.data_ptr()), xl, ctypes.byref(self._zero),
-            ctypes.c_void_p(out.data_ptr()), dl, ctypes.c_void_p(out.data_ptr()), dl,
-            ctypes.byref(algo), ctypes.c_void_p(self.workspace.data_ptr()),
-            ctypes.c_size_t(WORKSPACE_BYTES),
-            ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)), "cublasLtMatmul")
+        self._launch(self.plan(m, n, k, x.dtype), algo, x, w, out)
 
     def fp8_matmul(self, algo: Algo, xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                    w_scale: torch.Tensor, out: torch.Tensor) -> None:
@@ -160,19 +153,26 @@ class CublasLt:
         scales, contiguous; out bf16 or fp16) on torch's current stream (capturable: the scales'
         addresses are set on the shape's operation before each launch)."""
         (m, k), n = xq.shape, w.shape[0]
-        desc, wl, xl, dl = self.plan(m, n, k, out.dtype, True)
+        plan = self.plan(m, n, k, out.dtype, True)
         for attr, scale in ((_DESC_A_SCALE_POINTER, w_scale), (_DESC_B_SCALE_POINTER, x_scale)):
             pointer = ctypes.c_void_p(scale.data_ptr())
-            _check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(pointer),
+            _check(self.lib.cublasLtMatmulDescSetAttribute(plan[0], attr, ctypes.byref(pointer),
                                                            ctypes.c_size_t(8)),
                    "cublasLtMatmulDescSetAttribute")
+        self._launch(plan, algo, xq, w, out)
+
+    def _launch(self, plan: tuple, algo: Algo, x: torch.Tensor, w: torch.Tensor,
+                out: torch.Tensor) -> None:
+        """cublasLtMatmul of one plan (operation, W, X, D descriptors) on torch's current
+        stream, D written over (beta 0)."""
+        desc, wl, xl, dl = plan
         _check(self.lib.cublasLtMatmul(
             self.handle, desc, ctypes.byref(self._one), ctypes.c_void_p(w.data_ptr()), wl,
-            ctypes.c_void_p(xq.data_ptr()), xl, ctypes.byref(self._zero),
+            ctypes.c_void_p(x.data_ptr()), xl, ctypes.byref(self._zero),
             ctypes.c_void_p(out.data_ptr()), dl, ctypes.c_void_p(out.data_ptr()), dl,
             ctypes.byref(algo), ctypes.c_void_p(self.workspace.data_ptr()),
             ctypes.c_size_t(WORKSPACE_BYTES),
-            ctypes.c_void_p(torch.cuda.current_stream(xq.device).cuda_stream)), "cublasLtMatmul")
+            ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)), "cublasLtMatmul")
 
 
 def _check(status: int, what: str) -> None:

@@ -1,6 +1,6 @@
-"""F.linear's product through a cuBLASLt algorithm timed on the model's own weights (ctypes, the
-library torch loaded), choices kept per GPU and library version so a restarted executor rounds
-alike (`LinearTuner`). Imports torch only.
+"""F.linear's product, and FP8 W8A8's row-wise scaled one, through a cuBLASLt algorithm timed on
+the model's own weights (ctypes, the library torch loaded), choices kept per GPU and library
+version so a restarted executor rounds alike (`LinearTuner`). Imports torch only.
 """
 from __future__ import annotations
 
@@ -248,19 +248,49 @@ class LinearTuner:
         when given."""
         if bias is None and self.tuned and x.dim() == 2:
             key = (x.shape[0], w.shape[0], w.shape[1], x.dtype)
-            algo = self.algos.get(key) if key in self.tuned else self._rung(key)
+            algo = self._algo(key)
             if algo is not None and _lt_ready(x, w, out):
                 result = out if out is not None else torch.empty(
                     x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-                try:
-                    self._lt.matmul(algo, x, w, result)  # type: ignore[union-attr]
-                except RuntimeError:
-                    if key in self.tuned:
-                        raise  # ran at this very shape when chosen
-                    self._untuned[key] = None  # refused here (nothing ran): F.linear from now on
-                    return _linear(x, w, None, out)
-                return result
+                if self._run(key, lambda: self._lt.matmul(algo, x, w, result)):
+                    return result
         return _linear(x, w, bias, out)
+
+    def fp8_linear(self, xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                   w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """fp8.fp8_scaled_linear's product (xq [M, K] e4m3, x_scale [M, 1] or [1, 1] float32,
+        w [N, K] e4m3, w_scale [N] float32), or for a tuned shape the cuBLASLt algorithm found
+        fastest (its scales as outer vectors: bf16 out, no bias)."""
+        from pagedserve_kernels import fp8
+
+        if bias is None and self.tuned and out_dtype == torch.bfloat16 and xq.dim() == 2:
+            key = (xq.shape[0], w.shape[0], w.shape[1], FP8)
+            algo = self._algo(key)
+            if algo is not None and _fp8_ready(xq, w, w_scale):
+                scale = x_scale.expand(xq.shape[0], 1).contiguous()  # [M, 1]: one per row
+                result = torch.empty(xq.shape[0], w.shape[0], dtype=torch.bfloat16,
+                                     device=xq.device)
+                if self._run(key, lambda: self._lt.fp8_matmul(algo, xq, scale, w, w_scale,
+                                                              result)):
+                    return result
+        return fp8.fp8_scaled_linear(xq, x_scale, w, w_scale, bias, out_dtype)
+
+    def _algo(self, key: tuple) -> Algo | None:
+        """The cuBLASLt algorithm of a product shape: the tuned choice, else its rung."""
+        return self.algos.get(key) if key in self.tuned else self._rung(key)
+
+    def _run(self, key: tuple, launch) -> bool:
+        """Launches a shape's algorithm; False where cuBLASLt refuses an untuned shape's rung
+        (nothing ran), which then takes the library's own product from now on."""
+        try:
+            launch()
+        except RuntimeError:
+            if key in self.tuned:
+                raise  # ran at this very shape when chosen
+            self._untuned[key] = None
+            return False
+        return True
 
     def _rung(self, key: tuple) -> Algo | None:
         """The algorithm of an untuned row count: that of the smallest tuned count above it
@@ -281,24 +311,27 @@ class LinearTuner:
         self._untuned[key] = algo
         return algo
 
-    def tune(self, rows: list[int], groups: dict[str, list[torch.Tensor]],
+    def tune(self, rows: list[int], groups: dict[str, list],
              force_lt: bool = False) -> list[dict]:
-        """For each row count and each group of same-shape weights (a model's layers), time
-        F.linear against cuBLASLt's heuristic algorithms over the group (inside a CUDA graph) and
-        keep the fastest if it beats F.linear by MARGIN (force_lt: keep it anyway; tests); the
-        fastest is that row count's rung either way. Shapes the choices file already holds (the
-        choice and the rung) are not timed again. Returns one report row per timed product."""
+        """For each row count and each group of same-shape weights (a model's layers: bf16/fp16
+        tensors, or FP8 W8A8's (e4m3 weight, float32 scale per channel) pairs), time the
+        library's own product (F.linear's; fp8.fp8_scaled_linear's) against cuBLASLt's heuristic
+        algorithms over the group (inside a CUDA graph) and keep the fastest if it beats the
+        library by MARGIN (force_lt: keep it anyway; tests); the fastest is that row count's rung
+        either way. Shapes the choices file already holds (the choice and the rung) are not
+        timed again. Returns one report row per timed product."""
         report, store = [], self._choices()
         for name, weights in groups.items():
-            w0 = weights[0]
-            if w0.dtype not in _DATA_TYPES or not all(w.is_contiguous() for w in weights):
+            kind = _kind(weights[0])
+            if kind is None or any(_kind(w) != kind for w in weights):
                 continue
-            n, k = w0.shape
+            n, k = _shape(weights[0])
             for m in rows:
-                key = _key(m, n, k, w0.dtype)
+                key = _key(m, n, k, kind)
                 rung_key = key + _RUNG
                 if key in store.entries and rung_key in store.entries and not force_lt:
-                    if self._adopt(m, w0, store.entries[key], store.entries[rung_key], True):
+                    if self._adopt(m, weights[0], store.entries[key], store.entries[rung_key],
+                                   True):
                         continue
                     log.warning("GEMM choice %s from %s fails or differs: timing it again", key,
                                 store.path)
@@ -308,19 +341,20 @@ class LinearTuner:
                 keep = best is not None and (force_lt or faster)
                 store.entries[key] = list(best["algo"]) if keep else None
                 store.entries[rung_key] = list(best["algo"]) if best is not None else None
-                self._adopt(m, w0, store.entries[key], store.entries[rung_key], False)
+                self._adopt(m, weights[0], store.entries[key], store.entries[rung_key], False)
                 report.append(row)
         store.save()
         return report
 
-    def _adopt(self, m: int, w: torch.Tensor, chosen: list[int] | None, rung: list[int] | None,
+    def _adopt(self, m: int, w, chosen: list[int] | None, rung: list[int] | None,
                check: bool) -> bool:
-        """Uses `chosen` (None: F.linear) for m rows of weights shaped as `w`, and `rung` (None:
-        no cuBLASLt algorithm qualified) as its rung. With `check` (choices read from the file,
-        whoever wrote them), each algorithm runs once on `w` first, and F.linear too when chosen
-        (so no kernel of theirs first runs in a step): an algorithm cuBLASLt refuses, or whose
-        product is not F.linear's, is not used and False is returned."""
-        (n, k), dtype = w.shape, w.dtype
+        """Uses `chosen` (None: the library's product) for m rows of weights shaped as `w`, and
+        `rung` (None: no cuBLASLt algorithm qualified) as its rung. With `check` (choices read
+        from the file, whoever wrote them), each algorithm runs once on `w` first, and the
+        library's product too when chosen (so no kernel of theirs first runs in a step): an
+        algorithm cuBLASLt refuses, or whose product is not the library's, is not used and False
+        is returned."""
+        (n, k), kind = _shape(w), _kind(w)
         algos = {}
         for data in (chosen, rung):
             if data is not None and tuple(data) not in algos:
@@ -329,29 +363,29 @@ class LinearTuner:
                     return False
                 algos[tuple(data)] = algo
         if check and chosen is None:
-            F.linear(torch.zeros(m, k, dtype=dtype, device=w.device), w)
-        key = (m, n, k, dtype)
+            _Product(self._lt, m, w, self.device).library(w)
+        key = (m, n, k, kind)
         self.tuned.add(key)
         if chosen is None:
             self.algos.pop(key, None)
         else:
             self.algos[key] = algos[tuple(chosen)]
-        ladder = [r for r in self.rungs.get((n, k, dtype), []) if r[0] != m]
+        ladder = [r for r in self.rungs.get((n, k, kind), []) if r[0] != m]
         if rung is not None:
             bisect.insort(ladder, (m, algos[tuple(rung)]), key=lambda r: r[0])
-        self.rungs[(n, k, dtype)] = ladder
+        self.rungs[(n, k, kind)] = ladder
         self._untuned.clear()
         return True
 
-    def _computes_linear(self, algo: Algo, m: int, w: torch.Tensor) -> bool:
-        x = torch.randn(m, w.shape[1], dtype=w.dtype, device=self.device)
-        out = torch.empty(m, w.shape[0], dtype=w.dtype, device=self.device)
+    def _computes_linear(self, algo: Algo, m: int, w) -> bool:
+        product = _Product(self._cublaslt(), m, w, self.device)
         try:
-            self._cublaslt().matmul(algo, x, w, out)
+            product.run(algo, w)
         except RuntimeError:
             return False
-        ref = F.linear(x, w).float()
-        return float((out.float() - ref).abs().max()) <= _MISMATCH * (float(ref.abs().max()) or 1.0)
+        ref = product.library(w).float()
+        return (float((product.out.float() - ref).abs().max())
+                <= _MISMATCH * (float(ref.abs().max()) or 1.0))
 
     def choices_path(self) -> str | None:
         """The choices file of this GPU and cuBLASLt version in cache_dir (None without one)."""
@@ -371,35 +405,33 @@ class LinearTuner:
             self._lt = CublasLt(self.device)
         return self._lt
 
-    def time_choices(self, name: str, m: int, weights: list[torch.Tensor]) -> dict:
-        """Per-product µs of F.linear and of each heuristic algorithm (`candidates`, in the
-        heuristic's order) over `weights` (repeated to at least 4 products), each checked
-        against F.linear's result; `best`: the fastest algorithm, with its 8 integers."""
-        lt, w0 = self._cublaslt(), weights[0]
-        (n, k), dtype = w0.shape, w0.dtype
+    def time_choices(self, name: str, m: int, weights: list) -> dict:
+        """Per-product µs of the library's product and of each heuristic algorithm
+        (`candidates`, in the heuristic's order) over `weights` (repeated to at least 4
+        products), each checked against the library's result; `best`: the fastest algorithm,
+        with its 8 integers."""
+        product = _Product(self._cublaslt(), m, weights[0], self.device)
         calls = weights * -(-4 // len(weights))
-        x = torch.randn(m, k, dtype=dtype, device=self.device)
-        out = torch.empty(m, n, dtype=dtype, device=self.device)
-        ref = F.linear(x, w0).float()
+        ref = product.library(weights[0]).float()
         scale = float(ref.abs().max()) or 1.0
-
-        def run_linear():
-            for w in calls:
-                torch.mm(x, w.t(), out=out)
-
-        row = {"product": name, "m": m, "n": n, "k": k,
-               "linear_us": graph_us(run_linear, TIMED_REPLAYS) / len(calls), "best": None,
-               "algos": 0,
-               "candidates": []}
-        for rank, algo in enumerate(lt.algos(m, n, k, dtype)):
-            config = lt.config(algo)
+        row = {"product": name, "m": m, "n": product.n, "k": product.k,
+               "linear_us": graph_us(lambda: [product.library(w) for w in calls],
+                                     TIMED_REPLAYS) / len(calls),
+               "best": None, "algos": 0, "candidates": []}
+        try:
+            algos = product.algos()
+        except RuntimeError as exc:  # no such product in this cuBLASLt (FP8's outer vectors)
+            log.warning("%s m=%d: no cuBLASLt algorithm: %s", name, m, exc)
+            algos = []
+        for rank, algo in enumerate(algos):
+            config = product.lt.config(algo)
             if config["splitk"] > 1 and config["reduction"] == _REDUCTION_INPLACE:
                 continue  # a restarted executor must get the same bits
-            lt.matmul(algo, x, w0, out)
-            if float((out.float() - ref).abs().max()) > _MISMATCH * scale:
-                continue  # not the product F.linear computes: never chosen
+            product.run(algo, weights[0])
+            if float((product.out.float() - ref).abs().max()) > _MISMATCH * scale:
+                continue  # not the product the library computes: never chosen
             try:
-                us = graph_us(lambda: [lt.matmul(algo, x, w, out) for w in calls],
+                us = graph_us(lambda: [product.run(algo, w) for w in calls],
                               TIMED_REPLAYS) / len(calls)
             except RuntimeError as exc:  # one heuristic algorithm that fails in a capture
                 log.warning("%s m=%d: cuBLASLt algorithm %d skipped: %s", name, m, rank, exc)
@@ -413,6 +445,66 @@ class LinearTuner:
         return row
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def _kind(weight) -> torch.dtype | None:
+    """The dtype a weight's products are tuned and looked up under: a dense bf16/fp16 weight's
+    own, FP8 for an FP8 W8A8 (e4m3 weight [N, K], float32 scale [N]) pair; None: never tuned."""
+    if isinstance(weight, tuple):
+        w, scale = weight
+        ok = (w.dtype == FP8 and w.dim() == 2 and w.is_contiguous()
+              and scale.dtype == torch.float32 and scale.is_contiguous()
+              and scale.numel() == w.shape[0])
+        return FP8 if ok else None
+    return weight.dtype if weight.dtype in _DATA_TYPES and weight.is_contiguous() else None
+
+
+def _shape(weight) -> tuple[int, int]:
+    w = weight[0] if isinstance(weight, tuple) else weight
+    return w.shape[0], w.shape[1]
+
+
+class _Product:
+    """One product shape as the tuner runs it on random rows: the library's own (F.linear's, or
+    for an FP8 pair fp8.fp8_scaled_linear's over rows quantized per token) and a cuBLASLt
+    algorithm's into `out`."""
+
+    def __init__(self, lt: CublasLt | None, m: int, weight, device: torch.device) -> None:
+        self.lt, self.fp8 = lt, isinstance(weight, tuple)
+        self.n, self.k = _shape(weight)
+        if self.fp8:
+            from pagedserve_kernels import reference
+
+            rows = torch.randn(m, self.k, dtype=torch.bfloat16, device=device)
+            self.x, self.x_scale = reference.quantize_fp8(rows)
+            dtype = torch.bfloat16
+        else:
+            dtype = weight.dtype
+            self.x = torch.randn(m, self.k, dtype=dtype, device=device)
+        self.out = torch.empty(m, self.n, dtype=dtype, device=device)  # the algorithms'
+        self.library_out = torch.empty_like(self.out)
+
+    def library(self, weight) -> torch.Tensor:
+        if self.fp8:
+            from pagedserve_kernels import fp8
+
+            return fp8.fp8_scaled_linear(self.x, self.x_scale, *weight, None, torch.bfloat16)
+        return torch.mm(self.x, weight.t(), out=self.library_out)
+
+    def run(self, algo: Algo, weight) -> None:
+        if self.fp8:
+            self.lt.fp8_matmul(algo, self.x, self.x_scale, *weight, self.out)
+        else:
+            self.lt.matmul(algo, self.x, weight, self.out)
+
+    def algos(self) -> list[Algo]:
+        m = self.x.shape[0]
+        if self.fp8:
+            return self.lt.algos(m, self.n, self.k, torch.bfloat16, fp8=True)
+        return self.lt.algos(m, self.n, self.k, self.out.dtype)
+
+
 def _lt_ready(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     """cuBLASLt's layouts here: dense row-major [M, K], [N, K] and the output [M, N], 16-byte
     aligned, one dtype."""
@@ -420,6 +512,15 @@ def _lt_ready(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
             and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and x.device == w.device
             and (out is None or (out.dtype == x.dtype and out.is_contiguous()
                                  and out.data_ptr() % 16 == 0)))
+
+
+def _fp8_ready(xq: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """cuBLASLt's FP8 layouts here: dense row-major e4m3 [M, K] and [N, K], 16-byte aligned, a
+    float32 scale a channel."""
+    return (xq.dtype == w.dtype == FP8 and xq.is_contiguous() and w.is_contiguous()
+            and xq.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and xq.device == w.device
+            and w_scale.dtype == torch.float32 and w_scale.is_contiguous()
+            and w_scale.numel() == w.shape[0])
 
 
 def graph_us(fn, replays: int = 5) -> float:

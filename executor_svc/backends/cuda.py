@@ -227,8 +227,8 @@ class CudaBackend:
         if not isinstance(x, Fp8Activation) and self._quantizes_for(weight, x.dtype):
             x = Fp8Activation(*self._ops.quantize_fp8(x), x.dtype)
         if isinstance(x, Fp8Activation):
-            return fp8.fp8_scaled_linear(x.values, x.scale, weight.weight, weight.weight_scale,
-                                         bias, x.dtype)
+            return self.gemm.fp8_linear(x.values, x.scale, weight.weight, weight.weight_scale,
+                                        bias, x.dtype)
         if not fp8.supports(weight.weight):
             return reference.fp8_linear(x, weight.weight, weight.weight_scale,
                                         weight.input_scale, weight.per_token, bias)
@@ -288,6 +288,7 @@ class CudaBackend:
                          {r: (round(t, 1), round(d, 1)) for r, (t, d) in times.items()})
         groups = {name: weights for name, weights in model.linear_groups().items()
                   if all(isinstance(w, torch.Tensor) for w in weights)}  # dense products
+        groups.update(fp8_groups(model))
         self.gemm.cache_dir = cache_dir
         self.tune_linears(groups, list(BATCH_SIZES))
         body = {name: weights for name, weights in groups.items() if name != "lm_head"}
@@ -367,3 +368,11 @@ def repack_int4(model) -> int:
         setattr(layer, field, quant.repack(weight.qweight, weight.scales, weight.zeros,
                                            weight.group_size, weight.perm, dtype))
     return len(found)
+
+
+def fp8_groups(model) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The products whose weights are all FP8 W8A8 taking rows a kernel quantized per token
+    (what _fp8_linear sends to the tuner), as the tuner's (e4m3 weight, scale a channel) pairs."""
+    return {name: [(w.weight, w.weight_scale) for w in weights]
+            for name, weights in model.linear_groups().items()
+            if all(takes_fp8_rows(w) and fp8.supports(w.weight) for w in weights)}

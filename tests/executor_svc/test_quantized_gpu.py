@@ -21,6 +21,7 @@ from executor_svc.model_runner import ModelRunner
 from executor_svc.quantization import Int4Weight
 from executor_svc.quantization import config as quant_config
 from pagedserve_kernels import quant, reference
+from pagedserve_kernels.gemm import LinearTuner
 from tests.executor_svc.helpers import (Bf16Reference, PlanDriver,
                                         compare_bf16_with_transformers, decode_all,
                                         loaded_runner, teacher_forced)
@@ -255,14 +256,17 @@ def test_a_group_size_the_kernel_cannot_read_is_refused_at_load(folders, tmp_pat
 
 # -- CPU: dispatch, repack and refusals without a GPU ----------------------------------------------
 
-class _Tuner:
-    """Records what LinearTuner.tune is given."""
+class _Tuner(LinearTuner):
+    """A LinearTuner on the CPU that records what tune is given and tunes nothing (so every
+    product is the library's own)."""
 
     def __init__(self) -> None:
-        self.groups, self.algos, self.cache_dir = [], {}, None
+        super().__init__(torch.device("cpu"))
+        self.groups, self.given = [], []
 
     def tune(self, rows, groups, force_lt=False):
         self.groups.append(sorted(groups))
+        self.given.append(groups)
         return []
 
 
@@ -306,6 +310,32 @@ def test_prepare_model_repacks_int4_once_and_tunes_only_dense_products(folders, 
             assert packed.perm is None or torch.equal(packed.perm, weight.perm)
     backend.prepare_model(model, None, 512)  # nothing left to repack: no second prepare
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("scheme", ["per-token", "per-tensor"])
+def test_prepare_model_tunes_per_token_fp8_products_as_weight_and_scale_pairs(folders, tmp_path,
+                                                                              scheme):
+    """llm-compressor's FP8 dynamic layout (rows quantized per token by a kernel): each layer
+    product's group is its (e4m3 weight, scale a channel) pairs, beside the dense lm_head;
+    AutoFP8's per-tensor activations keep torch's product, untuned."""
+    path = tmp_path / "fp8"
+    if scheme == "per-token":
+        write_ct_fp8(folders.base("llama"), path)
+    else:
+        write_fp8(folders.base("llama"), path, False)
+    model, _, _, _ = load_model(str(path), "bfloat16")
+    backend, _ = _offline_backend()
+    backend.prepare_model(model, None, 512)
+    products = ["down", "gate_up", "o", "qkv"] if scheme == "per-token" else []
+    assert backend.gemm.groups == [sorted(products + ["lm_head"]), products]
+    for given in backend.gemm.given:
+        for name in products:
+            pairs = given[name]
+            weights = model.linear_groups()[name]
+            assert len(pairs) == len(weights)
+            for (w, scale), weight in zip(pairs, weights):
+                assert w is weight.weight and scale is weight.weight_scale
+                assert w.dtype == torch.float8_e4m3fn and scale.shape == (w.shape[0],)
 
 
 def test_linear_dispatches_by_weight_kind(folders):

@@ -9,7 +9,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from pagedserve_kernels import gemm
+from pagedserve_kernels import fp8, gemm, reference
 
 
 class FakeLt:
@@ -26,6 +26,14 @@ class FakeLt:
         if data in self.refused:
             raise RuntimeError("cublasLtMatmul failed: cuBLAS status 7")
         out.copy_(F.linear(x, w) if data not in self.wrong else torch.zeros_like(out))
+
+    def fp8_matmul(self, algo, xq, x_scale, w, w_scale, out) -> None:
+        data = tuple(algo.data)
+        self.calls.append((data, tuple(xq.shape), tuple(w.shape), tuple(x_scale.shape)))
+        if data in self.refused:
+            raise RuntimeError("cublasLtMatmul failed: cuBLAS status 7")
+        product = fp8.fp8_scaled_linear(xq, x_scale, w, w_scale, None, torch.bfloat16)
+        out.copy_(product if data not in self.wrong else torch.zeros_like(out))
 
 
 def tuner_with(entries: dict) -> tuple[gemm.LinearTuner, FakeLt]:
@@ -57,6 +65,58 @@ def test_tuned_shapes_go_to_cublaslt_and_everything_else_to_f_linear():
     tuner.linear(x, other)
     tuner.linear(x.float(), w.float())
     assert len(lt.calls) == 2
+
+
+def test_tuned_fp8_shapes_go_to_cublaslt_and_everything_else_to_the_scaled_product():
+    """FP8 W8A8 groups are (e4m3 weight, scale a channel) pairs, tuned under their own keys: a
+    tuned shape (and an untuned row count, by its rung) runs the algorithm with a scale a row
+    (a per-tensor one spread over the rows); a bias, fp16 rows, a shape that chose the library,
+    or a dense weight of the same shape take the library's products."""
+    fp8_type = torch.float8_e4m3fn
+    w = (torch.randn(48, 32) * 0.2).to(fp8_type)
+    scale = torch.rand(48) + 0.5
+    tuner, lt = tuner_with({"float8_e4m3fn 8 48 32": [7] * 8, "float8_e4m3fn 8 48 32 rung": [7] * 8,
+                            "float8_e4m3fn 4 48 32": None, "float8_e4m3fn 4 48 32 rung": None})
+    assert tuner.tune([8, 4], {"qkv": [(w, scale), (w.clone(), scale.clone())]}) == []
+    assert list(tuner.algos) == [(8, 48, 32, fp8_type)] and len(lt.calls) == 1
+    xq, x_scale = reference.quantize_fp8(torch.randn(20, 32, dtype=torch.bfloat16))
+    for m in (8, 3, 20):  # tuned; below and past the only rung
+        out = tuner.fp8_linear(xq[:m], x_scale[:m], w, scale, None, torch.bfloat16)
+        assert torch.equal(out, fp8.fp8_scaled_linear(xq[:m], x_scale[:m], w, scale, None,
+                                                      torch.bfloat16))
+        assert lt.calls[-1] == ((7,) * 8, (m, 32), (48, 32), (m, 1)), m
+    one = torch.full((1, 1), 0.01)
+    out = tuner.fp8_linear(xq[:8], one, w, scale, None, torch.bfloat16)
+    assert lt.calls[-1][3] == (8, 1)
+    assert torch.equal(out, fp8.fp8_scaled_linear(xq[:8], one, w, scale, None, torch.bfloat16))
+    calls = len(lt.calls)
+    tuner.fp8_linear(xq[:4], x_scale[:4], w, scale, None, torch.bfloat16)  # the library chosen
+    tuner.fp8_linear(xq[:8], x_scale[:8], w, scale, torch.zeros(48, dtype=torch.bfloat16),
+                     torch.bfloat16)
+    tuner.fp8_linear(xq[:8], x_scale[:8], w, scale, None, torch.float16)
+    tuner.fp8_linear(xq[:8], x_scale[:8], w, scale.double(), None, torch.bfloat16)
+    tuner.linear(torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(48, 32,
+                                                                      dtype=torch.bfloat16))
+    assert len(lt.calls) == calls
+    # pairs that cannot be tuned: a scale per tensor, a bf16 weight, mixed in a group
+    assert tuner.tune([16], {"a": [(w, scale[:1])], "b": [(w.bfloat16(), scale)],
+                             "c": [(w, scale), w.bfloat16()]}) == []
+
+
+def test_an_fp8_group_is_timed_against_the_scaled_product():
+    """Timing an FP8 shape runs the library's scaled product and each algorithm on rows
+    quantized per token; an algorithm whose product differs is never chosen."""
+    w = (torch.randn(48, 32) * 0.2).to(torch.float8_e4m3fn)
+    scale = torch.rand(48) + 0.5
+    tuner, lt = tuner_with({})
+    lt.wrong = {(2,) * 8}
+    product = gemm._Product(lt, 5, (w, scale), torch.device("cpu"))
+    assert product.x.dtype == torch.float8_e4m3fn and product.x_scale.shape == (5, 1)
+    ref = product.library((w, scale))
+    assert torch.equal(ref, fp8.fp8_scaled_linear(product.x, product.x_scale, w, scale, None,
+                                                  torch.bfloat16))
+    assert tuner._computes_linear(gemm.Algo((ctypes.c_uint64 * 8)(*[1] * 8)), 5, (w, scale))
+    assert not tuner._computes_linear(gemm.Algo((ctypes.c_uint64 * 8)(*[2] * 8)), 5, (w, scale))
 
 
 def test_untuned_row_counts_run_the_next_tuned_counts_fastest_algorithm():

@@ -118,6 +118,54 @@ def test_tuned_products_replay_from_graphs_and_survive_a_restart(tmp_path):
         assert torch.equal(static_out, first.linear(x.flip(0), w))
 
 
+def test_tuned_fp8_products_replay_from_graphs_and_survive_a_restart(tmp_path):
+    """FP8 W8A8 groups tuned with cuBLASLt forced: each tuned product is the scaled product
+    within one bf16 rounding of its float64 value, a restarted tuner reading the file runs the
+    same bits, and a captured product replays new rows as it runs them eagerly."""
+    from pagedserve_kernels import reference
+    from pagedserve_kernels.gemm import FP8, LinearTuner
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 products need Hopper")
+    device = torch.device("cuda")
+
+    def pair(n, k, seed):
+        w = _inputs(1, n, k, torch.bfloat16, seed)[1]
+        scale = w.float().abs().amax(dim=1) / 448.0
+        return (w.float() / scale[:, None]).to(FP8), scale
+
+    groups = {"o": [pair(4096, 4096, s) for s in range(3)],
+              "down": [pair(4096, 14336, 10 + s) for s in range(2)]}
+    rows = [16, 96]
+    first = LinearTuner(device, cache_dir=str(tmp_path))
+    report = first.tune(rows, groups, force_lt=True)
+    if not any(r["best"] for r in report):
+        pytest.skip("no outer-vector FP8 product in this cuBLASLt")
+    assert len(report) == 4 and len(first.algos) == 4
+    assert all(key[3] == FP8 for key in first.algos)
+    second = LinearTuner(device, cache_dir=str(tmp_path))  # a restart: reads the file
+    assert second.tune(rows, groups) == [] and second.algos.keys() == first.algos.keys()
+    for (m, n, k, _), algo in first.algos.items():
+        assert list(second.algos[(m, n, k, FP8)].data) == list(algo.data)
+        w, scale = next(ps[0] for ps in groups.values() if ps[0][0].shape == (n, k))
+        xq, x_scale = reference.quantize_fp8(_inputs(m, 1, k, torch.bfloat16, m)[0])
+        exact = (xq.double() @ w.double().t()) * x_scale.double() * scale.double()[None, :]
+        eager = first.fp8_linear(xq, x_scale, w, scale, None, torch.bfloat16)
+        assert float((eager.double() - exact).abs().max()) <= 2.0 ** -7 * float(exact.abs().max())
+        assert torch.equal(second.fp8_linear(xq, x_scale, w, scale, None, torch.bfloat16), eager)
+        static_xq, static_scale = xq.clone(), x_scale.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = first.fp8_linear(static_xq, static_scale, w, scale, None,
+                                          torch.bfloat16)
+        static_xq.copy_(xq.flip(0))  # new rows, replayed
+        static_scale.copy_(x_scale.flip(0))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, first.fp8_linear(xq.flip(0), x_scale.flip(0), w, scale,
+                                                        None, torch.bfloat16))
+
+
 def test_untuned_row_counts_run_a_rung_without_waiting_for_the_gpu():
     """The first product of a cuBLAS kernel in a process waits for the GPU to go idle, and
     F.linear picks its kernel per row count; a row count the tuner never saw runs its rung's

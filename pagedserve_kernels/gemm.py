@@ -41,6 +41,9 @@ TIMED_WEIGHTS = 4  # weights of a group timed together (distinct: no L2 reuse); 
 TIMED_REPLAYS = 3  # graph replays timed per candidate (median)
 _MISMATCH = 0.02  # beyond this (of the output's largest magnitude) not F.linear's product
 _RUNG = " rung"  # a choices file key's suffix: the fastest cuBLASLt algorithm at that shape
+# Whether executors tune FP8 W8A8 products (the tuner takes them either way): as with the W4A16
+# candidate tiles, they join once the GPU tests have passed on them and a GPU measured a gain.
+TUNE_FP8 = False
 
 
 class Algo(ctypes.Structure):

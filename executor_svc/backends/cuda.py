@@ -9,7 +9,7 @@ import time
 import torch
 
 from executor_svc.quantization import Fp8Activation, Fp8Weight, Int4Weight, takes_fp8_rows
-from pagedserve_kernels import fp8, reference
+from pagedserve_kernels import fp8, gemm, reference
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,8 @@ class CudaBackend:
                          {r: (round(t, 1), round(d, 1)) for r, (t, d) in times.items()})
         groups = {name: weights for name, weights in model.linear_groups().items()
                   if all(isinstance(w, torch.Tensor) for w in weights)}  # dense products
-        groups.update(fp8_groups(model))
+        if gemm.TUNE_FP8:
+            groups.update(fp8_groups(model))
         self.gemm.cache_dir = cache_dir
         self.tune_linears(groups, list(BATCH_SIZES))
         body = {name: weights for name, weights in groups.items() if name != "lm_head"}

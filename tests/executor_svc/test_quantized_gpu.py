@@ -313,11 +313,16 @@ def test_prepare_model_repacks_int4_once_and_tunes_only_dense_products(folders, 
 
 
 @pytest.mark.parametrize("scheme", ["per-token", "per-tensor"])
-def test_prepare_model_tunes_per_token_fp8_products_as_weight_and_scale_pairs(folders, tmp_path,
-                                                                              scheme):
-    """llm-compressor's FP8 dynamic layout (rows quantized per token by a kernel): each layer
-    product's group is its (e4m3 weight, scale a channel) pairs, beside the dense lm_head;
-    AutoFP8's per-tensor activations keep torch's product, untuned."""
+@pytest.mark.parametrize("tune_fp8", [True, False])
+def test_prepare_model_tunes_per_token_fp8_products_as_weight_and_scale_pairs(
+        folders, tmp_path, monkeypatch, scheme, tune_fp8):
+    """With gemm.TUNE_FP8, llm-compressor's FP8 dynamic layout (rows quantized per token by a
+    kernel): each layer product's group is its (e4m3 weight, scale a channel) pairs, beside the
+    dense lm_head; AutoFP8's per-tensor activations keep torch's product, untuned; without it,
+    only lm_head."""
+    from pagedserve_kernels import gemm
+
+    monkeypatch.setattr(gemm, "TUNE_FP8", tune_fp8)
     path = tmp_path / "fp8"
     if scheme == "per-token":
         write_ct_fp8(folders.base("llama"), path)
@@ -326,7 +331,7 @@ def test_prepare_model_tunes_per_token_fp8_products_as_weight_and_scale_pairs(fo
     model, _, _, _ = load_model(str(path), "bfloat16")
     backend, _ = _offline_backend()
     backend.prepare_model(model, None, 512)
-    products = ["down", "gate_up", "o", "qkv"] if scheme == "per-token" else []
+    products = ["down", "gate_up", "o", "qkv"] if scheme == "per-token" and tune_fp8 else []
     assert backend.gemm.groups == [sorted(products + ["lm_head"]), products]
     for given in backend.gemm.given:
         for name in products:

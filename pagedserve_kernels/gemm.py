@@ -82,6 +82,7 @@ class CublasLt:
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._plans: dict[tuple, tuple] = {}
+        self._placeholder: torch.Tensor | None = None  # FP8 searches' scale pointers
 
     def plan(self, m: int, n: int, k: int, dtype: torch.dtype, fp8: bool = False) -> tuple:
         """(operation, W, X, D descriptors) of one product shape, made once."""
@@ -114,8 +115,15 @@ class CublasLt:
 
     def algos(self, m: int, n: int, k: int, dtype: torch.dtype,
               count: int = MAX_ALGOS, fp8: bool = False) -> list[Algo]:
-        """The heuristic's algorithms for the shape, best guess first, that fit the workspace."""
+        """The heuristic's algorithms for the shape, best guess first, that fit the workspace.
+        An FP8 shape's search sees scale pointers set (cuBLASLt may refuse outer-vector scales
+        without them, or offer kernels that ignore scales): a placeholder's until a launch sets
+        the real ones."""
         desc, w, x, d = self.plan(m, n, k, dtype, fp8)
+        if fp8:
+            if self._placeholder is None:
+                self._placeholder = torch.ones(1, dtype=torch.float32, device=self.workspace.device)
+            self._set_scales(desc, self._placeholder, self._placeholder)
         pref = ctypes.c_void_p()
         _check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
                "cublasLtMatmulPreferenceCreate")
@@ -157,12 +165,16 @@ class CublasLt:
         addresses are set on the shape's operation before each launch)."""
         (m, k), n = xq.shape, w.shape[0]
         plan = self.plan(m, n, k, out.dtype, True)
-        for attr, scale in ((_DESC_A_SCALE_POINTER, w_scale), (_DESC_B_SCALE_POINTER, x_scale)):
+        self._set_scales(plan[0], w_scale, x_scale)
+        self._launch(plan, algo, xq, w, out)
+
+    def _set_scales(self, desc, a_scale: torch.Tensor, b_scale: torch.Tensor) -> None:
+        """The FP8 operation's A (weight channel) and B (token) scale pointers."""
+        for attr, scale in ((_DESC_A_SCALE_POINTER, a_scale), (_DESC_B_SCALE_POINTER, b_scale)):
             pointer = ctypes.c_void_p(scale.data_ptr())
-            _check(self.lib.cublasLtMatmulDescSetAttribute(plan[0], attr, ctypes.byref(pointer),
+            _check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(pointer),
                                                            ctypes.c_size_t(8)),
                    "cublasLtMatmulDescSetAttribute")
-        self._launch(plan, algo, xq, w, out)
 
     def _launch(self, plan: tuple, algo: Algo, x: torch.Tensor, w: torch.Tensor,
                 out: torch.Tensor) -> None:
@@ -270,7 +282,7 @@ class LinearTuner:
         if bias is None and self.tuned and out_dtype == torch.bfloat16 and xq.dim() == 2:
             key = (xq.shape[0], w.shape[0], w.shape[1], FP8)
             algo = self._algo(key)
-            if algo is not None and _fp8_ready(xq, w, w_scale):
+            if algo is not None and _fp8_ready(xq, x_scale, w, w_scale):
                 scale = x_scale.expand(xq.shape[0], 1).contiguous()  # [M, 1]: one per row
                 result = torch.empty(xq.shape[0], w.shape[0], dtype=torch.bfloat16,
                                      device=xq.device)
@@ -430,7 +442,11 @@ class LinearTuner:
             config = product.lt.config(algo)
             if config["splitk"] > 1 and config["reduction"] == _REDUCTION_INPLACE:
                 continue  # a restarted executor must get the same bits
-            product.run(algo, weights[0])
+            try:
+                product.run(algo, weights[0])
+            except RuntimeError as exc:  # offered by the search, refused at the launch
+                log.warning("%s m=%d: cuBLASLt algorithm %d refused: %s", name, m, rank, exc)
+                continue
             if float((product.out.float() - ref).abs().max()) > _MISMATCH * scale:
                 continue  # not the product the library computes: never chosen
             try:
@@ -479,7 +495,11 @@ class _Product:
         if self.fp8:
             from pagedserve_kernels import reference
 
-            rows = torch.randn(m, self.k, dtype=torch.bfloat16, device=device)
+            # rows whose magnitudes span 2^-6..2^6, so that per-token scales differ and one
+            # applied to the wrong row or axis shows in the comparison
+            spread = torch.exp2(torch.linspace(-6, 6, m, device=device))[torch.randperm(
+                m, device=device)]
+            rows = (torch.randn(m, self.k, device=device) * spread[:, None]).bfloat16()
             self.x, self.x_scale = reference.quantize_fp8(rows)
             dtype = torch.bfloat16
         else:
@@ -511,19 +531,24 @@ class _Product:
 def _lt_ready(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     """cuBLASLt's layouts here: dense row-major [M, K], [N, K] and the output [M, N], 16-byte
     aligned, one dtype."""
-    return (x.dtype == w.dtype and x.is_contiguous() and w.is_contiguous()
+    return (x.dtype == w.dtype and x.dtype in _DATA_TYPES and x.is_contiguous()
+            and w.is_contiguous()
             and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and x.device == w.device
             and (out is None or (out.dtype == x.dtype and out.is_contiguous()
                                  and out.data_ptr() % 16 == 0)))
 
 
-def _fp8_ready(xq: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """cuBLASLt's FP8 layouts here: dense row-major e4m3 [M, K] and [N, K], 16-byte aligned, a
-    float32 scale a channel."""
-    return (xq.dtype == w.dtype == FP8 and xq.is_contiguous() and w.is_contiguous()
-            and xq.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and xq.device == w.device
-            and w_scale.dtype == torch.float32 and w_scale.is_contiguous()
-            and w_scale.numel() == w.shape[0])
+def _fp8_ready(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+               w_scale: torch.Tensor) -> bool:
+    """cuBLASLt's FP8 layouts here: dense row-major e4m3 [M, K] and [N, K], float32 scales (one
+    per token, or one for all; one per channel), each 256-byte aligned as the algorithm search
+    assumes by default."""
+    tensors = (xq, x_scale, w, w_scale)
+    return (xq.dtype == w.dtype == FP8 and xq.shape[1] == w.shape[1]
+            and x_scale.dtype == w_scale.dtype == torch.float32
+            and x_scale.numel() in (1, xq.shape[0]) and w_scale.numel() == w.shape[0]
+            and all(t.is_contiguous() and t.data_ptr() % 256 == 0 and t.device == xq.device
+                    for t in tensors))
 
 
 def graph_us(fn, replays: int = 5) -> float:

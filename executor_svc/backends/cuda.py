@@ -371,9 +371,20 @@ def repack_int4(model) -> int:
     return len(found)
 
 
+_BIASES = {"qkv": "qkv_bias", "o": "o_bias"}  # linear_groups' products that may carry a bias
+
+
 def fp8_groups(model) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The products whose weights are all FP8 W8A8 taking rows a kernel quantized per token
-    (what _fp8_linear sends to the tuner), as the tuner's (e4m3 weight, scale a channel) pairs."""
-    return {name: [(w.weight, w.weight_scale) for w in weights]
-            for name, weights in model.linear_groups().items()
-            if all(takes_fp8_rows(w) and fp8.supports(w.weight) for w in weights)}
+    (what _fp8_linear sends to the tuner), as the tuner's (e4m3 weight, scale a channel) pairs;
+    only where a tuned product would run: a bf16 model's, without a bias."""
+    if model.embed_tokens.dtype != torch.bfloat16:
+        return {}
+    groups = {}
+    for name, weights in model.linear_groups().items():
+        field = _BIASES.get(name)
+        if field and any(getattr(layer, field) is not None for layer in model.layers):
+            continue
+        if all(takes_fp8_rows(w) and fp8.supports(w.weight) for w in weights):
+            groups[name] = [(w.weight, w.weight_scale) for w in weights]
+    return groups

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from executor_svc.backends.cuda import _TUNING_LAYERS, CudaBackend, repack_int4
+from executor_svc.backends.cuda import (_TUNING_LAYERS, CudaBackend, fp8_groups,
+                                        repack_int4)
 from executor_svc.config import ExecutorConfig
 from executor_svc.cuda_graphs import BATCH_SIZES
 from executor_svc.model_loader import DTYPES, ModelSourceError, load_model
@@ -341,6 +342,14 @@ def test_prepare_model_tunes_per_token_fp8_products_as_weight_and_scale_pairs(
             for (w, scale), weight in zip(pairs, weights):
                 assert w is weight.weight and scale is weight.weight_scale
                 assert w.dtype == torch.float8_e4m3fn and scale.shape == (w.shape[0],)
+    if scheme == "per-token" and tune_fp8:
+        # a bias (sent to torch's product) or fp16 rows (which the tuned product does not
+        # write): not tuned
+        model.layers[1].qkv_bias = torch.zeros(model.layers[1].qkv_proj.shape[0],
+                                               dtype=torch.bfloat16)
+        assert sorted(fp8_groups(model)) == ["down", "gate_up", "o"]
+        model.embed_tokens = model.embed_tokens.half()
+        assert fp8_groups(model) == {}
 
 
 def test_linear_dispatches_by_weight_kind(folders):

@@ -67,25 +67,33 @@ def test_tuned_shapes_go_to_cublaslt_and_everything_else_to_f_linear():
     assert len(lt.calls) == 2
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t at a 256-byte aligned address (what cuBLASLt's algorithm search assumes)."""
+    size = t.numel() * t.element_size()
+    flat = torch.empty(size + 256, dtype=torch.uint8)
+    start = -flat.data_ptr() % 256
+    return flat[start:start + size].view(t.dtype).view(t.shape).copy_(t)
+
+
 def test_tuned_fp8_shapes_go_to_cublaslt_and_everything_else_to_the_scaled_product():
     """FP8 W8A8 groups are (e4m3 weight, scale a channel) pairs, tuned under their own keys: a
     tuned shape (and an untuned row count, by its rung) runs the algorithm with a scale a row
     (a per-tensor one spread over the rows); a bias, fp16 rows, a shape that chose the library,
     or a dense weight of the same shape take the library's products."""
     fp8_type = torch.float8_e4m3fn
-    w = (torch.randn(48, 32) * 0.2).to(fp8_type)
-    scale = torch.rand(48) + 0.5
+    w = aligned((torch.randn(48, 32) * 0.2).to(fp8_type))
+    scale = aligned(torch.rand(48) + 0.5)
     tuner, lt = tuner_with({"float8_e4m3fn 8 48 32": [7] * 8, "float8_e4m3fn 8 48 32 rung": [7] * 8,
                             "float8_e4m3fn 4 48 32": None, "float8_e4m3fn 4 48 32 rung": None})
     assert tuner.tune([8, 4], {"qkv": [(w, scale), (w.clone(), scale.clone())]}) == []
     assert list(tuner.algos) == [(8, 48, 32, fp8_type)] and len(lt.calls) == 1
-    xq, x_scale = reference.quantize_fp8(torch.randn(20, 32, dtype=torch.bfloat16))
+    xq, x_scale = map(aligned, reference.quantize_fp8(torch.randn(20, 32, dtype=torch.bfloat16)))
     for m in (8, 3, 20):  # tuned; below and past the only rung
         out = tuner.fp8_linear(xq[:m], x_scale[:m], w, scale, None, torch.bfloat16)
         assert torch.equal(out, fp8.fp8_scaled_linear(xq[:m], x_scale[:m], w, scale, None,
                                                       torch.bfloat16))
         assert lt.calls[-1] == ((7,) * 8, (m, 32), (48, 32), (m, 1)), m
-    one = torch.full((1, 1), 0.01)
+    one = aligned(torch.full((1, 1), 0.01))
     out = tuner.fp8_linear(xq[:8], one, w, scale, None, torch.bfloat16)
     assert lt.calls[-1][3] == (8, 1)
     assert torch.equal(out, fp8.fp8_scaled_linear(xq[:8], one, w, scale, None, torch.bfloat16))
@@ -95,6 +103,8 @@ def test_tuned_fp8_shapes_go_to_cublaslt_and_everything_else_to_the_scaled_produ
                      torch.bfloat16)
     tuner.fp8_linear(xq[:8], x_scale[:8], w, scale, None, torch.float16)
     tuner.fp8_linear(xq[:8], x_scale[:8], w, scale.double(), None, torch.bfloat16)
+    tuner.fp8_linear(xq[1:9], x_scale[1:9], w, scale, None, torch.bfloat16)  # 32 bytes in
+    tuner.fp8_linear(xq[:8, :16], x_scale[:8], w[:, :16], scale, None, torch.bfloat16)
     tuner.linear(torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(48, 32,
                                                                       dtype=torch.bfloat16))
     assert len(lt.calls) == calls

@@ -15,7 +15,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from pagedserve_kernels import _compile
+from pagedserve_kernels import _compile, fp8, reference
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +277,6 @@ class LinearTuner:
         """fp8.fp8_scaled_linear's product (xq [M, K] e4m3, x_scale [M, 1] or [1, 1] float32,
         w [N, K] e4m3, w_scale [N] float32), or for a tuned shape the cuBLASLt algorithm found
         fastest (its scales as outer vectors: bf16 out, no bias)."""
-        from pagedserve_kernels import fp8
-
         if bias is None and self.tuned and out_dtype == torch.bfloat16 and xq.dim() == 2:
             key = (xq.shape[0], w.shape[0], w.shape[1], FP8)
             algo = self._algo(key)
@@ -493,8 +491,6 @@ class _Product:
         self.lt, self.fp8 = lt, isinstance(weight, tuple)
         self.n, self.k = _shape(weight)
         if self.fp8:
-            from pagedserve_kernels import reference
-
             # rows whose magnitudes span 2^-6..2^6, so that per-token scales differ and one
             # applied to the wrong row or axis shows in the comparison
             spread = torch.exp2(torch.linspace(-6, 6, m, device=device))[torch.randperm(
@@ -510,9 +506,7 @@ class _Product:
 
     def library(self, weight) -> torch.Tensor:
         if self.fp8:
-            from pagedserve_kernels import fp8
-
-            return fp8.fp8_scaled_linear(self.x, self.x_scale, *weight, None, torch.bfloat16)
+                return fp8.fp8_scaled_linear(self.x, self.x_scale, *weight, None, torch.bfloat16)
         return torch.mm(self.x, weight.t(), out=self.library_out)
 
     def run(self, algo: Algo, weight) -> None:

@@ -198,6 +198,45 @@ def test_fp8_on_the_gpu_within_tolerance_of_its_twin(folders, tmp_path, scheme):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
+def test_tuned_fp8_products_serve_a_per_token_folder_within_tolerance(folders, tmp_path,
+                                                                     monkeypatch):
+    """gemm.TUNE_FP8's path in a model: llm-compressor's FP8 dynamic layout with cuBLASLt's
+    row-wise product forced at every row count the steps run (the tuned dispatch, its rungs,
+    decode graphs capturing it), against the CPU twin by compare_bf16_with_transformers' rule."""
+    from pagedserve_kernels import gemm
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 products need Hopper")
+    path = tmp_path / "fp8"
+    write_ct_fp8(folders.base("llama"), path)
+    backend = cuda_backend()
+    lt = backend.gemm._cublaslt()
+    if lt.version < 120900:  # cuBLASLt's outer-vector FP8 scales
+        pytest.skip("no outer-vector FP8 product in this cuBLASLt")
+    monkeypatch.setattr(gemm, "TUNE_FP8", True)
+    fp32 = cpu_runner(path, "float32")
+    twin = greedy_reference(cpu_runner(path, "bfloat16"), fp32, backend.device)
+    model, config, _, _ = load_model(str(path), "bfloat16", backend.device, 0, backend)
+    backend.prepare_model(model, str(tmp_path / "gemm"), 512)
+    groups = fp8_groups(model)
+    assert set(groups) == {"qkv", "o", "gate_up", "down"}, set(groups)
+    report = backend.tune_linears(groups, sorted(set(BATCH_SIZES) | {512}), force_lt=True)
+    assert report and all(r["best"] is not None for r in report), report
+    launches = []
+    product = lt.fp8_matmul
+    monkeypatch.setattr(lt, "fp8_matmul", lambda *a: launches.append(a[1].shape) or product(*a))
+    runner = make_runner(model, config, backend, "bfloat16", graphs=True)
+    within, identical = compare_bf16_with_transformers(runner, twin, "fp8 per-token tuned")
+    del runner, twin
+    torch.cuda.empty_cache()
+    rows = {m for m, _ in launches}
+    assert min(rows) <= 4 and max(rows) > 64, sorted(rows)  # decode graphs and a prefill step
+    assert all(within.values()), within
+    assert all(identical.values()), identical
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")
 def test_the_worker_serves_an_int4_folder_through_its_graphs(folders):
     """What the executor runs: Worker repacks at load (prepare_model), profiles memory through
     the kernel, captures decode and small-step graphs that sample in the graph, warms up. Its

@@ -455,7 +455,9 @@ def scratch(quant):
     yield quant
     quant._scratch.clear()
     quant._dequant_rows.clear()
-    quant._tiles.clear()  # tuning sets them too
+    quant._tiles.clear()  # tuning sets them too, and the K parts and last-wave forms
+    quant._split_counts.clear()
+    quant._last_waves.clear()
 
 
 @pytest.mark.parametrize("m", [383, 384, 4096])
@@ -475,13 +477,16 @@ def test_large_row_counts_dequantize_then_multiply(scratch, m, n, k, group, asym
     assert torch.equal(held, weight) == (m >= 384)
 
 
-def test_tuning_sets_the_threshold_the_products_follow(scratch):
+@pytest.mark.parametrize("forms", [("parts",), ("parts", "stream")])
+def test_tuning_sets_the_threshold_the_products_follow(scratch, monkeypatch, forms):
     """tune_dequant_rows times each of Llama-3-8B's four product shapes (two weights of each, in
     one graph) in every tile at every candidate row count and both ways from
     DEQUANT_CANDIDATES, takes each shape's fastest tile at each row count (every tile the device
-    runs agrees with the 64-row kernel: none was dropped) and sets each shape's threshold to
-    dequant_threshold of its times; a product at its threshold then runs dequantized (the
-    scratch holds its weight), one below it the kernel."""
+    runs agrees with the 64-row kernel: none was dropped), a last-wave form of `forms` or none,
+    and sets each shape's threshold to dequant_threshold of its times; a product at its
+    threshold then runs dequantized (the scratch holds its weight), one below it the kernel.
+    ("stream" is the candidate form TUNED_WAVE_FORMS takes once measured faster.)"""
+    monkeypatch.setattr(scratch, "TUNED_WAVE_FORMS", forms)
     packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k + copy))
               for copy in range(2) for n, k in LLAMA]
     device, index = torch.device("cuda"), torch.cuda.current_device()
@@ -507,6 +512,8 @@ def test_tuning_sets_the_threshold_the_products_follow(scratch):
         assert all(k > 0 and d > 0 for k, d in times.values())
         assert threshold == scratch._dequant_rows[(index, *shape)]
         assert threshold == scratch.dequant_threshold(times)
+        waves = scratch._last_waves[(index, torch.bfloat16)][shape]
+        assert set(waves.values()) <= {None, *forms}, waves
     held = scratch._scratch[(index, torch.bfloat16)]
     for w in packed[:len(LLAMA)]:
         threshold = tuned[(w.n, w.k)][0]

@@ -487,6 +487,16 @@ def test_tuning_sets_the_threshold_the_products_follow(scratch, monkeypatch, for
     threshold then runs dequantized (the scratch holds its weight), one below it the kernel.
     ("stream" is the candidate form TUNED_WAVE_FORMS takes once measured faster.)"""
     monkeypatch.setattr(scratch, "TUNED_WAVE_FORMS", forms)
+    tried = []  # (form, whether the chosen tile has that split, its µs: None if it disagreed)
+    last_wave_us = scratch._last_wave_us
+
+    def recording(x, group, out, tile, dev, form):
+        us = last_wave_us(x, group, out, tile, dev, form)
+        split = scratch.has_wave_split(x.shape[0], group[0], dev, x.dtype, tile, form)
+        tried.append((form, split, us))
+        return us
+
+    monkeypatch.setattr(scratch, "_last_wave_us", recording)
     packed = [scratch.repack(*_int4(n, k, 128, True, False, torch.bfloat16, n + k + copy))
               for copy in range(2) for n, k in LLAMA]
     device, index = torch.device("cuda"), torch.cuda.current_device()
@@ -499,6 +509,11 @@ def test_tuning_sets_the_threshold_the_products_follow(scratch, monkeypatch, for
                                           for rows, (k, d) in times.items()}
                                   for shape, (_, times) in tuned.items()})
     assert sorted(tuned) == sorted(table) == sorted(LLAMA)
+    # every split tried agreed with the whole launch, and on Hopper each offered form had a
+    # last partial wave to split somewhere (so "stream" was timed, not skipped)
+    assert all(us is not None for _, split, us in tried if split), tried
+    if _hopper(scratch):
+        assert {form for form, split, _ in tried if split} == set(forms), tried
     for shape, (threshold, times) in tuned.items():
         chosen = table[shape]
         assert sorted(chosen) == list(scratch.TILE_CANDIDATES)

@@ -1,6 +1,8 @@
 """Whether the GPU tests can run here: CuPy imports and sees a device, and torch sees CUDA."""
 from __future__ import annotations
 
+OUTER_VECTOR_CUBLASLT = 120900  # cuBLASLt's version from which it has outer-vector FP8 scales
+
 
 def gpu_ready() -> bool:
     try:

@@ -28,7 +28,7 @@ from tests.executor_svc.helpers import (Bf16Reference, PlanDriver,
                                         loaded_runner, teacher_forced)
 from tests.executor_svc.quant_checkpoints import (VOCAB, write_base, write_ct_fp8, write_fp8,
                                                   write_int4)
-from tests.gpu import gpu_ready
+from tests.gpu import OUTER_VECTOR_CUBLASLT, gpu_ready
 
 # head_dim 64 (4 heads): the attention kernels; down_proj's 1,024 inputs split K on decode rows.
 # Weights drawn at 0.1: at the writers' 0.3, attention is near-argmax and bf16 too chaotic for
@@ -213,7 +213,7 @@ def test_tuned_fp8_products_serve_a_per_token_folder_within_tolerance(folders, t
     # a tuner of its own: the forced choices must not outlive the test in the shared backend
     monkeypatch.setattr(backend, "gemm", LinearTuner(backend.device))
     lt = backend.gemm._cublaslt()
-    if lt.version < 120900:  # cuBLASLt's outer-vector FP8 scales
+    if lt.version < OUTER_VECTOR_CUBLASLT:
         pytest.skip("no outer-vector FP8 product in this cuBLASLt")
     monkeypatch.setattr(gemm, "TUNE_FP8", True)
     fp32 = cpu_runner(path, "float32")

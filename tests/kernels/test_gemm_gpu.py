@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.gpu import gpu_ready
+from tests.gpu import OUTER_VECTOR_CUBLASLT, gpu_ready
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_ready(), reason="needs CuPy and a GPU")]
 
@@ -20,9 +20,6 @@ def _inputs(m, n, k, dtype, seed):
     x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
     w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).to(dtype)
     return x, w
-
-
-OUTER_VECTOR_CUBLASLT = 120900  # cuBLASLt's version from which it has outer-vector FP8 scales
 
 
 def _spread(t, seed):

@@ -506,7 +506,7 @@ class _Product:
 
     def library(self, weight) -> torch.Tensor:
         if self.fp8:
-                return fp8.fp8_scaled_linear(self.x, self.x_scale, *weight, None, torch.bfloat16)
+            return fp8.fp8_scaled_linear(self.x, self.x_scale, *weight, None, torch.bfloat16)
         return torch.mm(self.x, weight.t(), out=self.library_out)
 
     def run(self, algo: Algo, weight) -> None:
